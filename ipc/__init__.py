@@ -1,0 +1,1 @@
+"""Wire messages, their codec and (later) ZMQ helpers and the client library."""

@@ -1,0 +1,218 @@
+"""Every message that crosses a process boundary, as msgspec structs.
+
+Top-level messages are tagged (the class name leads the array), so one decoder can
+take a union of them from a socket. Nested structs are plain arrays. Nothing here is
+pickled; a frame that does not decode into the expected struct raises `DecodeError`.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class _Wire(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    pass
+
+
+class _Tagged(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class SamplingParams(_Wire):
+    """How to sample one request. Validated at construction and when decoded."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if self.n != 1:
+            raise ValueError(f"n must be 1 (got {self.n}); parallel sampling is not supported")
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (disabled) or >= 1, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            )
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class TokenLogprobs(_Wire):
+    """Logprobs at one position: index 0 is the sampled token, then the top-k."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+# Client -> EngineCore
+
+
+class EngineCoreRequest(_Tagged):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+class AbortRequests(_Tagged):
+    request_ids: list[str]
+
+
+class UtilityRequest(_Tagged):
+    """A small call on the EngineCore: "stats", "reset_prefix_cache", "health"."""
+
+    call_id: int
+    method: str
+
+
+# EngineCore -> client
+
+
+class EngineCoreOutput(_Wire):
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    num_cached_tokens: int = 0
+    logprobs: list[TokenLogprobs] | None = None
+    error: str | None = None
+
+
+class SchedulerStats(_Wire):
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+
+
+class EngineCoreOutputs(_Tagged):
+    outputs: list[EngineCoreOutput] = []
+    stats: SchedulerStats | None = None
+
+
+class UtilityOutput(_Tagged):
+    call_id: int
+    result: bool | SchedulerStats | None = None
+    error: str | None = None
+
+
+# EngineCore -> workers
+
+
+class NewRequestData(_Wire):
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+class CachedRequestData(_Wire):
+    """Requests the workers already know. `new_block_ids[i]` holds only the blocks added
+    this step, except for a request resumed from preemption: then it holds the whole
+    block list and `new_token_ids[i]` all its tokens (prompt and output)."""
+
+    req_ids: list[str] = []
+    resumed_from_preemption: list[bool] = []
+    new_token_ids: list[list[int]] = []
+    new_block_ids: list[list[int]] = []
+    num_computed_tokens: list[int] = []
+
+
+class SchedulerOutput(_Tagged):
+    step_id: int
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: list[str] = []
+
+
+# Worker -> EngineCore
+
+
+class ModelRunnerOutput(_Tagged):
+    step_id: int
+    req_ids: list[str]
+    sampled_token_ids: list[list[int]]
+    logprobs: list[list[TokenLogprobs] | None] | None = None
+
+
+class WorkerError(_Tagged):
+    rank: int
+    message: str
+    step_id: int | None = None
+
+
+class WorkerReady(_Tagged):
+    rank: int
+    num_kv_blocks: int
+
+
+class DecodeError(ValueError):
+    """A frame that is not a valid message of the expected type."""
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+class Decoder:
+    """Decodes frames into one of `types`; anything else raises `DecodeError`."""
+
+    def __init__(self, *types: type) -> None:
+        target = types[0] if len(types) == 1 else _union(types)
+        self._decoder = msgspec.msgpack.Decoder(target)
+        self._names = " | ".join(t.__name__ for t in types)
+
+    def decode(self, frame: bytes | memoryview):
+        try:
+            return self._decoder.decode(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise DecodeError(f"bad frame, expected {self._names}: {e}") from None
+
+
+def _union(types: tuple[type, ...]):
+    union = types[0]
+    for t in types[1:]:
+        union = union | t
+    return union
+
+
+_encoder = msgspec.msgpack.Encoder()

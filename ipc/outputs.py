@@ -1,0 +1,25 @@
+from dataclasses import dataclass, field
+
+from ipc.messages import TokenLogprobs
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass
+class RequestOutput:
+    """One request's result so far. In a stream, `outputs[0]` holds the delta since the
+    previous RequestOutput; from a blocking call it holds everything."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False
+    num_cached_tokens: int = 0
+    error: str | None = None

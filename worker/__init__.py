@@ -1,0 +1,1 @@
+"""Worker process: distributed init, persistent batch, model runner, sampler."""

@@ -1,0 +1,69 @@
+import numpy as np
+import torch
+
+from worker.slot_mapping import slot_mapping_torch, slot_mapping_triton
+
+
+class BlockTable:
+    """Block ids of every batch row, staged in numpy and committed to the device once
+    per step. `np` and `num_blocks_per_row` are the host side; `device_tensor` is what
+    the attention kernels and the slot mapping read."""
+
+    def __init__(
+        self,
+        max_num_reqs: int,
+        max_num_blocks_per_req: int,
+        block_size: int,
+        device: torch.device | str,
+    ) -> None:
+        self.block_size = block_size
+        self.max_num_blocks_per_req = max_num_blocks_per_req
+        self.device = torch.device(device)
+        self._on_cuda = self.device.type == "cuda"
+        shape = (max_num_reqs, max_num_blocks_per_req)
+        self._host = torch.zeros(shape, dtype=torch.int32, pin_memory=self._on_cuda)
+        self.np = self._host.numpy()
+        self.num_blocks_per_row = np.zeros(max_num_reqs, dtype=np.int32)
+        self.device_tensor = torch.zeros(shape, dtype=torch.int32, device=self.device)
+
+    def add_row(self, block_ids: list[int], row: int) -> None:
+        self.num_blocks_per_row[row] = 0
+        self.append_row(block_ids, row)
+
+    def append_row(self, block_ids: list[int], row: int) -> None:
+        start = int(self.num_blocks_per_row[row])
+        end = start + len(block_ids)
+        if end > self.max_num_blocks_per_req:
+            raise ValueError(
+                f"row {row} would hold {end} blocks, more than {self.max_num_blocks_per_req}"
+            )
+        self.np[row, start:end] = block_ids
+        self.num_blocks_per_row[row] = end
+
+    def clear_row(self, row: int) -> None:
+        self.np[row, : self.num_blocks_per_row[row]] = 0
+        self.num_blocks_per_row[row] = 0
+
+    def move_row(self, src: int, tgt: int) -> None:
+        num_blocks = self.num_blocks_per_row[src]
+        self.np[tgt, :num_blocks] = self.np[src, :num_blocks]
+        self.num_blocks_per_row[tgt] = num_blocks
+
+    def commit(self, num_reqs: int) -> None:
+        """Copy rows 0..num_reqs-1 to the device (asynchronously from pinned memory on CUDA)."""
+        self.device_tensor[:num_reqs].copy_(self._host[:num_reqs], non_blocking=self._on_cuda)
+
+    def get_device_tensor(self) -> torch.Tensor:
+        return self.device_tensor
+
+    def compute_slot_mapping(
+        self,
+        query_start_loc: torch.Tensor,
+        positions: torch.Tensor,
+        num_tokens_padded: int | None = None,
+    ) -> torch.Tensor:
+        """int64 slot of every token of the committed rows; -1 past query_start_loc[-1]."""
+        compute = slot_mapping_triton if self._on_cuda else slot_mapping_torch
+        return compute(
+            self.device_tensor, query_start_loc, positions, self.block_size, num_tokens_padded
+        )

@@ -1,0 +1,211 @@
+"""The persistent batch: one row per live request, kept across steps."""
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ipc.messages import NewRequestData, SamplingParams
+from worker.block_table import BlockTable
+from worker.sampler import SAMPLING_EPS, SamplingMetadata
+
+
+@dataclass
+class CachedRequestState:
+    """What the model runner remembers of a live request, scheduled this step or not."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+    block_ids: list[int]
+    num_computed_tokens: int
+    output_token_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_new_request(
+        cls, new: NewRequestData, device: torch.device | str
+    ) -> "CachedRequestState":
+        """A seeded request gets its generator here; it lives as long as the request, so
+        re-adding the request to the batch continues its random stream."""
+        seed = new.sampling_params.seed
+        return cls(
+            req_id=new.req_id,
+            prompt_token_ids=list(new.prompt_token_ids),
+            sampling_params=new.sampling_params,
+            generator=None if seed is None else torch.Generator(device).manual_seed(seed),
+            block_ids=list(new.block_ids),
+            num_computed_tokens=new.num_computed_tokens,
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+
+class InputBatch:
+    def __init__(
+        self,
+        max_num_reqs: int,
+        max_model_len: int,
+        max_num_blocks_per_req: int,
+        block_size: int,
+        device: torch.device | str,
+        vocab_size: int,
+    ) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.device = torch.device(device)
+        self.vocab_size = vocab_size
+
+        self.req_ids: list[str | None] = []
+        self.req_id_to_index: dict[str, int] = {}
+
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int32)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+
+        self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
+        self.top_p = np.ones(max_num_reqs, dtype=np.float32)
+        self.top_k = np.zeros(max_num_reqs, dtype=np.int32)
+        self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
+        # -1: the request wants no logprobs.
+        self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int32)
+        self.generators: dict[int, torch.Generator] = {}
+
+        self.block_table = BlockTable(max_num_reqs, max_num_blocks_per_req, block_size, device)
+        # (row order, metadata) of the last make_sampling_metadata; None once rows change.
+        self._sampling_metadata: tuple[np.ndarray, SamplingMetadata] | None = None
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_id_to_index)
+
+    def add_request(self, req: CachedRequestState) -> int:
+        """Write `req` into the lowest free row and return it."""
+        if req.req_id in self.req_id_to_index:
+            raise ValueError(f"request {req.req_id} is already in the batch")
+        if (req.sampling_params.seed is None) != (req.generator is None):
+            raise ValueError(f"request {req.req_id}: a generator goes with a seed, and only then")
+        if req.num_tokens > self.max_model_len:
+            raise ValueError(
+                f"request {req.req_id} has {req.num_tokens} tokens, more than max_model_len "
+                f"{self.max_model_len}"
+            )
+        if None in self.req_ids:
+            row = self.req_ids.index(None)
+            self.req_ids[row] = req.req_id
+        elif len(self.req_ids) < self.max_num_reqs:
+            row = len(self.req_ids)
+            self.req_ids.append(req.req_id)
+        else:
+            raise ValueError(f"the batch is full ({self.max_num_reqs} requests)")
+        self.req_id_to_index[req.req_id] = row
+
+        num_prompt = len(req.prompt_token_ids)
+        self.token_ids[row, :num_prompt] = req.prompt_token_ids
+        self.token_ids[row, num_prompt : req.num_tokens] = req.output_token_ids
+        self.num_tokens[row] = req.num_tokens
+        self.num_prompt_tokens[row] = num_prompt
+        self.num_computed_tokens[row] = req.num_computed_tokens
+
+        params = req.sampling_params
+        self.temperature[row] = params.temperature
+        self.top_p[row] = params.top_p
+        self.top_k[row] = params.top_k if 0 < params.top_k < self.vocab_size else 0
+        self.min_p[row] = params.min_p
+        self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
+        if req.generator is not None:
+            self.generators[row] = req.generator
+
+        self.block_table.add_row(req.block_ids, row)
+        self._sampling_metadata = None
+        return row
+
+    def remove_request(self, req_id: str) -> int | None:
+        """Free the request's row (leaving a hole) and return it; None if it is not here."""
+        row = self.req_id_to_index.pop(req_id, None)
+        if row is None:
+            return None
+        self.req_ids[row] = None
+        self.generators.pop(row, None)
+        self.block_table.clear_row(row)
+        self._sampling_metadata = None
+        return row
+
+    def condense(self) -> None:
+        """Move the highest live rows into the lowest holes so rows 0..num_reqs-1 are live."""
+        num_reqs = self.num_reqs
+        holes = [row for row in range(num_reqs) if self.req_ids[row] is None]
+        sources = [
+            row
+            for row in range(len(self.req_ids) - 1, num_reqs - 1, -1)
+            if self.req_ids[row] is not None
+        ]
+        for tgt, src in zip(holes, sources, strict=True):
+            self._move_row(src, tgt)
+        del self.req_ids[num_reqs:]
+        if holes:
+            self._sampling_metadata = None
+
+    def _move_row(self, src: int, tgt: int) -> None:
+        req_id = self.req_ids[src]
+        self.req_ids[tgt], self.req_ids[src] = req_id, None
+        self.req_id_to_index[req_id] = tgt
+        num_tokens = self.num_tokens[src]
+        self.token_ids[tgt, :num_tokens] = self.token_ids[src, :num_tokens]
+        for array in (
+            self.num_tokens,
+            self.num_prompt_tokens,
+            self.num_computed_tokens,
+            self.temperature,
+            self.top_p,
+            self.top_k,
+            self.min_p,
+            self.num_logprobs,
+        ):
+            array[tgt] = array[src]
+        generator = self.generators.pop(src, None)
+        if generator is not None:
+            self.generators[tgt] = generator
+        self.block_table.move_row(src, tgt)
+        self.block_table.clear_row(src)
+
+    def append_token(self, row: int | np.ndarray, token_id: int | np.ndarray) -> None:
+        """Append one token to a row, or one token to each of an array of distinct rows."""
+        self.token_ids[row, self.num_tokens[row]] = token_id
+        self.num_tokens[row] += 1
+
+    def make_sampling_metadata(self, row_order: np.ndarray | None = None) -> SamplingMetadata:
+        """Sampling settings of the rows `row_order` lists, in that order (logits row i is
+        batch row row_order[i]); by default of the live rows in row order. Reused until the
+        batch or the row order changes."""
+        if row_order is None:
+            rows = np.flatnonzero([req_id is not None for req_id in self.req_ids])
+        else:
+            rows = np.array(row_order, dtype=np.int64)
+        cached = self._sampling_metadata
+        if cached is None or not np.array_equal(cached[0], rows):
+            self._sampling_metadata = cached = (rows, self._build_sampling_metadata(rows))
+        return cached[1]
+
+    def _build_sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+        temperature = self.temperature[rows]
+        is_random = temperature >= SAMPLING_EPS
+        packed = np.stack(
+            [temperature, self.top_p[rows], self.min_p[rows], self.top_k[rows].astype(np.float32)]
+        )
+        temperature_t, top_p_t, min_p_t, top_k_t = torch.from_numpy(packed).to(self.device)
+        num_logprobs = self.num_logprobs[rows]
+        row_of = {int(row): i for i, row in enumerate(rows)}
+        return SamplingMetadata(
+            temperature=temperature_t,
+            top_p=top_p_t if (self.top_p[rows][is_random] < 1.0).any() else None,
+            top_k=top_k_t.int() if (self.top_k[rows][is_random] > 0).any() else None,
+            min_p=min_p_t if (self.min_p[rows][is_random] > 0.0).any() else None,
+            all_greedy=not is_random.any(),
+            all_random=bool(is_random.all()),
+            generators={row_of[row]: g for row, g in self.generators.items() if row in row_of},
+            max_num_logprobs=int(num_logprobs.max()) if (num_logprobs >= 0).any() else None,
+        )

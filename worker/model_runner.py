@@ -1,0 +1,236 @@
+import numpy as np
+import torch
+from transformers import AutoConfig
+
+from attention import AttentionMetadata, get_attn_backend, set_forward_context
+from engine_core.config import EngineConfig
+from ipc.messages import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from models import kv_cache_shape_info, load_model, resolve_dtype
+from models.parallel_state import get_tp_rank, get_tp_size, tp_broadcast
+from worker.input_batch import CachedRequestState, InputBatch
+from worker.sampler import Sampler
+
+_CPU_KV_CACHE_BYTES = 4 << 30
+
+
+class ModelRunner:
+    """Holds this rank's model shard, KV cache and persistent batch; runs one step.
+
+    A step: update the persistent batch from the SchedulerOutput, build the inputs
+    on the host with numpy, copy them to the device once, run the forward pass under
+    the step's attention metadata, sample the requests whose known tokens are all
+    computed (a partial prefill chunk samples nothing), and append the sampled tokens
+    to their rows so the next step can read them without the EngineCore.
+    """
+
+    def __init__(self, config: EngineConfig, device: str | torch.device | None = None) -> None:
+        self.config = config
+        self.device = torch.device(device or _default_device(config.device))
+        self.hf_config = AutoConfig.from_pretrained(config.model)
+        self.dtype = resolve_dtype(config.dtype, self.hf_config)
+        self.model = load_model(config.model, self.dtype, self.device)
+        self.num_layers, self.num_kv_heads, self.head_dim = kv_cache_shape_info(
+            self.hf_config, get_tp_size()
+        )
+        self.attn_backend = get_attn_backend(config.attention_backend, self.device)
+        self.block_size = config.block_size
+        self.max_model_len = config.max_model_len
+        self.max_num_tokens = config.max_num_batched_tokens
+        self.input_batch = InputBatch(
+            max_num_reqs=config.max_num_seqs,
+            max_model_len=config.max_model_len,
+            max_num_blocks_per_req=-(-config.max_model_len // config.block_size),
+            block_size=config.block_size,
+            device=self.device,
+            vocab_size=self.hf_config.vocab_size,
+        )
+        self.requests: dict[str, CachedRequestState] = {}
+        self.sampler = Sampler()
+        self.arange = np.arange(max(self.max_num_tokens, config.max_num_seqs) + 1, dtype=np.int64)
+        self.is_driver = get_tp_rank() == 0
+
+    def kv_cache_bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def determine_num_blocks(self) -> int:
+        """Blocks that fit this rank: `--kv-cache-memory` bytes on CPU; on CUDA, what a
+        profiling forward at max_num_batched_tokens leaves of the memory budget."""
+        if self.config.num_gpu_blocks_override is not None:
+            return self.config.num_gpu_blocks_override
+        if self.device.type == "cuda":
+            budget = self._profile_cuda_memory()
+        else:
+            budget = self.config.kv_cache_memory or _CPU_KV_CACHE_BYTES
+        num_blocks = int(budget // self.kv_cache_bytes_per_block())
+        if num_blocks < 2:
+            raise RuntimeError(
+                f"no room for the KV cache: {budget / 2**20:.0f} MiB available, "
+                f"{self.kv_cache_bytes_per_block() / 2**20:.2f} MiB per block"
+            )
+        return num_blocks
+
+    def _profile_cuda_memory(self) -> int:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        num_tokens = self.max_num_tokens
+        input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device) % self.max_model_len
+        with torch.inference_mode(), set_forward_context(None):
+            hidden = self.model(input_ids, positions)
+            self.model.compute_logits(hidden[-self.config.max_num_seqs :])
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        current = torch.cuda.memory_allocated(self.device)
+        del hidden
+        torch.cuda.empty_cache()
+        return int(total * self.config.gpu_memory_utilization - (total - free) - (peak - current))
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        shape = (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        for layer in self.model.attention_layers():
+            layer.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(scheduler_output)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput(scheduler_output.step_id, [], [])
+        input_ids, positions, attn_metadata, sample_rows, logits_indices = self._prepare_inputs(
+            scheduler_output
+        )
+        with set_forward_context(attn_metadata, self.attn_backend):
+            hidden = self.model(input_ids, positions)
+        logits = self.model.compute_logits(hidden[logits_indices])
+        sampled, logprobs = self._sample(logits, sample_rows)
+        return self._finish_step(scheduler_output.step_id, sample_rows, sampled, logprobs)
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        batch = self.input_batch
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+            batch.remove_request(req_id)
+        for req_id in list(batch.req_id_to_index):
+            if req_id not in so.num_scheduled_tokens:
+                batch.remove_request(req_id)
+        for new in so.scheduled_new_reqs:
+            state = CachedRequestState.from_new_request(new, self.device)
+            self.requests[new.req_id] = state
+            batch.add_request(state)
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests[req_id]
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+            new_block_ids = cached.new_block_ids[i]
+            row = batch.req_id_to_index.get(req_id)
+            if cached.resumed_from_preemption[i]:
+                state.block_ids = list(new_block_ids)
+                state.output_token_ids = cached.new_token_ids[i][len(state.prompt_token_ids) :]
+                if row is not None:
+                    batch.remove_request(req_id)
+                batch.add_request(state)
+                continue
+            state.block_ids.extend(new_block_ids)
+            if row is None:
+                batch.add_request(state)
+            else:
+                batch.num_computed_tokens[row] = state.num_computed_tokens
+                if new_block_ids:
+                    batch.block_table.append_row(new_block_ids, row)
+        batch.condense()
+
+    def _prepare_inputs(self, so: SchedulerOutput):
+        """Flatten the scheduled tokens of rows 0..n-1 into one ragged batch.
+
+        Row i's tokens are positions num_computed[i] .. num_computed[i] + n_i - 1;
+        input ids come from the row's token table, slots from its block table.
+        """
+        batch = self.input_batch
+        num_reqs = batch.num_reqs
+        num_scheduled = np.array(
+            [so.num_scheduled_tokens[r] for r in batch.req_ids[:num_reqs]], dtype=np.int64
+        )
+        total = int(num_scheduled.sum())
+        cu_num_tokens = np.cumsum(num_scheduled)
+        req_indices = np.repeat(self.arange[:num_reqs], num_scheduled)
+        offsets = self.arange[:total] - np.repeat(cu_num_tokens - num_scheduled, num_scheduled)
+        num_computed = batch.num_computed_tokens[:num_reqs].astype(np.int64)
+        positions_np = num_computed[req_indices] + offsets
+        input_ids_np = batch.token_ids[req_indices, positions_np]
+        seq_lens_np = (num_computed + num_scheduled).astype(np.int32)
+        query_start_loc_np = np.zeros(num_reqs + 1, dtype=np.int32)
+        query_start_loc_np[1:] = cu_num_tokens
+        sample_rows = np.flatnonzero(seq_lens_np >= batch.num_tokens[:num_reqs])
+        logits_indices_np = cu_num_tokens[sample_rows] - 1
+
+        to_device = self._to_device
+        positions = to_device(positions_np)
+        query_start_loc = to_device(query_start_loc_np)
+        batch.block_table.commit(num_reqs)
+        attn_metadata = AttentionMetadata(
+            num_actual_tokens=total,
+            max_query_len=int(num_scheduled.max()),
+            max_seq_len=int(seq_lens_np.max()),
+            query_start_loc=query_start_loc,
+            seq_lens=to_device(seq_lens_np),
+            block_table=batch.block_table.get_device_tensor()[:num_reqs],
+            slot_mapping=batch.block_table.compute_slot_mapping(query_start_loc, positions),
+            query_start_loc_cpu=torch.from_numpy(query_start_loc_np),
+            seq_lens_cpu=torch.from_numpy(seq_lens_np),
+        )
+        input_ids = to_device(input_ids_np.astype(np.int64))
+        return input_ids, positions, attn_metadata, sample_rows, to_device(logits_indices_np)
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        tensor = torch.from_numpy(array)
+        if self.device.type == "cpu":
+            return tensor
+        return tensor.pin_memory().to(self.device, non_blocking=True)
+
+    def _sample(self, logits: torch.Tensor, rows: np.ndarray):
+        """Rank 0 samples and broadcasts the token ids, so every rank appends the same
+        tokens to its batch."""
+        if len(rows) == 0:
+            return [], None
+        logprobs = None
+        if self.is_driver:
+            out = self.sampler(logits, self.input_batch.make_sampling_metadata(rows))
+            sampled, logprobs = out.sampled_token_ids, out.logprobs
+        else:
+            sampled = torch.empty(len(rows), dtype=torch.long, device=self.device)
+        if get_tp_size() > 1:
+            tp_broadcast(sampled, src=0)
+        return sampled.tolist(), logprobs
+
+    def _finish_step(self, step_id: int, sample_rows, sampled: list[int], logprobs):
+        batch = self.input_batch
+        req_ids = batch.req_ids[: batch.num_reqs]
+        sampled_token_ids: list[list[int]] = [[] for _ in req_ids]
+        for row, token_id in zip(sample_rows.tolist(), sampled):
+            batch.append_token(row, token_id)
+            self.requests[req_ids[row]].output_token_ids.append(token_id)
+            sampled_token_ids[row] = [token_id]
+        return ModelRunnerOutput(
+            step_id,
+            list(req_ids),
+            sampled_token_ids,
+            self._logprobs_per_request(sample_rows, logprobs, len(req_ids)),
+        )
+
+    def _logprobs_per_request(self, sample_rows, logprobs, num_reqs: int):
+        if logprobs is None:
+            return None
+        token_ids, values = (t.tolist() for t in logprobs)
+        per_request: list[list[TokenLogprobs] | None] = [None] * num_reqs
+        for i, row in enumerate(sample_rows.tolist()):
+            k = self.input_batch.num_logprobs[row]
+            if k >= 0:
+                per_request[row] = [TokenLogprobs(token_ids[i][: k + 1], values[i][: k + 1])]
+        return per_request
+
+
+def _default_device(name: str) -> str:
+    if name != "auto":
+        return name
+    return "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,0 +1,119 @@
+"""Greedy and random sampling with temperature, top-k, top-p and min-p, and logprobs."""
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+# Temperatures below this are greedy.
+SAMPLING_EPS = 1e-5
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling settings of one step, on the logits' device. A filter tensor is
+    None when no random row of the batch uses it; top_k <= 0 disables top-k for a row."""
+
+    temperature: torch.Tensor
+    top_p: torch.Tensor | None
+    top_k: torch.Tensor | None
+    min_p: torch.Tensor | None
+    all_greedy: bool
+    all_random: bool
+    generators: dict[int, torch.Generator]
+    max_num_logprobs: int | None
+
+
+class LogprobsTensors(NamedTuple):
+    """Column 0 is the sampled token, then the top-k by raw logprob."""
+
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor
+    logprobs: LogprobsTensors | None
+
+
+class Sampler(torch.nn.Module):
+    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        logits = logits.float()
+        if metadata.all_greedy:
+            sampled = logits.argmax(dim=-1)
+        else:
+            sampled = self._sample_random(logits, metadata)
+            if not metadata.all_random:
+                greedy = metadata.temperature < SAMPLING_EPS
+                sampled = torch.where(greedy, logits.argmax(dim=-1), sampled)
+        logprobs = None
+        if metadata.max_num_logprobs is not None:
+            logprobs = _gather_logprobs(logits, sampled, metadata.max_num_logprobs)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    def _sample_random(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        temperature = metadata.temperature
+        if not metadata.all_random:
+            temperature = torch.where(temperature < SAMPLING_EPS, 1.0, temperature)
+        logits = logits / temperature.unsqueeze(1)
+        if metadata.top_p is not None:
+            logits = _apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+        elif metadata.top_k is not None:
+            logits = _apply_top_k(logits, metadata.top_k)
+        probs = logits.softmax(dim=-1)
+        if metadata.min_p is not None:
+            threshold = probs.amax(dim=-1, keepdim=True) * metadata.min_p.unsqueeze(1)
+            probs = probs.masked_fill(probs < threshold, 0.0)
+        return _exponential_race(probs, metadata.generators)
+
+
+def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Top-k alone needs no full sort: one topk at the batch's largest k."""
+    vocab_size = logits.shape[-1]
+    disabled = top_k <= 0
+    k = torch.where(disabled, vocab_size, top_k.clamp(max=vocab_size)).long()
+    top_values = logits.topk(int(k.max()), dim=-1).values
+    threshold = top_values.gather(1, (k - 1).unsqueeze(1))
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def _apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Top-k, then top-p on what is left: keep the smallest set of most likely tokens whose
+    mass reaches p (the most likely token is always kept)."""
+    vocab_size = logits.shape[-1]
+    sorted_logits, sorted_ids = logits.sort(dim=-1)
+    if top_k is not None:
+        k = torch.where(top_k <= 0, vocab_size, top_k.clamp(max=vocab_size)).long()
+        threshold = sorted_logits.gather(1, (vocab_size - k).unsqueeze(1))
+        sorted_logits.masked_fill_(sorted_logits < threshold, float("-inf"))
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    drop = cumulative <= 1 - top_p.unsqueeze(1)
+    drop[:, -1] = False
+    sorted_logits.masked_fill_(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)
+
+
+def _exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """argmax(probs / q) with q ~ Exp(1) picks token i with probability probs[i]. A seeded
+    row draws its whole noise row from its own generator, so its tokens depend on nothing
+    else in the batch."""
+    noise = torch.empty_like(probs)
+    if len(generators) != probs.shape[0]:
+        noise.exponential_()
+    for row, generator in generators.items():
+        noise[row].exponential_(generator=generator)
+    return probs.div_(noise).argmax(dim=-1)
+
+
+def _gather_logprobs(logits: torch.Tensor, sampled: torch.Tensor, k: int) -> LogprobsTensors:
+    logprobs = logits.log_softmax(dim=-1)
+    sampled = sampled.unsqueeze(1)
+    sampled_logprobs = logprobs.gather(1, sampled)
+    top_logprobs, top_ids = logprobs.topk(k, dim=-1)
+    return LogprobsTensors(
+        token_ids=torch.cat([sampled, top_ids], dim=1),
+        logprobs=torch.cat([sampled_logprobs, top_logprobs], dim=1),
+    )
