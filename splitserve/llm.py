@@ -55,10 +55,10 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         conversations = [messages] if isinstance(messages[0], dict) else messages
+        template = self.tokenizer.apply_chat_template
         prompts = [
             self.tokenizer.encode(
-                self.tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=False),
-                add_special_tokens=False,
+                template(conv, add_generation_prompt=True, tokenize=False), add_special_tokens=False
             )
             for conv in conversations
         ]
@@ -69,7 +69,7 @@ class LLM:
     ) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
         detokenizers: dict[str, IncrementalDetokenizer] = {}
-        for ids, sp in zip(token_ids, params):
+        for ids, sp in zip(token_ids, params, strict=True):
             request_id = str(next(self._ids))
             results[request_id] = RequestOutput(request_id, ids, [CompletionOutput(0, "", [])])
             detokenizers[request_id] = IncrementalDetokenizer(

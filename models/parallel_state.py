@@ -1,0 +1,152 @@
+"""Tensor-parallel process group state and collectives.
+
+One process per rank; the tensor-parallel group is the whole world. With world size 1
+(or before `init_distributed`) every helper is an identity and torch.distributed is
+never touched, so models run unchanged in a single process.
+
+A worker initialises it once, before building the model:
+
+    init_distributed(rank, world_size, "tcp://127.0.0.1:29500", device=device)
+    model = load_model(path, dtype, device)
+    ...
+    destroy_distributed()
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_TP_RANK = 0
+_TP_SIZE = 1
+_TP_GROUP: dist.ProcessGroup | None = None
+_BACKEND: str | None = None
+_DEVICE: torch.device | None = None
+_OWNS_PROCESS_GROUP = False
+
+
+def init_distributed(
+    rank: int,
+    world_size: int,
+    init_method: str,
+    backend: str | None = None,
+    device: torch.device | str | None = None,
+) -> None:
+    """Join the tensor-parallel group as `rank` of `world_size`.
+
+    backend None picks "nccl" when the device (or, with no device given, the machine)
+    is CUDA and "gloo" otherwise. For CUDA the current device is set to `device` first.
+    World size 1 does not initialise torch.distributed.
+    """
+    global _TP_RANK, _TP_SIZE, _TP_GROUP, _BACKEND, _DEVICE, _OWNS_PROCESS_GROUP
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"invalid rank {rank} for world size {world_size}")
+    dev = torch.device(device) if device is not None else None
+    if dev is not None and dev.type == "cuda":
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(dev)
+    _DEVICE = dev
+    if world_size == 1:
+        _TP_RANK, _TP_SIZE, _TP_GROUP, _BACKEND = 0, 1, None, None
+        return
+    if backend is None:
+        on_cuda = dev.type == "cuda" if dev is not None else torch.cuda.is_available()
+        backend = "nccl" if on_cuda else "gloo"
+    if dist.is_initialized():
+        if dist.get_world_size() != world_size or dist.get_rank() != rank:
+            raise RuntimeError(
+                f"torch.distributed already initialised as rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}, not rank {rank} of {world_size}"
+            )
+        _OWNS_PROCESS_GROUP = False
+    else:
+        dist.init_process_group(
+            backend=backend, init_method=init_method, rank=rank, world_size=world_size
+        )
+        _OWNS_PROCESS_GROUP = True
+    _TP_GROUP = dist.group.WORLD
+    _BACKEND = dist.get_backend(_TP_GROUP)
+    _TP_RANK = rank
+    _TP_SIZE = world_size
+
+
+def destroy_distributed() -> None:
+    """Leave the group (if this module created it) and go back to world size 1."""
+    global _TP_RANK, _TP_SIZE, _TP_GROUP, _BACKEND, _DEVICE, _OWNS_PROCESS_GROUP
+    if _OWNS_PROCESS_GROUP and dist.is_initialized():
+        dist.destroy_process_group()
+    _TP_RANK, _TP_SIZE, _TP_GROUP, _BACKEND, _DEVICE = 0, 1, None, None, None
+    _OWNS_PROCESS_GROUP = False
+
+
+def get_tp_rank() -> int:
+    return _TP_RANK
+
+
+def get_tp_size() -> int:
+    return _TP_SIZE
+
+
+def get_tp_group() -> dist.ProcessGroup | None:
+    """The tensor-parallel process group (None with world size 1)."""
+    return _TP_GROUP
+
+
+def get_tp_backend() -> str | None:
+    return _BACKEND
+
+
+def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum over the group (in place when the group has more than one rank)."""
+    if _TP_SIZE == 1:
+        return x
+    if not x.is_contiguous():
+        x = x.contiguous()
+    dist.all_reduce(x, group=_TP_GROUP)
+    return x
+
+
+def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Concatenate every rank's `x` along `dim`, in rank order."""
+    if _TP_SIZE == 1:
+        return x
+    dim = dim % x.dim()
+    x = x.contiguous()
+    if _BACKEND == "nccl":
+        out = torch.empty((_TP_SIZE * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(out, x, group=_TP_GROUP)
+        if dim == 0:
+            return out
+        out = out.view(_TP_SIZE, *x.shape).movedim(0, dim)
+        shape = list(x.shape)
+        shape[dim] *= _TP_SIZE
+        return out.reshape(shape)
+    parts = [torch.empty_like(x) for _ in range(_TP_SIZE)]
+    dist.all_gather(parts, x, group=_TP_GROUP)
+    return torch.cat(parts, dim=dim)
+
+
+def tp_broadcast(x: torch.Tensor, src: int = 0) -> torch.Tensor:
+    """Overwrite `x` on every rank with tp rank `src`'s `x` (in place); returns x."""
+    if _TP_SIZE == 1:
+        return x
+    assert x.is_contiguous(), "tp_broadcast needs a contiguous tensor"
+    dist.broadcast(x, src=dist.get_global_rank(_TP_GROUP, src), group=_TP_GROUP)
+    return x
+
+
+def tp_broadcast_object(obj: Any = None, src: int = 0) -> Any:
+    """Broadcast a picklable object from tp rank `src`; returns it on every rank."""
+    if _TP_SIZE == 1:
+        return obj
+    box = [obj if src == _TP_RANK else None]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(_TP_GROUP, src), group=_TP_GROUP)
+    return box[0]
+
+
+def tp_barrier() -> None:
+    if _TP_SIZE > 1:
+        dist.barrier(group=_TP_GROUP)

@@ -1,0 +1,121 @@
+"""Tensor parallelism: 2 gloo processes give the TP=1 logits, on every rank."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.models.tiny import make_tiny_checkpoint
+
+PROMPT = torch.tensor([256, 5, 77, 3, 200, 287, 12, 12, 9, 41, 160, 7, 99, 1, 250, 30, 31])
+
+CASES = {
+    "qwen3": ("qwen3", {}),
+    "llama-bias": ("llama", {"attention_bias": True, "mlp_bias": True}),
+    # num_key_value_heads=1 < tp=2: the kv head is replicated on both ranks
+    "llama-mqa-tied": ("llama", {"num_key_value_heads": 1, "tie_word_embeddings": True}),
+    "qwen2-yarn": (
+        "qwen2",
+        {
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 128,
+            }
+        },
+    ),
+    "qwen3-mqa-sliding": (
+        "qwen3",
+        {
+            "num_key_value_heads": 1,
+            "use_sliding_window": True,
+            "sliding_window": 4,
+            "max_window_layers": 1,
+        },
+    ),
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tp_worker(rank: int, world_size: int, port: int, paths: dict, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    from models import load_model, parallel_state
+
+    try:
+        parallel_state.init_distributed(rank, world_size, f"tcp://127.0.0.1:{port}")
+        assert parallel_state.get_tp_rank() == rank
+        assert parallel_state.get_tp_size() == world_size
+        # collectives
+        x = torch.full((2, 3), float(rank + 1))
+        torch.testing.assert_close(parallel_state.tp_all_reduce(x.clone()), torch.full((2, 3), 3.0))
+        gathered = parallel_state.tp_all_gather(x, dim=-1)
+        torch.testing.assert_close(gathered, torch.cat([x * 0 + 1, x * 0 + 2], dim=-1))
+        torch.testing.assert_close(
+            parallel_state.tp_all_gather(x, dim=0), torch.cat([x * 0 + 1, x * 0 + 2])
+        )
+        b = parallel_state.tp_broadcast(x.clone(), src=1)
+        torch.testing.assert_close(b, torch.full((2, 3), 2.0))
+        assert parallel_state.tp_broadcast_object({"r": rank}, src=0) == {"r": 0}
+        bf = parallel_state.tp_all_reduce(torch.ones(4, dtype=torch.bfloat16))
+        assert bf.dtype == torch.bfloat16 and bf.tolist() == [2.0] * 4
+
+        for case, path in paths.items():
+            model = load_model(path, torch.float32)
+            layers = model.attention_layers()
+            info = [(a.num_heads, a.num_kv_heads, a.sliding_window) for a in layers]
+            with torch.no_grad():
+                logits = model.compute_logits(model(PROMPT, torch.arange(len(PROMPT))))
+            torch.save(
+                {"logits": logits, "attn": info},
+                os.path.join(out_dir, f"{case}.rank{rank}.pt"),
+            )
+        parallel_state.tp_barrier()
+    except BaseException:
+        traceback.print_exc()
+        raise
+    finally:
+        parallel_state.destroy_distributed()
+
+
+def test_tp2_matches_tp1(tmp_path):
+    from models import kv_cache_shape_info, load_config, load_model
+
+    paths = {
+        case: make_tiny_checkpoint(tmp_path, arch, name=case, **overrides)
+        for case, (arch, overrides) in CASES.items()
+    }
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    mp.spawn(_tp_worker, args=(2, _free_port(), paths, str(out_dir)), nprocs=2, join=True)
+
+    for case, path in paths.items():
+        model = load_model(path, torch.float32)
+        with torch.no_grad():
+            expected = model.compute_logits(model(PROMPT, torch.arange(len(PROMPT))))
+        config = load_config(path)
+        num_layers, kv_per_rank, head_dim = kv_cache_shape_info(config, 2)
+        for rank in range(2):
+            got = torch.load(out_dir / f"{case}.rank{rank}.pt")
+            assert got["logits"].shape == expected.shape == (len(PROMPT), 288)
+            torch.testing.assert_close(got["logits"], expected, atol=1e-4, rtol=1e-4)
+            assert len(got["attn"]) == num_layers
+            for num_heads, num_kv_heads, _ in got["attn"]:
+                assert num_heads == 2
+                assert num_kv_heads == kv_per_rank
+            assert head_dim == 16
+        if case == "qwen3-mqa-sliding":
+            assert [w for _, _, w in got["attn"]] == [None, 4]
+
+
+if __name__ == "__main__":  # pragma: no cover
+    pytest.main([__file__, "-q"])

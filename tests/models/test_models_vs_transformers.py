@@ -1,0 +1,145 @@
+"""Our models (no forward context: plain causal attention) against transformers, fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models import load_model
+from models.llama import LlamaForCausalLM
+from models.qwen2 import Qwen2ForCausalLM
+from models.qwen3 import Qwen3ForCausalLM
+from tests.models.tiny import load_reference, make_tiny_checkpoint
+
+PROMPT = torch.tensor([256, 5, 77, 3, 200, 287, 12, 12, 9, 41, 160, 7, 99, 1, 250, 30, 31, 2, 8])
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+YARN_ROPE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
+
+CASES = {
+    "llama": ("llama", {}),
+    "llama-tied": ("llama", {"tie_word_embeddings": True}),
+    "llama-llama3-rope": ("llama", {"rope_scaling": LLAMA3_ROPE, "rope_theta": 50000.0}),
+    "llama-bias-mha": (
+        "llama",
+        {"attention_bias": True, "mlp_bias": True, "num_key_value_heads": 4},
+    ),
+    "llama-linear-rope-mqa": (
+        "llama",
+        {"rope_scaling": {"rope_type": "linear", "factor": 2.0}, "num_key_value_heads": 1},
+    ),
+    "qwen2-yarn": ("qwen2", {"rope_scaling": YARN_ROPE, "rope_theta": 1e6}),
+    "qwen2-linear-tied": (
+        "qwen2",
+        {"rope_scaling": {"rope_type": "linear", "factor": 4.0}, "tie_word_embeddings": True},
+    ),
+    "qwen2-sliding": (
+        "qwen2",
+        {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1},
+    ),
+    "qwen3": ("qwen3", {}),
+    "qwen3-head-dim-32": ("qwen3", {"head_dim": 32, "tie_word_embeddings": True}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@torch.no_grad()
+def test_logits_match_transformers(tmp_path, case):
+    arch, overrides = CASES[case]
+    path = make_tiny_checkpoint(tmp_path, arch, **overrides)
+    model = load_model(path, torch.float32)
+    ref = load_reference(path)
+
+    hidden = model(PROMPT, torch.arange(len(PROMPT)))
+    assert hidden.shape == (len(PROMPT), ref.config.hidden_size)
+    logits = model.compute_logits(hidden)
+    expected = ref(PROMPT[None]).logits[0].float()
+    assert logits.dtype == torch.float32
+    assert logits.shape == (len(PROMPT), ref.config.vocab_size)
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    # Only the last rows, as the runner asks for them.
+    torch.testing.assert_close(
+        model.compute_logits(hidden[-2:]), expected[-2:], atol=1e-4, rtol=1e-4
+    )
+
+
+@torch.no_grad()
+def test_sliding_window_layers_and_effect(tmp_path):
+    path = make_tiny_checkpoint(
+        tmp_path, "qwen2", use_sliding_window=True, sliding_window=3, max_window_layers=1
+    )
+    model = load_model(path, torch.float32)
+    windows = [layer.sliding_window for layer in model.attention_layers()]
+    assert windows == [None, 3]
+    # The window changes the result for tokens past it (so the test above means something).
+    full = model.compute_logits(model(PROMPT, torch.arange(len(PROMPT))))
+    for layer in model.attention_layers():
+        layer.sliding_window = None
+    no_window = model.compute_logits(model(PROMPT, torch.arange(len(PROMPT))))
+    torch.testing.assert_close(full[:3], no_window[:3])
+    assert (full[4:] - no_window[4:]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize(
+    ("arch", "cls"),
+    [("llama", LlamaForCausalLM), ("qwen2", Qwen2ForCausalLM), ("qwen3", Qwen3ForCausalLM)],
+)
+def test_model_structure(tmp_path, arch, cls):
+    path = make_tiny_checkpoint(tmp_path, arch, tie_word_embeddings=True)
+    model = load_model(path, torch.float32)
+    assert type(model) is cls
+    layers = model.attention_layers()
+    assert len(layers) == 2
+    assert [layer.prefix for layer in layers] == [
+        "model.layers.0.self_attn.attn",
+        "model.layers.1.self_attn.attn",
+    ]
+    assert all(layer.num_heads == 4 and layer.num_kv_heads == 2 for layer in layers)
+    assert all(layer.head_dim == 16 and layer.kv_cache is None for layer in layers)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert not any(p.requires_grad for p in model.parameters())
+    has_bias = model.model.layers[0].self_attn.qkv_proj.bias is not None
+    assert has_bias == (arch == "qwen2")
+    assert hasattr(model.model.layers[0].self_attn, "q_norm") == (arch == "qwen3")
+
+
+@torch.no_grad()
+def test_bfloat16_load_close_to_fp32(tmp_path):
+    path = make_tiny_checkpoint(tmp_path, "qwen3")
+    m32 = load_model(path, torch.float32)
+    m16 = load_model(path, "bfloat16")
+    assert all(p.dtype == torch.bfloat16 for p in m16.parameters())
+    assert torch.get_default_dtype() == torch.float32
+    pos = torch.arange(len(PROMPT))
+    l32 = m32.compute_logits(m32(PROMPT, pos))
+    l16 = m16.compute_logits(m16(PROMPT, pos))
+    assert l16.dtype == torch.float32
+    assert (l16 - l32).abs().max() < 0.1
+    assert (l16.argmax(-1) == l32.argmax(-1)).float().mean() > 0.8
+
+
+def test_missing_and_unknown_weights(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = make_tiny_checkpoint(tmp_path, "llama")
+    tensors = load_file(f"{path}/model.safetensors")
+    extra = dict(tensors, **{"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)})
+    save_file(extra, f"{path}/model.safetensors")
+    load_model(path, torch.float32)  # rotary inv_freq is skipped
+
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, f"{path}/model.safetensors")
+    with pytest.raises(ValueError, match=r"gate_up_proj"):
+        load_model(path, torch.float32)
+
+    tensors["model.layers.1.mlp.up_proj.weight"] = torch.zeros(128, 64)
+    tensors["model.layers.0.mystery.weight"] = torch.zeros(3)
+    save_file(tensors, f"{path}/model.safetensors")
+    with pytest.raises(KeyError, match="mystery"):
+        load_model(path, torch.float32)

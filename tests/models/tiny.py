@@ -1,0 +1,158 @@
+"""Tiny random Hugging Face checkpoints for tests (no network).
+
+    from tests.models.tiny import make_tiny_checkpoint
+    path = make_tiny_checkpoint(tmp_path, "qwen3", num_key_value_heads=1)
+
+Every parameter is random (seeded), including norm weights and biases, so a wrong
+or missing load shows up in the logits. Each checkpoint also gets a tiny byte-level
+tokenizer with a ChatML chat template: ids 0-255 are the bytes, then
+<|endoftext|> (256, bos/pad), <|im_start|> (257), <|im_end|> (258, eos).
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any
+
+import torch
+
+BOS_ID, IM_START_ID, EOS_ID = 256, 257, 258
+_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_COMMON: dict[str, Any] = {
+    "vocab_size": 288,  # not a multiple of 64: exercises vocab padding under TP
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "bos_token_id": BOS_ID,
+    "eos_token_id": EOS_ID,
+    "pad_token_id": BOS_ID,
+}
+
+_counter = itertools.count()
+
+
+def _config(arch: str, overrides: dict[str, Any]) -> Any:
+    import transformers
+
+    classes = {
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+    }
+    if arch not in classes:
+        raise ValueError(f"arch must be one of {sorted(classes)}")
+    kwargs = {**_COMMON, **overrides}
+    if arch == "qwen3" and "head_dim" not in kwargs:
+        kwargs["head_dim"] = kwargs["hidden_size"] // kwargs["num_attention_heads"]
+    return classes[arch](**kwargs)
+
+
+@torch.no_grad()
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        noise = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+        if name.endswith("norm.weight"):
+            p.copy_(1.0 + 0.1 * noise)
+        elif name.endswith(".bias"):
+            p.copy_(0.1 * noise)
+        else:
+            p.copy_(0.08 * noise)
+
+
+def make_tiny_tokenizer(path: str | Path) -> None:
+    """Save a byte-level tokenizer (vocab 259) with a ChatML chat template to `path`."""
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import BPE
+    from transformers import PreTrainedTokenizerFast
+
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()
+    # Order the 256 byte symbols by byte value so that id == byte.
+    table = _bytes_to_unicode()
+    vocab = {table[b]: b for b in range(256)}
+    assert set(vocab) == set(byte_chars)
+    for i, tok in enumerate(_SPECIAL_TOKENS):
+        vocab[tok] = 256 + i
+    tok = Tokenizer(BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(_SPECIAL_TOKENS)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(path))
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs), strict=True))
+
+
+def make_tiny_checkpoint(
+    tmp_path: str | Path,
+    arch: str = "llama",
+    *,
+    name: str | None = None,
+    seed: int = 0,
+    tokenizer: bool = True,
+    **overrides: Any,
+) -> str:
+    """Save a random tiny `arch` ("llama" | "qwen2" | "qwen3") checkpoint (float32
+    safetensors, plus a tokenizer) under tmp_path and return its folder.
+
+    overrides go to the transformers config, e.g. tie_word_embeddings=True,
+    num_key_value_heads=1, rope_scaling={"rope_type": "yarn", "factor": 4.0, ...},
+    rope_theta=..., attention_bias=True, use_sliding_window=True, sliding_window=4.
+    """
+    import transformers
+
+    config = _config(arch, overrides)
+    config.architectures = [
+        {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[
+            arch
+        ]
+    ]
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize(model, seed)
+    path = Path(tmp_path) / (name or f"tiny-{arch}-{next(_counter)}")
+    model.save_pretrained(str(path), safe_serialization=True)
+    if tokenizer:
+        make_tiny_tokenizer(path)
+    return str(path)
+
+
+def load_reference(path: str) -> Any:
+    """The transformers model for a checkpoint folder, float32, eval mode."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    )
+    return model.eval()
