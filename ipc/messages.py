@@ -127,6 +127,9 @@ class EngineCoreOutputs(_Tagged):
 
 
 class UtilityOutput(_Tagged):
+    """The answer to a UtilityRequest; call_id -1 reports a frame the engine could not
+    decode."""
+
     call_id: int
     result: bool | SchedulerStats | None = None
     error: str | None = None
@@ -183,6 +186,21 @@ class WorkerError(_Tagged):
 class WorkerReady(_Tagged):
     rank: int
     num_kv_blocks: int
+    pid: int = 0
+    hostname: str = ""
+
+
+# EngineCore -> workers, outside steps
+
+
+class InitKVCache(_Tagged):
+    """The block count every rank allocates: the minimum over the ranks' WorkerReady."""
+
+    num_blocks: int
+
+
+class Shutdown(_Tagged):
+    pass
 
 
 class DecodeError(ValueError):
