@@ -1,0 +1,317 @@
+"""The scheduler: which requests run this step, for how many tokens, in which KV blocks.
+
+There are no prefill and decode phases. Each request's num_computed_tokens chases its
+num_tokens under a per-step token budget: running requests first (a decode needs one
+token, a chunked prefill as many as the budget allows), then waiting ones. When the KV
+cache is full, running requests are preempted and later recomputed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from engine_core.config import EngineConfig
+from engine_core.request import Request, RequestStatus
+from engine_core.request_queue import make_request_queue
+from ipc.messages import (
+    CachedRequestData,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    SchedulerStats,
+)
+from kv_cache import KVCacheManager
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.max_model_len = config.max_model_len
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.block_size = config.block_size
+        blocks_per_request = -(-config.max_model_len // config.block_size)
+        usable_blocks = kv_cache_manager.block_pool.num_blocks - 1
+        if usable_blocks < blocks_per_request:
+            raise ValueError(
+                f"the KV cache holds {usable_blocks} blocks of {config.block_size} tokens, fewer "
+                f"than one request of max_model_len={config.max_model_len} needs "
+                f"({blocks_per_request}); lower max_model_len or give the KV cache more memory"
+            )
+        self.requests: dict[str, Request] = {}
+        self.waiting = make_request_queue(config.scheduling_policy)
+        self.running: list[Request] = []
+        # Requests finished since the last step that was sent to the workers.
+        self.finished_req_ids: list[str] = []
+        # Outputs of requests that finished outside update_from_output (errors, aborts).
+        self.pending_outputs: list[EngineCoreOutput] = []
+        self.step_id = 0
+        self.num_preemptions = 0
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request, or finish it at once with FINISHED_ERROR if it can never run."""
+        error = self._check_request(request)
+        if error is not None:
+            request.status = RequestStatus.FINISHED_ERROR
+            self.pending_outputs.append(
+                EngineCoreOutput(request.request_id, [], "error", error=error)
+            )
+            return
+        if self.kv_cache_manager.enable_caching:
+            request.enable_block_hashing(self.block_size)
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def _check_request(self, request: Request) -> str | None:
+        num_prompt = request.num_prompt_tokens
+        if request.request_id in self.requests:
+            return f"request id {request.request_id!r} is already in use"
+        if num_prompt == 0:
+            return "the prompt is empty"
+        if num_prompt >= self.max_model_len:
+            return (
+                f"the prompt has {num_prompt} tokens; max_model_len is {self.max_model_len} "
+                "and at least one token must be left for the output"
+            )
+        num_output = request.max_tokens or max(1, request.min_tokens)
+        if num_prompt + num_output > self.max_model_len:
+            return (
+                f"the prompt ({num_prompt} tokens) plus max_tokens ({num_output}) exceeds "
+                f"max_model_len ({self.max_model_len})"
+            )
+        vocab_size = self.config.vocab_size or 2**63
+        if min(request.prompt_token_ids) < 0 or max(request.prompt_token_ids) >= vocab_size:
+            return f"prompt token ids must be in [0, {vocab_size})"
+        return None
+
+    def schedule(self) -> SchedulerOutput:
+        num_scheduled_tokens: dict[str, int] = {}
+        running, new_block_ids, preempted = self._schedule_running(num_scheduled_tokens)
+        new_reqs: list[NewRequestData] = []
+        resumed: list[Request] = []
+        if not preempted:
+            new_reqs, resumed = self._schedule_waiting(num_scheduled_tokens)
+        # A request preempted after being scheduled this step gave its tokens back.
+        running = [r for r in running if r.request_id in num_scheduled_tokens]
+        kv = self.kv_cache_manager
+        cached_reqs = CachedRequestData(
+            req_ids=[r.request_id for r in running] + [r.request_id for r in resumed],
+            resumed_from_preemption=[False] * len(running) + [True] * len(resumed),
+            new_token_ids=[[] for _ in running] + [list(r.all_token_ids) for r in resumed],
+            new_block_ids=[new_block_ids[r.request_id] for r in running]
+            + [kv.get_block_ids(r.request_id) for r in resumed],
+            num_computed_tokens=[r.num_computed_tokens for r in running]
+            + [r.num_computed_tokens for r in resumed],
+        )
+        scheduler_output = SchedulerOutput(
+            self.step_id,
+            new_reqs,
+            cached_reqs,
+            num_scheduled_tokens,
+            sum(num_scheduled_tokens.values()),
+            self.finished_req_ids,
+        )
+        self.step_id += 1
+        # Finished ids reach the workers with the next step that runs; keep them until then.
+        if num_scheduled_tokens:
+            self.finished_req_ids = []
+        # Advance optimistically: the next schedule() sees these tokens as computed.
+        requests = self.requests
+        for request_id, num_new in num_scheduled_tokens.items():
+            requests[request_id].num_computed_tokens += num_new
+        return scheduler_output
+
+    def _schedule_running(
+        self, num_scheduled_tokens: dict[str, int]
+    ) -> tuple[list[Request], dict[str, list[int]], bool]:
+        """Schedule running requests in order, preempting when the KV cache is full.
+        Returns the scheduled requests, their blocks added this step, and whether any
+        request was preempted."""
+        kv = self.kv_cache_manager
+        budget = self.max_num_batched_tokens
+        scheduled: list[Request] = []
+        new_block_ids: dict[str, list[int]] = {}
+        preempted = False
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while (new_blocks := kv.allocate_slots(request, num_new)) is None:
+                victim = self._select_victim()
+                victim_index = self.running.index(victim)
+                del self.running[victim_index]
+                budget += num_scheduled_tokens.pop(victim.request_id, 0)
+                self._preempt(victim)
+                preempted = True
+                if victim_index < index:
+                    index -= 1
+                if victim is request:
+                    break
+            if new_blocks is None:
+                continue
+            num_scheduled_tokens[request.request_id] = num_new
+            new_block_ids[request.request_id] = new_blocks.get_block_ids()
+            scheduled.append(request)
+            budget -= num_new
+            index += 1
+        return scheduled, new_block_ids, preempted
+
+    def _schedule_waiting(
+        self, num_scheduled_tokens: dict[str, int]
+    ) -> tuple[list[NewRequestData], list[Request]]:
+        """Admit waiting requests in queue order after a prefix-cache lookup, until the
+        budget, max_num_seqs or the KV cache runs out. Returns the new requests' data and
+        the requests resumed from preemption."""
+        kv = self.kv_cache_manager
+        budget = self.max_num_batched_tokens - sum(num_scheduled_tokens.values())
+        new_reqs: list[NewRequestData] = []
+        resumed: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting.peek()
+            hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit_tokens
+            if num_new > budget and not self.config.enable_chunked_prefill:
+                break
+            num_new = min(num_new, budget)
+            new_blocks = kv.allocate_slots(request, num_new, num_hit_tokens, hit_blocks)
+            if new_blocks is None:
+                break
+            self.waiting.pop()
+            self.running.append(request)
+            request.num_computed_tokens = num_hit_tokens
+            num_scheduled_tokens[request.request_id] = num_new
+            budget -= num_new
+            if request.status == RequestStatus.PREEMPTED:
+                resumed.append(request)
+            else:
+                request.num_cached_tokens = num_hit_tokens
+                block_ids = hit_blocks.get_block_ids() + new_blocks.get_block_ids()
+                new_reqs.append(
+                    NewRequestData(
+                        request.request_id,
+                        request.prompt_token_ids,
+                        request.sampling_params,
+                        block_ids,
+                        num_hit_tokens,
+                    )
+                )
+            request.status = RequestStatus.RUNNING
+        return new_reqs, resumed
+
+    def _select_victim(self) -> Request:
+        if self.config.scheduling_policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request) -> None:
+        """Preemption by recompute: drop the KV blocks and queue the request at the front."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend(request)
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutputs:
+        """Append the sampled tokens, check stop conditions token by token, free the finished
+        requests. Outputs go to requests that got a token or finished since the last call."""
+        outputs = self.take_pending_outputs()
+        requests = self.requests
+        finished = False
+        num_generated = 0
+        for request_id, token_ids in zip(
+            model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=True
+        ):
+            request = requests.get(request_id)
+            if request is None or not token_ids:
+                continue
+            if not request.output_token_ids:
+                self.num_prompt_tokens += request.num_prompt_tokens
+            new_token_ids = []
+            status = None
+            for token_id in token_ids:
+                request.append_output_token_id(token_id)
+                new_token_ids.append(token_id)
+                status = self._check_stop(request, token_id)
+                if status is not None:
+                    break
+            num_generated += len(new_token_ids)
+            if status is not None:
+                finished = True
+                self._free_request(request, status)
+            outputs.append(
+                EngineCoreOutput(
+                    request_id,
+                    new_token_ids,
+                    None if status is None else status.finish_reason,
+                    request.num_cached_tokens,
+                )
+            )
+        self.num_generation_tokens += num_generated
+        if finished:
+            self.running = [r for r in self.running if not r.is_finished]
+        return EngineCoreOutputs(outputs)
+
+    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+        num_output = request.num_output_tokens
+        # A stop token counts only once min_tokens tokens precede it (as in HF generate).
+        if num_output > request.min_tokens and token_id in request.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if num_output == request.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def _free_request(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self.finished_req_ids.append(request.request_id)
+
+    def take_pending_outputs(self) -> list[EngineCoreOutput]:
+        outputs, self.pending_outputs = self.pending_outputs, []
+        return outputs
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """Finish unfinished requests from outside (abort); unknown ids are ignored."""
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        requests = [self.requests[i] for i in dict.fromkeys(request_ids) if i in self.requests]
+        if not requests:
+            return
+        ids = {r.request_id for r in requests}
+        self.running = [r for r in self.running if r.request_id not in ids]
+        self.waiting.remove_requests(ids)
+        for request in requests:
+            self._free_request(request, status)
+            self.pending_outputs.append(
+                EngineCoreOutput(request.request_id, [], status.finish_reason)
+            )
+
+    def has_unfinished_requests(self) -> bool:
+        """True while a request is queued or running, or a final output is not yet taken."""
+        return bool(self.requests) or bool(self.pending_outputs)
+
+    def get_stats(self) -> SchedulerStats:
+        """Cumulative counters since start, and the current queue sizes and KV usage."""
+        prefix_stats = self.kv_cache_manager.make_prefix_cache_stats()
+        self.prefix_cache_queries += prefix_stats.queries
+        self.prefix_cache_hits += prefix_stats.hits
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens,
+        )

@@ -1,0 +1,152 @@
+"""A deterministic stand-in for the workers, for scheduler tests.
+
+It keeps the worker's view of every request, built only from what the SchedulerOutputs
+say (after a trip through the wire codec), samples a scripted token for each request
+whose tokens are all computed, and checks its block lists against the KV cache manager.
+"""
+
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine_core import EngineConfig, EngineCore, Executor
+from ipc.messages import (
+    Decoder,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    ModelRunnerOutput,
+    SamplingParams,
+    SchedulerOutput,
+    encode,
+)
+
+DEFAULT_TOKEN = 7
+
+_decoder = Decoder(SchedulerOutput)
+
+
+@dataclass
+class WorkerRequestState:
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    num_prompt_tokens: int
+
+
+@dataclass
+class StandInExecutor(Executor):
+    """`sample(request_id, token_ids)` gives the next token; by default `script[request_id]`
+    indexed by the output position, or DEFAULT_TOKEN once the script runs out."""
+
+    num_blocks: int
+    script: dict[str, list[int]] = field(default_factory=dict)
+    sample: Callable[[str, list[int]], int] | None = None
+    kv_cache_manager: object = None
+    outputs: list[SchedulerOutput] = field(default_factory=list)
+    states: dict[str, WorkerRequestState] = field(default_factory=dict)
+
+    def determine_num_blocks(self) -> int:
+        return self.num_blocks
+
+    def shutdown(self) -> None:
+        self.states.clear()
+
+    def _next_token(self, request_id: str, state: WorkerRequestState) -> int:
+        if self.sample is not None:
+            return self.sample(request_id, state.token_ids)
+        script = self.script.get(request_id, [])
+        position = len(state.token_ids) - state.num_prompt_tokens
+        return script[position] if position < len(script) else DEFAULT_TOKEN
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        so = _decoder.decode(encode(scheduler_output))
+        assert so == scheduler_output
+        self.outputs.append(so)
+        for request_id in so.finished_req_ids:
+            self.states.pop(request_id, None)
+        for new in so.scheduled_new_reqs:
+            assert new.req_id not in self.states, f"{new.req_id} sent as new twice"
+            self.states[new.req_id] = WorkerRequestState(
+                list(new.prompt_token_ids),
+                list(new.block_ids),
+                new.num_computed_tokens,
+                len(new.prompt_token_ids),
+            )
+        cached = so.scheduled_cached_reqs
+        for i, request_id in enumerate(cached.req_ids):
+            state = self.states[request_id]
+            if cached.resumed_from_preemption[i]:
+                state.token_ids = list(cached.new_token_ids[i])
+                state.block_ids = list(cached.new_block_ids[i])
+            else:
+                assert cached.new_token_ids[i] == []
+                assert cached.num_computed_tokens[i] == state.num_computed_tokens
+                state.block_ids.extend(cached.new_block_ids[i])
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+
+        scheduled = [r.req_id for r in so.scheduled_new_reqs] + cached.req_ids
+        assert sorted(scheduled) == sorted(so.num_scheduled_tokens)
+        assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
+        sampled = []
+        for request_id in scheduled:
+            state = self.states[request_id]
+            num_new = so.num_scheduled_tokens[request_id]
+            assert num_new > 0
+            state.num_computed_tokens += num_new
+            assert state.num_computed_tokens <= len(state.token_ids)
+            if self.kv_cache_manager is not None:
+                assert state.block_ids == self.kv_cache_manager.get_block_ids(request_id)
+                block_size = self.kv_cache_manager.block_size
+                assert len(state.block_ids) * block_size >= state.num_computed_tokens
+            if state.num_computed_tokens == len(state.token_ids):
+                state.token_ids.append(self._next_token(request_id, state))
+                sampled.append([state.token_ids[-1]])
+            else:
+                sampled.append([])
+        return ModelRunnerOutput(so.step_id, scheduled, sampled)
+
+
+def make_config(**kwargs) -> EngineConfig:
+    defaults = dict(max_model_len=64, block_size=4, max_num_batched_tokens=32, eos_token_ids=[2])
+    return EngineConfig(**{**defaults, **kwargs})
+
+
+def make_engine(num_blocks: int = 64, script=None, sample=None, **config_kwargs):
+    """An EngineCore over a StandInExecutor that checks its blocks against the engine's."""
+    executor = StandInExecutor(num_blocks, script or {}, sample)
+    engine = EngineCore(make_config(**config_kwargs), executor)
+    executor.kv_cache_manager = engine.kv_cache_manager
+    return engine, executor
+
+
+def make_request(
+    request_id: str,
+    prompt: list[int] | int,
+    arrival_time: float = 0.0,
+    priority: int = 0,
+    **sampling,
+) -> EngineCoreRequest:
+    """`prompt` is the token ids, or a length (consecutive ids from a base unique to the id)."""
+    if isinstance(prompt, int):
+        base = 1000 * (1 + zlib.crc32(request_id.encode()) % 10**6)
+        prompt = [base + i for i in range(prompt)]
+    sampling = {"max_tokens": 8, **sampling}
+    return EngineCoreRequest(request_id, prompt, SamplingParams(**sampling), arrival_time, priority)
+
+
+def run_to_completion(engine: EngineCore, max_steps: int = 1000) -> dict[str, list]:
+    """Step until idle; returns per request its token ids and finish reason."""
+    results: dict[str, list] = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return results
+        collect(engine.step(), results)
+    raise AssertionError("engine did not finish")
+
+
+def collect(outputs: EngineCoreOutputs, results: dict[str, list]) -> None:
+    for out in outputs.outputs:
+        tokens, reason = results.setdefault(out.request_id, [[], None])
+        assert reason is None, f"output for {out.request_id} after it finished"
+        tokens.extend(out.new_token_ids)
+        results[out.request_id][1] = out.finish_reason

@@ -1,0 +1,69 @@
+"""EngineCore wiring: KV cache size, prefix cache reset, shutdown."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from stand_in_executor import (
+    StandInExecutor,
+    make_config,
+    make_engine,
+    make_request,
+    run_to_completion,
+)
+
+from engine_core import EngineCore
+
+
+def test_the_kv_cache_takes_the_executor_block_count():
+    engine = EngineCore(make_config(), StandInExecutor(40))
+    assert engine.kv_cache_manager.block_pool.num_blocks == 40
+
+
+def test_a_kv_cache_too_small_for_one_request_is_refused():
+    # max_model_len 64 in blocks of 4 needs 16 blocks besides the null block.
+    EngineCore(make_config(), StandInExecutor(17))
+    with pytest.raises(ValueError, match="max_model_len=64"):
+        EngineCore(make_config(), StandInExecutor(16))
+
+
+def test_reset_prefix_cache_forgets_cached_prompts():
+    engine, executor = make_engine()
+    prompt = list(range(1000, 1009))
+    engine.add_request(make_request("a", prompt, max_tokens=1))
+    run_to_completion(engine)
+    assert engine.reset_prefix_cache()
+    engine.add_request(make_request("b", prompt, max_tokens=1))
+    run_to_completion(engine)
+    assert executor.outputs[-1].scheduled_new_reqs[0].num_computed_tokens == 0
+
+
+def test_reset_prefix_cache_is_refused_while_blocks_are_in_use():
+    engine, _ = make_engine()
+    engine.add_request(make_request("a", 9, max_tokens=4))
+    engine.step()
+    assert not engine.reset_prefix_cache()
+
+
+def test_shutdown_reaches_the_executor():
+    engine, executor = make_engine()
+    engine.add_request(make_request("a", 9, max_tokens=4))
+    engine.step()
+    engine.shutdown()
+    assert executor.states == {}
+
+
+def test_engine_core_imports_no_torch_nor_worker_packages():
+    code = (
+        "import sys, engine_core, engine_core.core; "
+        "print(sorted({'torch', 'worker', 'models', 'attention', 'server'} & sys.modules.keys()))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert result.stdout.strip() == "[]"

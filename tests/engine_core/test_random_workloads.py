@@ -1,0 +1,128 @@
+"""Random workloads: arrivals over time, shared prefixes, KV pools small enough to force
+preemption, random aborts. Every request must finish exactly once with exactly the tokens
+and finish reason its token stream implies, and the KV cache must end empty."""
+
+import zlib
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from stand_in_executor import collect, make_engine
+
+from ipc.messages import EngineCoreRequest, SamplingParams
+
+EOS = 2
+MAX_MODEL_LEN = 32
+
+
+def sample(request_id: str, token_ids: list[int]) -> int:
+    return (len(token_ids) * 7 + zlib.crc32(request_id.encode())) % 13
+
+
+def expected_output(request_id: str, num_prompt: int, sp: SamplingParams) -> tuple[list, str]:
+    """The spec of the stop conditions, applied to the stand-in's token stream."""
+    stop_ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else {EOS})
+    tokens: list[int] = []
+    while True:
+        tokens.append(sample(request_id, [0] * (num_prompt + len(tokens))))
+        if len(tokens) > sp.min_tokens and tokens[-1] in stop_ids:
+            return tokens, "stop"
+        if len(tokens) == sp.max_tokens or num_prompt + len(tokens) == MAX_MODEL_LEN:
+            return tokens, "length"
+
+
+request_strategy = st.fixed_dictionaries(
+    {
+        "arrival_step": st.integers(0, 20),
+        "prefix": st.integers(0, 2),
+        "suffix": st.lists(st.integers(3, 12), max_size=20),
+        "max_tokens": st.one_of(st.none(), st.integers(1, 12)),
+        "min_tokens": st.integers(0, 3),
+        "stop_token_ids": st.lists(st.integers(0, 12), max_size=2),
+        "ignore_eos": st.booleans(),
+        "priority": st.integers(0, 2),
+        "abort_step": st.one_of(st.none(), st.integers(0, 30)),
+    }
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    block_size=st.sampled_from([2, 4]),
+    extra_blocks=st.integers(0, 6),
+    chunked=st.booleans(),
+    budget=st.integers(4, 48),
+    max_num_seqs=st.integers(1, 8),
+    policy=st.sampled_from(["fcfs", "priority"]),
+    caching=st.booleans(),
+    prefixes=st.lists(st.lists(st.integers(3, 12), max_size=16), min_size=3, max_size=3),
+    specs=st.lists(request_strategy, min_size=1, max_size=12),
+)
+def test_random_workloads_finish_every_request_once_and_free_every_block(
+    block_size, extra_blocks, chunked, budget, max_num_seqs, policy, caching, prefixes, specs
+):
+    num_blocks = MAX_MODEL_LEN // block_size + 1 + extra_blocks
+    engine, executor = make_engine(
+        num_blocks,
+        sample=sample,
+        max_model_len=MAX_MODEL_LEN,
+        block_size=block_size,
+        enable_chunked_prefill=chunked,
+        max_num_batched_tokens=budget if chunked else max(budget, MAX_MODEL_LEN),
+        max_num_seqs=max_num_seqs,
+        scheduling_policy=policy,
+        enable_prefix_caching=caching,
+        eos_token_ids=[EOS],
+    )
+    requests = {}
+    for i, spec in enumerate(specs):
+        sp = SamplingParams(
+            max_tokens=spec["max_tokens"],
+            min_tokens=min(spec["min_tokens"], spec["max_tokens"] or 3),
+            stop_token_ids=spec["stop_token_ids"],
+            ignore_eos=spec["ignore_eos"],
+        )
+        prompt = prefixes[spec["prefix"]] + spec["suffix"]
+        requests[f"r{i}"] = EngineCoreRequest(
+            f"r{i}", prompt, sp, float(spec["arrival_step"]), spec["priority"]
+        )
+
+    results: dict[str, list] = {}
+    aborted = set()
+    last_arrival = max(spec["arrival_step"] for spec in specs)
+    for step in range(1000):
+        for (request_id, request), spec in zip(requests.items(), specs, strict=True):
+            if spec["arrival_step"] == step:
+                engine.add_request(request)
+            if spec["abort_step"] == step and spec["arrival_step"] <= step:
+                if request_id not in results or results[request_id][1] is None:
+                    aborted.add(request_id)
+                engine.abort_requests([request_id])
+        if step > last_arrival and not engine.has_unfinished_requests():
+            break
+        collect(engine.step(), results)
+        if executor.outputs:
+            so = executor.outputs[-1]
+            assert so.total_num_scheduled_tokens <= engine.config.max_num_batched_tokens
+        assert len(engine.scheduler.running) <= max_num_seqs
+    else:
+        raise AssertionError("the engine did not drain")
+
+    assert results.keys() == requests.keys()
+    for request_id, (tokens, reason) in results.items():
+        request = requests[request_id]
+        num_prompt = len(request.prompt_token_ids)
+        sp = request.sampling_params
+        num_output = sp.max_tokens or max(1, sp.min_tokens)
+        if num_prompt == 0 or num_prompt + num_output > MAX_MODEL_LEN:
+            assert (tokens, reason) == ([], "error")
+            continue
+        full_tokens, full_reason = expected_output(request_id, num_prompt, sp)
+        if request_id in aborted:
+            assert reason == "abort" and full_tokens[: len(tokens)] == tokens
+        else:
+            assert (tokens, reason) == (full_tokens, full_reason)
+
+    pool = engine.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == num_blocks - 1
+    assert all(block.ref_cnt == 0 for block in pool.blocks)
+    assert not engine.scheduler.running and not engine.scheduler.waiting

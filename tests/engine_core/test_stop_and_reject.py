@@ -1,0 +1,115 @@
+"""Stop conditions, checked token by token, and requests refused at add time."""
+
+import pytest
+from stand_in_executor import collect, make_engine, make_request, run_to_completion
+
+from ipc.messages import EngineCoreRequest, ModelRunnerOutput, SamplingParams
+
+
+@pytest.mark.parametrize(
+    ("script", "sampling", "expected", "reason"),
+    [
+        ([5, 2, 9], {}, [5, 2], "stop"),  # EOS (from the config) is kept in the output
+        ([5, 3, 9], {}, [5, 3], "stop"),  # a second EOS id of the config
+        ([5, 2, 9], {"ignore_eos": True, "max_tokens": 3}, [5, 2, 9], "length"),
+        ([5, 9, 1], {"stop_token_ids": [9]}, [5, 9], "stop"),
+        ([5, 9, 1], {"stop_token_ids": [9], "ignore_eos": True}, [5, 9], "stop"),
+        ([5, 6, 7, 8, 9], {"max_tokens": 4}, [5, 6, 7, 8], "length"),
+        ([5, 6, 2], {"max_tokens": 3}, [5, 6, 2], "stop"),  # a stop on the last allowed token
+        # min_tokens=2: stops count only once two tokens precede them.
+        ([2, 9, 2, 5], {"min_tokens": 2, "stop_token_ids": [9]}, [2, 9, 2], "stop"),
+        ([9, 2, 5, 9], {"min_tokens": 2, "stop_token_ids": [9]}, [9, 2, 5, 9], "stop"),
+    ],
+)
+def test_stop_conditions(script, sampling, expected, reason):
+    engine, _ = make_engine(script={"r": script}, eos_token_ids=[2, 3])
+    engine.add_request(make_request("r", 5, **sampling))
+    assert run_to_completion(engine) == {"r": [expected, reason]}
+    assert engine.kv_cache_manager.block_pool.get_num_free_blocks() == 63
+
+
+def test_max_model_len_caps_a_request_without_max_tokens():
+    engine, _ = make_engine(max_model_len=64)
+    engine.add_request(make_request("r", 60, max_tokens=None))
+    tokens, reason = run_to_completion(engine)["r"]
+    assert (len(tokens), reason) == (4, "length")
+
+
+def test_tokens_of_a_partial_prefill_step_produce_no_output():
+    engine, executor = make_engine(max_num_batched_tokens=8)
+    engine.add_request(make_request("r", 20, max_tokens=2))
+    outputs = [engine.step().outputs for _ in range(4)]
+    assert [so.num_scheduled_tokens for so in executor.outputs] == [
+        {"r": 8},
+        {"r": 8},
+        {"r": 4},
+        {"r": 1},
+    ]
+    assert [[o.new_token_ids for o in out] for out in outputs] == [[], [], [[7]], [[7]]]
+    assert outputs[3][0].finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    ("prompt", "sampling", "message"),
+    [
+        ([], {}, "empty"),
+        (64, {"max_tokens": 1}, "max_model_len is 64"),
+        (100, {}, "max_model_len is 64"),
+        (60, {"max_tokens": 5}, "plus max_tokens (5) exceeds max_model_len (64)"),
+        (60, {"max_tokens": None, "min_tokens": 5}, "exceeds max_model_len"),
+        ([1, 50000], {}, "[0, 50000)"),
+        ([1, -1], {}, "[0, 50000)"),
+        ([2**64 - 1], {}, "[0, 50000)"),
+    ],
+)
+def test_requests_that_can_never_run_are_finished_with_an_error(prompt, sampling, message):
+    engine, executor = make_engine(vocab_size=50000)
+    if isinstance(prompt, int):
+        prompt = list(range(prompt))
+    engine.add_request(EngineCoreRequest("bad", prompt, SamplingParams(**sampling), 0.0))
+    engine.add_request(make_request("good", [1, 2, 3], max_tokens=1))
+    outputs = engine.step()
+    bad = outputs.outputs[0]
+    assert bad.request_id == "bad" and message in bad.error
+    results: dict[str, list] = {}
+    collect(outputs, results)
+    assert results == {"bad": [[], "error"], "good": [[7], "length"]}
+    assert all("bad" not in so.num_scheduled_tokens for so in executor.outputs)
+    assert all("bad" not in so.finished_req_ids for so in executor.outputs)
+
+
+def test_the_longest_valid_request_runs():
+    engine, _ = make_engine(max_model_len=64)
+    engine.add_request(make_request("r", 63, max_tokens=1))
+    assert run_to_completion(engine) == {"r": [[7], "length"]}
+
+
+def test_an_error_output_is_returned_without_a_model_step():
+    engine, executor = make_engine()
+    engine.add_request(make_request("r", [], max_tokens=1))
+    assert engine.has_unfinished_requests()
+    results: dict[str, list] = {}
+    collect(engine.step(), results)
+    assert results == {"r": [[], "error"]}
+    assert executor.outputs == [] and not engine.has_unfinished_requests()
+
+
+def test_a_request_id_in_use_is_refused_and_the_first_request_is_untouched():
+    engine, _ = make_engine()
+    engine.add_request(make_request("r", 4, max_tokens=2))
+    engine.add_request(make_request("r", 4, max_tokens=2))
+    outputs = engine.step().outputs
+    assert "already in use" in outputs[0].error
+    assert run_to_completion(engine) == {"r": [[7], "length"]}
+
+
+def test_tokens_after_a_stop_in_one_output_are_dropped():
+    engine, _ = make_engine()
+    engine.add_request(make_request("r", 4, max_tokens=8))
+    scheduler = engine.scheduler
+    scheduler_output = scheduler.schedule()
+    runner_output = ModelRunnerOutput(scheduler_output.step_id, ["r"], [[5, 2, 9]])
+    (output,) = scheduler.update_from_output(scheduler_output, runner_output).outputs
+    assert (output.new_token_ids, output.finish_reason) == ([5, 2], "stop")
+    assert not scheduler.has_unfinished_requests()
+    assert scheduler.get_stats().num_generation_tokens == 2
