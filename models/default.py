@@ -52,6 +52,7 @@ def _is_complete(folder: Path) -> bool:
         (folder / "config.json").is_file()
         and any(folder.glob("*.safetensors"))
         and (folder / "tokenizer_config.json").is_file()
+        and (folder / "generation_config.json").is_file()
     )
 
 
@@ -65,6 +66,8 @@ def _convert(gguf: Path, out_dir: Path) -> None:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.config.architectures = ["LlamaForCausalLM"]
+    # The sampling settings SmolLM2's model card recommends; engines read them as defaults.
+    model.generation_config.update(do_sample=True, temperature=0.2, top_p=0.9)
     model.save_pretrained(str(out_dir), safe_serialization=True)
     tokenizer.save_pretrained(str(out_dir))
     if not getattr(tokenizer, "chat_template", None):

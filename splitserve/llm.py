@@ -6,6 +6,7 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from engine_core import EngineConfig, EngineCore
+from ipc.defaults import default_sampling_params
 from ipc.detokenizer import IncrementalDetokenizer
 from ipc.messages import EngineCoreOutput, EngineCoreRequest, SamplingParams
 from ipc.outputs import CompletionOutput, RequestOutput
@@ -40,7 +41,7 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = default_sampling_params(self.config.model)
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):

@@ -1,6 +1,6 @@
 """The persistent batch: one row per live request, kept across steps."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -52,8 +52,10 @@ class InputBatch:
         block_size: int,
         device: torch.device | str,
         vocab_size: int,
+        eos_token_ids: list[int] | tuple[int, ...] = (),
     ) -> None:
         self.max_num_reqs = max_num_reqs
+        self.eos_token_ids = list(eos_token_ids)
         self.max_model_len = max_model_len
         self.device = torch.device(device)
         self.vocab_size = vocab_size
@@ -73,6 +75,8 @@ class InputBatch:
         # -1: the request wants no logprobs.
         self.num_logprobs = np.full(max_num_reqs, -1, dtype=np.int32)
         self.generators: dict[int, torch.Generator] = {}
+        # row -> (min_tokens, stop token ids) of rows that may not stop before min_tokens.
+        self.min_tokens: dict[int, tuple[int, list[int]]] = {}
 
         self.block_table = BlockTable(max_num_reqs, max_num_blocks_per_req, block_size, device)
         # (row order, metadata) of the last make_sampling_metadata; None once rows change.
@@ -118,6 +122,9 @@ class InputBatch:
         self.num_logprobs[row] = -1 if params.logprobs is None else params.logprobs
         if req.generator is not None:
             self.generators[row] = req.generator
+        stop_ids = list(params.stop_token_ids) + ([] if params.ignore_eos else self.eos_token_ids)
+        if params.min_tokens > 0 and stop_ids:
+            self.min_tokens[row] = (params.min_tokens, stop_ids)
 
         self.block_table.add_row(req.block_ids, row)
         self._sampling_metadata = None
@@ -130,6 +137,7 @@ class InputBatch:
             return None
         self.req_ids[row] = None
         self.generators.pop(row, None)
+        self.min_tokens.pop(row, None)
         self.block_table.clear_row(row)
         self._sampling_metadata = None
         return row
@@ -166,9 +174,10 @@ class InputBatch:
             self.num_logprobs,
         ):
             array[tgt] = array[src]
-        generator = self.generators.pop(src, None)
-        if generator is not None:
-            self.generators[tgt] = generator
+        for per_row in (self.generators, self.min_tokens):
+            value = per_row.pop(src, None)
+            if value is not None:
+                per_row[tgt] = value
         self.block_table.move_row(src, tgt)
         self.block_table.clear_row(src)
 
@@ -188,7 +197,18 @@ class InputBatch:
         cached = self._sampling_metadata
         if cached is None or not np.array_equal(cached[0], rows):
             self._sampling_metadata = cached = (rows, self._build_sampling_metadata(rows))
-        return cached[1]
+        if not self.min_tokens:
+            return cached[1]
+        return replace(cached[1], blocked_token_ids=self._blocked_token_ids(rows))
+
+    def _blocked_token_ids(self, rows: np.ndarray) -> dict[int, list[int]]:
+        """Stop tokens of the rows that have fewer than min_tokens outputs so far."""
+        blocked = {}
+        for i, row in enumerate(rows.tolist()):
+            entry = self.min_tokens.get(row)
+            if entry and self.num_tokens[row] - self.num_prompt_tokens[row] < entry[0]:
+                blocked[i] = entry[1]
+        return blocked
 
     def _build_sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
         temperature = self.temperature[rows]

@@ -32,7 +32,9 @@ class ModelRunner:
         self.num_layers, self.num_kv_heads, self.head_dim = kv_cache_shape_info(
             self.hf_config, get_tp_size()
         )
-        self.attn_backend = get_attn_backend(config.attention_backend, self.device)
+        self.attn_backend = get_attn_backend(
+            config.attention_backend, self.device, block_size=config.block_size, dtype=self.dtype
+        )
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len
         self.max_num_tokens = config.max_num_batched_tokens
@@ -43,6 +45,7 @@ class ModelRunner:
             block_size=config.block_size,
             device=self.device,
             vocab_size=self.hf_config.vocab_size,
+            eos_token_ids=config.eos_token_ids or [],
         )
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()

@@ -1,6 +1,6 @@
 """Greedy and random sampling with temperature, top-k, top-p and min-p, and logprobs."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -22,6 +22,8 @@ class SamplingMetadata:
     all_random: bool
     generators: dict[int, torch.Generator]
     max_num_logprobs: int | None
+    # logits row -> token ids it may not sample yet (stop tokens before min_tokens).
+    blocked_token_ids: dict[int, list[int]] = field(default_factory=dict)
 
 
 class LogprobsTensors(NamedTuple):
@@ -39,7 +41,9 @@ class SamplerOutput:
 
 class Sampler(torch.nn.Module):
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        logits = logits.float()
+        raw_logits = logits = logits.float()
+        if metadata.blocked_token_ids:
+            logits = _block_tokens(logits, metadata.blocked_token_ids)
         if metadata.all_greedy:
             sampled = logits.argmax(dim=-1)
         else:
@@ -49,7 +53,7 @@ class Sampler(torch.nn.Module):
                 sampled = torch.where(greedy, logits.argmax(dim=-1), sampled)
         logprobs = None
         if metadata.max_num_logprobs is not None:
-            logprobs = _gather_logprobs(logits, sampled, metadata.max_num_logprobs)
+            logprobs = _gather_logprobs(raw_logits, sampled, metadata.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
     def _sample_random(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -66,6 +70,14 @@ class Sampler(torch.nn.Module):
             threshold = probs.amax(dim=-1, keepdim=True) * metadata.min_p.unsqueeze(1)
             probs = probs.masked_fill(probs < threshold, 0.0)
         return _exponential_race(probs, metadata.generators)
+
+
+def _block_tokens(logits: torch.Tensor, blocked: dict[int, list[int]]) -> torch.Tensor:
+    rows = [row for row, ids in blocked.items() for _ in ids]
+    cols = [token_id for ids in blocked.values() for token_id in ids]
+    logits = logits.clone()
+    logits[rows, cols] = float("-inf")
+    return logits
 
 
 def _apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,16 @@
+"""Attention metadata, the forward context, the store-KV step and the backends."""
+
+from attention.forward_context import ForwardContext, get_forward_context, set_forward_context
+from attention.layer import Attention
+from attention.metadata import AttentionMetadata
+from attention.selector import BACKEND_NAMES, get_attn_backend
+
+__all__ = [
+    "BACKEND_NAMES",
+    "Attention",
+    "AttentionMetadata",
+    "ForwardContext",
+    "get_attn_backend",
+    "get_forward_context",
+    "set_forward_context",
+]

@@ -1,0 +1,128 @@
+"""Paged attention with torch ops: the CPU default and the reference for the other backends."""
+
+import torch
+import torch.nn.functional as F
+
+from attention.metadata import AttentionMetadata
+
+
+class TorchAttentionBackend:
+    """Gathers each request's context pages from the cache by its block table and calls
+    `scaled_dot_product_attention`.
+
+    Decodes go in one call: [num_decodes, num_blocks * block_size] pages, masked past
+    each seq_len (and before its window). The query heads that share a KV head are
+    folded into the query-length axis ([num_decodes, kv_heads, group, head_dim]), which
+    is exact for one query token and lets SDPA use its fused kernel without repeating
+    K/V. Prefills run one SDPA per request; a prompt with no cached prefix attends to
+    this step's k/v directly, with no gather.
+
+    Gathered pages land in a reused workspace: fresh multi-MB buffers every layer cost
+    more in page faults on CPU than the gather itself. Block table entries past a
+    request's blocks must be valid block ids (0 is fine), and the cache must hold
+    finite values (zero-initialised): masked-out slots are read but get zero weight.
+    """
+
+    name = "torch"
+
+    def __init__(self) -> None:
+        self._workspace: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+    def forward(
+        self,
+        layer,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        md: AttentionMetadata,
+    ) -> torch.Tensor:
+        out = torch.empty_like(q)
+        out[md.num_actual_tokens :] = 0
+        split = md.split
+        if split.num_decodes:
+            self._decode(layer, q, kv_cache, md, out)
+        for req in split.prefill_reqs_cpu:
+            self._prefill(layer, req, q, k, v, kv_cache, md, out)
+        return out
+
+    def _decode(self, layer, q, kv_cache, md: AttentionMetadata, out: torch.Tensor) -> None:
+        split = md.split
+        num_decodes, block_size = split.num_decodes, kv_cache.shape[2]
+        seq_lens = md.seq_lens[split.decode_reqs].long()
+        window = layer.sliding_window
+        num_blocks = -(-split.max_decode_seq_len // block_size)
+        if window is not None:  # a window of w tokens spans at most cdiv(w - 1, bs) + 1 pages
+            num_blocks = min(num_blocks, -(-(window - 1) // block_size) + 1)
+        cols = torch.arange(num_blocks, device=q.device).expand(num_decodes, num_blocks)
+        if window is not None:
+            cols = cols + ((seq_lens - window).clamp(min=0) // block_size)[:, None]
+        block_ids = md.block_table[split.decode_reqs].gather(
+            1, cols.clamp(max=md.block_table.shape[1] - 1)
+        )
+        keys, values = self._gather(kv_cache, block_ids.flatten())
+        ctx_len = num_blocks * block_size
+        shape = (num_decodes, ctx_len, layer.num_kv_heads, layer.head_dim)
+        positions = cols[:, :, None] * block_size + torch.arange(block_size, device=q.device)
+        positions = positions.view(num_decodes, ctx_len)
+        valid = positions < seq_lens[:, None]
+        if window is not None:
+            valid &= positions >= (seq_lens - window)[:, None]
+        group = layer.num_heads // layer.num_kv_heads
+        query = q[split.decode_rows].view(num_decodes, layer.num_kv_heads, group, layer.head_dim)
+        result = F.scaled_dot_product_attention(
+            query,
+            keys.view(shape).transpose(1, 2),
+            values.view(shape).transpose(1, 2),
+            attn_mask=valid[:, None, None, :],
+            scale=layer.scale,
+        )
+        out[split.decode_rows] = result.reshape(num_decodes, layer.num_heads, layer.head_dim)
+
+    def _prefill(self, layer, req: int, q, k, v, kv_cache, md: AttentionMetadata, out) -> None:
+        start = int(md.query_start_loc_cpu[req])
+        end = int(md.query_start_loc_cpu[req + 1])
+        seq_len = int(md.seq_lens_cpu[req])
+        query_len, window = end - start, layer.sliding_window
+        first = 0 if window is None else max(0, seq_len - query_len - window + 1)
+        if seq_len == query_len:
+            keys, values = k[start:end], v[start:end]
+        else:
+            block_size = kv_cache.shape[2]
+            first -= first % block_size
+            blocks = md.block_table[req, first // block_size : -(-seq_len // block_size)]
+            keys, values = self._gather(kv_cache, blocks)
+            heads = (-1, layer.num_kv_heads, layer.head_dim)
+            keys = keys.view(heads)[: seq_len - first]
+            values = values.view(heads)[: seq_len - first]
+        mask = None
+        if seq_len > query_len or window is not None:
+            query_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)[:, None]
+            key_pos = torch.arange(first, seq_len, device=q.device)[None, :]
+            mask = key_pos <= query_pos
+            if window is not None:
+                mask &= key_pos > query_pos - window
+        result = F.scaled_dot_product_attention(
+            q[start:end].transpose(0, 1),
+            keys.transpose(0, 1),
+            values.transpose(0, 1),
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=layer.scale,
+            enable_gqa=True,
+        )
+        out[start:end] = result.transpose(0, 1)
+
+    def _gather(self, kv_cache: torch.Tensor, block_ids: torch.Tensor):
+        """K and V pages of block_ids ([n] ids -> two [n, block_size, heads, dim] views)."""
+        page_shape = kv_cache.shape[2:]
+        numel = 2 * block_ids.numel() * page_shape.numel()
+        key = (kv_cache.dtype, kv_cache.device)
+        buffer = self._workspace.get(key)
+        if buffer is None or buffer.numel() < numel:
+            buffer = torch.empty(numel, dtype=kv_cache.dtype, device=kv_cache.device)
+            self._workspace[key] = buffer
+        pages = buffer[:numel].view(2, block_ids.numel(), *page_shape)
+        torch.index_select(kv_cache[0], 0, block_ids, out=pages[0])
+        torch.index_select(kv_cache[1], 0, block_ids, out=pages[1])
+        return pages[0], pages[1]

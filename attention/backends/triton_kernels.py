@@ -1,0 +1,164 @@
+"""Paged attention in Triton: one kernel source, launched as a prefill and a decode kernel.
+
+A program owns one request, one tile of BLOCK_Q query tokens and one KV head. Its rows
+are the tile's (token, query head) pairs for the GROUP query heads that share that KV
+head, so every K/V tile read from the cache serves the whole group (GQA without
+repeating K/V). The program walks the request's context in tiles of BLOCK_N positions,
+looking each position's page up in the block table, and keeps an online softmax in
+float32. The decode launch is BLOCK_Q = 1: the rows are just the group's heads. Rows
+are padded to BLOCK_M >= 16 for tl.dot; padded rows are masked, never computed for the
+next tile's tokens.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,
+    out_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    block_table_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    req_ids_ptr,
+    scale_log2,
+    sliding_window,
+    q_stride_t,
+    q_stride_h,
+    out_stride_t,
+    out_stride_h,
+    cache_stride_b,
+    cache_stride_s,
+    cache_stride_h,
+    block_table_stride,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SLIDING: tl.constexpr,
+):
+    req = tl.load(req_ids_ptr + tl.program_id(0)).to(tl.int64)
+    q_tile = tl.program_id(1)
+    kv_head = tl.program_id(2).to(tl.int64)
+    q_start = tl.load(query_start_loc_ptr + req).to(tl.int64)
+    query_len = tl.load(query_start_loc_ptr + req + 1).to(tl.int64) - q_start
+    if q_tile * BLOCK_Q < query_len:
+        seq_len = tl.load(seq_lens_ptr + req).to(tl.int64)
+        context_start = seq_len - query_len
+
+        rows = tl.arange(0, BLOCK_M)
+        token = q_tile * BLOCK_Q + rows // GROUP_PAD
+        head = kv_head * GROUP + rows % GROUP_PAD
+        row_valid = (rows < BLOCK_Q * GROUP_PAD) & (rows % GROUP_PAD < GROUP) & (token < query_len)
+        dims = tl.arange(0, HEAD_DIM_PAD)
+        dim_valid = dims < HEAD_DIM
+        q_offsets = ((q_start + token) * q_stride_t + head * q_stride_h)[:, None] + dims[None, :]
+        q = tl.load(q_ptr + q_offsets, mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+        query_pos = context_start + token
+
+        end = context_start + tl.minimum(query_len, (q_tile + 1) * BLOCK_Q)  # causal bound
+        start = 0
+        if SLIDING:
+            first_pos = context_start + q_tile * BLOCK_Q - sliding_window + 1
+            start = tl.maximum(first_pos, 0) // BLOCK_N * BLOCK_N
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+        block_row = block_table_ptr + req * block_table_stride
+        for tile_start in range(start, end, BLOCK_N):
+            pos = tile_start + tl.arange(0, BLOCK_N)
+            pos_valid = pos < end
+            block = tl.load(block_row + pos // BLOCK_SIZE, mask=pos_valid, other=0).to(tl.int64)
+            slot_offsets = (
+                block * cache_stride_b + (pos % BLOCK_SIZE) * cache_stride_s
+            ) + kv_head * cache_stride_h
+            kv_offsets = slot_offsets[:, None] + dims[None, :]
+            kv_mask = pos_valid[:, None] & dim_valid[None, :]
+            k = tl.load(key_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+            scores = tl.dot(q, tl.trans(k)) * scale_log2
+            visible = pos_valid[None, :] & (pos[None, :] <= query_pos[:, None])
+            if SLIDING:
+                visible &= pos[None, :] > query_pos[:, None] - sliding_window
+            scores = tl.where(visible, scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(scores - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(value_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        out_rows = (q_start + token) * out_stride_t + head * out_stride_h
+        out_mask = row_valid[:, None] & dim_valid[None, :]
+        tl.store(
+            out_ptr + out_rows[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty), out_mask
+        )
+
+
+def paged_attention(
+    q: torch.Tensor,
+    out: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    req_ids: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    sliding_window: int | None,
+    block_q: int,
+    block_n: int = 32,
+) -> None:
+    """Attend the query tokens of requests req_ids, writing their rows of out.
+
+    q/out [T, num_heads, head_dim], kv_cache [2, num_blocks, block_size, num_kv_heads,
+    head_dim], last dims contiguous. block_q = 1 is the decode kernel.
+    """
+    key_cache, value_cache = kv_cache.unbind(0)
+    _, block_size, num_kv_heads, head_dim = key_cache.shape
+    assert q.stride(-1) == out.stride(-1) == key_cache.stride(-1) == 1
+    group = q.shape[1] // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    grid = (req_ids.shape[0], triton.cdiv(max_query_len, block_q), num_kv_heads)
+    _paged_attention_kernel[grid](
+        q,
+        out,
+        key_cache,
+        value_cache,
+        block_table,
+        query_start_loc,
+        seq_lens,
+        req_ids,
+        scale * LOG2E,
+        sliding_window or 0,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        block_table.stride(0),
+        BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        BLOCK_Q=block_q,
+        BLOCK_M=max(16, block_q * group_pad),  # tl.dot needs 16 rows on GPUs
+        BLOCK_N=block_n,
+        SLIDING=sliding_window is not None,
+    )

@@ -1,0 +1,55 @@
+"""Choosing the attention backend (`--attention-backend auto|flash_attn|triton|torch`)."""
+
+import os
+
+import torch
+
+from attention.backends.flash_attn_backend import FlashAttentionBackend
+from attention.backends.torch_backend import TorchAttentionBackend
+from attention.backends.triton_backend import TritonAttentionBackend
+
+BACKEND_NAMES = ("auto", "flash_attn", "triton", "torch")
+
+
+def get_attn_backend(
+    name: str = "auto",
+    device: torch.device | str = "cpu",
+    *,
+    block_size: int | None = None,
+    dtype: torch.dtype | None = None,
+):
+    """A backend instance for this device. "auto": flash_attn on CUDA when it is
+    installed and supports block_size and dtype (when given), else triton on CUDA;
+    torch on CPU."""
+    if name not in BACKEND_NAMES:
+        raise ValueError(
+            f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}"
+        )
+    on_cuda = torch.device(device).type == "cuda"
+    if name == "auto":
+        if not on_cuda:
+            return TorchAttentionBackend()
+        if FlashAttentionBackend.supports(block_size, dtype):
+            try:
+                return FlashAttentionBackend()
+            except ImportError:
+                pass
+        return TritonAttentionBackend()
+    if name == "flash_attn":
+        if not on_cuda:
+            raise ValueError("attention backend flash_attn needs a CUDA device")
+        if not FlashAttentionBackend.supports(block_size, dtype):
+            raise ValueError(
+                "attention backend flash_attn needs a block size that is a multiple of "
+                f"{FlashAttentionBackend.block_size_multiple} and fp16/bf16, got "
+                f"block_size={block_size}, dtype={dtype}"
+            )
+        try:
+            return FlashAttentionBackend()
+        except ImportError as e:
+            raise ImportError("attention backend flash_attn needs `pip install flash-attn`") from e
+    if name == "triton":
+        if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("attention backend triton needs CUDA (or TRITON_INTERPRET=1)")
+        return TritonAttentionBackend()
+    return TorchAttentionBackend()

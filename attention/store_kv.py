@@ -1,0 +1,21 @@
+import torch
+
+from attention.triton_store_kv import store_kv_triton
+
+
+def store_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write k/v ([T, num_kv_heads, head_dim]) into kv_cache ([2, num_blocks, block_size,
+    num_kv_heads, head_dim]) at flat slot ids; slots of -1 (padding) are skipped.
+    A Triton kernel on CUDA; vectorised index_copy_ elsewhere."""
+    if kv_cache.is_cuda:
+        store_kv_triton(k, v, kv_cache, slot_mapping)
+        return
+    num_tokens = slot_mapping.shape[0]
+    key_cache = kv_cache[0].view(-1, *kv_cache.shape[3:])
+    value_cache = kv_cache[1].view(-1, *kv_cache.shape[3:])
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    key_cache.index_copy_(0, slots, k[:num_tokens][valid])
+    value_cache.index_copy_(0, slots, v[:num_tokens][valid])

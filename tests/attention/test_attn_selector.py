@@ -1,0 +1,52 @@
+import sys
+
+import fake_flash_attn
+import pytest
+import torch
+
+from attention import get_attn_backend
+
+
+def test_auto_is_torch_on_cpu():
+    assert get_attn_backend().name == "torch"
+    assert get_attn_backend("auto", torch.device("cpu")).name == "torch"
+
+
+def test_auto_on_cuda_prefers_flash_attn_when_installed_and_supported(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flash_attn", fake_flash_attn)
+    assert get_attn_backend("auto", "cuda").name == "flash_attn"
+    assert get_attn_backend("auto", "cuda", block_size=256, dtype=torch.bfloat16).name == (
+        "flash_attn"
+    )
+    assert get_attn_backend("auto", "cuda", block_size=16).name == "triton"
+    assert get_attn_backend("auto", "cuda", dtype=torch.float32).name == "triton"
+
+
+def test_auto_on_cuda_without_flash_attn_is_triton(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flash_attn", None)  # makes `import flash_attn` fail
+    assert get_attn_backend("auto", "cuda:0").name == "triton"
+
+
+def test_explicit_names():
+    assert get_attn_backend("torch", "cpu").name == "torch"
+    assert get_attn_backend("triton", "cpu").name == "triton"  # tests run TRITON_INTERPRET=1
+    with pytest.raises(ValueError, match="auto, flash_attn, triton, torch"):
+        get_attn_backend("xformers")
+    with pytest.raises(ValueError, match="CUDA"):
+        get_attn_backend("flash_attn", "cpu")
+
+
+def test_explicit_flash_attn_checks(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flash_attn", None)
+    with pytest.raises(ImportError, match="pip install flash-attn"):
+        get_attn_backend("flash_attn", "cuda")
+    monkeypatch.setitem(sys.modules, "flash_attn", fake_flash_attn)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        get_attn_backend("flash_attn", "cuda", block_size=16)
+    assert get_attn_backend("flash_attn", "cuda", block_size=512).name == "flash_attn"
+
+
+def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        get_attn_backend("triton", "cpu")

@@ -1,0 +1,47 @@
+"""The Triton store-KV kernel (under TRITON_INTERPRET=1) against the torch path, exactly."""
+
+import pytest
+import torch
+
+from attention.store_kv import store_kv_cache
+from attention.triton_store_kv import store_kv_triton
+
+
+def stored_both_ways(num_tokens, num_padding, num_kv_heads, head_dim, block_size, num_blocks):
+    gen = torch.Generator().manual_seed(num_tokens)
+    shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    cache = torch.randn(shape, generator=gen)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slot_mapping = torch.cat([slots, torch.full((num_padding,), -1)])
+    # k/v as strided views of one projection, with rows past the slot mapping
+    total = num_tokens + num_padding + 3
+    kv = torch.randn(total, 3, num_kv_heads, head_dim, generator=gen)
+    k, v = kv[:, 0], kv[:, 2]
+    expected, actual = cache.clone(), cache.clone()
+    store_kv_cache(k, v, expected, slot_mapping)
+    store_kv_triton(k, v, actual, slot_mapping, tile=16)
+    return cache, expected, actual, slots, k, v
+
+
+@pytest.mark.parametrize(
+    "num_tokens, num_padding, num_kv_heads, head_dim, block_size, num_blocks",
+    [
+        (1, 0, 1, 4, 16, 4),
+        (37, 5, 2, 8, 4, 64),
+        (300, 13, 3, 6, 16, 40),  # head_dim not a power of 2; many tiles
+        (50, 0, 1, 4, 2, 60000),  # large block ids
+    ],
+)
+def test_triton_store_kv_equals_torch(
+    num_tokens, num_padding, num_kv_heads, head_dim, block_size, num_blocks
+):
+    cache, expected, actual, slots, k, v = stored_both_ways(
+        num_tokens, num_padding, num_kv_heads, head_dim, block_size, num_blocks
+    )
+    assert torch.equal(actual, expected)
+    flat = expected.view(2, -1, num_kv_heads, head_dim)
+    assert torch.equal(flat[0, slots], k[:num_tokens])
+    assert torch.equal(flat[1, slots], v[:num_tokens])
+    untouched = torch.ones(flat.shape[1], dtype=torch.bool)
+    untouched[slots] = False
+    assert torch.equal(flat[:, untouched], cache.view_as(flat)[:, untouched])

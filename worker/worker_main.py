@@ -1,0 +1,111 @@
+"""One tensor-parallel rank as a process: `run_worker(config, engine_address, rank, ...)`.
+
+It connects a DEALER to the engine's workers socket first (so even a failed start is
+reported), joins the torch.distributed group, builds its ModelRunner (loading its
+shard) and registers with WorkerReady(rank, num_kv_blocks, pid, hostname). After
+InitKVCache it runs every SchedulerOutput it receives; only rank 0 answers with the
+ModelRunnerOutput. Shutdown ends it with 0; an exception is sent as WorkerError (with
+the traceback) and ends it with 1, as does losing the connection to the EngineCore.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import traceback
+
+import torch
+import zmq
+
+from engine_core.config import EngineConfig
+from ipc.messages import (
+    Decoder,
+    InitKVCache,
+    SchedulerOutput,
+    Shutdown,
+    WorkerError,
+    WorkerReady,
+    encode,
+)
+from ipc.sockets import make_socket, socket_address
+from models.parallel_state import destroy_distributed, init_distributed
+from worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+_ERROR_LINGER_MS = 2000
+
+
+def run_worker(
+    config: EngineConfig,
+    engine_address: str,
+    rank: int,
+    dist_init_address: str,
+    world_size: int | None = None,
+) -> int:
+    """Serve one rank until Shutdown; returns the process exit code. world_size
+    defaults to config.tensor_parallel_size."""
+    world_size = world_size or config.tensor_parallel_size
+    ctx = zmq.Context()
+    sock = make_socket(
+        ctx,
+        zmq.DEALER,
+        socket_address(engine_address, "workers"),
+        bind=False,
+        identity=f"worker-{rank}".encode(),
+    )
+    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    step_id = None
+    try:
+        _set_num_threads(world_size)
+        device = _device(config, rank)
+        init_distributed(rank, world_size, dist_init_address, device=device)
+        runner = ModelRunner(config, device)
+        num_blocks = runner.determine_num_blocks()
+        sock.send(encode(WorkerReady(rank, num_blocks, os.getpid(), socket.gethostname())))
+        logger.info("rank %d of %d ready on %s: %d KV blocks", rank, world_size, device, num_blocks)
+        decoder = Decoder(SchedulerOutput, InitKVCache, Shutdown)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        while True:
+            if sock not in dict(poller.poll()):
+                logger.error("rank %d lost its connection to the EngineCore; exiting", rank)
+                return 1
+            msg = decoder.decode(sock.recv())
+            if isinstance(msg, SchedulerOutput):
+                step_id = msg.step_id
+                output = runner.execute_model(msg)
+                if rank == 0:
+                    sock.send(encode(output))
+            elif isinstance(msg, InitKVCache):
+                runner.initialize_kv_cache(msg.num_blocks)
+            else:
+                destroy_distributed()
+                return 0
+    except Exception:
+        message = traceback.format_exc()
+        logger.error("rank %d failed:\n%s", rank, message)
+        sock.send(encode(WorkerError(rank, message, step_id)))
+        sock.setsockopt(zmq.LINGER, _ERROR_LINGER_MS)
+        return 1
+    finally:
+        sock.disable_monitor()
+        monitor.close()
+        sock.close()
+        ctx.term()
+
+
+def _set_num_threads(world_size: int) -> None:
+    """Share this machine's cores among the ranks, unless OMP_NUM_THREADS says otherwise."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world_size))
+
+
+def _device(config: EngineConfig, rank: int) -> torch.device:
+    cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
+    if not cuda:
+        return torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
+    return torch.device("cuda", local_rank)
