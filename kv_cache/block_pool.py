@@ -1,0 +1,123 @@
+"""The pool of KV cache blocks: allocation, reference counts and the prefix cache."""
+
+from collections.abc import Iterable
+
+from kv_cache.block import KVCacheBlock
+from kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from kv_cache.free_queue import FreeKVCacheBlockQueue
+from kv_cache.request import KVCacheRequest
+
+
+class BlockPool:
+    """Owns every block. Block 0 is the null block, a placeholder that is never allocated.
+
+    Eviction is lazy: a freed block keeps its hash (and stays a cache hit) until
+    get_new_blocks pops it from the free queue for reuse.
+    """
+
+    def __init__(
+        self, num_blocks: int, enable_caching: bool = True, enable_kv_cache_events: bool = False
+    ) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"need at least 2 blocks (one is the null block), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.null_block = self.free_block_queue.popleft()
+        self.null_block.is_null = True
+        # One hash may name several blocks (no deduplication): {hash: {block_id: block}}.
+        self.cached_block_hash_to_block: dict[bytes, dict[int, KVCacheBlock]] = {}
+        self.events: list[KVCacheEvent] = []
+
+    def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
+        blocks = self.cached_block_hash_to_block.get(block_hash)
+        return next(iter(blocks.values())) if blocks else None
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        if num_blocks > self.free_block_queue.num_free_blocks:
+            raise ValueError(
+                f"cannot get {num_blocks} blocks, {self.free_block_queue.num_free_blocks} free"
+            )
+        blocks = self.free_block_queue.popleft_n(num_blocks)
+        for block in blocks:
+            if block.block_hash is not None:
+                self._evict_cached_block(block)
+            block.ref_cnt = 1
+        return blocks
+
+    def _evict_cached_block(self, block: KVCacheBlock) -> None:
+        block_hash = block.block_hash
+        same_hash = self.cached_block_hash_to_block[block_hash]
+        del same_hash[block.block_id]
+        if not same_hash:
+            del self.cached_block_hash_to_block[block_hash]
+        block.reset_hash()
+        if self.enable_kv_cache_events:
+            self.events.append(BlockRemoved([block_hash]))
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on cache hits; a hit nobody held leaves the free queue."""
+        for block in blocks:
+            if block.is_null:
+                continue
+            if block.ref_cnt == 0:
+                self.free_block_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop a reference on each block; those reaching 0 join the free queue's tail in the
+        given order (so the first one given is evicted first). Their hashes are kept."""
+        freed = []
+        for block in ordered_blocks:
+            if block.is_null:
+                continue
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                freed.append(block)
+        self.free_block_queue.append_n(freed)
+
+    def cache_full_blocks(
+        self,
+        request: KVCacheRequest,
+        blocks: list[KVCacheBlock],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+    ) -> None:
+        """Give blocks[num_cached_blocks:num_full_blocks] the request's hashes and cache them."""
+        block_hashes = request.block_hashes
+        stored = []
+        for i in range(num_cached_blocks, num_full_blocks):
+            block = blocks[i]
+            if block.is_null:
+                continue
+            block_hash = block_hashes[i]
+            block.block_hash = block_hash
+            self.cached_block_hash_to_block.setdefault(block_hash, {})[block.block_id] = block
+            stored.append(block_hash)
+        if self.enable_kv_cache_events and stored:
+            parent = block_hashes[num_cached_blocks - 1] if num_cached_blocks > 0 else None
+            self.events.append(BlockStored(stored, parent, block_size))
+
+    def get_num_free_blocks(self) -> int:
+        return self.free_block_queue.num_free_blocks
+
+    def get_usage(self) -> float:
+        return 1.0 - self.get_num_free_blocks() / (self.num_blocks - 1)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash. Refused (False) while any block is in use."""
+        if self.get_num_free_blocks() != self.num_blocks - 1:
+            return False
+        self.cached_block_hash_to_block.clear()
+        for block in self.blocks:
+            block.reset_hash()
+        if self.enable_kv_cache_events:
+            self.events.append(AllBlocksCleared())
+        return True
+
+    def take_events(self) -> list[KVCacheEvent]:
+        events, self.events = self.events, []
+        return events

@@ -1,0 +1,115 @@
+"""Test helpers: a minimal request and whole-pool snapshots / invariant checks."""
+
+from collections import Counter
+from dataclasses import dataclass, field
+from itertools import pairwise
+
+from kv_cache import KVCacheManager, extend_block_hashes
+
+
+@dataclass
+class FakeRequest:
+    request_id: str
+    token_ids: list[int]
+    block_size: int
+    cache_salt: str | None = None
+    num_computed_tokens: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.token_ids)
+        self._rehash()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self._rehash()
+
+    def _rehash(self) -> None:
+        extend_block_hashes(self.block_hashes, self.token_ids, self.block_size, self.cache_salt)
+
+
+def ids(blocks) -> list[int]:
+    return [b.block_id for b in blocks]
+
+
+def free_ids(manager: KVCacheManager) -> list[int]:
+    return ids(manager.block_pool.free_block_queue.get_all_free_blocks())
+
+
+def snapshot(manager: KVCacheManager) -> tuple:
+    """Everything observable about the pool and the block tables."""
+    pool = manager.block_pool
+    stm = manager.single_type_manager
+    return (
+        [(b.block_id, b.ref_cnt, b.block_hash) for b in pool.blocks],
+        free_ids(manager),
+        {h: sorted(d) for h, d in pool.cached_block_hash_to_block.items()},
+        {r: ids(bs) for r, bs in stm.req_to_blocks.items() if bs},
+        {r: n for r, n in stm.num_cached_block.items() if n},
+        len(pool.events),
+    )
+
+
+def check_invariants(manager: KVCacheManager, requests: dict[str, FakeRequest]) -> None:
+    pool = manager.block_pool
+    stm = manager.single_type_manager
+    queue = pool.free_block_queue
+    free = queue.get_all_free_blocks()
+
+    assert len(free) == queue.num_free_blocks == pool.get_num_free_blocks()
+    assert len({b.block_id for b in free}) == len(free)
+    for prev, block in pairwise(free):
+        assert prev.next_free_block is block and block.prev_free_block is prev
+    if free:
+        assert free[0].prev_free_block.block_id == -1
+        assert free[-1].next_free_block.block_id == -1
+
+    null = pool.null_block
+    assert null is pool.blocks[0] and null.is_null and null.ref_cnt == 0
+    assert null.block_hash is None and null.prev_free_block is None
+
+    assert {r for r, bs in stm.req_to_blocks.items() if bs} <= set(requests)
+    holders = Counter(b.block_id for bs in stm.req_to_blocks.values() for b in bs if not b.is_null)
+    free_set = {b.block_id for b in free}
+    for block in pool.blocks[1:]:
+        assert not block.is_null
+        if holders[block.block_id] == 0:
+            assert block.ref_cnt == 0 and block.block_id in free_set
+        else:
+            assert block.ref_cnt == holders[block.block_id]
+            assert block.block_id not in free_set and block.next_free_block is None
+
+    cache = pool.cached_block_hash_to_block
+    if not manager.enable_caching:
+        assert not cache
+    num_hashed = sum(b.block_hash is not None for b in pool.blocks)
+    assert num_hashed == sum(len(d) for d in cache.values())
+    for block_hash, same_hash in cache.items():
+        assert same_hash
+        for block_id, block in same_hash.items():
+            assert block.block_id == block_id and block.block_hash == block_hash
+
+    window = getattr(stm, "sliding_window", None)
+    for request_id, blocks in stm.req_to_blocks.items():
+        request = requests[request_id]
+        assert len(blocks) * manager.block_size >= request.num_computed_tokens
+        if window is not None:  # the next token's window must be intact
+            first_needed = max(0, request.num_computed_tokens - window + 1)
+            assert not any(b.is_null for b in blocks[first_needed // manager.block_size :])
+        else:
+            assert not any(b.is_null for b in blocks)
+        num_cached = stm.num_cached_block.get(request_id, 0)
+        assert num_cached * manager.block_size <= request.num_computed_tokens  # only computed KV
+        for i, block in enumerate(blocks):
+            if block.is_null:
+                continue
+            if i < num_cached:
+                assert block.block_hash == request.block_hashes[i]
+            else:
+                assert block.block_hash is None
+
+    assert abs(manager.usage - (1 - len(free) / (pool.num_blocks - 1))) < 1e-9
