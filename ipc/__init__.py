@@ -1,1 +1,2 @@
-"""Wire messages, their codec and (later) ZMQ helpers and the client library."""
+"""The wire: messages and their codec, ZMQ sockets, the tokenizer and detokenizer, and
+the client library of an EngineCore process."""

@@ -33,17 +33,15 @@ class IncrementalDetokenizer:
         self.text = ""
         self.stopped = False
 
-    def add_tokens(self, token_ids: list[int]) -> str:
-        """Append tokens; return the new text (truncated at a stop string, which sets
-        `stopped`)."""
-        start = len(self.text)
+    def add_tokens(self, token_ids: list[int]) -> None:
+        """Append tokens to `text`, cutting it at a stop string (which sets `stopped`).
+        Text that may still begin a stop string is the caller's to hold back."""
         for token_id in token_ids:
             self.token_ids.append(token_id)
             before = len(self.text)
             self.text += self._next_delta()
             if self.stop and self._truncate_at_stop(max(before - self.max_stop_len + 1, 0)):
                 break
-        return self.text[start:]
 
     def _next_delta(self) -> str:
         skip = self.skip_special_tokens

@@ -3,13 +3,13 @@ import time
 from collections.abc import Sequence
 
 from tqdm import tqdm
-from transformers import AutoTokenizer
 
 from engine_core import EngineConfig, EngineCore
+from ipc.client.core import RequestState
 from ipc.defaults import default_sampling_params
-from ipc.detokenizer import IncrementalDetokenizer
-from ipc.messages import EngineCoreOutput, EngineCoreRequest, SamplingParams
-from ipc.outputs import CompletionOutput, RequestOutput
+from ipc.messages import EngineCoreRequest, SamplingParams
+from ipc.outputs import RequestOutput
+from ipc.tokenizer import Tokenizer
 
 Prompt = str | list[int]
 Message = dict[str, str]
@@ -19,7 +19,8 @@ class LLM:
     """Offline generation: an EngineCore driven in this process.
 
     With tensor_parallel_size 1 the model runs in this process; otherwise in worker
-    processes, exactly as under launch.py.
+    processes, exactly as under launch.py. Requests are folded into RequestOutputs by
+    the same RequestState the clients use (detokenization, stop strings).
     """
 
     def __init__(self, model: str | None = None, **engine_args) -> None:
@@ -28,7 +29,7 @@ class LLM:
 
             model = default_model_path()
         self.config = EngineConfig(model=model, **engine_args)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.config.tokenizer)
+        self.tokenizer = Tokenizer.from_pretrained(self.config.tokenizer)
         self.engine = EngineCore(self.config, _make_executor(self.config))
         self._ids = itertools.count()
 
@@ -56,10 +57,10 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         conversations = [messages] if isinstance(messages[0], dict) else messages
-        template = self.tokenizer.apply_chat_template
         prompts = [
             self.tokenizer.encode(
-                template(conv, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+                self.tokenizer.apply_chat_template(conv, add_generation_prompt=True),
+                add_special_tokens=False,
             )
             for conv in conversations
         ]
@@ -68,44 +69,23 @@ class LLM:
     def _run(
         self, token_ids: list[list[int]], params: Sequence[SamplingParams], use_tqdm: bool
     ) -> list[RequestOutput]:
-        results: dict[str, RequestOutput] = {}
-        detokenizers: dict[str, IncrementalDetokenizer] = {}
+        states: dict[str, RequestState] = {}
         for ids, sp in zip(token_ids, params, strict=True):
-            request_id = str(next(self._ids))
-            results[request_id] = RequestOutput(request_id, ids, [CompletionOutput(0, "", [])])
-            detokenizers[request_id] = IncrementalDetokenizer(
-                self.tokenizer, ids, sp.skip_special_tokens, sp.stop
-            )
-            self.engine.add_request(EngineCoreRequest(request_id, ids, sp, time.time()))
-        with tqdm(total=len(results), disable=not use_tqdm, desc="Generating") as bar:
+            request = EngineCoreRequest(str(next(self._ids)), ids, sp, time.time())
+            states[request.request_id] = RequestState(request, self.tokenizer, queue=None)
+            self.engine.add_request(request)
+        with tqdm(total=len(states), disable=not use_tqdm, desc="Generating") as bar:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step().outputs:
-                    if self._apply(results[out.request_id], detokenizers[out.request_id], out):
+                    state = states[out.request_id]
+                    if state.result.finished:
+                        continue
+                    state.apply(out)
+                    if state.result.finished:
+                        if out.finish_reason is None:  # a stop string: the engine goes on
+                            self.engine.abort_requests([out.request_id])
                         bar.update(1)
-        return list(results.values())
-
-    def _apply(
-        self, result: RequestOutput, detok: IncrementalDetokenizer, out: EngineCoreOutput
-    ) -> bool:
-        """Fold one engine output into the request's result; True once it finished."""
-        if result.finished:
-            return False
-        completion = result.outputs[0]
-        completion.token_ids.extend(out.new_token_ids)
-        if out.logprobs:
-            completion.logprobs = (completion.logprobs or []) + out.logprobs
-        completion.text += detok.add_tokens(out.new_token_ids)
-        result.num_cached_tokens = max(result.num_cached_tokens, out.num_cached_tokens)
-        finish_reason = out.finish_reason
-        if detok.stopped and finish_reason is None:
-            self.engine.abort_requests([result.request_id])
-            finish_reason = "stop"
-        if finish_reason is None:
-            return False
-        completion.finish_reason = finish_reason
-        result.error = out.error
-        result.finished = True
-        return True
+        return [state.result for state in states.values()]
 
 
 def _make_executor(config: EngineConfig):

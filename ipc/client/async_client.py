@@ -1,0 +1,238 @@
+"""AsyncEngineClient: the asyncio client of an EngineCore process (the HTTP server's).
+
+One task owns the output socket and hands each request's deltas to that request's
+asyncio.Queue. Sends go through a plain (blocking-API) socket on the same ZMQ context:
+with no high-water mark they never wait, so an abort can be sent from a `finally` of
+a cancelled task or a collected async generator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from ipc.client.core import (
+    CLOSE_LINGER_MS,
+    ClientCore,
+    ClientTokenizer,
+    EngineDeadError,
+    Message,
+    Prompt,
+    RequestState,
+    dead_engine_error,
+    new_identity,
+    no_engine_error,
+)
+from ipc.messages import AbortRequests, SamplingParams, SchedulerStats, encode
+from ipc.outputs import RequestOutput
+from ipc.sockets import HELLO, WELCOME, make_socket, read_address, socket_address
+
+
+class AsyncEngineClient:
+    """Use `await AsyncEngineClient.create(address, ...)`, or construct and
+    `await connect()`. `health_interval` as for EngineClient."""
+
+    def __init__(
+        self,
+        address: str,
+        tokenizer: str | os.PathLike | ClientTokenizer | None = None,
+        connect_timeout: float = 30.0,
+        health_interval: float = 15.0,
+    ) -> None:
+        self.address = read_address(address)
+        self.connect_timeout = connect_timeout
+        self.health_interval = health_interval
+        self._core = ClientCore(tokenizer)
+        self._ctx: zmq.asyncio.Context | None = None
+        self._receiver: asyncio.Task | None = None
+        self._closed = False
+
+    @classmethod
+    async def create(cls, address: str, **kwargs: Any) -> AsyncEngineClient:
+        client = cls(address, **kwargs)
+        await client.connect()
+        return client
+
+    @property
+    def tokenizer(self) -> ClientTokenizer | None:
+        return self._core.tokenizer
+
+    async def connect(self) -> None:
+        if self._ctx is not None:
+            raise RuntimeError("the AsyncEngineClient is already connected")
+        self._ctx = zmq.asyncio.Context()
+        identity = new_identity()
+        self._input = make_socket(
+            zmq.Context.shadow(self._ctx.underlying),
+            zmq.DEALER,
+            socket_address(self.address, "input"),
+            False,
+            identity,
+        )
+        self._output = make_socket(
+            self._ctx, zmq.DEALER, socket_address(self.address, "output"), False, identity
+        )
+        try:
+            await self._output.send(HELLO)
+            welcome = await asyncio.wait_for(self._output.recv(), self.connect_timeout)
+            if welcome != WELCOME:
+                raise RuntimeError(f"the EngineCore at {self.address} answered HELLO: {welcome!r}")
+        except BaseException as e:
+            self._close_sockets()
+            self._ctx = None
+            if isinstance(e, asyncio.TimeoutError):
+                raise no_engine_error(self.address, self.connect_timeout) from None
+            raise
+        self._receiver = asyncio.create_task(self._receive_loop())
+
+    async def generate(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> RequestOutput:
+        """Run one request to the end; raises RequestError if the engine failed it.
+        Cancelling the caller aborts the request."""
+        state = self._submit(prompt, sampling_params, request_id, priority, cache_salt)
+        async for _ in self._deltas(state):
+            pass
+        return state.result
+
+    async def stream(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield one RequestOutput per engine output, holding only the new tokens and
+        text. Cancelling the consumer or closing the iterator early aborts the request."""
+        state = self._submit(prompt, sampling_params, request_id, priority, cache_salt)
+        async for delta in self._deltas(state):
+            yield delta
+
+    async def chat(
+        self, messages: list[Message], sampling_params: SamplingParams | None = None, **kwargs: Any
+    ) -> RequestOutput:
+        return await self.generate(self._core.chat_token_ids(messages), sampling_params, **kwargs)
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request; its generate returns (and its stream ends) with "abort"."""
+        if self._core.abort(request_id):
+            self._send(AbortRequests([request_id]))
+
+    async def stats(self, timeout: float = 30.0) -> SchedulerStats:
+        return await self._call("stats", timeout)
+
+    async def reset_prefix_cache(self, timeout: float = 30.0) -> bool:
+        return await self._call("reset_prefix_cache", timeout)
+
+    async def health(self, timeout: float = 5.0) -> bool:
+        try:
+            return bool(await self._call("health", timeout))
+        except EngineDeadError:
+            return False
+
+    async def close(self) -> None:
+        """Abort this client's live requests in the engine and release the sockets."""
+        if self._closed or self._receiver is None:
+            return
+        live = self._core.fail_all(RuntimeError("the AsyncEngineClient was closed"))
+        if live:
+            self._send(AbortRequests(live))
+        self._closed = True
+        self._receiver.cancel()
+        await asyncio.wait([self._receiver])
+        self._close_sockets()
+
+    async def __aenter__(self) -> AsyncEngineClient:
+        if self._receiver is None:
+            await self.connect()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    def _submit(self, prompt, sampling_params, request_id, priority, cache_salt) -> RequestState:
+        self._check_open()
+        state = self._core.add_request(
+            prompt, sampling_params, request_id, priority, cache_salt, asyncio.Queue()
+        )
+        self._send(state.request)
+        return state
+
+    async def _deltas(self, state: RequestState) -> AsyncIterator[RequestOutput]:
+        try:
+            while True:
+                item = await _get(state.queue, self.health_interval)
+                if item is None:
+                    await self._call("health", self.health_interval)
+                    continue
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            if self._core.pop(state.request.request_id) is not None:
+                self._send(AbortRequests([state.request.request_id]))
+
+    async def _call(self, method: str, timeout: float) -> Any:
+        self._check_open()
+        future = asyncio.get_running_loop().create_future()
+        request = self._core.add_call(method, future)
+        self._send(request)
+        try:
+            await asyncio.wait([future], timeout=timeout)
+        finally:
+            self._core.drop_call(request.call_id)
+        if not future.done():
+            raise dead_engine_error(self.address, method, timeout)
+        return future.result()
+
+    def _check_open(self) -> None:
+        if self._receiver is None:
+            raise RuntimeError("the AsyncEngineClient is not connected: await connect() first")
+        if self._closed:
+            raise RuntimeError("the AsyncEngineClient is closed")
+
+    def _send(self, message: msgspec.Struct) -> None:
+        if not self._closed:
+            self._input.send(encode(message))
+
+    async def _receive_loop(self) -> None:
+        try:
+            while True:
+                abort = self._core.handle_frame(await self._output.recv())
+                if abort is not None:
+                    self._send(abort)
+        except Exception as e:
+            self._core.fail_all(RuntimeError(f"the AsyncEngineClient's receiver failed: {e!r}"))
+            raise
+
+    def _close_sockets(self) -> None:
+        self._input.close(linger=CLOSE_LINGER_MS)
+        self._output.close()
+        self._ctx.term()
+
+
+async def _get(queue: asyncio.Queue, timeout: float) -> Any:
+    """The next item of `queue`, or None after `timeout`. Unlike asyncio.wait_for
+    before Python 3.12, never swallows a cancellation that races with an item."""
+    if not queue.empty():
+        return queue.get_nowait()
+    getter = asyncio.ensure_future(queue.get())
+    try:
+        await asyncio.wait([getter], timeout=timeout)
+    finally:
+        getter.cancel()
+    return getter.result() if getter.done() and not getter.cancelled() else None

@@ -1,0 +1,279 @@
+"""What the sync and async clients share; they differ only in I/O.
+
+`ClientCore` turns prompts into EngineCoreRequests and folds the engine's outputs into
+RequestOutputs (incremental detokenization, stop strings), putting each request's
+deltas into that request's queue (`queue.Queue` or `asyncio.Queue`: only `put_nowait`
+is used), and matches utility answers to their futures
+(`concurrent.futures.Future` or `asyncio.Future`). It owns no socket: the caller sends
+what it returns.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import time
+import uuid
+from typing import Any, Protocol
+
+from ipc.detokenizer import IncrementalDetokenizer
+from ipc.messages import (
+    AbortRequests,
+    DecodeError,
+    Decoder,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    SamplingParams,
+    UtilityOutput,
+    UtilityRequest,
+)
+from ipc.outputs import CompletionOutput, RequestOutput
+from ipc.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+CLOSE_LINGER_MS = 1000  # how long a closing client lets its last aborts leave
+Prompt = str | list[int]
+Message = dict[str, Any]
+
+
+class RequestError(ValueError):
+    """The EngineCore refused or failed a request (finish_reason "error")."""
+
+
+class EngineDeadError(RuntimeError):
+    """The EngineCore did not answer in time."""
+
+
+class ClientTokenizer(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+    def apply_chat_template(self, messages: list[Message], **kwargs: Any) -> Any: ...
+
+
+class _Sink(Protocol):
+    def put_nowait(self, item: RequestOutput | Exception) -> None: ...
+
+
+def load_tokenizer(tokenizer: str | os.PathLike | ClientTokenizer | None) -> ClientTokenizer | None:
+    if isinstance(tokenizer, str | os.PathLike):
+        return Tokenizer.from_pretrained(tokenizer)
+    return tokenizer
+
+
+def new_identity() -> bytes:
+    """8 random bytes for the client's DEALERs; ZMQ reserves identities starting with 0."""
+    identity = os.urandom(8)
+    return bytes([identity[0] | 1]) + identity[1:]
+
+
+def no_engine_error(address: str, timeout: float) -> TimeoutError:
+    return TimeoutError(f"no EngineCore answering at {address} (waited {timeout:g} s for WELCOME)")
+
+
+def dead_engine_error(address: str, method: str, timeout: float) -> EngineDeadError:
+    return EngineDeadError(
+        f"the EngineCore at {address} did not answer {method!r} within {timeout:g} s"
+    )
+
+
+class RequestState:
+    """One live request: its cumulative result and where its deltas go."""
+
+    def __init__(
+        self, request: EngineCoreRequest, tokenizer: ClientTokenizer | None, queue: _Sink
+    ) -> None:
+        params = request.sampling_params
+        self.request = request
+        self.queue = queue
+        self.detokenizer = (
+            None
+            if tokenizer is None
+            else IncrementalDetokenizer(
+                tokenizer, request.prompt_token_ids, params.skip_special_tokens, params.stop
+            )
+        )
+        self.stop_hold = max((len(s) for s in params.stop), default=1) - 1
+        self.result = RequestOutput(
+            request.request_id, request.prompt_token_ids, [CompletionOutput(0, "", [])]
+        )
+
+    def apply(self, out: EngineCoreOutput) -> RequestOutput:
+        """Fold one engine output into `result` and return the delta. The request
+        finishes when the engine says so or when the text reaches a stop string."""
+        result, completion = self.result, self.result.outputs[0]
+        completion.token_ids.extend(out.new_token_ids)
+        if out.logprobs:
+            completion.logprobs = (completion.logprobs or []) + out.logprobs
+        result.num_cached_tokens = max(result.num_cached_tokens, out.num_cached_tokens)
+        finish_reason = out.finish_reason
+        text = ""
+        if self.detokenizer is not None:
+            self.detokenizer.add_tokens(out.new_token_ids)
+            if finish_reason is None and self.detokenizer.stopped:
+                finish_reason = "stop"
+            text = self._release_text(finished=finish_reason is not None)
+            completion.text += text
+        if finish_reason is not None:
+            completion.finish_reason = finish_reason
+            result.error = out.error
+            result.finished = True
+        delta = CompletionOutput(0, text, list(out.new_token_ids), finish_reason, out.logprobs)
+        return RequestOutput(
+            result.request_id,
+            result.prompt_token_ids,
+            [delta],
+            result.finished,
+            result.num_cached_tokens,
+            result.error,
+        )
+
+    def _release_text(self, finished: bool) -> str:
+        """The detokenized text not given out yet, but for its last characters while a
+        stop string could still begin there: text once given out is never taken back."""
+        text, sent = self.detokenizer.text, len(self.result.outputs[0].text)
+        end = len(text) if finished else max(len(text) - self.stop_hold, sent)
+        return text[sent:end]
+
+
+class ClientCore:
+    def __init__(self, tokenizer: str | os.PathLike | ClientTokenizer | None) -> None:
+        self.tokenizer = load_tokenizer(tokenizer)
+        self._requests: dict[str, RequestState] = {}
+        self._calls: dict[int, Any] = {}
+        self._call_ids = itertools.count()
+        # Reentrant: a stream garbage-collected while this thread holds the lock
+        # aborts its request from inside the collector.
+        self._lock = threading.RLock()
+        self._decoder = Decoder(EngineCoreOutputs, UtilityOutput)
+
+    def prompt_token_ids(self, prompt: Prompt) -> list[int]:
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if self.tokenizer is None:
+            raise ValueError("a text prompt needs a tokenizer; pass token ids or a tokenizer")
+        return self.tokenizer.encode(prompt)
+
+    def chat_token_ids(self, messages: list[Message]) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer")
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def add_request(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None,
+        request_id: str | None,
+        priority: int,
+        cache_salt: str | None,
+        queue: _Sink,
+    ) -> RequestState:
+        params = sampling_params or SamplingParams()
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        request = EngineCoreRequest(
+            request_id or uuid.uuid4().hex,
+            self.prompt_token_ids(prompt),
+            params,
+            time.time(),
+            priority,
+            cache_salt,
+        )
+        state = RequestState(request, self.tokenizer, queue)
+        with self._lock:
+            if request.request_id in self._requests:
+                raise ValueError(f"request id {request.request_id!r} is already running")
+            self._requests[request.request_id] = state
+        return state
+
+    def pop(self, request_id: str) -> RequestState | None:
+        """Forget a live request (None if it is not live)."""
+        with self._lock:
+            return self._requests.pop(request_id, None)
+
+    def abort(self, request_id: str) -> bool:
+        """Finish a live request with finish_reason "abort", waking its consumer."""
+        state = self.pop(request_id)
+        if state is not None:
+            state.queue.put_nowait(state.apply(EngineCoreOutput(request_id, [], "abort")))
+        return state is not None
+
+    def handle_frame(self, frame: bytes) -> AbortRequests | None:
+        """Deliver one frame from the engine's output socket; return the abort the
+        caller must send for requests whose text reached a stop string."""
+        try:
+            message = self._decoder.decode(frame)
+        except DecodeError as e:
+            logger.error("dropped a frame from the EngineCore: %s", e)
+            return None
+        if isinstance(message, UtilityOutput):
+            self.resolve_call(message)
+            return None
+        stopped = self.process_outputs(message)
+        return AbortRequests(stopped) if stopped else None
+
+    def process_outputs(self, outputs: EngineCoreOutputs) -> list[str]:
+        """Deliver the engine's outputs; return the requests that hit a stop string,
+        which the caller must abort in the engine."""
+        stopped = []
+        with self._lock:
+            for out in outputs.outputs:
+                state = self._requests.get(out.request_id)
+                if state is None:
+                    continue  # finished or aborted here; the engine has not caught up yet
+                delta = state.apply(out)
+                if not delta.finished:
+                    state.queue.put_nowait(delta)
+                    continue
+                del self._requests[out.request_id]
+                if out.finish_reason == "error":
+                    state.queue.put_nowait(RequestError(out.error or "the EngineCore failed"))
+                    continue
+                state.queue.put_nowait(delta)
+                if out.finish_reason is None:
+                    stopped.append(out.request_id)
+        return stopped
+
+    def fail_all(self, error: Exception) -> list[str]:
+        """Fail every live request and utility call (the client is closing); return the
+        request ids that were live."""
+        with self._lock:
+            states, self._requests = self._requests, {}
+            calls, self._calls = self._calls, {}
+        for state in states.values():
+            state.queue.put_nowait(error)
+        for future in calls.values():
+            if not future.done():
+                future.set_exception(error)
+        return list(states)
+
+    def add_call(self, method: str, future: Any) -> UtilityRequest:
+        with self._lock:
+            call_id = next(self._call_ids)
+            self._calls[call_id] = future
+        return UtilityRequest(call_id, method)
+
+    def drop_call(self, call_id: int) -> None:
+        with self._lock:
+            self._calls.pop(call_id, None)
+
+    def resolve_call(self, out: UtilityOutput) -> None:
+        if out.call_id == -1:
+            logger.error("the EngineCore could not decode a frame from this client: %s", out.error)
+            return
+        with self._lock:
+            future = self._calls.pop(out.call_id, None)
+        if future is None or future.done():
+            return  # its caller timed out
+        if out.error is not None:
+            future.set_exception(RuntimeError(f"EngineCore utility call failed: {out.error}"))
+        else:
+            future.set_result(out.result)

@@ -1,0 +1,210 @@
+"""EngineClient: a blocking, thread-safe client of an EngineCore process.
+
+Sends go through one lock; one background thread owns the output socket and hands
+each request's deltas to that request's queue, utility answers to their futures.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import queue
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+import zmq
+
+from ipc.client.core import (
+    CLOSE_LINGER_MS,
+    ClientCore,
+    ClientTokenizer,
+    EngineDeadError,
+    Message,
+    Prompt,
+    RequestState,
+    dead_engine_error,
+    new_identity,
+    no_engine_error,
+)
+from ipc.messages import AbortRequests, SamplingParams, SchedulerStats, encode
+from ipc.outputs import RequestOutput
+from ipc.sockets import HELLO, WELCOME, make_socket, read_address, socket_address
+
+
+class EngineClient:
+    """`health_interval`: a request that hears nothing for this long asks the engine
+    for its health, and raises EngineDeadError if that goes unanswered as long."""
+
+    def __init__(
+        self,
+        address: str,
+        tokenizer: str | os.PathLike | ClientTokenizer | None = None,
+        connect_timeout: float = 30.0,
+        health_interval: float = 15.0,
+    ) -> None:
+        self.address = read_address(address)
+        self.health_interval = health_interval
+        self._core = ClientCore(tokenizer)
+        self._ctx = zmq.Context()
+        identity = new_identity()
+        self._input = make_socket(
+            self._ctx, zmq.DEALER, socket_address(self.address, "input"), False, identity
+        )
+        self._output = make_socket(
+            self._ctx, zmq.DEALER, socket_address(self.address, "output"), False, identity
+        )
+        self._send_lock = threading.RLock()
+        self._closed = False
+        try:
+            self._handshake(connect_timeout)
+        except BaseException:
+            self._input.close()
+            self._output.close()
+            self._ctx.term()
+            raise
+        self._receiver = threading.Thread(target=self._receive_loop, daemon=True, name="client-rx")
+        self._receiver.start()
+
+    @property
+    def tokenizer(self) -> ClientTokenizer | None:
+        return self._core.tokenizer
+
+    def generate(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> RequestOutput:
+        """Run one request to the end; raises RequestError if the engine failed it."""
+        state = self._submit(prompt, sampling_params, request_id, priority, cache_salt)
+        for _ in self._deltas(state):
+            pass
+        return state.result
+
+    def stream(
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> Iterator[RequestOutput]:
+        """Yield one RequestOutput per engine output, holding only the new tokens and
+        text. The request starts at the first next(); closing the iterator early
+        aborts it."""
+        yield from self._deltas(
+            self._submit(prompt, sampling_params, request_id, priority, cache_salt)
+        )
+
+    def chat(
+        self, messages: list[Message], sampling_params: SamplingParams | None = None, **kwargs: Any
+    ) -> RequestOutput:
+        return self.generate(self._core.chat_token_ids(messages), sampling_params, **kwargs)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its generate returns (and its stream ends) with "abort"."""
+        if self._core.abort(request_id):
+            self._send(AbortRequests([request_id]))
+
+    def stats(self, timeout: float = 30.0) -> SchedulerStats:
+        return self._call("stats", timeout)
+
+    def reset_prefix_cache(self, timeout: float = 30.0) -> bool:
+        return self._call("reset_prefix_cache", timeout)
+
+    def health(self, timeout: float = 5.0) -> bool:
+        try:
+            return bool(self._call("health", timeout))
+        except EngineDeadError:
+            return False
+
+    def close(self) -> None:
+        """Abort this client's live requests in the engine and release the sockets."""
+        if self._closed:
+            return
+        live = self._core.fail_all(RuntimeError("the EngineClient was closed"))
+        if live:
+            self._send(AbortRequests(live))
+        with self._send_lock:
+            self._closed = True
+            self._input.close(linger=CLOSE_LINGER_MS)
+        self._ctx.term()  # wakes the receiver, which closes the output socket
+        self._receiver.join()
+
+    def __enter__(self) -> EngineClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _handshake(self, timeout: float) -> None:
+        self._output.send(HELLO)
+        if not self._output.poll(int(timeout * 1000)):
+            raise no_engine_error(self.address, timeout)
+        welcome = self._output.recv()
+        if welcome != WELCOME:
+            raise RuntimeError(f"the EngineCore at {self.address} answered HELLO: {welcome!r}")
+
+    def _submit(self, prompt, sampling_params, request_id, priority, cache_salt) -> RequestState:
+        self._check_open()
+        state = self._core.add_request(
+            prompt, sampling_params, request_id, priority, cache_salt, queue.SimpleQueue()
+        )
+        self._send(state.request)
+        return state
+
+    def _deltas(self, state: RequestState) -> Iterator[RequestOutput]:
+        try:
+            while True:
+                try:
+                    item = state.queue.get(timeout=self.health_interval)
+                except queue.Empty:
+                    self._call("health", self.health_interval)
+                    continue
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            if self._core.pop(state.request.request_id) is not None:
+                self._send(AbortRequests([state.request.request_id]))
+
+    def _call(self, method: str, timeout: float) -> Any:
+        self._check_open()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        request = self._core.add_call(method, future)
+        self._send(request)
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise dead_engine_error(self.address, method, timeout) from None
+        finally:
+            self._core.drop_call(request.call_id)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the EngineClient is closed")
+
+    def _send(self, message: msgspec.Struct) -> None:
+        frame = encode(message)
+        with self._send_lock:
+            if not self._closed:
+                self._input.send(frame)
+
+    def _receive_loop(self) -> None:
+        with self._output:
+            try:
+                while True:
+                    abort = self._core.handle_frame(self._output.recv())
+                    if abort is not None:
+                        self._send(abort)
+            except zmq.ContextTerminated:
+                pass  # close() was called
+            except Exception as e:
+                self._core.fail_all(RuntimeError(f"the EngineClient's receiver failed: {e!r}"))
+                raise

@@ -1,0 +1,113 @@
+"""From an OpenAI request body to what the engine takes: prompt token ids and SamplingParams."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from ipc.messages import SamplingParams
+from server.protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True
+    ) -> str: ...
+
+
+def completion_prompt_ids(request: CompletionRequest, tokenizer: Tokenizer) -> list[int]:
+    prompt = request.prompt
+    if prompt and isinstance(prompt, list) and isinstance(prompt[0], str | list):
+        if len(prompt) != 1:
+            raise APIError(400, "batched prompts are not supported: send one per request", "prompt")
+        prompt = prompt[0]
+    token_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+    if not token_ids:
+        raise APIError(400, "the prompt is empty", "prompt")
+    if min(token_ids) < 0:
+        raise APIError(400, "prompt token ids must be >= 0", "prompt")
+    return token_ids
+
+
+def chat_prompt_ids(request: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
+    messages = [{"role": m.role, "content": _message_text(m)} for m in request.messages]
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except Exception as e:  # a template may raise anything (jinja's raise_exception among them)
+        raise APIError(400, f"the chat template rejected the messages: {e}", "messages") from e
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _message_text(message: ChatMessage) -> str:
+    if message.content is None or isinstance(message.content, str):
+        return message.content or ""
+    if any(part.type != "text" for part in message.content):
+        raise APIError(400, "only text content parts are supported", "messages")
+    return "".join(part.text or "" for part in message.content)
+
+
+def sampling_params(
+    request: CompletionRequest | ChatCompletionRequest,
+    num_prompt_tokens: int,
+    max_tokens: int | None,
+    logprobs: int | None,
+    max_model_len: int | None,
+) -> SamplingParams:
+    """SamplingParams for a request; every invalid value is an APIError(400) naming the field."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(request, name):
+            raise APIError(400, f"{name} is not supported", name)
+    given = {
+        "n": request.n,
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "top_k": request.top_k,
+        "min_p": request.min_p,
+        "min_tokens": request.min_tokens,
+        "stop": [request.stop] if isinstance(request.stop, str) else request.stop,
+        "stop_token_ids": request.stop_token_ids,
+        "ignore_eos": request.ignore_eos,
+        "skip_special_tokens": request.skip_special_tokens,
+    }
+    kwargs = {name: value for name, value in given.items() if value is not None}
+    try:
+        return SamplingParams(
+            seed=request.seed,
+            logprobs=logprobs,
+            max_tokens=_max_tokens(max_tokens, num_prompt_tokens, max_model_len),
+            **kwargs,
+        )
+    except ValueError as e:
+        field = str(e).split(" ", 1)[0]
+        param = field if field in SamplingParams.__struct_fields__ else None
+        raise APIError(400, str(e), param) from None
+
+
+def _max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int | None):
+    """None means "up to the context length"; a request that cannot fit is a 400."""
+    if max_model_len is None:
+        return requested
+    room = max_model_len - num_prompt_tokens
+    if room < 1:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens, and the prompt has "
+            f"{num_prompt_tokens} tokens: no room to generate. Please shorten the prompt.",
+            "prompt",
+            "context_length_exceeded",
+        )
+    if requested is None:
+        return room
+    if requested > room:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the prompt, "
+            f"{requested} for the completion). Please reduce the prompt or max_tokens.",
+            "max_tokens",
+            "context_length_exceeded",
+        )
+    return requested

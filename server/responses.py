@@ -1,0 +1,157 @@
+"""OpenAI response objects for one request: the whole response, or its stream chunks.
+
+A builder holds what every object of a request repeats (id, creation time, model) and
+the state that runs across chunks (the completion's text offset for logprobs).
+"""
+
+from __future__ import annotations
+
+import time
+
+from ipc.messages import TokenLogprobs
+from server.inputs import Tokenizer
+
+
+class ResponseBuilder:
+    object_name = ""
+    chunk_object_name = ""
+
+    def __init__(self, request_id: str, model: str, tokenizer: Tokenizer) -> None:
+        self.request_id = request_id
+        self.model = model
+        self.tokenizer = tokenizer
+        self.created = int(time.time())
+
+    def _envelope(self, object_name: str, choices: list[dict]) -> dict:
+        return {
+            "id": self.request_id,
+            "object": object_name,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def response(
+        self,
+        text: str,
+        logprobs: list[TokenLogprobs] | None,
+        finish_reason: str | None,
+        usage: dict,
+    ) -> dict:
+        choice = self._choice(text, logprobs, finish_reason)
+        return {**self._envelope(self.object_name, [choice]), "usage": usage}
+
+    def chunk(
+        self, text: str, logprobs: list[TokenLogprobs] | None, finish_reason: str | None
+    ) -> dict:
+        choice = self._chunk_choice(text, logprobs, finish_reason)
+        return self._envelope(self.chunk_object_name, [choice])
+
+    def first_chunks(self) -> list[dict]:
+        return []
+
+    def usage_chunk(self, usage: dict) -> dict:
+        return {**self._envelope(self.chunk_object_name, []), "usage": usage}
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _choice(self, text, logprobs, finish_reason) -> dict:
+        raise NotImplementedError
+
+    def _chunk_choice(self, text, logprobs, finish_reason) -> dict:
+        raise NotImplementedError
+
+
+class CompletionResponses(ResponseBuilder):
+    object_name = "text_completion"
+    chunk_object_name = "text_completion"
+
+    def __init__(self, request_id: str, model: str, tokenizer: Tokenizer) -> None:
+        super().__init__(request_id, model, tokenizer)
+        self.text_offset = 0
+
+    def _choice(self, text, logprobs, finish_reason) -> dict:
+        return {
+            "index": 0,
+            "text": text,
+            "logprobs": None if logprobs is None else self._logprobs(logprobs),
+            "finish_reason": finish_reason,
+        }
+
+    _chunk_choice = _choice
+
+    def _logprobs(self, entries: list[TokenLogprobs]) -> dict:
+        """OpenAI's legacy shape; each top_logprobs dict holds the sampled token and the
+        top-k, so it has up to k + 1 entries."""
+        tokens, offsets = [], []
+        for entry in entries:
+            token = self._token_text(entry.token_ids[0])
+            tokens.append(token)
+            offsets.append(self.text_offset)
+            self.text_offset += len(token)
+        top = [
+            {self._token_text(t): lp for t, lp in zip(e.token_ids, e.logprobs, strict=True)}
+            for e in entries
+        ]
+        return {
+            "tokens": tokens,
+            "token_logprobs": [entry.logprobs[0] for entry in entries],
+            "top_logprobs": top,
+            "text_offset": offsets,
+        }
+
+
+class ChatResponses(ResponseBuilder):
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+
+    def _choice(self, text, logprobs, finish_reason) -> dict:
+        return {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None if logprobs is None else self._logprobs(logprobs),
+            "finish_reason": finish_reason,
+        }
+
+    def _chunk_choice(self, text, logprobs, finish_reason) -> dict:
+        return {
+            "index": 0,
+            "delta": {"content": text} if text else {},
+            "logprobs": None if logprobs is None else self._logprobs(logprobs),
+            "finish_reason": finish_reason,
+        }
+
+    def first_chunks(self) -> list[dict]:
+        choice = {
+            "index": 0,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        return [self._envelope(self.chunk_object_name, [choice])]
+
+    def _logprobs(self, entries: list[TokenLogprobs]) -> dict:
+        content = []
+        for entry in entries:
+            top = [
+                self._logprob(t, lp)
+                for t, lp in zip(entry.token_ids[1:], entry.logprobs[1:], strict=True)
+            ]
+            content.append(
+                {**self._logprob(entry.token_ids[0], entry.logprobs[0]), "top_logprobs": top}
+            )
+        return {"content": content, "refusal": None}
+
+    def _logprob(self, token_id: int, logprob: float) -> dict:
+        token = self._token_text(token_id)
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+
+def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> dict:
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_completion_tokens,
+        "total_tokens": num_prompt_tokens + num_completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
+    }

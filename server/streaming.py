@@ -1,0 +1,155 @@
+"""Running one request on the engine: timing it, turning engine errors into APIErrors, and
+answering it whole or as server-sent events.
+
+The engine client's stream aborts the request in the engine when its consumer stops early
+(cancelled, or closed); every generator here closes the one it reads, so a client that
+disconnects, at any point, aborts its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import aclosing
+from typing import TypeVar
+
+from fastapi import Request
+
+from ipc.client import EngineDeadError, RequestError
+from ipc.messages import SamplingParams, TokenLogprobs
+from ipc.outputs import RequestOutput
+from server.metrics import ServerMetrics
+from server.protocol import APIError
+from server.responses import ResponseBuilder, usage
+
+T = TypeVar("T")
+
+
+async def engine_outputs(
+    client,
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    request_id: str,
+    metrics: ServerMetrics,
+    arrival: float,
+) -> AsyncIterator[RequestOutput]:
+    """The engine client's stream of deltas, timed into the latency histograms."""
+    last_token_time = None
+    finish_reason = "abort"
+    started = False
+    try:
+        stream = client.stream(prompt_token_ids, params, request_id=request_id)
+        async with aclosing(stream):
+            async for out in stream:
+                now = time.perf_counter()
+                if out.outputs[0].token_ids:
+                    if last_token_time is None:
+                        metrics.time_to_first_token.observe(now - arrival)
+                    else:
+                        metrics.inter_token_latency.observe(now - last_token_time)
+                    last_token_time = now
+                if out.finished:
+                    finish_reason = out.outputs[0].finish_reason or "abort"
+                started = True
+                yield out
+    except RequestError as e:
+        # Refused before any output (say, a prompt too long) is the request's fault.
+        finish_reason = "error" if started else None
+        raise APIError(500 if started else 400, str(e)) from e
+    except EngineDeadError as e:
+        finish_reason = None
+        raise APIError(503, f"the engine is not serving: {e}") from e
+    finally:
+        if finish_reason is not None:
+            metrics.e2e_request_latency.observe(time.perf_counter() - arrival)
+            metrics.request_success.labels(finish_reason).inc()
+
+
+async def complete(
+    outputs: AsyncIterator[RequestOutput],
+    builder: ResponseBuilder,
+    num_prompt_tokens: int,
+    want_logprobs: bool,
+) -> dict:
+    """The whole response of a non-streaming request."""
+    texts: list[str] = []
+    logprobs: list[TokenLogprobs] = []
+    num_tokens = 0
+    async with aclosing(outputs):
+        async for out in outputs:
+            delta = out.outputs[0]
+            texts.append(delta.text)
+            num_tokens += len(delta.token_ids)
+            logprobs.extend(delta.logprobs or ())
+            last = out
+    return builder.response(
+        "".join(texts),
+        logprobs if want_logprobs else None,
+        last.outputs[0].finish_reason,
+        usage(num_prompt_tokens, num_tokens, last.num_cached_tokens),
+    )
+
+
+async def event_stream(
+    first: RequestOutput | None,
+    outputs: AsyncIterator[RequestOutput],
+    builder: ResponseBuilder,
+    num_prompt_tokens: int,
+    want_logprobs: bool,
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    """Server-sent events of OpenAI chunks, `first` (already taken from `outputs`) first,
+    then an optional usage chunk, then `data: [DONE]`. An error after the first chunk is
+    sent as an error event."""
+    num_tokens = 0
+    num_cached_tokens = 0
+    async with aclosing(outputs):
+        for chunk in builder.first_chunks():
+            yield _event(chunk)
+        out = first
+        try:
+            while out is not None:
+                delta = out.outputs[0]
+                num_tokens += len(delta.token_ids)
+                num_cached_tokens = out.num_cached_tokens
+                logprobs = delta.logprobs if want_logprobs else None
+                if delta.text or logprobs or out.finished:
+                    finish_reason = delta.finish_reason if out.finished else None
+                    yield _event(builder.chunk(delta.text, logprobs, finish_reason))
+                out = await anext(outputs, None)
+        except APIError as e:
+            yield _event(e.body())
+    if include_usage:
+        yield _event(builder.usage_chunk(usage(num_prompt_tokens, num_tokens, num_cached_tokens)))
+    yield "data: [DONE]\n\n"
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, unless the HTTP client disconnects first: then cancel it and raise
+    ClientDisconnected."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        task.cancel()
+    await asyncio.wait((task,))
+    if task.cancelled():
+        raise ClientDisconnected
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

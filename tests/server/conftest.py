@@ -1,0 +1,98 @@
+"""The server under test: build_app over an engine client, served by uvicorn in a thread.
+
+`engine` is the one fixture to override to run these tests against a real cluster: it
+returns an EngineHarness whose client is not yet connected (the server thread connects
+it in its own event loop) and whose `aborted(request_id)` tells whether the engine saw
+that request aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from server import build_app
+from tests.server.fake_engine import FakeEngineClient
+
+API_KEY = "test-key"
+
+
+@dataclass
+class EngineHarness:
+    client: Any
+    tokenizer: Any
+    model_name: str
+    max_model_len: int
+    aborted: Callable[[str], bool]
+
+
+class LiveServer:
+    """Serves `app` on 127.0.0.1:<free port> from a thread with its own event loop."""
+
+    def __init__(self, app, client) -> None:
+        self.client = client
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_until_complete, args=(self._main(),))
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
+            time.sleep(0.01)
+
+    async def _main(self) -> None:
+        await self.client.connect()
+        try:
+            await self.server.serve(sockets=[self.sock])
+        finally:
+            await self.client.close()
+
+    def call(self, coro: Coroutine, timeout: float = 30.0):
+        """Run a coroutine (say, on the engine client) in the server's event loop."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def engine() -> EngineHarness:
+    fake = FakeEngineClient()
+    return EngineHarness(fake, fake.tokenizer, "fake-model", 512, fake.aborted.__contains__)
+
+
+@pytest.fixture(scope="module")
+def live_server(engine: EngineHarness):
+    app = build_app(
+        engine.client, engine.tokenizer, engine.model_name, API_KEY, engine.max_model_len
+    )
+    server = LiveServer(app, engine.client)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def oai(live_server: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=live_server.url + "/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture
+def http(live_server: LiveServer):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(base_url=live_server.url, headers=headers, timeout=30) as client:
+        yield client

@@ -1,0 +1,150 @@
+"""Stand-ins for the engine side of the server: a character-level tokenizer and a scripted
+AsyncEngineClient (same methods, same errors, same stream semantics as ipc.client's)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+
+from ipc.client import EngineDeadError, RequestError
+from ipc.messages import SamplingParams, SchedulerStats, TokenLogprobs
+from ipc.outputs import CompletionOutput, RequestOutput
+
+BOS, EOS, OFFSET = 1, 2, 3
+REPLY = "The quick brown fox jumps over the lazy dog; héllo, wörld!"
+
+
+class CharTokenizer:
+    """One token per character (id = code point + OFFSET); BOS and EOS are special."""
+
+    eos_token_id = EOS
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [BOS] * add_special_tokens + [ord(c) + OFFSET for c in text]
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        special = {BOS: "<s>", EOS: "</s>"}
+        return "".join(
+            ("" if skip_special_tokens else special[t]) if t in special else chr(t - OFFSET)
+            for t in token_ids
+        )
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        text = "<s>" + "".join(f"[{m['role']}] {m['content']}\n" for m in messages)
+        return text + "[assistant] " * add_generation_prompt
+
+
+class FakeEngineClient:
+    """Answers every prompt with REPLY then EOS, one token per `token_delay`; with
+    ignore_eos it repeats REPLY up to max_tokens. Records each request's prompt and
+    SamplingParams, and the ids of streams stopped before they finished (aborts)."""
+
+    def __init__(self, max_model_len: int | None = None, token_delay: float = 0.005) -> None:
+        self.tokenizer = CharTokenizer()
+        self.max_model_len = max_model_len
+        self.token_delay = token_delay
+        self.script = self.tokenizer.encode(REPLY, add_special_tokens=False) + [EOS]
+        self.requests: dict[str, tuple[list[int], SamplingParams]] = {}
+        self.aborted: list[str] = []
+        self.alive = True
+        self._stats = SchedulerStats()
+
+    async def connect(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass
+
+    async def health(self, timeout: float = 5.0) -> bool:
+        return self.alive
+
+    async def stats(self, timeout: float = 30.0) -> SchedulerStats:
+        self._check_alive()
+        return self._stats
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> RequestOutput:
+        result = None
+        async for delta in self.stream(prompt, sampling_params, request_id):
+            if result is None:
+                result = delta
+                continue
+            done, new = result.outputs[0], delta.outputs[0]
+            done.text += new.text
+            done.token_ids += new.token_ids
+            done.finish_reason = new.finish_reason
+            if new.logprobs is not None:
+                done.logprobs = (done.logprobs or []) + new.logprobs
+            result.finished = delta.finished
+        return result
+
+    async def stream(
+        self,
+        prompt: str | list[int],
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        self._check_alive()
+        params = sampling_params or SamplingParams()
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if self.max_model_len is not None and len(prompt_ids) >= self.max_model_len:
+            raise RequestError(
+                f"prompt of {len(prompt_ids)} tokens exceeds max_model_len {self.max_model_len}"
+            )
+        request_id = request_id or uuid.uuid4().hex
+        self.requests[request_id] = (prompt_ids, params)
+        self._stats.num_prompt_tokens += len(prompt_ids)
+        text = sent = ""
+        finished = False
+        try:
+            for step in range(params.max_tokens or 10_000):
+                await asyncio.sleep(self.token_delay)
+                self._check_alive()
+                token = self.script[step % len(self.script)]
+                self._stats.num_generation_tokens += 1
+                text += self.tokenizer.decode([token], params.skip_special_tokens)
+                visible, stopped = _cut_at_stop(text, params.stop)
+                reason = self._finish_reason(params, step + 1, token, stopped)
+                finished = reason is not None
+                if not finished:  # hold back what may be the start of a stop string
+                    held = max(map(len, params.stop), default=1) - 1
+                    visible = visible[: max(len(visible) - held, 0)]
+                text_delta, sent = visible[len(sent) :], visible
+                logprobs = None if params.logprobs is None else [self._logprobs(token, params)]
+                delta = CompletionOutput(0, text_delta, [token], reason, logprobs)
+                yield RequestOutput(request_id, prompt_ids, [delta], finished)
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.aborted.append(request_id)
+
+    @staticmethod
+    def _finish_reason(params: SamplingParams, num_tokens: int, token: int, stopped: bool):
+        if stopped or (token == EOS and not params.ignore_eos and num_tokens > params.min_tokens):
+            return "stop"
+        return "length" if num_tokens == params.max_tokens else None
+
+    @staticmethod
+    def _logprobs(token: int, params: SamplingParams) -> TokenLogprobs:
+        """The sampled token at -0.25, then top-k tokens token+1.. at -1, -2, ..."""
+        top = list(range(1, params.logprobs + 1))
+        return TokenLogprobs([token] + [token + k for k in top], [-0.25] + [-float(k) for k in top])
+
+    def _check_alive(self) -> None:
+        if not self.alive:
+            raise EngineDeadError("the fake engine is down")
+
+
+def _cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
+    """The text before the first stop string, and whether there was one."""
+    cut = min((i for s in stop if (i := text.find(s)) >= 0), default=-1)
+    return (text, False) if cut < 0 else (text[:cut], True)

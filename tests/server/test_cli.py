@@ -1,0 +1,49 @@
+"""`python -m server` as launch.py runs it: connects to the engine, serves, stops on SIGTERM."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.ipc.client_fakes import FakeEngine, tiny_tokenizer_path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_python_m_server_serves_until_sigterm():
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with FakeEngine() as engine:
+        command = [
+            sys.executable, "-m", "server", "--engine-address", engine.address,
+            "--tokenizer", tiny_tokenizer_path(), "--api-host", "127.0.0.1",
+            "--api-port", str(port), "--served-model-name", "tiny", "--api-key", "k",
+        ]  # fmt: skip
+        process = subprocess.Popen(command, cwd=Path(__file__).parents[2])
+        try:
+            deadline = time.monotonic() + 20
+            while True:
+                try:
+                    assert httpx.get(url + "/health").status_code == 200
+                    break
+                except httpx.ConnectError:
+                    assert process.poll() is None and time.monotonic() < deadline
+                    time.sleep(0.05)
+            body = {"model": "tiny", "prompt": "abc", "max_tokens": 5}
+            headers = {"Authorization": "Bearer k"}
+            answer = httpx.post(url + "/v1/completions", json=body, headers=headers).json()
+            assert answer["choices"][0]["text"] == "abcab"  # the engine echoes the prompt
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(10) in (0, -signal.SIGTERM)
+        finally:
+            process.kill()
