@@ -59,7 +59,12 @@ def test_atomic_conversion_and_reuse(monkeypatch, tmp_path):
 
     def fake_convert(gguf, out_dir):
         calls.append(out_dir)
-        for name in ("config.json", "model.safetensors", "tokenizer_config.json"):
+        for name in (
+            "config.json",
+            "model.safetensors",
+            "tokenizer_config.json",
+            "generation_config.json",
+        ):
             (out_dir / name).write_text("x")
 
     monkeypatch.setattr(default, "_convert", fake_convert)
