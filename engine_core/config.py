@@ -20,7 +20,12 @@ class EngineConfig:
     `max_model_len` must be given. Fields left None are read from the folder's config.json
     and generation_config.json: max_model_len (max_position_embeddings), eos_token_ids and
     vocab_size. `kv_cache_memory` None leaves the KV cache size to the worker: what
-    `gpu_memory_utilization` allows on GPU, a fixed default on CPU."""
+    `gpu_memory_utilization` allows on GPU, a fixed default on CPU.
+
+    On CUDA, pure-decode steps replay CUDA graphs captured for the decode batch sizes
+    `cuda_graph_sizes` (None: 1, 2, 4 and multiples of 8 up to the largest decode
+    batch, at most 512); `enforce_eager` runs every step eagerly instead (vLLM's
+    --enforce-eager)."""
 
     model: str | None = None
     tokenizer: str | None = None
@@ -41,6 +46,8 @@ class EngineConfig:
     device: str = "auto"
     eos_token_ids: list[int] | None = None
     vocab_size: int | None = None
+    enforce_eager: bool = False
+    cuda_graph_sizes: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.model is not None:
@@ -98,6 +105,11 @@ class EngineConfig:
             _check_at_least("num_gpu_blocks_override", self.num_gpu_blocks_override, 2)
         if self.vocab_size is not None:
             _check_at_least("vocab_size", self.vocab_size, 1)
+        if self.cuda_graph_sizes is not None:
+            if not self.cuda_graph_sizes:
+                raise ValueError("cuda_graph_sizes must not be empty (see enforce_eager)")
+            for size in self.cuda_graph_sizes:
+                _check_at_least("every cuda_graph_sizes entry", size, 1)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"

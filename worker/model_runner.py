@@ -7,6 +7,7 @@ from engine_core.config import EngineConfig
 from ipc.messages import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from models import kv_cache_shape_info, load_model, resolve_dtype
 from models.parallel_state import get_tp_rank, get_tp_size, tp_broadcast
+from worker.cuda_graph import CudaGraphRunner, capture_decode_graphs
 from worker.input_batch import CachedRequestState, InputBatch
 from worker.sampler import Sampler
 
@@ -51,6 +52,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.arange = np.arange(max(self.max_num_tokens, config.max_num_seqs) + 1, dtype=np.int64)
         self.is_driver = get_tp_rank() == 0
+        self.cuda_graphs: CudaGraphRunner | None = None
 
     def kv_cache_bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
@@ -94,6 +96,7 @@ class ModelRunner:
         shape = (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         for layer in self.model.attention_layers():
             layer.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.cuda_graphs = capture_decode_graphs(self)
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -103,8 +106,11 @@ class ModelRunner:
         input_ids, positions, attn_metadata, sample_rows, logits_indices = self._prepare_inputs(
             scheduler_output
         )
-        with set_forward_context(attn_metadata, self.attn_backend):
-            hidden = self.model(input_ids, positions)
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(attn_metadata):
+            hidden = self.cuda_graphs.run(input_ids, positions, attn_metadata)
+        else:
+            with set_forward_context(attn_metadata, self.attn_backend):
+                hidden = self.model(input_ids, positions)
         logits = self.model.compute_logits(hidden[logits_indices])
         sampled, logprobs = self._sample(logits, sample_rows)
         return self._finish_step(scheduler_output.step_id, sample_rows, sampled, logprobs)

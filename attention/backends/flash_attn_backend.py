@@ -20,6 +20,9 @@ class FlashAttentionBackend:
     """
 
     name = "flash_attn"
+    # The decode call reads only device tensors (seq_lens, block_table) and shapes fixed
+    # by the padded batch; the split is computed before capture.
+    cudagraph_support = True
     block_size_multiple = 256
     dtypes = (torch.float16, torch.bfloat16)
 

@@ -24,6 +24,9 @@ class TorchAttentionBackend:
     """
 
     name = "torch"
+    # The decode gather is sized by the host-side max_decode_seq_len: captured at its upper
+    # bound it would gather max_model_len tokens per request on every replay.
+    cudagraph_support = False
 
     def __init__(self) -> None:
         self._workspace: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}

@@ -12,6 +12,9 @@ class TritonAttentionBackend:
     rows of q and the context from the paged cache, in any request order."""
 
     name = "triton"
+    # The decode launch grid is (padded batch, 1, kv heads); the kernel reads seq_lens,
+    # query_start_loc and block_table from the device.
+    cudagraph_support = True
 
     def __init__(self, prefill_block_q: int = 16, block_n: int = 32) -> None:
         self.prefill_block_q = prefill_block_q
