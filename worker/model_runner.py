@@ -1,3 +1,5 @@
+import logging
+
 import numpy as np
 import torch
 from transformers import AutoConfig
@@ -12,6 +14,7 @@ from worker.input_batch import CachedRequestState, InputBatch
 from worker.sampler import Sampler
 
 _CPU_KV_CACHE_BYTES = 4 << 30
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -96,6 +99,15 @@ class ModelRunner:
         shape = (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         for layer in self.model.attention_layers():
             layer.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        logger.info(
+            "rank %d: KV cache of %d blocks x %d tokens (%d tokens, %.2f GiB, %s)",
+            get_tp_rank(),
+            num_blocks,
+            self.block_size,
+            num_blocks * self.block_size,
+            num_blocks * self.kv_cache_bytes_per_block() / 2**30,
+            self.dtype,
+        )
         self.cuda_graphs = capture_decode_graphs(self)
 
     @torch.inference_mode()
