@@ -24,9 +24,11 @@ test: lint
 test-fast: lint
 	$(PY) -m pytest -q -m "not slow"
 
+# make serve ARGS="--tp 3 --api-port 8000"; without --model it serves the default model,
+# converted once into the user cache.
 serve: venv
-	$(PY) -m models.default
-	$(PY) launch.py $(ARGS)
+	$(if $(findstring --model,$(ARGS)),,$(PY) -m models.default)
+	exec $(PY) launch.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -119,6 +119,14 @@ class SchedulerStats(_Wire):
     num_preemptions: int = 0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
+    # The EngineCore process's step profile: cumulative seconds over the steps that ran
+    # the model, split into scheduling, sending the SchedulerOutput to the workers,
+    # waiting for rank 0's answer, and update_from_output.
+    num_steps: int = 0
+    schedule_time: float = 0.0
+    broadcast_time: float = 0.0
+    wait_time: float = 0.0
+    update_time: float = 0.0
 
 
 class EngineCoreOutputs(_Tagged):
@@ -222,7 +230,8 @@ class Decoder:
     def decode(self, frame: bytes | memoryview):
         try:
             return self._decoder.decode(frame)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        # msgspec lets invalid UTF-8 in a string escape as UnicodeDecodeError.
+        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as e:
             raise DecodeError(f"bad frame, expected {self._names}: {e}") from None
 
 

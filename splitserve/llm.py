@@ -89,6 +89,16 @@ class LLM:
 
 
 def _make_executor(config: EngineConfig):
-    from splitserve.executor import InProcessExecutor
+    """tp 1: the model in this process. tp > 1: worker processes started here, as
+    launch.py starts them, and stopped with the executor (shutdown, garbage collection
+    or interpreter exit; they also die with this process)."""
+    if config.tensor_parallel_size == 1:
+        from splitserve.executor import InProcessExecutor
 
-    return InProcessExecutor(config)
+        return InProcessExecutor(config)
+    from engine_core.multiproc_executor import MultiprocExecutor
+    from ipc.sockets import new_ipc_address
+    from launch import start_workers
+
+    address = new_ipc_address()
+    return MultiprocExecutor(config, address, start_workers(config, address))

@@ -1,0 +1,438 @@
+"""The EngineCore process: an EngineCore over the worker processes, served on ZMQ.
+
+Three threads, each the only user of its sockets:
+
+* input thread — the input ROUTER. Each client frame is decoded and put on the input
+  queue tagged with the client's identity. A frame that does not decode is logged and
+  answered with UtilityOutput(call_id=-1, error), or, when it is an EngineCoreRequest
+  whose request_id can be read, with an "error" output for that request.
+* output thread — the output ROUTER. Answers HELLO with WELCOME; encodes and sends the
+  (identity, message) pairs of the output queue. With ROUTER_MANDATORY a client that
+  is gone is noticed on send, and the busy loop aborts its requests.
+* main thread — the busy loop: drain the input queue (blocking while there is no
+  work), step the EngineCore, send each output to the client that sent its request.
+  A worker failure fails every in-flight request with an error naming the worker,
+  and the process exits with 1.
+
+The process never imports torch: it schedules, and the workers own every tensor.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import msgspec
+import zmq
+
+from engine_core.config import EngineConfig
+from engine_core.core import EngineCore
+from engine_core.executor import Executor
+from engine_core.multiproc_executor import MultiprocExecutor, WorkerFailure
+from ipc.messages import (
+    AbortRequests,
+    DecodeError,
+    Decoder,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    SchedulerStats,
+    UtilityOutput,
+    UtilityRequest,
+    encode,
+)
+from ipc.sockets import HELLO, WELCOME, make_socket, remove_ipc_files, socket_address
+
+logger = logging.getLogger(__name__)
+
+IDLE_CHECK_S = 1.0
+STATS_INTERVAL_S = 5.0
+_POLL_MS = 100
+_WAKE_ADDRESS = "inproc://output-wake"
+_OUTPUT_LINGER_MS = 1000
+
+T = TypeVar("T")
+
+
+class EngineShutdown(BaseException):
+    """SIGTERM or SIGINT: raised in the main thread wherever it is."""
+
+
+class ClientGone:
+    """Put on the input queue by the output thread: this client can no longer be reached."""
+
+
+@dataclass
+class StepProfile:
+    """Cumulative seconds of the steps that ran the model, by phase."""
+
+    num_steps: int = 0
+    schedule: float = 0.0
+    broadcast: float = 0.0
+    wait: float = 0.0
+    update: float = 0.0
+
+    def add(self, start: float, call: tuple[float, float, float], end: float) -> None:
+        called, sent, answered = call
+        self.num_steps += 1
+        self.schedule += called - start
+        self.broadcast += sent - called
+        self.wait += answered - sent
+        self.update += end - answered
+
+    def timed_step(self, step: Callable[[], T], executor: Executor) -> T:
+        """Run `step` (an EngineCore.step) and add its phases; the executor records
+        `last_call` = (called, sent, answered) perf_counter times when the model ran."""
+        executor.last_call = None
+        start = time.perf_counter()
+        result = step()
+        end = time.perf_counter()
+        if executor.last_call is not None:
+            self.add(start, executor.last_call, end)
+        return result
+
+    def apply(self, stats: SchedulerStats) -> SchedulerStats:
+        return msgspec.structs.replace(
+            stats,
+            num_steps=self.num_steps,
+            schedule_time=self.schedule,
+            broadcast_time=self.broadcast,
+            wait_time=self.wait,
+            update_time=self.update,
+        )
+
+    def summary(self) -> str:
+        total = self.schedule + self.broadcast + self.wait + self.update
+        if not self.num_steps or total <= 0:
+            return "no model steps"
+        per_step = {
+            name: 1e3 * getattr(self, name) / self.num_steps
+            for name in ("schedule", "broadcast", "wait", "update")
+        }
+        phases = ", ".join(f"{name} {ms:.3f} ms" for name, ms in per_step.items())
+        share = 100 * (total - self.wait) / total
+        return f"{self.num_steps} steps; per step: {phases}; EngineCore share {share:.1f}%"
+
+
+class EngineCoreProc:
+    def __init__(self, config: EngineConfig, address: str) -> None:
+        self.address = address
+        self.executor = MultiprocExecutor(config, address)
+        try:
+            self.engine = EngineCore(config, self.executor)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        self.profile = StepProfile()
+        self.owners: dict[str, bytes] = {}  # request_id -> identity of its client
+        self.input_queue: queue.Queue = queue.Queue()
+        self.output_queue: queue.Queue = queue.Queue()
+        self._stopping = threading.Event()
+        self._stats_window = (time.monotonic(), self.engine.get_stats())
+        self._ctx = zmq.Context()
+        self._input = make_socket(self._ctx, zmq.ROUTER, socket_address(address, "input"), True)
+        self._output = make_socket(self._ctx, zmq.ROUTER, socket_address(address, "output"), True)
+        self._output.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._wake = make_socket(self._ctx, zmq.PUSH, _WAKE_ADDRESS, True)
+        self._threads = [
+            threading.Thread(target=self._input_loop, name="engine-input", daemon=True),
+            threading.Thread(target=self._output_loop, name="engine-output", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def run(self) -> int:
+        """The busy loop. Returns the exit code: 0 after a signal, 1 after a failure."""
+        try:
+            while True:
+                self._handle_input(block=not self.engine.has_unfinished_requests())
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                    self._maybe_log_stats()
+        except EngineShutdown as e:
+            logger.info("%s: shutting down", e)
+            self._fail_all("the EngineCore is shutting down")
+            return 0
+        except Exception as e:
+            _ignore_signals()
+            logger.error("EngineCore failed: %s", e, exc_info=not isinstance(e, WorkerFailure))
+            self._fail_all(str(e))
+            return 1
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self._stopping.set()
+        self._send_many(None)
+        for thread in self._threads:
+            thread.join(timeout=5.0)
+        self.executor.shutdown()
+        self._wake.close()
+        self._ctx.term()
+        logger.info("step profile: %s", self.profile.summary())
+
+    # busy loop
+
+    def _handle_input(self, block: bool) -> None:
+        if block:
+            try:
+                item = self.input_queue.get(timeout=IDLE_CHECK_S)
+            except queue.Empty:
+                self.executor.check_workers()
+                return
+            self._stats_window = (time.monotonic(), self.engine.get_stats())
+            self._handle(*item)
+        while True:
+            try:
+                item = self.input_queue.get_nowait()
+            except queue.Empty:
+                return
+            self._handle(*item)
+
+    def _handle(self, identity: bytes, msg: object) -> None:
+        if isinstance(msg, EngineCoreRequest):
+            self._add_request(identity, msg)
+        elif isinstance(msg, AbortRequests):
+            own = [i for i in msg.request_ids if self.owners.get(i) == identity]
+            self.engine.abort_requests(own)
+        elif isinstance(msg, UtilityRequest):
+            self._send(identity, self._call_utility(msg))
+        elif msg is ClientGone:
+            own = [i for i, owner in self.owners.items() if owner == identity]
+            for request_id in own:
+                del self.owners[request_id]
+            self.engine.abort_requests(own)
+            if own:
+                logger.warning("aborted %d request(s) of a client that is gone", len(own))
+        else:  # an answer the input thread prepared for a bad frame
+            self._send(identity, msg)
+
+    def _add_request(self, identity: bytes, request: EngineCoreRequest) -> None:
+        request_id = request.request_id
+        if request_id in self.owners:
+            error = f"request id {request_id!r} is in use"
+            self._send(identity, _error_outputs([request_id], error))
+            return
+        self.owners[request_id] = identity
+        try:
+            self.engine.add_request(request)
+        except Exception as e:
+            del self.owners[request_id]
+            logger.warning("refused request %r: %s", request_id, e)
+            self._send(identity, _error_outputs([request_id], f"invalid request: {e}"))
+
+    def _call_utility(self, call: UtilityRequest) -> UtilityOutput:
+        if call.method == "stats":
+            return UtilityOutput(call.call_id, self.profile.apply(self.engine.get_stats()))
+        if call.method == "reset_prefix_cache":
+            return UtilityOutput(call.call_id, self.engine.reset_prefix_cache())
+        if call.method == "health":
+            self.executor.check_workers()
+            return UtilityOutput(call.call_id, True)
+        return UtilityOutput(
+            call.call_id,
+            error=f"unknown utility method {call.method!r} (stats, reset_prefix_cache, health)",
+        )
+
+    def _step(self) -> None:
+        outputs = self.profile.timed_step(self.engine.step, self.executor).outputs
+        batches: dict[bytes, list[EngineCoreOutput]] = {}
+        owners = self.owners
+        for out in outputs:
+            if out.finish_reason is None:
+                owner = owners.get(out.request_id)
+            else:
+                owner = owners.pop(out.request_id, None)
+            if owner is not None:
+                batches.setdefault(owner, []).append(out)
+        if batches:
+            self._send_many([(owner, EngineCoreOutputs(outs)) for owner, outs in batches.items()])
+
+    def _fail_all(self, error: str) -> None:
+        """Finish every in-flight request, and every request still queued, with the error."""
+        by_client: dict[bytes, list[str]] = {}
+        for request_id, owner in self.owners.items():
+            by_client.setdefault(owner, []).append(request_id)
+        self.owners.clear()
+        replies = [(owner, _error_outputs(ids, error)) for owner, ids in by_client.items()]
+        while True:
+            try:
+                identity, msg = self.input_queue.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(msg, EngineCoreRequest):
+                replies.append((identity, _error_outputs([msg.request_id], error)))
+            elif isinstance(msg, UtilityRequest):
+                replies.append((identity, UtilityOutput(msg.call_id, error=error)))
+        if replies:
+            self._send_many(replies)
+
+    def _maybe_log_stats(self) -> None:
+        now = time.monotonic()
+        since, before = self._stats_window
+        if now - since < STATS_INTERVAL_S:
+            return
+        stats = self.engine.get_stats()
+        elapsed = now - since
+        queries = stats.prefix_cache_queries - before.prefix_cache_queries
+        hits = stats.prefix_cache_hits - before.prefix_cache_hits
+        logger.info(
+            "prompt %.1f tok/s, generation %.1f tok/s, running %d, waiting %d, "
+            "KV cache %.1f%%, prefix cache hit rate %.1f%%",
+            (stats.num_prompt_tokens - before.num_prompt_tokens) / elapsed,
+            (stats.num_generation_tokens - before.num_generation_tokens) / elapsed,
+            stats.num_running,
+            stats.num_waiting,
+            100 * stats.kv_cache_usage,
+            100 * hits / queries if queries else 0.0,
+        )
+        self._stats_window = (now, stats)
+
+    def _send(self, identity: bytes, msg: msgspec.Struct) -> None:
+        self._send_many([(identity, msg)])
+
+    def _send_many(self, items: list[tuple[bytes, msgspec.Struct]] | None) -> None:
+        """Hand messages (None: stop) to the output thread; one wake-up per put."""
+        self.output_queue.put(items)
+        self._wake.send(b"")
+
+    # input thread
+
+    def _input_loop(self) -> None:
+        decoder = Decoder(EngineCoreRequest, AbortRequests, UtilityRequest)
+        sock = self._input
+        while not self._stopping.is_set():
+            if not sock.poll(_POLL_MS):
+                continue
+            identity, *frames = sock.recv_multipart()
+            try:
+                msg = _decode(decoder, identity, frames)
+            except Exception as e:  # never let one frame stop the input thread
+                logger.exception("could not read a frame from client %s", identity.hex())
+                msg = UtilityOutput(-1, error=f"could not read the frame: {e}")
+            self.input_queue.put((identity, msg))
+        sock.close()
+
+    # output thread
+
+    def _output_loop(self) -> None:
+        sock = self._output
+        wake = make_socket(self._ctx, zmq.PULL, _WAKE_ADDRESS, False)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(wake, zmq.POLLIN)
+        gone: set[bytes] = set()
+        try:
+            while True:
+                events = dict(poller.poll())
+                if sock in events:
+                    identity, *frames = sock.recv_multipart()
+                    if frames == [HELLO]:
+                        gone.discard(identity)
+                        sock.send_multipart((identity, WELCOME))
+                    else:
+                        logger.warning("ignored a frame on the output socket (expected HELLO)")
+                if wake in events:
+                    wake.recv()
+                    items = self.output_queue.get_nowait()
+                    if items is None:
+                        return
+                    for identity, msg in items:
+                        self._deliver(identity, encode(msg), gone)
+        finally:
+            wake.close()
+            sock.close(linger=_OUTPUT_LINGER_MS)
+
+    def _deliver(self, identity: bytes, frame: bytes, gone: set[bytes]) -> None:
+        try:
+            self._output.send_multipart((identity, frame), copy=False)
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+            if identity not in gone:
+                gone.add(identity)
+                logger.warning("client %s is not connected; dropped its output", identity.hex())
+                self.input_queue.put((identity, ClientGone))
+
+
+def run_engine_core(
+    config: EngineConfig, address: str, on_ready: Callable[[], None] | None = None
+) -> int:
+    """Run the EngineCore process's main until SIGTERM/SIGINT (0) or a failure (1).
+    `on_ready` runs once every worker is ready and the client sockets are bound."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _raise_shutdown)
+    try:
+        proc = EngineCoreProc(config, address)
+        logger.info(
+            "EngineCore ready at %s: tp %d, %d KV blocks of %d tokens",
+            address,
+            config.tensor_parallel_size,
+            proc.engine.kv_cache_manager.block_pool.num_blocks,
+            config.block_size,
+        )
+        if on_ready is not None:
+            on_ready()
+        return proc.run()
+    except EngineShutdown:
+        return 0
+    except Exception as e:
+        logger.error("EngineCore failed to start: %s", e)
+        return 1
+    finally:
+        remove_ipc_files(address)
+
+
+def _raise_shutdown(signum: int, frame: object) -> None:
+    _ignore_signals()
+    raise EngineShutdown(signal.Signals(signum).name)
+
+
+def _ignore_signals() -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def _decode(decoder: Decoder, identity: bytes, frames: list[bytes]) -> object:
+    """The client's message, or the answer to send back for a frame that is not one."""
+    if len(frames) == 1:
+        try:
+            return decoder.decode(frames[0])
+        except DecodeError as e:
+            error = str(e)
+    else:
+        error = f"expected one frame per message, got {len(frames)}"
+    logger.warning("bad frame from client %s: %s", identity.hex(), error)
+    request_id = _request_id_of(frames[0]) if len(frames) == 1 else None
+    if request_id is None:
+        return UtilityOutput(-1, error=error)
+    return _error_outputs([request_id], error)
+
+
+class _MessageHead(msgspec.Struct, array_like=True):
+    """The first two fields of a tagged message (the rest is skipped)."""
+
+    tag: str
+    request_id: str
+
+
+_head_decoder = Decoder(_MessageHead)
+
+
+def _request_id_of(frame: bytes) -> str | None:
+    """The request_id of a frame shaped like an EngineCoreRequest that failed validation."""
+    try:
+        head = _head_decoder.decode(frame)
+    except DecodeError:
+        return None
+    return head.request_id if head.tag == EngineCoreRequest.__name__ else None
+
+
+def _error_outputs(request_ids: list[str], error: str) -> EngineCoreOutputs:
+    return EngineCoreOutputs([EngineCoreOutput(i, [], "error", error=error) for i in request_ids])

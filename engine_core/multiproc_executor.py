@@ -1,0 +1,279 @@
+"""MultiprocExecutor: the EngineCore's side of the worker processes.
+
+It owns the workers ROUTER of the engine address. Each worker connects a DEALER and
+registers with WorkerReady; every rank then gets InitKVCache with the smallest block
+count. A step encodes the SchedulerOutput once, sends the same bytes to every rank and
+waits for rank 0's ModelRunnerOutput. A WorkerError from any rank, or a worker process
+that is gone, raises WorkerFailure naming the rank: the wait polls with a short timeout
+and checks the workers' pids (on this host), so it never hangs on a dead worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import subprocess
+import time
+import weakref
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import NoReturn
+
+import msgspec
+import zmq
+
+from engine_core.config import EngineConfig
+from engine_core.executor import Executor
+from ipc.messages import (
+    DecodeError,
+    Decoder,
+    InitKVCache,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    Shutdown,
+    WorkerError,
+    WorkerReady,
+    encode,
+)
+from ipc.sockets import bind_address, remove_ipc_files, socket_address
+
+logger = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 600.0
+_POLL_MS = 100
+_SHUTDOWN_GRACE_S = 5.0
+_DEATH_GRACE_S = 0.5
+
+
+class WorkerFailure(RuntimeError):
+    """A worker reported an error or died: the workers can run no more steps."""
+
+
+@dataclass
+class WorkerInfo:
+    rank: int
+    identity: bytes
+    num_kv_blocks: int
+    pid: int
+    hostname: str
+
+
+class MultiprocExecutor(Executor):
+    """`processes`: worker processes started for this executor alone (by rank), as
+    `splitserve.LLM` does; shutdown then stops them and removes the address's socket
+    files. Under launch.py the workers are the launcher's children and this is empty."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        address: str,
+        processes: Sequence[subprocess.Popen] = (),
+        ready_timeout: float = READY_TIMEOUT_S,
+    ) -> None:
+        self.config = config
+        self.address = address
+        self.world_size = config.tensor_parallel_size
+        self.ready_timeout = ready_timeout
+        self.workers: list[WorkerInfo] = []
+        # (start, sent, answered) perf_counter times of the last execute_model.
+        self.last_call: tuple[float, float, float] | None = None
+        self._processes = list(processes)
+        self._hostname = socket.gethostname()
+        self._decoder = Decoder(ModelRunnerOutput, WorkerError, WorkerReady)
+        self._ctx = zmq.Context()
+        self._socket = self._ctx.socket(zmq.ROUTER)
+        for option, value in ((zmq.LINGER, 0), (zmq.SNDHWM, 0), (zmq.RCVHWM, 0)):
+            self._socket.setsockopt(option, value)
+        self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._socket.bind(bind_address(socket_address(address, "workers")))
+        self._closer = weakref.finalize(
+            self, _close, self._ctx, self._socket, self.workers, self._processes, address
+        )
+
+    def determine_num_blocks(self) -> int:
+        """Wait for every rank's WorkerReady, then tell all of them the smallest block
+        count (and num_gpu_blocks_override, if smaller)."""
+        ready: dict[int, WorkerInfo] = {}
+        deadline = time.monotonic() + self.ready_timeout
+        while len(ready) < self.world_size:
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(self.world_size)) - set(ready))
+                self._fail(
+                    f"timed out after {self.ready_timeout:g} s waiting for workers at "
+                    f"{self.address}: no WorkerReady from rank(s) {missing}"
+                )
+            received = self._receive()
+            if received is None:
+                continue
+            identity, msg = received
+            if isinstance(msg, WorkerError):
+                self._fail_with(msg)
+            if not isinstance(msg, WorkerReady):
+                logger.warning("ignored %s from a worker that is not ready", type(msg).__name__)
+            elif not 0 <= msg.rank < self.world_size or msg.rank in ready:
+                self._fail(f"unexpected WorkerReady for rank {msg.rank} (tp={self.world_size})")
+            else:
+                ready[msg.rank] = WorkerInfo(
+                    msg.rank, identity, msg.num_kv_blocks, msg.pid, msg.hostname
+                )
+        self.workers.extend(ready[rank] for rank in range(self.world_size))
+        num_blocks = min(w.num_kv_blocks for w in self.workers)
+        if self.config.num_gpu_blocks_override is not None:
+            num_blocks = min(num_blocks, self.config.num_gpu_blocks_override)
+        self._broadcast(encode(InitKVCache(num_blocks)))
+        logger.info(
+            "%d worker(s) ready (KV blocks per rank: %s); using %d",
+            self.world_size,
+            [w.num_kv_blocks for w in self.workers],
+            num_blocks,
+        )
+        return num_blocks
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        start = time.perf_counter()
+        self._broadcast(encode(scheduler_output))
+        sent = time.perf_counter()
+        driver = self.workers[0].identity
+        while True:
+            received = self._receive()
+            if received is None:
+                continue
+            identity, msg = received
+            if isinstance(msg, WorkerError):
+                self._fail_with(msg)
+            if isinstance(msg, ModelRunnerOutput) and identity == driver:
+                if msg.step_id != scheduler_output.step_id:
+                    self._fail(
+                        f"worker rank 0 answered step {msg.step_id}, "
+                        f"expected {scheduler_output.step_id}"
+                    )
+                self.last_call = (start, sent, time.perf_counter())
+                return msg
+            logger.warning("ignored %s from a worker during a step", type(msg).__name__)
+
+    def check_workers(self) -> None:
+        """Between steps: raise WorkerFailure if a worker reported an error or is gone."""
+        while self._socket.poll(0):
+            received = self._receive()
+            if received is not None and isinstance(received[1], WorkerError):
+                self._fail_with(received[1])
+        self._check_alive()
+
+    def shutdown(self) -> None:
+        self._closer()
+
+    def _receive(self) -> tuple[bytes, msgspec.Struct] | None:
+        """The next (identity, message) from a worker, or None after a poll interval with
+        nothing to read (the workers' liveness is checked then) or an undecodable frame."""
+        if not self._socket.poll(_POLL_MS):
+            self._check_alive()
+            return None
+        return self._read()
+
+    def _read(self) -> tuple[bytes, msgspec.Struct] | None:
+        identity, *frames = self._socket.recv_multipart()
+        try:
+            if len(frames) != 1:
+                raise DecodeError(f"expected one frame, got {len(frames)}")
+            return identity, self._decoder.decode(frames[0])
+        except DecodeError as e:
+            logger.error("dropped a frame from worker %r: %s", identity, e)
+            return None
+
+    def _broadcast(self, frame: bytes) -> None:
+        for worker in self.workers:
+            try:
+                self._socket.send_multipart((worker.identity, frame))
+            except zmq.ZMQError as e:
+                self._fail(f"worker rank {worker.rank} (pid {worker.pid}) is unreachable: {e}")
+
+    def _check_alive(self) -> None:
+        dead = self._dead_worker()
+        if dead is not None:
+            self._fail(dead)
+
+    def _dead_worker(self, reported: Collection[int] = ()) -> str | None:
+        """Describe a worker that is gone, other than the ranks that reported an error."""
+        for rank, process in enumerate(self._processes):
+            code = process.poll()
+            if code is not None and rank not in reported:
+                return f"worker rank {rank} (pid {process.pid}) died with exit code {code}"
+        for worker in self.workers:
+            if worker.rank in reported or worker.hostname != self._hostname:
+                continue
+            if not _pid_alive(worker.pid):
+                return f"worker rank {worker.rank} (pid {worker.pid}) died"
+        return None
+
+    def _fail_with(self, error: WorkerError) -> NoReturn:
+        """A rank's error is often a collective failing because another rank died: give
+        a rank that died without a word a moment to show, and name it first."""
+        reported = {error.rank}
+        suspect = None
+        deadline = time.monotonic() + _DEATH_GRACE_S
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+            while self._socket.poll(0):
+                received = self._read()
+                if received is not None and isinstance(received[1], WorkerError):
+                    reported.add(received[1].rank)
+            # Gone twice in a row with no error in between: it died without a word
+            # (a rank that exits after its own WorkerError may show as gone first).
+            dead = self._dead_worker(reported)
+            if dead is not None and dead == suspect:
+                last_line = error.message.strip().splitlines()[-1:] or [""]
+                self._fail(f"{dead}; then worker rank {error.rank} failed: {last_line[0]}")
+            suspect = dead
+        step = "" if error.step_id is None else f" at step {error.step_id}"
+        self._fail(f"worker rank {error.rank} failed{step}:\n{error.message}")
+
+    def _fail(self, message: str) -> NoReturn:
+        """Stop the workers (they cannot step without every rank) and raise."""
+        for process in self._processes:
+            if process.poll() is None:
+                process.kill()
+        self._closer()
+        raise WorkerFailure(message)
+
+
+def _close(
+    ctx: zmq.Context,
+    sock: zmq.Socket,
+    workers: list[WorkerInfo],
+    processes: list[subprocess.Popen],
+    address: str,
+) -> None:
+    """Send Shutdown to every worker; stop the processes we started if they linger."""
+    frame = encode(Shutdown())
+    for worker in workers:
+        with contextlib.suppress(zmq.ZMQError):
+            sock.send_multipart((worker.identity, frame), zmq.NOBLOCK)
+    deadline = time.monotonic() + _SHUTDOWN_GRACE_S
+    for process in processes:
+        try:
+            process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    sock.close(linger=0 if processes else 1000)
+    ctx.term()
+    if processes:
+        remove_ipc_files(address)
+
+
+def _pid_alive(pid: int) -> bool:
+    """False once the process has exited, even while it is an unreaped zombie (Linux)."""
+    if not os.path.isdir("/proc/self"):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")

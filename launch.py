@@ -1,0 +1,372 @@
+"""Start and supervise a splitserve cluster.
+
+    python launch.py [--model PATH] [--tp N] [engine args] [--no-api | api args]
+
+starts one EngineCore process, N worker processes and the OpenAI-compatible HTTP
+server, prints "splitserve ready: ..." once the engine has every worker's READY, and
+shuts everything down on SIGINT/SIGTERM or when any child dies (exiting non-zero with
+the name of the child). Multi-node: start the engine side with `--role engine` and each
+worker on its own with
+
+    python launch.py --role worker --engine-address tcp://H:P --rank R \
+        --dist-init-address tcp://H0:P0 [engine args]
+
+or under torchrun (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT are honoured).
+
+The children are this file again (`--role engine|worker|api`) with plain command line
+arguments (the engine config as JSON), each in its own session so that a terminal's
+Ctrl-C reaches only the launcher, and each dying with the launcher (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import dataclasses
+import importlib.util
+import json
+import logging
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from engine_core.config import EngineConfig
+from ipc.sockets import free_tcp_port, new_ipc_address, remove_ipc_files, write_address_file
+
+_THIS_FILE = str(Path(__file__).resolve())
+_ENGINE_ARGS = (
+    "model",
+    "tensor_parallel_size",
+    "max_model_len",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "block_size",
+    "dtype",
+    "enable_prefix_caching",
+    "enable_chunked_prefill",
+    "gpu_memory_utilization",
+    "kv_cache_memory",
+    "num_gpu_blocks_override",
+    "attention_backend",
+    "scheduling_policy",
+    "seed",
+    "device",
+)
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_UNITS.update({f"{u}i": 1024 ** "kmgt".index(u) * 1024 for u in "kmgt"})
+ENGINE_REPORT_S = 5.0  # time the engine gets to report a dead worker to its clients
+SHUTDOWN_GRACE_S = 5.0
+
+
+class Stop(BaseException):
+    """SIGINT or SIGTERM reached the launcher."""
+
+
+class ChildDied(Exception):
+    pass
+
+
+def parse_bytes(text: str) -> int:
+    """'4GiB', '512MiB', '64M' (decimal), '1000000' -> bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*", text, re.IGNORECASE)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 4GiB, 512MiB)")
+    return int(float(match[1]) * _UNITS[(match[2] or "").lower()])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="launch.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--role",
+        choices=("all", "engine", "worker", "api"),
+        default="all",
+        help="all: the whole cluster, supervised (default); otherwise that one process",
+    )
+    p.add_argument("--model", help="a local Hugging Face folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, metavar="N"
+    )
+    p.add_argument("--host", help="serve the engine on tcp://HOST:PORT (default: a fresh ipc://)")
+    p.add_argument("--port", type=int, help="first of 3 ports (input, output, workers)")
+    p.add_argument("--address-file", help="write the engine address here once it is ready")
+    engine = p.add_argument_group("engine")
+    engine.add_argument("--max-model-len", type=int)
+    engine.add_argument("--max-num-seqs", type=int)
+    engine.add_argument("--max-num-batched-tokens", type=int)
+    engine.add_argument("--block-size", type=int)
+    engine.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"))
+    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction)
+    engine.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction)
+    engine.add_argument("--gpu-memory-utilization", type=float)
+    engine.add_argument(
+        "--kv-cache-memory", type=parse_bytes, help="KV cache bytes per rank: 4GiB, 512MiB, 64M"
+    )
+    engine.add_argument("--num-gpu-blocks-override", type=int)
+    engine.add_argument("--attention-backend", choices=("auto", "flash_attn", "triton", "torch"))
+    engine.add_argument("--scheduling-policy", choices=("fcfs", "priority"))
+    engine.add_argument("--seed", type=int)
+    engine.add_argument("--device", choices=("auto", "cpu", "cuda"))
+    api = p.add_argument_group("OpenAI-compatible API server")
+    api.add_argument("--no-api", action="store_true")
+    api.add_argument("--api-host", default="0.0.0.0")
+    api.add_argument("--api-port", type=int, default=8000)
+    api.add_argument("--api-key", default=os.environ.get("SPLITSERVE_API_KEY"))
+    api.add_argument("--served-model-name")
+    single = p.add_argument_group("one process (--role engine|worker|api)")
+    single.add_argument("--engine-address")
+    single.add_argument("--rank", type=int, default=int(os.environ.get("RANK", 0)))
+    single.add_argument("--dist-init-address", help="tcp://HOST:PORT of rank 0's group store")
+    p.add_argument("--config-json", help=argparse.SUPPRESS)
+    p.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
+    return p
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    if args.config_json:
+        return EngineConfig(**json.loads(args.config_json))
+    kwargs = {name: getattr(args, name) for name in _ENGINE_ARGS if getattr(args, name) is not None}
+    if "WORLD_SIZE" in os.environ:  # torchrun
+        kwargs.setdefault("tensor_parallel_size", int(os.environ["WORLD_SIZE"]))
+    if "model" not in kwargs:
+        from models.default import default_model_path
+
+        kwargs["model"] = default_model_path()
+    return EngineConfig(**kwargs)
+
+
+def start_workers(
+    config: EngineConfig, engine_address: str, dist_init_address: str | None = None
+) -> list[subprocess.Popen]:
+    """Start config.tensor_parallel_size worker processes on this machine."""
+    dist_init = dist_init_address or f"tcp://127.0.0.1:{free_tcp_port(count=1)}"
+    args = ["--engine-address", engine_address, "--dist-init-address", dist_init]
+    return [
+        spawn("worker", config, *args, "--rank", str(rank))
+        for rank in range(config.tensor_parallel_size)
+    ]
+
+
+def spawn(role: str, config: EngineConfig, *args: str, **popen_kwargs) -> subprocess.Popen:
+    """This file as a child process in `role`, in its own session, dying with us."""
+    command = [sys.executable, _THIS_FILE, "--role", role, "--parent-pid", str(os.getpid())]
+    command += ["--config-json", json.dumps(dataclasses.asdict(config)), *args]
+    return subprocess.Popen(command, start_new_session=True, **popen_kwargs)
+
+
+class Supervisor:
+    """The launcher's children by name; `run` returns the launcher's exit code."""
+
+    def __init__(self, args: argparse.Namespace, config: EngineConfig, address: str) -> None:
+        self.args = args
+        self.config = config
+        self.address = address
+        self.children: dict[str, subprocess.Popen] = {}
+
+    def run(self) -> int:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _raise_stop)
+        dead = None
+        try:
+            self._start()
+            while True:
+                self._check_children()
+                time.sleep(0.1)
+        except Stop:
+            pass
+        except ChildDied as e:
+            dead = str(e)
+        finally:
+            self._stop(dead)
+        if dead is not None:
+            print(f"splitserve: {dead}", file=sys.stderr, flush=True)
+            return 1
+        return 0
+
+    def _start(self) -> None:
+        ready_read, ready_write = os.pipe()
+        args = ["--engine-address", self.address, "--ready-fd", str(ready_write)]
+        self._add("engine core", spawn("engine", self.config, *args, pass_fds=(ready_write,)))
+        os.close(ready_write)
+        for rank, process in enumerate(start_workers(self.config, self.address)):
+            self._add(f"worker rank {rank}", process)
+        with os.fdopen(ready_read, "rb") as ready:
+            while not select.select([ready], [], [], 0.1)[0]:
+                self._check_children()
+            if not ready.read(6):
+                self.children["engine core"].wait()
+                self._check_children()
+        api = ""
+        if not self.args.no_api and _server_importable():
+            self._start_api()
+            api = f" (api http://{self.args.api_host}:{self.args.api_port})"
+        elif not self.args.no_api:
+            print("splitserve: server/ is not importable; no HTTP API", file=sys.stderr)
+        print(f"splitserve ready: engine address {self.address}{api}", flush=True)
+        if self.args.address_file:
+            write_address_file(self.args.address_file, self.address)
+
+    def _start_api(self) -> None:
+        a = self.args
+        env = dict(os.environ, SPLITSERVE_API_KEY=a.api_key or "")
+        args = ["--engine-address", self.address, "--api-host", a.api_host]
+        args += ["--api-port", str(a.api_port)]
+        if a.served_model_name:
+            args += ["--served-model-name", a.served_model_name]
+        self._add("api server", spawn("api", self.config, *args, env=env))
+
+    def _add(self, name: str, process: subprocess.Popen) -> None:
+        self.children[name] = process
+        print(f"splitserve: {name} pid {process.pid}", flush=True)
+
+    def _check_children(self) -> None:
+        """Raise ChildDied for the likeliest cause among the children that exited: a
+        failure before a clean exit, a worker before the engine it takes down."""
+        dead = [(n, p.returncode) for n, p in self.children.items() if p.poll() is not None]
+        if dead:
+            name, code = min(dead, key=lambda d: (d[1] == 0, not d[0].startswith("worker")))
+            raise ChildDied(f"{name} died with exit code {code}")
+
+    def _stop(self, dead: str | None) -> None:
+        """API server first, then the engine (which sends Shutdown to the workers); after a
+        grace period terminate, then kill, whatever is left."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+        engine = self.children.get("engine core")
+        if "api server" in self.children:
+            self.children["api server"].terminate()
+        if engine is not None and dead is not None and dead.startswith("worker"):
+            _wait([engine], ENGINE_REPORT_S)
+        if engine is not None and engine.poll() is None:
+            engine.terminate()
+        _wait(self.children.values(), SHUTDOWN_GRACE_S)
+        for process in self.children.values():
+            if process.poll() is None:
+                process.terminate()
+        _wait(self.children.values(), 2.0)
+        for process in self.children.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        remove_ipc_files(self.address)
+        if self.args.address_file:
+            Path(self.args.address_file).unlink(missing_ok=True)
+
+
+def _wait(processes, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for process in processes:
+        try:
+            process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            return
+
+
+def _raise_stop(signum: int, frame: object) -> None:
+    raise Stop(signal.Signals(signum).name)
+
+
+def _server_importable() -> bool:
+    return all(importlib.util.find_spec(name) for name in ("server", "fastapi", "uvicorn"))
+
+
+def _engine_address(args: argparse.Namespace) -> str:
+    if args.engine_address:
+        return args.engine_address
+    if args.host is None and args.port is None:
+        return new_ipc_address()
+    host = args.host or "127.0.0.1"
+    return f"tcp://{host}:{args.port or free_tcp_port(host)}"
+
+
+def _die_with_parent(parent_pid: int, sig: int) -> None:
+    """Get `sig` when the parent dies: PR_SET_PDEATHSIG on Linux, a polling thread elsewhere."""
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, sig)
+    else:
+        threading.Thread(target=_poll_parent, args=(parent_pid, sig), daemon=True).start()
+    if os.getppid() != parent_pid:  # it died before we asked
+        os.kill(os.getpid(), sig)
+
+
+def _poll_parent(parent_pid: int, sig: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(1.0)
+    os.kill(os.getpid(), sig)
+
+
+def _run_role(args: argparse.Namespace) -> int:
+    role = args.role if args.role != "worker" else f"worker {args.rank}"
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s"
+    )
+    if args.parent_pid is not None:
+        # Workers hold nothing to clean up; the engine removes its socket files on SIGTERM.
+        sig = signal.SIGKILL if args.role == "worker" else signal.SIGTERM
+        _die_with_parent(args.parent_pid, sig)
+    config = engine_config(args)
+    if args.role == "engine":
+        return _run_engine(args, config)
+    if args.engine_address is None:
+        raise SystemExit(f"--role {args.role} needs --engine-address")
+    if args.role == "api":
+        from server import run_server
+
+        run_server(
+            args.engine_address,
+            config.tokenizer,
+            args.api_host,
+            args.api_port,
+            args.served_model_name,
+            os.environ.get("SPLITSERVE_API_KEY") or None,
+            config.max_model_len,
+        )
+        return 0
+    from worker.worker_main import run_worker
+
+    dist_init = args.dist_init_address
+    if dist_init is None and "MASTER_ADDR" in os.environ:
+        dist_init = "env://"
+    if dist_init is None:
+        raise SystemExit("--role worker needs --dist-init-address (or torchrun's MASTER_ADDR)")
+    return run_worker(config, args.engine_address, args.rank, dist_init)
+
+
+def _run_engine(args: argparse.Namespace, config: EngineConfig) -> int:
+    from engine_core.engine_proc import run_engine_core
+
+    address = _engine_address(args)
+
+    def on_ready() -> None:
+        if args.ready_fd is not None:
+            os.write(args.ready_fd, b"ready\n")
+            os.close(args.ready_fd)
+        if args.address_file:
+            write_address_file(args.address_file, address)
+
+    try:
+        return run_engine_core(config, address, on_ready)
+    finally:
+        if args.address_file:
+            Path(args.address_file).unlink(missing_ok=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.role != "all":
+        return _run_role(args)
+    config = engine_config(args)
+    return Supervisor(args, config, _engine_address(args)).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

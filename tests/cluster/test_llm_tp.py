@@ -1,0 +1,54 @@
+"""splitserve.LLM with tensor_parallel_size=2 runs worker processes and answers as
+transformers' greedy generate; a worker that cannot start is reported by rank."""
+
+from __future__ import annotations
+
+import gc
+import tempfile
+
+import pytest
+
+import launch
+from engine_core.multiproc_executor import WorkerFailure
+from ipc.messages import SamplingParams
+from splitserve import LLM
+from tests.cluster.helpers import greedy_reference, pid_alive
+from tests.models.tiny import make_tiny_checkpoint
+
+PROMPTS = [[5, 77, 3, 200], [9, 8, 7, 6, 5, 4, 3, 2, 1], [100] * 20]
+
+
+def test_llm_tp2_equals_transformers(qwen3_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    llm = LLM(qwen3_path, tensor_parallel_size=2, dtype="float32", kv_cache_memory=64 << 20)
+    executor = llm.engine.executor
+    pids = [w.pid for w in executor.workers]
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == greedy_reference(qwen3_path, PROMPTS, 8)
+    assert all(pid_alive(p) for p in pids)
+    del llm, executor, outputs
+    gc.collect()  # the executor's finalizer stops its workers
+    assert not any(pid_alive(p) for p in pids)
+
+
+def test_worker_start_failure_names_the_rank(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    ipc_dir = tmp_path / "ipc"
+    ipc_dir.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(ipc_dir))  # where new_ipc_address goes
+    started, real_start_workers = [], launch.start_workers
+
+    def start_workers(*args):
+        started.extend(real_start_workers(*args))
+        return started
+
+    monkeypatch.setattr(launch, "start_workers", start_workers)
+    # 3 attention heads cannot be split over 2 ranks.
+    path = make_tiny_checkpoint(
+        tmp_path, "qwen3", num_attention_heads=3, num_key_value_heads=1, head_dim=16
+    )
+    with pytest.raises(WorkerFailure, match=r"worker rank [01] failed") as failure:
+        LLM(path, tensor_parallel_size=2, dtype="float32", kv_cache_memory=64 << 20)
+    assert "not divisible by tensor parallel size 2" in str(failure.value)
+    assert len(started) == 2 and all(p.poll() is not None for p in started)
+    assert list(ipc_dir.iterdir()) == []

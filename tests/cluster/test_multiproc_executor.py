@@ -1,0 +1,118 @@
+"""MultiprocExecutor against fake workers (raw DEALERs): the READY handshake, one encoded
+SchedulerOutput for every rank, rank 0's answer, and failures that never hang."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import zmq
+
+from engine_core.config import EngineConfig
+from engine_core.multiproc_executor import MultiprocExecutor, WorkerFailure
+from ipc.messages import (
+    CachedRequestData,
+    Decoder,
+    InitKVCache,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    Shutdown,
+    WorkerError,
+    WorkerReady,
+    encode,
+)
+from ipc.sockets import socket_address
+
+_decoder = Decoder(InitKVCache, SchedulerOutput, Shutdown)
+
+
+@pytest.fixture
+def setup(tmp_path):
+    address = f"ipc://{tmp_path}/engine"
+    ctx = zmq.Context()
+    created = []
+
+    def make(tp: int = 2, **config):
+        executor = MultiprocExecutor(
+            EngineConfig(max_model_len=64, tensor_parallel_size=tp, **config),
+            address,
+            ready_timeout=0.5,
+        )
+        workers = []
+        for rank in range(tp):
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IDENTITY, f"fake-{rank}".encode())
+            sock.connect(socket_address(address, "workers"))
+            workers.append(sock)
+        created.append((executor, workers))
+        return executor, workers
+
+    yield make
+    for executor, workers in created:
+        executor.shutdown()
+        for sock in workers:
+            sock.close()
+    ctx.term()
+
+
+def _ready(workers, blocks, pids=None):
+    for rank, sock in enumerate(workers):
+        pid = os.getpid() if pids is None else pids[rank]
+        sock.send(encode(WorkerReady(rank, blocks[rank], pid, socket.gethostname())))
+
+
+def _step(step_id: int) -> SchedulerOutput:
+    return SchedulerOutput(step_id, [], CachedRequestData(), {"a": 1}, 1)
+
+
+@pytest.mark.parametrize(("override", "expected"), [(None, 30), (20, 20), (99, 30)])
+def test_every_rank_gets_the_smallest_block_count(setup, override, expected):
+    executor, workers = setup(num_gpu_blocks_override=override)
+    _ready(workers, [50, 30])
+    assert executor.determine_num_blocks() == expected
+    for sock in workers:
+        assert sock.poll(1000) and _decoder.decode(sock.recv()) == InitKVCache(expected)
+
+
+def test_a_step_sends_the_same_bytes_and_returns_rank_0s_answer(setup):
+    executor, workers = setup()
+    _ready(workers, [8, 8])
+    executor.determine_num_blocks()
+    for sock in workers:
+        sock.recv()  # InitKVCache
+    answer = ModelRunnerOutput(0, ["a"], [[7]])
+    workers[1].send(encode(ModelRunnerOutput(0, ["a"], [[666]])))  # not the driver: ignored
+    workers[0].send(encode(answer))
+    assert executor.execute_model(_step(0)) == answer
+    frames = [sock.recv() for sock in workers]
+    assert frames[0] == frames[1] == encode(_step(0))
+
+
+def test_a_worker_error_names_its_rank(setup):
+    executor, workers = setup()
+    _ready(workers, [8, 8])
+    executor.determine_num_blocks()
+    workers[1].send(encode(WorkerError(1, "Traceback ...\nValueError: boom", 0)))
+    with pytest.raises(WorkerFailure, match=r"(?s)worker rank 1 failed at step 0:\n.*boom"):
+        executor.execute_model(_step(0))
+
+
+def test_a_dead_worker_is_noticed_while_waiting(setup):
+    executor, workers = setup()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    _ready(workers, [8, 8], pids=[os.getpid(), dead.pid])
+    executor.determine_num_blocks()
+    with pytest.raises(WorkerFailure, match=rf"worker rank 1 \(pid {dead.pid}\) died"):
+        executor.execute_model(_step(0))
+
+
+def test_a_missing_worker_times_out_with_a_clear_error(setup):
+    executor, workers = setup()
+    _ready(workers[:1], [8])
+    with pytest.raises(WorkerFailure, match=r"no WorkerReady from rank\(s\) \[1\]"):
+        executor.determine_num_blocks()
