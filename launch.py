@@ -57,6 +57,8 @@ _ENGINE_ARGS = (
     "scheduling_policy",
     "seed",
     "device",
+    "enforce_eager",
+    "cuda_graph_sizes",
 )
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _UNITS.update({f"{u}i": 1024 ** "kmgt".index(u) * 1024 for u in "kmgt"})
@@ -114,6 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--scheduling-policy", choices=("fcfs", "priority"))
     engine.add_argument("--seed", type=int)
     engine.add_argument("--device", choices=("auto", "cpu", "cuda"))
+    engine.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
+    engine.add_argument(
+        "--cuda-graph-sizes", type=int, nargs="+", help="decode batch sizes to capture"
+    )
     api = p.add_argument_group("OpenAI-compatible API server")
     api.add_argument("--no-api", action="store_true")
     api.add_argument("--api-host", default="0.0.0.0")

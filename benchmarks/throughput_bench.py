@@ -6,6 +6,12 @@ and the EngineCore's time per step: schedule, broadcast (encode + send to the wo
 
     python -m benchmarks.throughput_bench --mode llm [--model M] [--tp N] [--dtype D]
     python -m benchmarks.throughput_bench --address ADDR_OR_FILE   # a running launch.py
+    python -m benchmarks.throughput_bench --mode llm --baseline    # + transformers, same run
+
+With --baseline the same workload also runs through transformers' `generate` (static
+batches of --hf-batch-size, left-padded, sampling at the same temperature, each batch
+generating its longest output) and the script prints splitserve's throughput ratio.
+Only the tokens each request asked for count as output for either.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import functools
 import random
 import time
 
-from engine_core.engine_proc import StepProfile
+from engine_core.step_profile import StepProfile
 from ipc.messages import SamplingParams, SchedulerStats
 
 Workload = list[tuple[list[int], SamplingParams]]
@@ -44,6 +50,42 @@ def run_llm(args: argparse.Namespace, workload: Workload) -> tuple[float, int, S
     outputs = llm.generate(list(prompts), list(params), use_tqdm=False)
     elapsed = time.perf_counter() - start
     return elapsed, sum(len(o.outputs[0].token_ids) for o in outputs), profile
+
+
+def run_transformers(args: argparse.Namespace, workload: Workload) -> float:
+    """Seconds transformers' generate takes for the workload, in static batches."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from models import load_config, resolve_dtype
+    from models.default import default_model_path
+
+    path = args.model or default_model_path()
+    dtype = resolve_dtype(args.dtype, load_config(path))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+    def generate(batch: Workload) -> None:
+        longest = max(len(prompt) for prompt, _ in batch)
+        ids = torch.tensor([[0] * (longest - len(p)) + p for p, _ in batch])
+        mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p, _ in batch])
+        with torch.inference_mode():
+            model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=max(sp.max_tokens for _, sp in batch),
+                do_sample=True,
+                temperature=0.6,
+                top_k=None,
+                top_p=None,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+
+    generate([([1, 2, 3], SamplingParams(max_tokens=8))])
+    start = time.perf_counter()
+    for i in range(0, len(workload), args.hf_batch_size):
+        generate(workload[i : i + args.hf_batch_size])
+    return time.perf_counter() - start
 
 
 def _instrument(engine) -> StepProfile:
@@ -97,6 +139,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", help="llm mode")
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--baseline", action="store_true", help="also run transformers")
+    parser.add_argument("--hf-batch-size", type=int, default=32)
     args = parser.parse_args()
     workload = make_workload(args.num_requests, args.seed)
     if args.address:
@@ -118,6 +162,13 @@ def main() -> None:
         f"total {total_tokens / elapsed:.1f} tok/s"
     )
     print(f"EngineCore steps: {profile.summary()}")
+    if args.baseline:
+        hf_elapsed = run_transformers(args, workload)
+        print(
+            f"transformers generate (batches of {args.hf_batch_size}): {hf_elapsed:.2f} s, "
+            f"output {output_tokens / hf_elapsed:.1f} tok/s; "
+            f"splitserve / transformers = {hf_elapsed / elapsed:.2f}x"
+        )
 
 
 if __name__ == "__main__":

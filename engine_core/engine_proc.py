@@ -25,16 +25,14 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TypeVar
 
 import msgspec
 import zmq
 
 from engine_core.config import EngineConfig
 from engine_core.core import EngineCore
-from engine_core.executor import Executor
 from engine_core.multiproc_executor import MultiprocExecutor, WorkerFailure
+from engine_core.step_profile import StepProfile
 from ipc.messages import (
     AbortRequests,
     DecodeError,
@@ -42,7 +40,6 @@ from ipc.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
-    SchedulerStats,
     UtilityOutput,
     UtilityRequest,
     encode,
@@ -57,8 +54,6 @@ _POLL_MS = 100
 _WAKE_ADDRESS = "inproc://output-wake"
 _OUTPUT_LINGER_MS = 1000
 
-T = TypeVar("T")
-
 
 class EngineShutdown(BaseException):
     """SIGTERM or SIGINT: raised in the main thread wherever it is."""
@@ -66,58 +61,6 @@ class EngineShutdown(BaseException):
 
 class ClientGone:
     """Put on the input queue by the output thread: this client can no longer be reached."""
-
-
-@dataclass
-class StepProfile:
-    """Cumulative seconds of the steps that ran the model, by phase."""
-
-    num_steps: int = 0
-    schedule: float = 0.0
-    broadcast: float = 0.0
-    wait: float = 0.0
-    update: float = 0.0
-
-    def add(self, start: float, call: tuple[float, float, float], end: float) -> None:
-        called, sent, answered = call
-        self.num_steps += 1
-        self.schedule += called - start
-        self.broadcast += sent - called
-        self.wait += answered - sent
-        self.update += end - answered
-
-    def timed_step(self, step: Callable[[], T], executor: Executor) -> T:
-        """Run `step` (an EngineCore.step) and add its phases; the executor records
-        `last_call` = (called, sent, answered) perf_counter times when the model ran."""
-        executor.last_call = None
-        start = time.perf_counter()
-        result = step()
-        end = time.perf_counter()
-        if executor.last_call is not None:
-            self.add(start, executor.last_call, end)
-        return result
-
-    def apply(self, stats: SchedulerStats) -> SchedulerStats:
-        return msgspec.structs.replace(
-            stats,
-            num_steps=self.num_steps,
-            schedule_time=self.schedule,
-            broadcast_time=self.broadcast,
-            wait_time=self.wait,
-            update_time=self.update,
-        )
-
-    def summary(self) -> str:
-        total = self.schedule + self.broadcast + self.wait + self.update
-        if not self.num_steps or total <= 0:
-            return "no model steps"
-        per_step = {
-            name: 1e3 * getattr(self, name) / self.num_steps
-            for name in ("schedule", "broadcast", "wait", "update")
-        }
-        phases = ", ".join(f"{name} {ms:.3f} ms" for name, ms in per_step.items())
-        share = 100 * (total - self.wait) / total
-        return f"{self.num_steps} steps; per step: {phases}; EngineCore share {share:.1f}%"
 
 
 class EngineCoreProc:
