@@ -58,12 +58,12 @@ class Attention(nn.Module):
             dist = pos[:, None] - pos[None, :]
             mask = (dist >= 0) & (dist < self.sliding_window)
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1),
-            k.transpose(0, 1),
-            v.transpose(0, 1),
+            q.transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
             attn_mask=mask,
             is_causal=mask is None,
             scale=self.scale,
             enable_gqa=True,
         )
-        return out.transpose(0, 1)
+        return out[0].transpose(0, 1)
