@@ -4,8 +4,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0 triton==3.7.1
 ARGS ?=
+ADDRESS_FILE ?= splitserve.address
 
-.PHONY: venv test test-fast lint serve bench clean
+.PHONY: venv test test-fast lint serve clean
 
 venv: $(VENV)/.installed
 
@@ -28,7 +29,7 @@ test-fast: lint
 # converted once into the user cache.
 serve: venv
 	$(if $(findstring --model,$(ARGS)),,$(PY) -m models.default)
-	exec $(PY) launch.py $(ARGS)
+	exec $(PY) launch.py --address-file $(ADDRESS_FILE) $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
