@@ -228,8 +228,9 @@ class Scheduler:
         requests = self.requests
         finished = False
         num_generated = 0
-        for request_id, token_ids in zip(
-            model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=True
+        logprobs = model_runner_output.logprobs  # None, or one entry per request
+        for i, (request_id, token_ids) in enumerate(
+            zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=True)
         ):
             request = requests.get(request_id)
             if request is None or not token_ids:
@@ -254,6 +255,7 @@ class Scheduler:
                     new_token_ids,
                     None if status is None else status.finish_reason,
                     request.num_cached_tokens,
+                    logprobs[i][: len(new_token_ids)] if logprobs and logprobs[i] else None,
                 )
             )
         self.num_generation_tokens += num_generated

@@ -66,6 +66,10 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    def shutdown(self) -> None:
+        """Stop the worker processes, if any; the LLM cannot generate afterwards."""
+        self.engine.shutdown()
+
     def _run(
         self, token_ids: list[list[int]], params: Sequence[SamplingParams], use_tqdm: bool
     ) -> list[RequestOutput]:

@@ -3,7 +3,7 @@
 import pytest
 from stand_in_executor import collect, make_engine, make_request, run_to_completion
 
-from ipc.messages import EngineCoreRequest, ModelRunnerOutput, SamplingParams
+from ipc.messages import EngineCoreRequest, ModelRunnerOutput, SamplingParams, TokenLogprobs
 
 
 @pytest.mark.parametrize(
@@ -113,3 +113,18 @@ def test_tokens_after_a_stop_in_one_output_are_dropped():
     assert (output.new_token_ids, output.finish_reason) == ([5, 2], "stop")
     assert not scheduler.has_unfinished_requests()
     assert scheduler.get_stats().num_generation_tokens == 2
+
+
+def test_logprobs_travel_with_their_tokens():
+    engine, _ = make_engine()
+    engine.add_request(make_request("a", 4, max_tokens=8))
+    engine.add_request(make_request("b", 4, max_tokens=8))
+    scheduler = engine.scheduler
+    scheduler_output = scheduler.schedule()
+    per_token = [TokenLogprobs([t, 1], [-0.5, -1.5]) for t in (5, 2, 9)]
+    runner_output = ModelRunnerOutput(
+        scheduler_output.step_id, ["a", "b"], [[5, 2, 9], [6]], [per_token, None]
+    )
+    a, b = scheduler.update_from_output(scheduler_output, runner_output).outputs
+    assert a.logprobs == per_token[:2]  # trimmed at the stop, as the tokens are
+    assert b.logprobs is None

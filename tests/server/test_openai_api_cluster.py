@@ -1,0 +1,103 @@
+"""The API tests once more, end to end: the official openai client → the HTTP server →
+AsyncEngineClient → a real EngineCore process and worker (launch.py, tiny random Llama,
+fp32). Text and usage must equal what the engine client itself returns."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from ipc.client import AsyncEngineClient, EngineClient
+from ipc.tokenizer import Tokenizer
+from tests.cluster.helpers import launch_cluster
+from tests.models.tiny import make_tiny_checkpoint
+from tests.server.conftest import EngineHarness
+from tests.server.test_openai_api import (  # noqa: F401  (collected again with this engine)
+    _metrics,
+    engine_answer,
+    test_chat_logprobs_in_openai_shape,
+    test_chat_stream,
+    test_chat_text_and_usage_match_the_engine,
+    test_completion_logprobs_in_openai_shape,
+    test_completion_of_token_ids_defaults_to_16_tokens,
+    test_completion_stream_with_usage,
+    test_completion_text_and_usage_match_the_engine,
+    test_health_is_200_while_the_engine_answers,
+    test_invalid_parameters_are_400_in_openai_shape,
+    test_metrics_parse_and_move_after_a_request,
+    test_prompt_longer_than_the_context_is_400_naming_the_limit,
+    test_sse_wire_format_ends_with_done,
+    test_unknown_model_is_404,
+    test_wrong_api_key_is_401,
+)
+
+MAX_MODEL_LEN = 512
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("api-cluster")
+    path = make_tiny_checkpoint(folder, "llama", name="llama")
+    with launch_cluster(folder, path, "--tp", "1", "--max-model-len", str(MAX_MODEL_LEN)) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def stats_client(cluster):
+    with EngineClient(cluster.address) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def engine(cluster, stats_client):
+    tokenizer = Tokenizer.from_pretrained(cluster.model)
+    client = AsyncEngineClient(cluster.address, tokenizer=tokenizer)
+
+    def idle(_request_id: str) -> bool:
+        stats = stats_client.stats()
+        return stats.num_running == 0 and stats.num_waiting == 0
+
+    return EngineHarness(client, tokenizer, "llama", MAX_MODEL_LEN, idle)
+
+
+def test_disconnect_mid_stream_frees_the_engine(http, engine, stats_client):
+    max_tokens = MAX_MODEL_LEN - 8
+    before = stats_client.stats().num_generation_tokens
+    body = {
+        "model": engine.model_name,
+        "prompt": [1, 2, 3],
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        lines = response.iter_lines()
+        json.loads(next(line for line in lines if line)[6:])
+    deadline = time.monotonic() + 10
+    while not engine.aborted(""):
+        assert time.monotonic() < deadline, "the request still runs after the disconnect"
+        time.sleep(0.02)
+    assert stats_client.stats().num_generation_tokens - before < max_tokens
+    assert stats_client.stats().kv_cache_usage == 0.0
+
+
+def test_stop_strings_cut_the_text(oai, live_server, engine):
+    prompt = "abc"  # the tiny random model answers it in printable bytes
+    full = engine_answer(
+        live_server, engine, engine.tokenizer.encode(prompt), max_tokens=20, ignore_eos=True
+    ).text
+    stop = full[6:9]
+    assert len(stop) == 3
+    for stop_field in (stop, [stop, "never-seen-stop"]):
+        got = oai.completions.create(
+            model=engine.model_name,
+            prompt=prompt,
+            max_tokens=20,
+            temperature=0,
+            stop=stop_field,
+            extra_body={"ignore_eos": True},
+        )
+        assert got.choices[0].text == full[: full.index(stop)]
+        assert got.choices[0].finish_reason == "stop"
