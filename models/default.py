@@ -66,8 +66,9 @@ def _convert(gguf: Path, out_dir: Path) -> None:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.config.architectures = ["LlamaForCausalLM"]
-    # The sampling settings SmolLM2's model card recommends; engines read them as defaults.
-    model.generation_config.update(do_sample=True, temperature=0.2, top_p=0.9)
+    # Greedy by default: even at the model card's temperature 0.2 this 135M model starts
+    # a third of its answers to "What is the capital of France?" off track.
+    model.generation_config.do_sample = False
     model.save_pretrained(str(out_dir), safe_serialization=True)
     tokenizer.save_pretrained(str(out_dir))
     if not getattr(tokenizer, "chat_template", None):

@@ -34,9 +34,11 @@ def build_app(
     served_model_name: str,
     api_key: str | None = None,
     max_model_len: int | None = None,
+    sampling_defaults: dict | None = None,
 ) -> FastAPI:
     """`client` is a connected AsyncEngineClient (or anything with its generate/stream/abort/
-    stats/health methods); the app never connects or closes it."""
+    stats/health methods); the app never connects or closes it. `sampling_defaults` (the
+    model's generation config) apply under what each request sets."""
     app = FastAPI(title="splitserve")
     metrics = ServerMetrics()
     created = int(time.time())
@@ -78,7 +80,12 @@ def build_app(
         check_model(request.model)
         prompt_token_ids = completion_prompt_ids(request, tokenizer)
         params = sampling_params(
-            request, len(prompt_token_ids), request.max_tokens, request.logprobs, max_model_len
+            request,
+            len(prompt_token_ids),
+            request.max_tokens,
+            request.logprobs,
+            max_model_len,
+            sampling_defaults,
         )
         builder = CompletionResponses(f"cmpl-{uuid.uuid4().hex}", served_model_name, tokenizer)
         want_logprobs = request.logprobs is not None
@@ -96,7 +103,9 @@ def build_app(
             max_tokens = request.max_tokens
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         num_prompt_tokens = len(prompt_token_ids)
-        params = sampling_params(request, num_prompt_tokens, max_tokens, logprobs, max_model_len)
+        params = sampling_params(
+            request, num_prompt_tokens, max_tokens, logprobs, max_model_len, sampling_defaults
+        )
         builder = ChatResponses(f"chatcmpl-{uuid.uuid4().hex}", served_model_name, tokenizer)
         want_logprobs = bool(request.logprobs)
         return await answer(raw, request, builder, prompt_token_ids, want_logprobs, params, arrival)

@@ -13,6 +13,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from ipc.client import AsyncEngineClient
+from ipc.defaults import generation_defaults
 from ipc.tokenizer import Tokenizer
 from server.app import build_app
 
@@ -33,7 +34,14 @@ def run_server(
     tokenizer = Tokenizer.from_pretrained(tokenizer_path)
     client = AsyncEngineClient(engine_address, tokenizer=tokenizer)
     name = served_model_name or Path(tokenizer_path).name
-    app = build_app(client, tokenizer, name, api_key=api_key, max_model_len=max_model_len)
+    app = build_app(
+        client,
+        tokenizer,
+        name,
+        api_key=api_key,
+        max_model_len=max_model_len,
+        sampling_defaults=generation_defaults(tokenizer_path),
+    )
     asyncio.run(_serve(app, client, host, port))
 
 

@@ -55,8 +55,10 @@ def sampling_params(
     max_tokens: int | None,
     logprobs: int | None,
     max_model_len: int | None,
+    defaults: dict | None = None,
 ) -> SamplingParams:
-    """SamplingParams for a request; every invalid value is an APIError(400) naming the field."""
+    """SamplingParams for a request, over `defaults` (the model's generation config); every
+    invalid value is an APIError(400) naming the field."""
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(request, name):
             raise APIError(400, f"{name} is not supported", name)
@@ -72,7 +74,7 @@ def sampling_params(
         "ignore_eos": request.ignore_eos,
         "skip_special_tokens": request.skip_special_tokens,
     }
-    kwargs = {name: value for name, value in given.items() if value is not None}
+    kwargs = {**(defaults or {}), **{k: v for k, v in given.items() if v is not None}}
     try:
         return SamplingParams(
             seed=request.seed,

@@ -11,7 +11,7 @@ import sys
 
 from ipc.client.core import EngineDeadError, RequestError
 from ipc.client.sync_client import EngineClient
-from ipc.messages import SamplingParams
+from ipc.defaults import default_sampling_params
 from ipc.tokenizer import Tokenizer
 
 
@@ -32,7 +32,9 @@ def main(argv: list[str] | None = None) -> int:
         help="the model folder, for its tokenizer (default: $SPLITSERVE_MODEL)",
     )
     parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument(
+        "--temperature", type=float, help="default: the model's generation config, else 1.0"
+    )
     parser.add_argument(
         "--no-chat", action="store_true", help="send the prompt without the chat template"
     )
@@ -44,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = Tokenizer.from_pretrained(args.tokenizer)
     messages = [{"role": "user", "content": args.prompt}]
     prompt = args.prompt if args.no_chat else tokenizer.apply_chat_template(messages, tokenize=True)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    overrides = {} if args.temperature is None else {"temperature": args.temperature}
+    params = default_sampling_params(args.tokenizer, max_tokens=args.max_tokens, **overrides)
     try:
         with EngineClient(args.address, tokenizer, args.connect_timeout) as client:
             for delta in client.stream(prompt, params):

@@ -162,3 +162,22 @@ def test_engine_refusal_is_400_with_its_message():
         assert "exceeds max_model_len 10" in response.json()["error"]["message"]
     ok = asyncio.run(post({"prompt": "short", "max_tokens": 2}))
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+def test_generation_config_defaults_apply_under_the_request():
+    fake = FakeEngineClient()
+    defaults = {"temperature": 0.2, "top_p": 0.9}
+    app = build_app(fake, fake.tokenizer, "fake-model", sampling_defaults=defaults)
+
+    async def post(body: dict) -> None:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            response = await client.post("/v1/completions", json=body)
+            assert response.status_code == 200
+
+    asyncio.run(post({"prompt": "Hi", "max_tokens": 2}))
+    _, params = list(fake.requests.values())[-1]
+    assert (params.temperature, params.top_p) == (0.2, 0.9)
+    asyncio.run(post({"prompt": "Hi", "max_tokens": 2, "temperature": 1.0}))
+    _, params = list(fake.requests.values())[-1]
+    assert (params.temperature, params.top_p) == (1.0, 0.9)
