@@ -3,6 +3,7 @@
 import torch
 import torch.nn.functional as F
 
+from attention.batch_split import DecodeGroup
 from attention.metadata import AttentionMetadata
 
 
@@ -10,8 +11,9 @@ class TorchAttentionBackend:
     """Gathers each request's context pages from the cache by its block table and calls
     `scaled_dot_product_attention`.
 
-    Decodes go in one call: [num_decodes, num_blocks * block_size] pages, masked past
-    each seq_len (and before its window). The query heads that share a KV head are
+    Decodes go in a few calls, grouped by context length (see BatchSplit.decode_groups):
+    [group size, num_blocks * block_size] pages, masked past each seq_len (and before
+    its window). The query heads that share a KV head are
     folded into the query-length axis ([num_decodes, kv_heads, group, head_dim]), which
     is exact for one query token and lets SDPA use its fused kernel without repeating
     K/V. Prefills run one SDPA per request; a prompt with no cached prefix attends to
@@ -43,24 +45,25 @@ class TorchAttentionBackend:
         out = torch.empty_like(q)
         out[md.num_actual_tokens :] = 0
         split = md.split
-        if split.num_decodes:
-            self._decode(layer, q, kv_cache, md, out)
+        for group in split.decode_groups:
+            self._decode(layer, q, kv_cache, md, out, group)
         for req in split.prefill_reqs_cpu:
             self._prefill(layer, req, q, k, v, kv_cache, md, out)
         return out
 
-    def _decode(self, layer, q, kv_cache, md: AttentionMetadata, out: torch.Tensor) -> None:
-        split = md.split
-        num_decodes, block_size = split.num_decodes, kv_cache.shape[2]
-        seq_lens = md.seq_lens[split.decode_reqs].long()
+    def _decode(
+        self, layer, q, kv_cache, md: AttentionMetadata, out: torch.Tensor, group: DecodeGroup
+    ) -> None:
+        num_decodes, block_size = group.reqs.shape[0], kv_cache.shape[2]
+        seq_lens = md.seq_lens[group.reqs].long()
         window = layer.sliding_window
-        num_blocks = -(-split.max_decode_seq_len // block_size)
+        num_blocks = -(-group.max_seq_len // block_size)
         if window is not None:  # a window of w tokens spans at most cdiv(w - 1, bs) + 1 pages
             num_blocks = min(num_blocks, -(-(window - 1) // block_size) + 1)
         cols = torch.arange(num_blocks, device=q.device).expand(num_decodes, num_blocks)
         if window is not None:
             cols = cols + ((seq_lens - window).clamp(min=0) // block_size)[:, None]
-        block_ids = md.block_table[split.decode_reqs].gather(
+        block_ids = md.block_table[group.reqs].gather(
             1, cols.clamp(max=md.block_table.shape[1] - 1)
         )
         keys, values = self._gather(kv_cache, block_ids.flatten())
@@ -71,8 +74,7 @@ class TorchAttentionBackend:
         valid = positions < seq_lens[:, None]
         if window is not None:
             valid &= positions >= (seq_lens - window)[:, None]
-        group = layer.num_heads // layer.num_kv_heads
-        query = q[split.decode_rows].view(num_decodes, layer.num_kv_heads, group, layer.head_dim)
+        query = q[group.rows].view(num_decodes, layer.num_kv_heads, -1, layer.head_dim)
         result = F.scaled_dot_product_attention(
             query,
             keys.view(shape).transpose(1, 2),
@@ -80,7 +82,7 @@ class TorchAttentionBackend:
             attn_mask=valid[:, None, None, :],
             scale=layer.scale,
         )
-        out[split.decode_rows] = result.reshape(num_decodes, layer.num_heads, layer.head_dim)
+        out[group.rows] = result.reshape(num_decodes, layer.num_heads, layer.head_dim)
 
     def _prefill(self, layer, req: int, q, k, v, kv_cache, md: AttentionMetadata, out) -> None:
         start = int(md.query_start_loc_cpu[req])

@@ -1,6 +1,7 @@
 """Every backend, through the real Attention layer (store-KV included), against plain causal
 attention over each request's whole unpaged sequence."""
 
+import random
 import sys
 
 import fake_flash_attn
@@ -76,6 +77,19 @@ def test_decode(backend):
     for req, n in enumerate(seq_lens):
         reqs.cache_prefix(req, n - 1)
     check_step(reqs, backend, [(req, n - 1, 1) for req, n in enumerate(seq_lens)])
+
+
+def test_many_decodes_of_scattered_lengths(backend):
+    """40 decodes in shuffled length order between two prefills: the torch backend
+    groups them by length (several SDPA calls), every backend must still be exact."""
+    lengths = random.Random(0).sample(range(2, 90), 40)
+    decodes = [(i, n - 1, 1) for i, n in enumerate(lengths)]
+    prefills = [(40, 0, 7), (41, 5, 4)]
+    reqs = make_requests(lengths + [7, 9])
+    for req, start, _ in decodes + prefills:
+        reqs.cache_prefix(req, start)
+    schedule = [prefills[0]] + decodes[:20] + [prefills[1]] + decodes[20:]
+    check_step(reqs, backend, schedule)
 
 
 def mixed_schedule(reqs, order: str):
