@@ -32,6 +32,12 @@ class TorchAttentionBackend:
 
     def __init__(self) -> None:
         self._workspace: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        # Decode layouts by (group, window), kept for one forward pass: until the metadata
+        # changes or the pass's first layer comes again (a CUDA-graph runner reuses one
+        # metadata object across steps).
+        self._layout_md: AttentionMetadata | None = None
+        self._layout_first_layer: object | None = None
+        self._layouts: dict[tuple[int, int | None], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def forward(
         self,
@@ -45,6 +51,8 @@ class TorchAttentionBackend:
         out = torch.empty_like(q)
         out[md.num_actual_tokens :] = 0
         split = md.split
+        if md is not self._layout_md or layer is self._layout_first_layer:
+            self._layout_md, self._layout_first_layer, self._layouts = md, layer, {}
         for group in split.decode_groups:
             self._decode(layer, q, kv_cache, md, out, group)
         for req in split.prefill_reqs_cpu:
@@ -55,34 +63,48 @@ class TorchAttentionBackend:
         self, layer, q, kv_cache, md: AttentionMetadata, out: torch.Tensor, group: DecodeGroup
     ) -> None:
         num_decodes, block_size = group.reqs.shape[0], kv_cache.shape[2]
-        seq_lens = md.seq_lens[group.reqs].long()
-        window = layer.sliding_window
-        num_blocks = -(-group.max_seq_len // block_size)
-        if window is not None:  # a window of w tokens spans at most cdiv(w - 1, bs) + 1 pages
-            num_blocks = min(num_blocks, -(-(window - 1) // block_size) + 1)
-        cols = torch.arange(num_blocks, device=q.device).expand(num_decodes, num_blocks)
-        if window is not None:
-            cols = cols + ((seq_lens - window).clamp(min=0) // block_size)[:, None]
-        block_ids = md.block_table[group.reqs].gather(
-            1, cols.clamp(max=md.block_table.shape[1] - 1)
-        )
-        keys, values = self._gather(kv_cache, block_ids.flatten())
-        ctx_len = num_blocks * block_size
-        shape = (num_decodes, ctx_len, layer.num_kv_heads, layer.head_dim)
-        positions = cols[:, :, None] * block_size + torch.arange(block_size, device=q.device)
-        positions = positions.view(num_decodes, ctx_len)
-        valid = positions < seq_lens[:, None]
-        if window is not None:
-            valid &= positions >= (seq_lens - window)[:, None]
+        block_ids, valid = self._decode_layout(md, group, layer.sliding_window, block_size)
+        keys, values = self._gather(kv_cache, block_ids)
+        shape = (num_decodes, valid.shape[-1], layer.num_kv_heads, layer.head_dim)
         query = q[group.rows].view(num_decodes, layer.num_kv_heads, -1, layer.head_dim)
         result = F.scaled_dot_product_attention(
             query,
             keys.view(shape).transpose(1, 2),
             values.view(shape).transpose(1, 2),
-            attn_mask=valid[:, None, None, :],
+            attn_mask=valid,
             scale=layer.scale,
         )
         out[group.rows] = result.reshape(num_decodes, layer.num_heads, layer.head_dim)
+
+    def _decode_layout(
+        self, md: AttentionMetadata, group: DecodeGroup, window: int | None, block_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pages a decode group gathers (flat block ids) and which gathered positions
+        it may attend to ([n, 1, 1, ctx] mask). The same for every layer of a step with
+        the same window, so it is built once per forward pass."""
+        key = (id(group), window)
+        if key in self._layouts:
+            return self._layouts[key]
+        num_decodes = group.reqs.shape[0]
+        seq_lens = md.seq_lens[group.reqs].long()
+        num_blocks = -(-group.max_seq_len // block_size)
+        if window is not None:  # a window of w tokens spans at most cdiv(w - 1, bs) + 1 pages
+            num_blocks = min(num_blocks, -(-(window - 1) // block_size) + 1)
+        device = md.block_table.device
+        cols = torch.arange(num_blocks, device=device).expand(num_decodes, num_blocks)
+        if window is not None:
+            cols = cols + ((seq_lens - window).clamp(min=0) // block_size)[:, None]
+        block_ids = md.block_table[group.reqs].gather(
+            1, cols.clamp(max=md.block_table.shape[1] - 1)
+        )
+        positions = cols[:, :, None] * block_size + torch.arange(block_size, device=device)
+        positions = positions.view(num_decodes, num_blocks * block_size)
+        valid = positions < seq_lens[:, None]
+        if window is not None:
+            valid &= positions >= (seq_lens - window)[:, None]
+        layout = (block_ids.flatten(), valid[:, None, None, :])
+        self._layouts[key] = layout
+        return layout
 
     def _prefill(self, layer, req: int, q, k, v, kv_cache, md: AttentionMetadata, out) -> None:
         start = int(md.query_start_loc_cpu[req])
