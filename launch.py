@@ -234,11 +234,15 @@ class Supervisor:
         print(f"splitserve: {name} pid {process.pid}", flush=True)
 
     def _check_children(self) -> None:
-        """Raise ChildDied for the likeliest cause among the children that exited: a
-        failure before a clean exit, a worker before the engine it takes down."""
+        """Raise ChildDied for the likeliest cause among the children that exited: one
+        killed by a signal before one that exited with an error (say, a worker whose peer
+        vanished mid-collective), a failure before a clean exit, a worker before the
+        engine it takes down."""
         dead = [(n, p.returncode) for n, p in self.children.items() if p.poll() is not None]
         if dead:
-            name, code = min(dead, key=lambda d: (d[1] == 0, not d[0].startswith("worker")))
+            name, code = min(
+                dead, key=lambda d: (d[1] >= 0, d[1] == 0, not d[0].startswith("worker"))
+            )
             raise ChildDied(f"{name} died with exit code {code}")
 
     def _stop(self, dead: str | None) -> None:
@@ -344,7 +348,13 @@ def _run_role(args: argparse.Namespace) -> int:
         dist_init = "env://"
     if dist_init is None:
         raise SystemExit("--role worker needs --dist-init-address (or torchrun's MASTER_ADDR)")
-    return run_worker(config, args.engine_address, args.rank, dist_init)
+    code = run_worker(config, args.engine_address, args.rank, dist_init)
+    # The process group is destroyed by now. Skip the interpreter's teardown: there,
+    # torch.distributed's C++ threads now and then abort (SIGABRT) a clean exit.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _run_engine(args: argparse.Namespace, config: EngineConfig) -> int:
