@@ -77,6 +77,12 @@ def engine() -> EngineHarness:
 
 
 @pytest.fixture(scope="module")
+def text_prompt() -> str:
+    """A prompt whose answer has text to cut at a stop string; engines may override it."""
+    return "Tell me"
+
+
+@pytest.fixture(scope="module")
 def live_server(engine: EngineHarness):
     app = build_app(
         engine.client, engine.tokenizer, engine.model_name, API_KEY, engine.max_model_len

@@ -140,15 +140,15 @@ def test_chat_without_max_tokens_may_fill_the_context(oai, engine):
     assert got.usage.completion_tokens == room and got.choices[0].finish_reason == "length"
 
 
-def test_stop_strings_cut_the_text(oai, live_server, engine):
-    ids = engine.tokenizer.encode("Tell me")
+def test_stop_strings_cut_the_text(oai, live_server, engine, text_prompt):
+    ids = engine.tokenizer.encode(text_prompt)
     full = engine_answer(live_server, engine, ids, max_tokens=20, ignore_eos=True).text
     stop = full[6:9]
 
     for stop_field in (stop, [stop, "never-seen-stop"]):
         got = oai.completions.create(
             model=engine.model_name,
-            prompt="Tell me",
+            prompt=text_prompt,
             max_tokens=20,
             temperature=0,
             stop=stop_field,

@@ -16,7 +16,6 @@ from tests.models.tiny import make_tiny_checkpoint
 from tests.server.conftest import EngineHarness
 from tests.server.test_openai_api import (  # noqa: F401  (collected again with this engine)
     _metrics,
-    engine_answer,
     test_chat_logprobs_in_openai_shape,
     test_chat_stream,
     test_chat_text_and_usage_match_the_engine,
@@ -29,6 +28,7 @@ from tests.server.test_openai_api import (  # noqa: F401  (collected again with 
     test_metrics_parse_and_move_after_a_request,
     test_prompt_longer_than_the_context_is_400_naming_the_limit,
     test_sse_wire_format_ends_with_done,
+    test_stop_strings_cut_the_text,
     test_unknown_model_is_404,
     test_wrong_api_key_is_401,
 )
@@ -42,6 +42,11 @@ def cluster(tmp_path_factory):
     path = make_tiny_checkpoint(folder, "llama", name="llama")
     with launch_cluster(folder, path, "--tp", "1", "--max-model-len", str(MAX_MODEL_LEN)) as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def text_prompt() -> str:
+    return "abc"  # the tiny random model answers it in printable bytes
 
 
 @pytest.fixture(scope="module")
@@ -82,22 +87,3 @@ def test_disconnect_mid_stream_frees_the_engine(http, engine, stats_client):
     assert stats_client.stats().num_generation_tokens - before < max_tokens
     assert stats_client.stats().kv_cache_usage == 0.0
 
-
-def test_stop_strings_cut_the_text(oai, live_server, engine):
-    prompt = "abc"  # the tiny random model answers it in printable bytes
-    full = engine_answer(
-        live_server, engine, engine.tokenizer.encode(prompt), max_tokens=20, ignore_eos=True
-    ).text
-    stop = full[6:9]
-    assert len(stop) == 3
-    for stop_field in (stop, [stop, "never-seen-stop"]):
-        got = oai.completions.create(
-            model=engine.model_name,
-            prompt=prompt,
-            max_tokens=20,
-            temperature=0,
-            stop=stop_field,
-            extra_body={"ignore_eos": True},
-        )
-        assert got.choices[0].text == full[: full.index(stop)]
-        assert got.choices[0].finish_reason == "stop"
