@@ -70,6 +70,10 @@ class VocabParallelEmbedding(nn.Module):
                 f"{self.prefix}: checkpoint embedding {shape}, expected "
                 f"{(self.num_embeddings, self.embedding_dim)}"
             )
+        self._load_vocab_rows(param, loaded_weight)
+
+    def _load_vocab_rows(self, param: nn.Parameter, loaded_weight: Any) -> None:
+        """This rank's rows of the vocabulary; rows past the real vocabulary are zero."""
         n = self.num_real_rows
         if n > 0:
             copy_weight(
@@ -113,14 +117,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     @torch.no_grad()
     def _bias_loader(self, param: nn.Parameter, loaded_weight: Any, shard_id: Any = None) -> None:
-        n = self.num_real_rows
-        if n > 0:
-            copy_weight(
-                param.data[:n],
-                narrow_weight(loaded_weight, 0, self.vocab_start_index, n),
-                self.prefix,
-            )
-        param.data[n:].zero_()
+        self._load_vocab_rows(param, loaded_weight)
 
     def tie_weights(self, embedding: VocabParallelEmbedding) -> ParallelLMHead:
         if embedding.num_embeddings_padded != self.num_embeddings_padded:
