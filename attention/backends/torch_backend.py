@@ -32,12 +32,12 @@ class TorchAttentionBackend:
 
     def __init__(self) -> None:
         self._workspace: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-        # Decode layouts by (group, window), kept for one forward pass: until the metadata
-        # changes or the pass's first layer comes again (a CUDA-graph runner reuses one
-        # metadata object across steps).
+        # Layouts (decode block ids and masks, prefill masks) that every layer of a step
+        # shares, kept for one forward pass: until the metadata changes or the pass's
+        # first layer comes again (a CUDA-graph runner reuses one metadata object).
         self._layout_md: AttentionMetadata | None = None
         self._layout_first_layer: object | None = None
-        self._layouts: dict[tuple[int, int | None], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._layouts: dict[tuple, object] = {}
 
     def forward(
         self,
@@ -82,9 +82,21 @@ class TorchAttentionBackend:
         """The pages a decode group gathers (flat block ids) and which gathered positions
         it may attend to ([n, 1, 1, ctx] mask). The same for every layer of a step with
         the same window, so it is built once per forward pass."""
-        key = (id(group), window)
-        if key in self._layouts:
-            return self._layouts[key]
+        return self._shared(
+            ("decode", id(group), window),
+            lambda: self._build_decode_layout(md, group, window, block_size),
+        )
+
+    def _shared(self, key: tuple, build):
+        """build(), computed once per forward pass for `key`."""
+        if key not in self._layouts:
+            self._layouts[key] = build()
+        return self._layouts[key]
+
+    @staticmethod
+    def _build_decode_layout(
+        md: AttentionMetadata, group: DecodeGroup, window: int | None, block_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         num_decodes = group.reqs.shape[0]
         seq_lens = md.seq_lens[group.reqs].long()
         num_blocks = -(-group.max_seq_len // block_size)
@@ -102,9 +114,7 @@ class TorchAttentionBackend:
         valid = positions < seq_lens[:, None]
         if window is not None:
             valid &= positions >= (seq_lens - window)[:, None]
-        layout = (block_ids.flatten(), valid[:, None, None, :])
-        self._layouts[key] = layout
-        return layout
+        return block_ids.flatten(), valid[:, None, None, :]
 
     def _prefill(self, layer, req: int, q, k, v, kv_cache, md: AttentionMetadata, out) -> None:
         start = int(md.query_start_loc_cpu[req])
@@ -124,11 +134,10 @@ class TorchAttentionBackend:
             values = values.view(heads)[: seq_len - first]
         mask = None
         if seq_len > query_len or window is not None:
-            query_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)[:, None]
-            key_pos = torch.arange(first, seq_len, device=q.device)[None, :]
-            mask = key_pos <= query_pos
-            if window is not None:
-                mask &= key_pos > query_pos - window
+            mask = self._shared(
+                ("prefill", req, window),
+                lambda: _prefill_mask(seq_len, query_len, first, window, q.device),
+            )
         # 4-D inputs: on CPU only those reach SDPA's fused kernel (3-D ones take the
         # math path, ~5-9x slower for a few hundred tokens).
         result = F.scaled_dot_product_attention(
@@ -155,3 +164,16 @@ class TorchAttentionBackend:
         torch.index_select(kv_cache[0], 0, block_ids, out=pages[0])
         torch.index_select(kv_cache[1], 0, block_ids, out=pages[1])
         return pages[0], pages[1]
+
+
+def _prefill_mask(
+    seq_len: int, query_len: int, first: int, window: int | None, device: torch.device
+) -> torch.Tensor:
+    """Query positions seq_len - query_len .. seq_len - 1 against key positions
+    first .. seq_len - 1: causal, and within the window if there is one."""
+    query_pos = torch.arange(seq_len - query_len, seq_len, device=device)[:, None]
+    key_pos = torch.arange(first, seq_len, device=device)[None, :]
+    mask = key_pos <= query_pos
+    if window is not None:
+        mask &= key_pos > query_pos - window
+    return mask
