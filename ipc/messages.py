@@ -7,9 +7,21 @@ pickled; a frame that does not decode into the expected struct raises `DecodeErr
 
 from __future__ import annotations
 
+import enum
+
 import msgspec
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class ErrorCode(enum.IntEnum):
+    """Why a request finished with "error", as the HTTP status a server answers with.
+    INVALID_REQUEST messages are meant for the client; INTERNAL ones stay in the logs
+    (the client gets a generic message); UNAVAILABLE: the engine is shutting down."""
+
+    INVALID_REQUEST = 400
+    INTERNAL = 500
+    UNAVAILABLE = 503
 
 
 class _Wire(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -108,6 +120,7 @@ class EngineCoreOutput(_Wire):
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprobs] | None = None
     error: str | None = None
+    error_code: ErrorCode = ErrorCode.INVALID_REQUEST
 
 
 class SchedulerStats(_Wire):

@@ -26,6 +26,7 @@ from ipc.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    ErrorCode,
     SamplingParams,
     UtilityOutput,
     UtilityRequest,
@@ -41,7 +42,13 @@ Message = dict[str, Any]
 
 
 class RequestError(ValueError):
-    """The EngineCore refused or failed a request (finish_reason "error")."""
+    """The EngineCore refused or failed a request (finish_reason "error"); `code` says
+    whether the request was at fault (INVALID_REQUEST) or the engine (INTERNAL,
+    UNAVAILABLE)."""
+
+    def __init__(self, message: str, code: ErrorCode = ErrorCode.INVALID_REQUEST) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class EngineDeadError(RuntimeError):
@@ -235,7 +242,8 @@ class ClientCore:
                     continue
                 del self._requests[out.request_id]
                 if out.finish_reason == "error":
-                    state.queue.put_nowait(RequestError(out.error or "the EngineCore failed"))
+                    error = RequestError(out.error or "the EngineCore failed", out.error_code)
+                    state.queue.put_nowait(error)
                     continue
                 state.queue.put_nowait(delta)
                 if out.finish_reason is None:
