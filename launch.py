@@ -30,6 +30,7 @@ import os
 import re
 import select
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -59,11 +60,16 @@ _ENGINE_ARGS = (
     "device",
     "enforce_eager",
     "cuda_graph_sizes",
+    "worker_step_timeout",
+    "max_worker_restarts",
+    "worker_restart_window",
+    "shutdown_timeout",
 )
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _UNITS.update({f"{u}i": 1024 ** "kmgt".index(u) * 1024 for u in "kmgt"})
 ENGINE_REPORT_S = 5.0  # time the engine gets to report a dead worker to its clients
 SHUTDOWN_GRACE_S = 5.0
+API_RESTARTS = 3  # API server starts within a minute before its death is fatal
 
 
 class Stop(BaseException):
@@ -120,6 +126,24 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument(
         "--cuda-graph-sizes", type=int, nargs="+", help="decode batch sizes to capture"
     )
+    resilience = p.add_argument_group("resilience")
+    resilience.add_argument(
+        "--worker-step-timeout",
+        type=float,
+        help="seconds a step may take before its workers are deemed hung (default 300)",
+    )
+    resilience.add_argument(
+        "--max-worker-restarts",
+        type=int,
+        help="replace failed workers at most this often within --worker-restart-window, "
+        "replaying their requests; 0 makes a worker failure fatal (default 3)",
+    )
+    resilience.add_argument("--worker-restart-window", type=float, help="seconds (default 300)")
+    resilience.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        help="on SIGTERM, seconds to let running requests finish (default 30)",
+    )
     api = p.add_argument_group("OpenAI-compatible API server")
     api.add_argument("--no-api", action="store_true")
     api.add_argument("--api-host", default="0.0.0.0")
@@ -169,23 +193,32 @@ def spawn(role: str, config: EngineConfig, *args: str, **popen_kwargs) -> subpro
 
 
 class Supervisor:
-    """The launcher's children by name; `run` returns the launcher's exit code."""
+    """The launcher's children by name; `run` returns the launcher's exit code.
+
+    The engine writes lines on a pipe: "ready" once every worker registered, then
+    "restart" whenever it wants fresh workers (it decides when a worker failed and
+    bounds the restarts); a worker that dies is left for the engine to notice. An API
+    server that dies is started again (at most API_RESTARTS times a minute): it holds
+    nothing but connections.
+    """
 
     def __init__(self, args: argparse.Namespace, config: EngineConfig, address: str) -> None:
         self.args = args
         self.config = config
         self.address = address
         self.children: dict[str, subprocess.Popen] = {}
+        self._api_starts: list[float] = []
 
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, _raise_stop)
         dead = None
         try:
-            self._start()
-            while True:
-                self._check_children()
-                time.sleep(0.1)
+            with self._start() as engine_lines:
+                while True:
+                    self._check_children()
+                    if select.select([engine_lines], [], [], 0.1)[0]:
+                        self._on_engine_line(engine_lines.readline())
         except Stop:
             pass
         except ChildDied as e:
@@ -197,28 +230,50 @@ class Supervisor:
             return 1
         return 0
 
-    def _start(self) -> None:
+    def _start(self):
+        """Start the engine and the workers, wait for "ready", start the API server;
+        returns the engine's pipe (a file to read lines from)."""
         ready_read, ready_write = os.pipe()
         args = ["--engine-address", self.address, "--ready-fd", str(ready_write)]
         self._add("engine core", spawn("engine", self.config, *args, pass_fds=(ready_write,)))
         os.close(ready_write)
-        for rank, process in enumerate(start_workers(self.config, self.address)):
-            self._add(f"worker rank {rank}", process)
-        with os.fdopen(ready_read, "rb") as ready:
-            while not select.select([ready], [], [], 0.1)[0]:
-                self._check_children()
-            if not ready.read(6):
-                self.children["engine core"].wait()
-                self._check_children()
+        self._start_workers()
+        engine_lines = os.fdopen(ready_read, "rb", buffering=0)
+        while not select.select([engine_lines], [], [], 0.1)[0]:
+            self._check_children()
+        if engine_lines.readline() != b"ready\n":
+            self.children["engine core"].wait()
+            self._check_children()
         api = ""
         if not self.args.no_api and _server_importable():
             self._start_api()
+            self._wait_api_port()
             api = f" (api http://{self.args.api_host}:{self.args.api_port})"
         elif not self.args.no_api:
             print("splitserve: server/ is not importable; no HTTP API", file=sys.stderr)
         print(f"splitserve ready: engine address {self.address}{api}", flush=True)
         if self.args.address_file:
             write_address_file(self.args.address_file, self.address)
+        return engine_lines
+
+    def _on_engine_line(self, line: bytes) -> None:
+        if line == b"restart\n":
+            print("splitserve: the engine asked for new workers; restarting them", flush=True)
+            self._stop_workers()
+            self._start_workers()
+        elif not line:  # the engine closed its end: it is exiting
+            self.children["engine core"].wait()
+            self._check_children()
+
+    def _start_workers(self) -> None:
+        for rank, process in enumerate(start_workers(self.config, self.address)):
+            self._add(f"worker rank {rank}", process)
+
+    def _stop_workers(self) -> None:
+        for name in [n for n in self.children if n.startswith("worker")]:
+            process = self.children.pop(name)
+            process.kill()
+            process.wait()
 
     def _start_api(self) -> None:
         a = self.args
@@ -227,7 +282,20 @@ class Supervisor:
         args += ["--api-port", str(a.api_port)]
         if a.served_model_name:
             args += ["--served-model-name", a.served_model_name]
+        self._api_starts = [t for t in self._api_starts if time.monotonic() - t < 60.0]
+        self._api_starts.append(time.monotonic())
         self._add("api server", spawn("api", self.config, *args, env=env))
+
+    def _wait_api_port(self) -> None:
+        """Block until the API server accepts connections, so "ready" means ready."""
+        host = self.args.api_host if self.args.api_host not in ("0.0.0.0", "::") else "127.0.0.1"
+        while True:
+            self._check_children()
+            with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+                probe.settimeout(0.5)
+                if probe.connect_ex((host, self.args.api_port)) == 0:
+                    return
+            time.sleep(0.1)
 
     def _add(self, name: str, process: subprocess.Popen) -> None:
         self.children[name] = process
@@ -237,8 +305,17 @@ class Supervisor:
         """Raise ChildDied for the likeliest cause among the children that exited: one
         killed by a signal before one that exited with an error (say, a worker whose peer
         vanished mid-collective), a failure before a clean exit, a worker before the
-        engine it takes down."""
+        engine it takes down. A dead worker is the engine's to replace while restarts
+        are allowed; a dead API server is started again."""
         dead = [(n, p.returncode) for n, p in self.children.items() if p.poll() is not None]
+        engine_alive = self.children["engine core"].poll() is None
+        if engine_alive and self.config.max_worker_restarts > 0:
+            dead = [d for d in dead if not d[0].startswith("worker")]
+        api_only = [name for name, _ in dead] == ["api server"]
+        if api_only and engine_alive and len(self._api_starts) < API_RESTARTS:
+            print(f"splitserve: api server died with exit code {dead[0][1]}; restarting it")
+            self._start_api()
+            return
         if dead:
             name, code = min(
                 dead, key=lambda d: (d[1] >= 0, d[1] == 0, not d[0].startswith("worker"))
@@ -246,17 +323,19 @@ class Supervisor:
             raise ChildDied(f"{name} died with exit code {code}")
 
     def _stop(self, dead: str | None) -> None:
-        """API server first, then the engine (which sends Shutdown to the workers); after a
-        grace period terminate, then kill, whatever is left."""
+        """The engine first: it drains (finishes what runs, for up to shutdown_timeout)
+        while the API server still streams, then tells the workers to stop; then the API
+        server. After a grace period terminate, then kill, whatever is left."""
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)
         engine = self.children.get("engine core")
-        if "api server" in self.children:
-            self.children["api server"].terminate()
         if engine is not None and dead is not None and dead.startswith("worker"):
             _wait([engine], ENGINE_REPORT_S)
         if engine is not None and engine.poll() is None:
             engine.terminate()
+            _wait([engine], self.config.shutdown_timeout + SHUTDOWN_GRACE_S)
+        if "api server" in self.children:
+            self.children["api server"].terminate()
         _wait(self.children.values(), SHUTDOWN_GRACE_S)
         for process in self.children.values():
             if process.poll() is None:
@@ -365,12 +444,17 @@ def _run_engine(args: argparse.Namespace, config: EngineConfig) -> int:
     def on_ready() -> None:
         if args.ready_fd is not None:
             os.write(args.ready_fd, b"ready\n")
-            os.close(args.ready_fd)
         if args.address_file:
             write_address_file(args.address_file, address)
 
+    def request_new_workers() -> None:
+        os.write(args.ready_fd, b"restart\n")
+
     try:
-        return run_engine_core(config, address, on_ready)
+        supervised = args.ready_fd is not None
+        return run_engine_core(
+            config, address, on_ready, request_new_workers if supervised else None
+        )
     finally:
         if args.address_file:
             Path(args.address_file).unlink(missing_ok=True)

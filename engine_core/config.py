@@ -25,7 +25,13 @@ class EngineConfig:
     On CUDA, pure-decode steps replay CUDA graphs captured for the decode batch sizes
     `cuda_graph_sizes` (None: 1, 2, 4 and multiples of 8 up to the largest decode
     batch, at most 512); `enforce_eager` runs every step eagerly instead (vLLM's
-    --enforce-eager)."""
+    --enforce-eager).
+
+    Resilience: a worker that dies, reports an error or does not answer a step within
+    `worker_step_timeout` seconds is replaced (all workers, a new process group) and the
+    running requests are replayed, at most `max_worker_restarts` times within
+    `worker_restart_window` seconds. On SIGTERM the EngineCore process stops admitting
+    and finishes what runs for up to `shutdown_timeout` seconds."""
 
     model: str | None = None
     tokenizer: str | None = None
@@ -48,6 +54,10 @@ class EngineConfig:
     vocab_size: int | None = None
     enforce_eager: bool = False
     cuda_graph_sizes: list[int] | None = None
+    worker_step_timeout: float = 300.0
+    max_worker_restarts: int = 3
+    worker_restart_window: float = 300.0
+    shutdown_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         if self.model is not None:
@@ -110,6 +120,10 @@ class EngineConfig:
                 raise ValueError("cuda_graph_sizes must not be empty (see enforce_eager)")
             for size in self.cuda_graph_sizes:
                 _check_at_least("every cuda_graph_sizes entry", size, 1)
+        _check_at_least("max_worker_restarts", self.max_worker_restarts, 0)
+        for name in ("worker_step_timeout", "worker_restart_window", "shutdown_timeout"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"

@@ -11,8 +11,13 @@ Three threads, each the only user of its sockets:
   is gone is noticed on send, and the busy loop aborts its requests.
 * main thread — the busy loop: drain the input queue (blocking while there is no
   work), step the EngineCore, send each output to the client that sent its request.
-  A worker failure fails every in-flight request with an error naming the worker,
+  A worker failure replaces the workers and replays the running requests (see
+  `EngineCore.replace_workers`); past the restart bound every in-flight request fails
   and the process exits with 1.
+
+The first SIGTERM or SIGINT drains: new requests are refused, the running ones finish
+(for up to `shutdown_timeout` seconds, then they are failed), and the process exits
+with 0. A second signal stops it at once.
 
 The process never imports torch: it schedules, and the workers own every tensor.
 """
@@ -31,7 +36,8 @@ import zmq
 
 from engine_core.config import EngineConfig
 from engine_core.core import EngineCore
-from engine_core.multiproc_executor import MultiprocExecutor, WorkerFailure
+from engine_core.executor import WorkerFailure
+from engine_core.multiproc_executor import MultiprocExecutor
 from engine_core.step_profile import StepProfile
 from ipc.messages import (
     AbortRequests,
@@ -40,6 +46,7 @@ from ipc.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    ErrorCode,
     UtilityOutput,
     UtilityRequest,
     encode,
@@ -53,6 +60,7 @@ STATS_INTERVAL_S = 5.0
 _POLL_MS = 100
 _WAKE_ADDRESS = "inproc://output-wake"
 _OUTPUT_LINGER_MS = 1000
+_SHUTTING_DOWN = "the engine is shutting down"
 
 
 class EngineShutdown(BaseException):
@@ -64,9 +72,17 @@ class ClientGone:
 
 
 class EngineCoreProc:
-    def __init__(self, config: EngineConfig, address: str) -> None:
+    """`request_new_workers`: how to have the workers replaced after a failure (launch.py
+    passes a call that asks its supervisor); None waits for new workers to register."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        address: str,
+        request_new_workers: Callable[[], None] | None = None,
+    ) -> None:
         self.address = address
-        self.executor = MultiprocExecutor(config, address)
+        self.executor = MultiprocExecutor(config, address, request_new_workers=request_new_workers)
         try:
             self.engine = EngineCore(config, self.executor)
         except BaseException:
@@ -77,6 +93,7 @@ class EngineCoreProc:
         self.input_queue: queue.Queue = queue.Queue()
         self.output_queue: queue.Queue = queue.Queue()
         self._stopping = threading.Event()
+        self._drain_deadline: float | None = None
         self._stats_window = (time.monotonic(), self.engine.get_stats())
         self._ctx = zmq.Context()
         self._input = make_socket(self._ctx, zmq.ROUTER, socket_address(address, "input"), True)
@@ -93,22 +110,46 @@ class EngineCoreProc:
     def run(self) -> int:
         """The busy loop. Returns the exit code: 0 after a signal, 1 after a failure."""
         try:
-            while True:
-                self._handle_input(block=not self.engine.has_unfinished_requests())
+            while not self._drained():
+                busy = self.engine.has_unfinished_requests()
+                self._handle_input(block=not busy and self._drain_deadline is None)
                 if self.engine.has_unfinished_requests():
                     self._step()
                     self._maybe_log_stats()
+            return 0
         except EngineShutdown as e:
             logger.info("%s: shutting down", e)
-            self._fail_all("the EngineCore is shutting down")
+            self._fail_all(_SHUTTING_DOWN, ErrorCode.UNAVAILABLE)
             return 0
         except Exception as e:
             _ignore_signals()
             logger.error("EngineCore failed: %s", e, exc_info=not isinstance(e, WorkerFailure))
-            self._fail_all(str(e))
+            self._fail_all("the engine failed and is stopping", ErrorCode.INTERNAL)
             return 1
         finally:
             self.close()
+
+    def start_draining(self, reason: str) -> None:
+        """Refuse new requests; let the running ones finish within shutdown_timeout."""
+        timeout = self.engine.config.shutdown_timeout
+        self._drain_deadline = time.monotonic() + timeout
+        logger.info("%s: draining (new requests are refused; up to %g s)", reason, timeout)
+
+    @property
+    def draining(self) -> bool:
+        return self._drain_deadline is not None
+
+    def _drained(self) -> bool:
+        if self._drain_deadline is None:
+            return False
+        if not self.engine.has_unfinished_requests():
+            logger.info("drained: every request finished")
+            return True
+        if time.monotonic() < self._drain_deadline:
+            return False
+        logger.warning("shutdown timeout: failing the requests still running")
+        self._fail_all(_SHUTTING_DOWN, ErrorCode.UNAVAILABLE)
+        return True
 
     def close(self) -> None:
         self._stopping.set()
@@ -127,7 +168,7 @@ class EngineCoreProc:
             try:
                 item = self.input_queue.get(timeout=IDLE_CHECK_S)
             except queue.Empty:
-                self.executor.check_workers()
+                self.engine.check_workers()
                 return
             self._stats_window = (time.monotonic(), self.engine.get_stats())
             self._handle(*item)
@@ -158,6 +199,10 @@ class EngineCoreProc:
 
     def _add_request(self, identity: bytes, request: EngineCoreRequest) -> None:
         request_id = request.request_id
+        if self.draining:
+            refusal = _error_outputs([request_id], _SHUTTING_DOWN, ErrorCode.UNAVAILABLE)
+            self._send(identity, refusal)
+            return
         if request_id in self.owners:
             error = f"request id {request_id!r} is in use"
             self._send(identity, _error_outputs([request_id], error))
@@ -176,8 +221,8 @@ class EngineCoreProc:
         if call.method == "reset_prefix_cache":
             return UtilityOutput(call.call_id, self.engine.reset_prefix_cache())
         if call.method == "health":
-            self.executor.check_workers()
-            return UtilityOutput(call.call_id, True)
+            self.engine.check_workers()
+            return UtilityOutput(call.call_id, not self.draining)
         return UtilityOutput(
             call.call_id,
             error=f"unknown utility method {call.method!r} (stats, reset_prefix_cache, health)",
@@ -197,20 +242,20 @@ class EngineCoreProc:
         if batches:
             self._send_many([(owner, EngineCoreOutputs(outs)) for owner, outs in batches.items()])
 
-    def _fail_all(self, error: str) -> None:
+    def _fail_all(self, error: str, code: ErrorCode) -> None:
         """Finish every in-flight request, and every request still queued, with the error."""
         by_client: dict[bytes, list[str]] = {}
         for request_id, owner in self.owners.items():
             by_client.setdefault(owner, []).append(request_id)
         self.owners.clear()
-        replies = [(owner, _error_outputs(ids, error)) for owner, ids in by_client.items()]
+        replies = [(owner, _error_outputs(ids, error, code)) for owner, ids in by_client.items()]
         while True:
             try:
                 identity, msg = self.input_queue.get_nowait()
             except queue.Empty:
                 break
             if isinstance(msg, EngineCoreRequest):
-                replies.append((identity, _error_outputs([msg.request_id], error)))
+                replies.append((identity, _error_outputs([msg.request_id], error, code)))
             elif isinstance(msg, UtilityRequest):
                 replies.append((identity, UtilityOutput(msg.call_id, error=error)))
         if replies:
@@ -305,19 +350,32 @@ class EngineCoreProc:
 
 
 def run_engine_core(
-    config: EngineConfig, address: str, on_ready: Callable[[], None] | None = None
+    config: EngineConfig,
+    address: str,
+    on_ready: Callable[[], None] | None = None,
+    request_new_workers: Callable[[], None] | None = None,
 ) -> int:
-    """Run the EngineCore process's main until SIGTERM/SIGINT (0) or a failure (1).
-    `on_ready` runs once every worker is ready and the client sockets are bound."""
+    """Run the EngineCore process's main until it drains after SIGTERM/SIGINT (0) or
+    fails (1). `on_ready` runs once every worker is ready and the client sockets are
+    bound."""
+    proc: EngineCoreProc | None = None
+
+    def on_signal(signum: int, frame: object) -> None:
+        name = signal.Signals(signum).name
+        if proc is None or proc.draining:
+            _ignore_signals()
+            raise EngineShutdown(name)
+        proc.start_draining(name)
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, _raise_shutdown)
+        signal.signal(sig, on_signal)
     try:
-        proc = EngineCoreProc(config, address)
+        proc = EngineCoreProc(config, address, request_new_workers)
         logger.info(
             "EngineCore ready at %s: tp %d, %d KV blocks of %d tokens",
             address,
             config.tensor_parallel_size,
-            proc.engine.kv_cache_manager.block_pool.num_blocks,
+            proc.engine.num_blocks,
             config.block_size,
         )
         if on_ready is not None:
@@ -330,11 +388,6 @@ def run_engine_core(
         return 1
     finally:
         remove_ipc_files(address)
-
-
-def _raise_shutdown(signum: int, frame: object) -> None:
-    _ignore_signals()
-    raise EngineShutdown(signal.Signals(signum).name)
 
 
 def _ignore_signals() -> None:
@@ -377,5 +430,9 @@ def _request_id_of(frame: bytes) -> str | None:
     return head.request_id if head.tag == EngineCoreRequest.__name__ else None
 
 
-def _error_outputs(request_ids: list[str], error: str) -> EngineCoreOutputs:
-    return EngineCoreOutputs([EngineCoreOutput(i, [], "error", error=error) for i in request_ids])
+def _error_outputs(
+    request_ids: list[str], error: str, code: ErrorCode = ErrorCode.INVALID_REQUEST
+) -> EngineCoreOutputs:
+    return EngineCoreOutputs(
+        [EngineCoreOutput(i, [], "error", error=error, error_code=code) for i in request_ids]
+    )

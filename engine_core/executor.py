@@ -5,7 +5,16 @@ from abc import ABC, abstractmethod
 from ipc.messages import ModelRunnerOutput, SchedulerOutput
 
 
+class WorkerFailure(RuntimeError):
+    """A worker reported an error, died or missed its deadline: the workers can run no
+    more steps until they are replaced."""
+
+
 class Executor(ABC):
+    # (called, sent, answered) perf_counter times of the last execute_model that ran the
+    # model; StepProfile reads and clears it. None when the executor does not time calls.
+    last_call: tuple[float, float, float] | None = None
+
     @abstractmethod
     def determine_num_blocks(self) -> int:
         """Number of KV cache blocks every worker holds (the minimum over ranks). Workers
@@ -14,7 +23,16 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on the workers; the answer lists a (possibly empty) list of sampled
-        tokens for each scheduled request."""
+        tokens for each scheduled request. Raises WorkerFailure when the workers fail."""
+
+    def check_workers(self) -> None:
+        """Between steps: raise WorkerFailure if a worker is gone or reported an error.
+        Workers in the EngineCore's own process cannot be gone: nothing to check."""
+        return None
+
+    def replace_workers(self, num_blocks: int) -> None:
+        """Start fresh workers with `num_blocks` empty KV blocks, knowing no request."""
+        raise WorkerFailure(f"{type(self).__name__} cannot replace its workers")
 
     @abstractmethod
     def shutdown(self) -> None: ...

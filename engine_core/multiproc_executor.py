@@ -17,7 +17,7 @@ import socket
 import subprocess
 import time
 import weakref
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -25,7 +25,7 @@ import msgspec
 import zmq
 
 from engine_core.config import EngineConfig
-from engine_core.executor import Executor
+from engine_core.executor import Executor, WorkerFailure
 from ipc.messages import (
     DecodeError,
     Decoder,
@@ -47,10 +47,6 @@ _SHUTDOWN_GRACE_S = 5.0
 _DEATH_GRACE_S = 0.5
 
 
-class WorkerFailure(RuntimeError):
-    """A worker reported an error or died: the workers can run no more steps."""
-
-
 @dataclass
 class WorkerInfo:
     rank: int
@@ -61,25 +57,36 @@ class WorkerInfo:
 
 
 class MultiprocExecutor(Executor):
-    """`processes`: worker processes started for this executor alone (by rank), as
-    `splitserve.LLM` does; shutdown then stops them and removes the address's socket
-    files. Under launch.py the workers are the launcher's children and this is empty."""
+    """Who starts the workers decides how they are replaced after a failure:
+
+    * `start_workers` (as `splitserve.LLM` does): the executor starts them itself, owns
+      the processes (by rank), and on `replace_workers` kills and starts them again;
+      shutdown stops them and removes the address's socket files.
+    * `request_new_workers` (under launch.py, whose children they are): the executor
+      asks the supervisor to kill and start them again.
+    * neither (workers started by hand or by torchrun on other hosts): the executor
+      tells the old ones to stop and waits for new ones to register.
+    """
 
     def __init__(
         self,
         config: EngineConfig,
         address: str,
-        processes: Sequence[subprocess.Popen] = (),
+        start_workers: Callable[[], Sequence[subprocess.Popen]] | None = None,
+        request_new_workers: Callable[[], None] | None = None,
         ready_timeout: float = READY_TIMEOUT_S,
     ) -> None:
         self.config = config
         self.address = address
         self.world_size = config.tensor_parallel_size
         self.ready_timeout = ready_timeout
+        self.step_timeout = config.worker_step_timeout
         self.workers: list[WorkerInfo] = []
         # (start, sent, answered) perf_counter times of the last execute_model.
         self.last_call: tuple[float, float, float] | None = None
-        self._processes = list(processes)
+        self._start_workers = start_workers
+        self._request_new_workers = request_new_workers
+        self._processes: list[subprocess.Popen] = []
         self._hostname = socket.gethostname()
         self._decoder = Decoder(ModelRunnerOutput, WorkerError, WorkerReady)
         self._ctx = zmq.Context()
@@ -91,10 +98,48 @@ class MultiprocExecutor(Executor):
         self._closer = weakref.finalize(
             self, _close, self._ctx, self._socket, self.workers, self._processes, address
         )
+        if start_workers is not None:
+            self._processes.extend(start_workers())
 
     def determine_num_blocks(self) -> int:
         """Wait for every rank's WorkerReady, then tell all of them the smallest block
         count (and num_gpu_blocks_override, if smaller)."""
+        self._register_workers()
+        num_blocks = min(w.num_kv_blocks for w in self.workers)
+        if self.config.num_gpu_blocks_override is not None:
+            num_blocks = min(num_blocks, self.config.num_gpu_blocks_override)
+        self._broadcast(encode(InitKVCache(num_blocks)))
+        logger.info(
+            "%d worker(s) ready (KV blocks per rank: %s); using %d",
+            self.world_size,
+            [w.num_kv_blocks for w in self.workers],
+            num_blocks,
+        )
+        return num_blocks
+
+    def replace_workers(self, num_blocks: int) -> None:
+        """Stop the group, have fresh workers started (same ranks, a new process group)
+        and give them the same `num_blocks`. Raises WorkerFailure if they do not come."""
+        frame = encode(Shutdown())
+        for worker in self.workers:
+            with contextlib.suppress(zmq.ZMQError):
+                self._socket.send_multipart((worker.identity, frame), zmq.NOBLOCK)
+        self.workers.clear()
+        if self._start_workers is not None:
+            for process in self._processes:
+                process.kill()
+                process.wait()
+            self._processes[:] = self._start_workers()
+        elif self._request_new_workers is not None:
+            self._request_new_workers()
+        self._register_workers()
+        fits = min(w.num_kv_blocks for w in self.workers)
+        if fits < num_blocks:
+            self._fail(f"the new workers hold {fits} KV blocks, fewer than the {num_blocks} in use")
+        self._broadcast(encode(InitKVCache(num_blocks)))
+        logger.info("%d new worker(s) ready", self.world_size)
+
+    def _register_workers(self) -> None:
         ready: dict[int, WorkerInfo] = {}
         deadline = time.monotonic() + self.ready_timeout
         while len(ready) < self.world_size:
@@ -119,26 +164,21 @@ class MultiprocExecutor(Executor):
                     msg.rank, identity, msg.num_kv_blocks, msg.pid, msg.hostname
                 )
         self.workers.extend(ready[rank] for rank in range(self.world_size))
-        num_blocks = min(w.num_kv_blocks for w in self.workers)
-        if self.config.num_gpu_blocks_override is not None:
-            num_blocks = min(num_blocks, self.config.num_gpu_blocks_override)
-        self._broadcast(encode(InitKVCache(num_blocks)))
-        logger.info(
-            "%d worker(s) ready (KV blocks per rank: %s); using %d",
-            self.world_size,
-            [w.num_kv_blocks for w in self.workers],
-            num_blocks,
-        )
-        return num_blocks
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         start = time.perf_counter()
         self._broadcast(encode(scheduler_output))
         sent = time.perf_counter()
         driver = self.workers[0].identity
+        deadline = time.monotonic() + self.step_timeout
         while True:
             received = self._receive()
             if received is None:
+                if time.monotonic() > deadline:
+                    self._fail(
+                        f"worker rank 0 did not answer step {scheduler_output.step_id} "
+                        f"within {self.step_timeout:g} s"
+                    )
                 continue
             identity, msg = received
             if isinstance(msg, WorkerError):
@@ -230,11 +270,8 @@ class MultiprocExecutor(Executor):
         self._fail(f"worker rank {error.rank} failed{step}:\n{error.message}")
 
     def _fail(self, message: str) -> NoReturn:
-        """Stop the workers (they cannot step without every rank) and raise."""
-        for process in self._processes:
-            if process.poll() is None:
-                process.kill()
-        self._closer()
+        """The workers cannot step on (a step needs every rank): `replace_workers` or
+        `shutdown` comes next."""
         raise WorkerFailure(message)
 
 

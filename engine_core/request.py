@@ -71,6 +71,8 @@ class Request:
         # Prompt tokens found in the prefix cache when the request was first scheduled.
         self.num_cached_tokens = 0
         self.num_preemptions = 0
+        # False until the workers have the request's state (again, after they were replaced).
+        self.on_workers = False
         self.block_hashes: list[bytes] = []
         self._hash_block_size: int | None = None
 

@@ -19,10 +19,29 @@ from ipc.messages import (
     EngineCoreOutputs,
     ModelRunnerOutput,
     NewRequestData,
+    SamplingParams,
     SchedulerOutput,
     SchedulerStats,
 )
 from kv_cache import KVCacheManager
+
+_INT64 = 2**63
+
+
+def check_token_ids(
+    prompt_token_ids: list[int], params: SamplingParams, config: EngineConfig
+) -> str | None:
+    """Why a request's token ids (prompt, stop ids) or seed cannot run, or None. Every id
+    the workers index a vocabulary-sized tensor with is checked here, at the edge."""
+    vocab_size = config.vocab_size or _INT64
+    if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size:
+        return f"prompt token ids must be in [0, {vocab_size})"
+    bad = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
+    if bad:
+        return f"stop_token_ids must be in [0, {vocab_size}), got {bad[0]}"
+    if params.seed is not None and not -_INT64 <= params.seed < 2 * _INT64:
+        return f"seed must be a 64-bit integer, got {params.seed}"
+    return None
 
 
 class Scheduler:
@@ -86,10 +105,7 @@ class Scheduler:
                 f"the prompt ({num_prompt} tokens) plus max_tokens ({num_output}) exceeds "
                 f"max_model_len ({self.max_model_len})"
             )
-        vocab_size = self.config.vocab_size or 2**63
-        if min(request.prompt_token_ids) < 0 or max(request.prompt_token_ids) >= vocab_size:
-            return f"prompt token ids must be in [0, {vocab_size})"
-        return None
+        return check_token_ids(request.prompt_token_ids, request.sampling_params, self.config)
 
     def schedule(self) -> SchedulerOutput:
         num_scheduled_tokens: dict[str, int] = {}
@@ -188,10 +204,11 @@ class Scheduler:
             request.num_computed_tokens = num_hit_tokens
             num_scheduled_tokens[request.request_id] = num_new
             budget -= num_new
-            if request.status == RequestStatus.PREEMPTED:
+            if request.on_workers:
                 resumed.append(request)
             else:
-                request.num_cached_tokens = num_hit_tokens
+                if request.status == RequestStatus.WAITING:
+                    request.num_cached_tokens = num_hit_tokens
                 block_ids = hit_blocks.get_block_ids() + new_blocks.get_block_ids()
                 new_reqs.append(
                     NewRequestData(
@@ -200,8 +217,10 @@ class Scheduler:
                         request.sampling_params,
                         block_ids,
                         num_hit_tokens,
+                        list(request.output_token_ids),
                     )
                 )
+                request.on_workers = True
             request.status = RequestStatus.RUNNING
         return new_reqs, resumed
 
@@ -219,6 +238,22 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.prepend(request)
 
+    def requeue_for_new_workers(self) -> int:
+        """The workers were replaced: they hold no KV and know no request. Preempt every
+        running request (the latest admitted first, so the queue keeps their order),
+        drop the prefix cache, whose blocks the new workers never computed, and send
+        every request whole, with the tokens it generated, when it next runs. Returns the
+        number of requests preempted."""
+        running, self.running = self.running, []
+        for request in reversed(running):
+            self._preempt(request)
+        if not self.kv_cache_manager.reset_prefix_cache():
+            raise RuntimeError("KV blocks are still in use after every request was preempted")
+        for request in self.requests.values():
+            request.on_workers = False
+        self.finished_req_ids = []
+        return len(running)
+
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> EngineCoreOutputs:
@@ -227,6 +262,12 @@ class Scheduler:
         outputs = self.take_pending_outputs()
         requests = self.requests
         finished = False
+        for request_id, error in model_runner_output.failed_requests.items():
+            request = requests.get(request_id)
+            if request is not None:
+                finished = True
+                self._free_request(request, RequestStatus.FINISHED_ERROR)
+                outputs.append(EngineCoreOutput(request_id, [], "error", error=error))
         num_generated = 0
         logprobs = model_runner_output.logprobs  # None, or one entry per request
         for i, (request_id, token_ids) in enumerate(

@@ -160,11 +160,15 @@ class UtilityOutput(_Tagged):
 
 
 class NewRequestData(_Wire):
+    """A request the workers have not seen. `output_token_ids` is empty but for a request
+    replayed onto fresh workers after a worker failure: then it holds what was generated."""
+
     req_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    output_token_ids: list[int] = []
 
 
 class CachedRequestData(_Wire):
@@ -192,10 +196,14 @@ class SchedulerOutput(_Tagged):
 
 
 class ModelRunnerOutput(_Tagged):
+    """`failed_requests`: request id -> why the workers could not take it (that request
+    fails, the rest of the batch runs)."""
+
     step_id: int
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
     logprobs: list[list[TokenLogprobs] | None] | None = None
+    failed_requests: dict[str, str] = {}
 
 
 class WorkerError(_Tagged):

@@ -105,4 +105,4 @@ def _make_executor(config: EngineConfig):
     from launch import start_workers
 
     address = new_ipc_address()
-    return MultiprocExecutor(config, address, start_workers(config, address))
+    return MultiprocExecutor(config, address, start_workers=lambda: start_workers(config, address))

@@ -7,7 +7,7 @@ import torch
 
 from ipc.messages import NewRequestData, SamplingParams
 from worker.block_table import BlockTable
-from worker.sampler import SAMPLING_EPS, SamplingMetadata
+from worker.sampler import SAMPLING_EPS, SamplingMetadata, skip_sample_draws
 
 
 @dataclass
@@ -27,20 +27,37 @@ class CachedRequestState:
         cls, new: NewRequestData, device: torch.device | str
     ) -> "CachedRequestState":
         """A seeded request gets its generator here; it lives as long as the request, so
-        re-adding the request to the batch continues its random stream."""
+        re-adding the request to the batch continues its random stream. A request replayed
+        with outputs gets its generator advanced past the draws those outputs took."""
         seed = new.sampling_params.seed
+        generator = None
+        if seed is not None:
+            generator = torch.Generator(device).manual_seed(seed)
+            skip_sample_draws(generator, len(new.output_token_ids))
         return cls(
             req_id=new.req_id,
             prompt_token_ids=list(new.prompt_token_ids),
             sampling_params=new.sampling_params,
-            generator=None if seed is None else torch.Generator(device).manual_seed(seed),
+            generator=generator,
             block_ids=list(new.block_ids),
             num_computed_tokens=new.num_computed_tokens,
+            output_token_ids=list(new.output_token_ids),
         )
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+
+def check_new_request(new: NewRequestData, vocab_size: int) -> str | None:
+    """Why this rank cannot take a new request, or None. The EngineCore checks the same
+    at its edge; this keeps one bad request from failing a whole step if it did not."""
+    token_ids = new.prompt_token_ids + new.output_token_ids
+    if not token_ids or min(token_ids) < 0 or max(token_ids) >= vocab_size:
+        return f"token ids must be in [0, {vocab_size})"
+    if any(not 0 <= t < vocab_size for t in new.sampling_params.stop_token_ids):
+        return f"stop_token_ids must be in [0, {vocab_size})"
+    return None
 
 
 class InputBatch:

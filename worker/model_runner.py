@@ -6,11 +6,11 @@ from transformers import AutoConfig
 
 from attention import AttentionMetadata, get_attn_backend, set_forward_context
 from engine_core.config import EngineConfig
-from ipc.messages import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from ipc.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput, TokenLogprobs
 from models import kv_cache_shape_info, load_model, resolve_dtype
 from models.parallel_state import get_tp_rank, get_tp_size, tp_broadcast
 from worker.cuda_graph import CudaGraphRunner, capture_decode_graphs
-from worker.input_batch import CachedRequestState, InputBatch
+from worker.input_batch import CachedRequestState, InputBatch, check_new_request
 from worker.sampler import Sampler
 
 _CPU_KV_CACHE_BYTES = 4 << 30
@@ -56,6 +56,7 @@ class ModelRunner:
         self.arange = np.arange(max(self.max_num_tokens, config.max_num_seqs) + 1, dtype=np.int64)
         self.is_driver = get_tp_rank() == 0
         self.cuda_graphs: CudaGraphRunner | None = None
+        self.failed_requests: dict[str, str] = {}
 
     def kv_cache_bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
@@ -113,8 +114,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(scheduler_output)
-        if scheduler_output.total_num_scheduled_tokens == 0:
-            return ModelRunnerOutput(scheduler_output.step_id, [], [])
+        if self.input_batch.num_reqs == 0:
+            return ModelRunnerOutput(
+                scheduler_output.step_id, [], [], failed_requests=self.failed_requests
+            )
         input_ids, positions, attn_metadata, sample_rows, logits_indices = self._prepare_inputs(
             scheduler_output
         )
@@ -129,6 +132,7 @@ class ModelRunner:
 
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.input_batch
+        self.failed_requests = {}
         for req_id in so.finished_req_ids:
             self.requests.pop(req_id, None)
             batch.remove_request(req_id)
@@ -136,12 +140,12 @@ class ModelRunner:
             if req_id not in so.num_scheduled_tokens:
                 batch.remove_request(req_id)
         for new in so.scheduled_new_reqs:
-            state = CachedRequestState.from_new_request(new, self.device)
-            self.requests[new.req_id] = state
-            batch.add_request(state)
+            self._add_new_request(new)
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
-            state = self.requests[req_id]
+            state = self.requests.get(req_id)
+            if state is None:  # failed on an earlier step; the engine is finishing it
+                continue
             state.num_computed_tokens = cached.num_computed_tokens[i]
             new_block_ids = cached.new_block_ids[i]
             row = batch.req_id_to_index.get(req_id)
@@ -160,6 +164,21 @@ class ModelRunner:
                 if new_block_ids:
                     batch.block_table.append_row(new_block_ids, row)
         batch.condense()
+
+    def _add_new_request(self, new: NewRequestData) -> None:
+        """A request the batch cannot take fails alone: it is reported in this step's
+        output and left out of the forward pass; every rank decides the same way."""
+        try:
+            error = check_new_request(new, self.input_batch.vocab_size)
+            if error is None:
+                state = CachedRequestState.from_new_request(new, self.device)
+                self.input_batch.add_request(state)
+                self.requests[new.req_id] = state
+                return
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+        logger.warning("request %s failed on this rank: %s", new.req_id, error)
+        self.failed_requests[new.req_id] = error
 
     def _prepare_inputs(self, so: SchedulerOutput):
         """Flatten the scheduled tokens of rows 0..n-1 into one ragged batch.
@@ -238,6 +257,7 @@ class ModelRunner:
             list(req_ids),
             sampled_token_ids,
             self._logprobs_per_request(sample_rows, logprobs, len(req_ids)),
+            self.failed_requests,
         )
 
     def _logprobs_per_request(self, sample_rows, logprobs, num_reqs: int):

@@ -126,6 +126,14 @@ def _inverse_cdf_sample(
     return sampled.squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
+def skip_sample_draws(generator: torch.Generator, num_samples: int) -> None:
+    """Advance a request's generator as `num_samples` samples of `_inverse_cdf_sample`
+    would (one uniform draw each), so a replayed request continues its random stream."""
+    u = torch.empty(1, device=generator.device)
+    for _ in range(num_samples):
+        u.uniform_(generator=generator)
+
+
 def _gather_logprobs(logits: torch.Tensor, sampled: torch.Tensor, k: int) -> LogprobsTensors:
     logprobs = logits.log_softmax(dim=-1)
     sampled = sampled.unsqueeze(1)

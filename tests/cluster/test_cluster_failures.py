@@ -1,6 +1,8 @@
-"""The cluster's processes: a killed worker fails its requests with an error naming it
-and takes the whole cluster down (non-zero exit, no processes left); SIGTERM shuts it
-down cleanly (no processes, no socket files); the EngineCore never imports torch."""
+"""The cluster's processes: with restarts off, a killed worker fails its requests (the
+client sees no internals, the log names the worker) and takes the whole cluster down
+(non-zero exit, no processes left); SIGTERM shuts it down cleanly (no processes, no
+socket files); the EngineCore never imports torch. Worker replacement is in
+test_worker_replacement.py."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import time
 import pytest
 
 from ipc.client import EngineClient, RequestError
-from ipc.messages import SamplingParams
+from ipc.messages import ErrorCode, SamplingParams
 from ipc.sockets import ipc_paths
 from tests.cluster.helpers import (
     ROOT,
@@ -38,8 +40,10 @@ def _wait_gone(pids, timeout: float = 10.0) -> list[int]:
     return alive
 
 
-def test_killed_worker_fails_requests_and_the_cluster(tmp_path, qwen3_path):
-    process, log, address, pids = _start(tmp_path, qwen3_path, "--tp", "2")
+def test_killed_worker_without_restarts_fails_requests_and_the_cluster(tmp_path, qwen3_path):
+    process, log, address, pids = _start(
+        tmp_path, qwen3_path, "--tp", "2", "--max-worker-restarts", "0"
+    )
     try:
         victim = pids["worker rank 1"]
         params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
@@ -47,7 +51,7 @@ def test_killed_worker_fails_requests_and_the_cluster(tmp_path, qwen3_path):
             stream = client.stream([1, 2, 3, 4], params)
             next(stream)
             os.kill(victim, signal.SIGKILL)
-            with pytest.raises(RequestError, match=rf"worker rank 1 \(pid {victim}\) died"):
+            with pytest.raises(RequestError, match="the engine failed") as failure:
                 for _ in stream:
                     pass
         code = process.wait(timeout=15)
@@ -55,7 +59,10 @@ def test_killed_worker_fails_requests_and_the_cluster(tmp_path, qwen3_path):
         if process.poll() is None:
             process.kill()
     output = log.read_text()
+    assert failure.value.code == ErrorCode.INTERNAL
+    assert str(victim) not in str(failure.value)  # the client sees no internals
     assert code != 0
+    assert f"worker rank 1 (pid {victim}) died" in output  # the log keeps them
     assert "splitserve: worker rank 1 died with exit code -9" in output
     assert _wait_gone(pids.values()) == []
     assert not any(p.exists() for p in ipc_paths(address))

@@ -1,0 +1,155 @@
+"""A worker that dies or hangs is replaced and its requests replayed: clients see a pause,
+not an error, and greedy outputs equal transformers'; restarts are bounded; SIGTERM
+drains (running requests finish, new ones are refused) before the cluster exits."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+
+import pytest
+
+from ipc.client import EngineClient, RequestError
+from ipc.messages import ErrorCode, SamplingParams
+from tests.cluster.helpers import (
+    TEST_ARGS,
+    child_pids,
+    greedy_reference,
+    pid_alive,
+    start_launch,
+    wait_idle,
+    wait_ready,
+)
+
+MAX_TOKENS = 120
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+_rng = random.Random(1)
+PROMPTS = [[_rng.randrange(256) for _ in range(n)] for n in (5, 30, 12, 47)]
+_reference: list[list[int]] = []
+
+
+def _expected(model: str) -> list[list[int]]:
+    if not _reference:
+        _reference.extend(greedy_reference(model, PROMPTS, MAX_TOKENS))
+    return _reference
+
+
+def _start(tmp_path, model: str, *args: str):
+    process, log, address_file = start_launch(tmp_path, "--model", model, *TEST_ARGS, *args)
+    return process, log, wait_ready(process, log, address_file)
+
+
+def _stream_all(client: EngineClient, started: threading.Barrier) -> list[list[int]]:
+    """Stream every prompt in its own thread; `started` is passed once all have a token."""
+    results: list[list[int]] = [[] for _ in PROMPTS]
+
+    def run(i: int) -> None:
+        for n, delta in enumerate(client.stream(PROMPTS[i], GREEDY)):
+            results[i].extend(delta.outputs[0].token_ids)
+            if n == 0:
+                started.wait()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
+
+
+def _disturbed_run(address: str, disturb) -> list[list[int]]:
+    """Stream every prompt; once each has its first token, call `disturb`."""
+    with EngineClient(address) as client:
+        started = threading.Barrier(len(PROMPTS) + 1)
+        outcome: list[list[list[int]]] = []
+        runner = threading.Thread(target=lambda: outcome.append(_stream_all(client, started)))
+        runner.start()
+        started.wait(timeout=60)
+        disturb()
+        runner.join(timeout=120)
+        assert outcome, "the streams did not finish"
+        stats = wait_idle(client)
+    assert stats.num_running == stats.num_waiting == 0
+    assert stats.kv_cache_usage == 0.0
+    return outcome[0]
+
+
+def _stop(process) -> int:
+    process.send_signal(signal.SIGTERM)
+    return process.wait(timeout=30)
+
+
+def test_killed_worker_is_replaced_and_requests_replayed(tmp_path, qwen3_path):
+    process, log, address = _start(tmp_path, qwen3_path, "--tp", "2")
+    old = child_pids(log.read_text())
+    try:
+        results = _disturbed_run(address, lambda: os.kill(old["worker rank 1"], signal.SIGKILL))
+        assert results == _expected(qwen3_path)
+        assert process.poll() is None
+        new = child_pids(log.read_text())
+        assert new["worker rank 0"] != old["worker rank 0"]
+        assert new["worker rank 1"] != old["worker rank 1"]
+        assert not pid_alive(old["worker rank 0"])
+        # The new workers serve on.
+        with EngineClient(address) as client:
+            assert client.generate(PROMPTS[0], GREEDY).outputs[0].token_ids == results[0]
+    finally:
+        assert _stop(process) == 0, log.read_text()
+    assert "replacing the workers (restart 1) and replaying" in log.read_text()
+
+
+def test_hung_worker_is_replaced(tmp_path, qwen3_path):
+    process, log, address = _start(tmp_path, qwen3_path, "--tp", "2", "--worker-step-timeout", "2")
+    old = child_pids(log.read_text())
+    try:
+        results = _disturbed_run(address, lambda: os.kill(old["worker rank 0"], signal.SIGSTOP))
+        assert results == _expected(qwen3_path)
+    finally:
+        assert _stop(process) == 0, log.read_text()
+    assert "did not answer step" in log.read_text()
+
+
+def test_restarts_are_bounded(tmp_path, qwen3_path):
+    process, log, address = _start(tmp_path, qwen3_path, "--tp", "2", "--max-worker-restarts", "1")
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+        with EngineClient(address) as client:
+            for kill in range(2):
+                stream = client.stream(PROMPTS[0], params)
+                next(stream)
+                os.kill(child_pids(log.read_text())["worker rank 1"], signal.SIGKILL)
+                if kill == 0:
+                    assert len([t for d in stream for t in d.outputs[0].token_ids]) == 399
+            with pytest.raises(RequestError, match="the engine failed") as failure:
+                for _ in stream:
+                    pass
+        assert failure.value.code == ErrorCode.INTERNAL
+        assert process.wait(timeout=30) != 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert "gave up after 1 worker restart(s) within 300 s" in log.read_text()
+
+
+def test_sigterm_drains(tmp_path, llama_path):
+    process, log, address = _start(tmp_path, llama_path, "--tp", "1")
+    params = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
+    with EngineClient(address) as client:
+        stream = client.stream(PROMPTS[0], params)
+        tokens = list(next(stream).outputs[0].token_ids)
+        process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while "draining" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(RequestError, match="shutting down") as refused:
+            client.generate(PROMPTS[1], params)
+        assert refused.value.code == ErrorCode.UNAVAILABLE
+        for delta in stream:
+            tokens.extend(delta.outputs[0].token_ids)
+        assert delta.outputs[0].finish_reason == "length"
+    assert len(tokens) == 500
+    assert process.wait(timeout=30) == 0
+    assert "drained: every request finished" in log.read_text()
