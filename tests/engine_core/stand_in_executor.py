@@ -3,6 +3,11 @@
 It keeps the worker's view of every request, built only from what the SchedulerOutputs
 say (after a trip through the wire codec), samples a scripted token for each request
 whose tokens are all computed, and checks its block lists against the KV cache manager.
+It also models the KV cache's contents (which token each slot holds): every token a
+step attends to must have been written by an earlier step of these workers, so a prefix
+hit on a block they never computed is caught. Steps listed in `fail_steps` fail as dead
+workers do; replacing the workers forgets every request and the cache, as fresh workers
+would.
 """
 
 import zlib
@@ -10,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine_core import EngineConfig, EngineCore, Executor
+from engine_core.executor import WorkerFailure
 from ipc.messages import (
     Decoder,
     EngineCoreOutputs,
@@ -44,9 +50,19 @@ class StandInExecutor(Executor):
     kv_cache_manager: object = None
     outputs: list[SchedulerOutput] = field(default_factory=list)
     states: dict[str, WorkerRequestState] = field(default_factory=dict)
+    fail_steps: set[int] = field(default_factory=set)
+    num_failures: int = 0
+    num_replacements: int = 0
+    kv: dict[tuple[int, int], int] = field(default_factory=dict)  # (block, offset) -> token
 
     def determine_num_blocks(self) -> int:
         return self.num_blocks
+
+    def replace_workers(self, num_blocks: int) -> None:
+        assert num_blocks == self.num_blocks
+        self.states.clear()
+        self.kv.clear()
+        self.num_replacements += 1
 
     def shutdown(self) -> None:
         self.states.clear()
@@ -61,13 +77,16 @@ class StandInExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         so = _decoder.decode(encode(scheduler_output))
         assert so == scheduler_output
+        if so.step_id in self.fail_steps:
+            self.num_failures += 1
+            raise WorkerFailure(f"worker rank 0 died at step {so.step_id}")
         self.outputs.append(so)
         for request_id in so.finished_req_ids:
             self.states.pop(request_id, None)
         for new in so.scheduled_new_reqs:
             assert new.req_id not in self.states, f"{new.req_id} sent as new twice"
             self.states[new.req_id] = WorkerRequestState(
-                list(new.prompt_token_ids),
+                list(new.prompt_token_ids) + list(new.output_token_ids),
                 list(new.block_ids),
                 new.num_computed_tokens,
                 len(new.prompt_token_ids),
@@ -88,22 +107,42 @@ class StandInExecutor(Executor):
         assert sorted(scheduled) == sorted(so.num_scheduled_tokens)
         assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
         sampled = []
+        attending = []
         for request_id in scheduled:
             state = self.states[request_id]
             num_new = so.num_scheduled_tokens[request_id]
             assert num_new > 0
+            start = state.num_computed_tokens
             state.num_computed_tokens += num_new
             assert state.num_computed_tokens <= len(state.token_ids)
             if self.kv_cache_manager is not None:
                 assert state.block_ids == self.kv_cache_manager.get_block_ids(request_id)
                 block_size = self.kv_cache_manager.block_size
                 assert len(state.block_ids) * block_size >= state.num_computed_tokens
+                self._store(state, start, block_size)
+                attending.append((state, start, block_size))
             if state.num_computed_tokens == len(state.token_ids):
                 state.token_ids.append(self._next_token(request_id, state))
                 sampled.append([state.token_ids[-1]])
             else:
                 sampled.append([])
+        for args in attending:
+            self._check_context(*args)
         return ModelRunnerOutput(so.step_id, scheduled, sampled)
+
+
+    def _store(self, state: WorkerRequestState, start: int, block_size: int) -> None:
+        for position in range(start, state.num_computed_tokens):
+            slot = (state.block_ids[position // block_size], position % block_size)
+            self.kv[slot] = state.token_ids[position]
+
+    def _check_context(self, state: WorkerRequestState, start: int, block_size: int) -> None:
+        """Positions 0..start-1 must hold the request's tokens. A step stores every new
+        token before any attention reads (as each attention layer does), so a block
+        cached by one request this step can be read by another this same step."""
+        for position in range(start):
+            slot = (state.block_ids[position // block_size], position % block_size)
+            assert self.kv.get(slot) == state.token_ids[position], "stale KV read"
 
 
 def make_config(**kwargs) -> EngineConfig:

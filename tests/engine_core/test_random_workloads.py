@@ -1,6 +1,7 @@
 """Random workloads: arrivals over time, shared prefixes, KV pools small enough to force
-preemption, random aborts. Every request must finish exactly once with exactly the tokens
-and finish reason its token stream implies, and the KV cache must end empty."""
+preemption, random aborts, workers that fail and are replaced. Every request must finish
+exactly once with exactly the tokens and finish reason its token stream implies, and the
+KV cache must end empty."""
 
 import zlib
 
@@ -56,9 +57,19 @@ request_strategy = st.fixed_dictionaries(
     caching=st.booleans(),
     prefixes=st.lists(st.lists(st.integers(3, 12), max_size=16), min_size=3, max_size=3),
     specs=st.lists(request_strategy, min_size=1, max_size=12),
+    fail_steps=st.sets(st.integers(0, 40), max_size=3),
 )
 def test_random_workloads_finish_every_request_once_and_free_every_block(
-    block_size, extra_blocks, chunked, budget, max_num_seqs, policy, caching, prefixes, specs
+    block_size,
+    extra_blocks,
+    chunked,
+    budget,
+    max_num_seqs,
+    policy,
+    caching,
+    prefixes,
+    specs,
+    fail_steps,
 ):
     num_blocks = MAX_MODEL_LEN // block_size + 1 + extra_blocks
     engine, executor = make_engine(
@@ -72,7 +83,9 @@ def test_random_workloads_finish_every_request_once_and_free_every_block(
         scheduling_policy=policy,
         enable_prefix_caching=caching,
         eos_token_ids=[EOS],
+        max_worker_restarts=len(fail_steps),
     )
+    executor.fail_steps = fail_steps
     requests = {}
     for i, spec in enumerate(specs):
         sp = SamplingParams(
@@ -122,6 +135,7 @@ def test_random_workloads_finish_every_request_once_and_free_every_block(
         else:
             assert (tokens, reason) == (full_tokens, full_reason)
 
+    assert executor.num_replacements == executor.num_failures
     pool = engine.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == num_blocks - 1
     assert all(block.ref_cnt == 0 for block in pool.blocks)

@@ -60,6 +60,10 @@ def test_tokens_of_a_partial_prefill_step_produce_no_output():
         ([1, 50000], {}, "[0, 50000)"),
         ([1, -1], {}, "[0, 50000)"),
         ([2**64 - 1], {}, "[0, 50000)"),
+        # Stop ids index the vocabulary in the worker's min_tokens mask: one past its end
+        # once took the whole cluster down.
+        ([1, 2], {"stop_token_ids": [50000], "min_tokens": 1}, "stop_token_ids must be in"),
+        ([1, 2], {"seed": 2**64}, "seed must be a 64-bit integer"),
     ],
 )
 def test_requests_that_can_never_run_are_finished_with_an_error(prompt, sampling, message):
@@ -76,6 +80,22 @@ def test_requests_that_can_never_run_are_finished_with_an_error(prompt, sampling
     assert results == {"bad": [[], "error"], "good": [[7], "length"]}
     assert all("bad" not in so.num_scheduled_tokens for so in executor.outputs)
     assert all("bad" not in so.finished_req_ids for so in executor.outputs)
+
+
+def test_a_request_the_workers_cannot_take_fails_alone():
+    engine, _ = make_engine()
+    engine.add_request(make_request("bad", 4, max_tokens=4))
+    engine.add_request(make_request("good", 4, max_tokens=4))
+    scheduler = engine.scheduler
+    scheduler_output = scheduler.schedule()
+    runner_output = ModelRunnerOutput(
+        scheduler_output.step_id, ["good"], [[5]], failed_requests={"bad": "no room"}
+    )
+    bad, good = scheduler.update_from_output(scheduler_output, runner_output).outputs
+    assert (bad.request_id, bad.finish_reason, bad.error) == ("bad", "error", "no room")
+    assert (good.request_id, good.new_token_ids, good.finish_reason) == ("good", [5], None)
+    assert [r.request_id for r in scheduler.running] == ["good"]
+    assert scheduler.schedule().finished_req_ids == ["bad"]
 
 
 def test_the_longest_valid_request_runs():

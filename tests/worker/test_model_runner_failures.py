@@ -1,0 +1,55 @@
+"""A request the worker cannot take fails alone: it is reported in the step's output, left
+out of the forward pass, and the rest of the batch samples exactly as it would without it.
+(A stop token id past the vocabulary once raised IndexError in the sampler's min_tokens
+mask and took the whole cluster down.)"""
+
+import pytest
+
+from engine_core import EngineConfig
+from ipc.messages import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+from tests.models.tiny import make_tiny_checkpoint
+from worker.model_runner import ModelRunner
+
+VOCAB_SIZE = 288  # the tiny checkpoint's
+GOOD = SamplingParams(temperature=0.0, max_tokens=4)
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory):
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
+    config = EngineConfig(
+        model=path, dtype="float32", max_model_len=64, block_size=8, kv_cache_memory=1 << 20
+    )
+    runner = ModelRunner(config)
+    runner.initialize_kv_cache(32)
+    return runner
+
+
+def _step(step_id: int, new: list[NewRequestData]) -> SchedulerOutput:
+    scheduled = {r.req_id: len(r.prompt_token_ids) for r in new}
+    return SchedulerOutput(step_id, new, CachedRequestData(), scheduled, sum(scheduled.values()))
+
+
+def _new(req_id: str, block: int, params: SamplingParams, prompt=(5, 6, 7)) -> NewRequestData:
+    return NewRequestData(req_id, list(prompt), params, [block], 0)
+
+
+@pytest.mark.parametrize(
+    ("params", "prompt", "error"),
+    [
+        (SamplingParams(min_tokens=2, stop_token_ids=[VOCAB_SIZE]), (5, 6, 7), "stop_token_ids"),
+        (GOOD, (5, VOCAB_SIZE + 3, 7), "token ids must be in"),
+    ],
+)
+def test_a_bad_request_fails_alone(runner, params, prompt, error):
+    alone = runner.execute_model(_step(0, [_new("good", 1, GOOD)]))
+    runner.execute_model(SchedulerOutput(1, [], CachedRequestData(), {}, 0, ["good"]))
+    step = _step(2, [_new("bad", 2, params, prompt), _new("good2", 3, GOOD)])
+    out = runner.execute_model(step)
+    assert list(out.failed_requests) == ["bad"] and error in out.failed_requests["bad"]
+    assert out.req_ids == ["good2"]
+    assert out.sampled_token_ids == alone.sampled_token_ids
+    # The engine finishes the failed request; the next step does not trip over it.
+    finish = SchedulerOutput(3, [], CachedRequestData(), {}, 0, ["bad", "good2"])
+    assert runner.execute_model(finish).failed_requests == {}
+    assert runner.input_batch.num_reqs == 0 and not runner.requests
