@@ -1,15 +1,19 @@
 """A worker that dies or hangs is replaced and its requests replayed: clients see a pause,
 not an error, and greedy outputs equal transformers'; restarts are bounded; SIGTERM
-drains (running requests finish, new ones are refused) before the cluster exits."""
+drains (running requests finish, new ones are refused) before the cluster exits; an API
+server that dies is started again."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
+import socket
 import threading
 import time
 
+import httpx
 import pytest
 
 from ipc.client import EngineClient, RequestError
@@ -153,3 +157,29 @@ def test_sigterm_drains(tmp_path, llama_path):
     assert len(tokens) == 500
     assert process.wait(timeout=30) == 0
     assert "drained: every request finished" in log.read_text()
+
+
+def test_dead_api_server_is_restarted(tmp_path, llama_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = ("--model", llama_path, "--dtype", "float32", "--kv-cache-memory", "64MiB")
+    process, log, address_file = start_launch(
+        tmp_path, *args, "--api-host", "127.0.0.1", "--api-port", str(port)
+    )
+    wait_ready(process, log, address_file)
+    url = f"http://127.0.0.1:{port}/health"
+    try:
+        assert httpx.get(url).status_code == 200
+        os.kill(child_pids(log.read_text())["api server"], signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url).status_code == 200:
+                    break
+            time.sleep(0.2)
+        assert httpx.get(url).status_code == 200
+        assert process.poll() is None
+        assert "api server died with exit code -9; restarting it" in log.read_text()
+    finally:
+        assert _stop(process) == 0, log.read_text()
