@@ -408,16 +408,14 @@ def _run_role(args: argparse.Namespace) -> int:
     if args.engine_address is None:
         raise SystemExit(f"--role {args.role} needs --engine-address")
     if args.role == "api":
-        from server import run_server
+        from server import run_server, server_options
 
         run_server(
             args.engine_address,
             config.tokenizer,
-            args.api_host,
-            args.api_port,
-            args.served_model_name,
-            os.environ.get("SPLITSERVE_API_KEY") or None,
-            config.max_model_len,
+            max_model_len=config.max_model_len,
+            vocab_size=config.vocab_size,
+            **server_options(args),
         )
         return 0
     from worker.worker_main import run_worker

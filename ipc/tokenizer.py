@@ -4,12 +4,18 @@ tokenizer.json runs through the `tokenizers` library, exactly as transformers' f
 tokenizers do; special tokens come from tokenizer_config.json; the chat template from
 chat_template.jinja (which wins, as in transformers) or tokenizer_config.json, rendered
 with jinja2 in a sandbox with the variables transformers gives it.
+
+`encode_chat` keeps message content text: special-token text a user writes ("<|im_end|>")
+is encoded as plain text, so only the template's own special tokens are special.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import re
+import secrets
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -19,6 +25,16 @@ import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+# Longer texts are encoded with encode_batch, which releases the GIL while it works
+# (encode holds it), so other threads (an event loop) keep running.
+_LONG_TEXT_CHARS = 16_384
+# The most a normalizer can shrink a text (bytes in / bytes out): NFKC maps the 4-byte
+# "𝐀" to "A", NFC composes three 3-byte Hangul jamo into one 3-byte syllable.
+_NORMALIZER_SHRINK = {"NFC": 4, "NFD": 4, "NFKC": 4, "NFKD": 4, "Lowercase": 4, "Prepend": 1}
+# Pre-tokenizers that keep every byte of the text (others drop whitespace or delimiters).
+_KEEPING_PRE_TOKENIZERS = {
+    "ByteLevel", "Metaspace", "Digits", "UnicodeScripts", "Split", "Punctuation"
+}  # fmt: skip
 
 
 class Tokenizer:
@@ -70,7 +86,7 @@ class Tokenizer:
         return None if self.eos_token is None else self.backend.token_to_id(self.eos_token)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return _encode(self.backend, text, add_special_tokens)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
@@ -92,6 +108,89 @@ class Tokenizer:
         )
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """The conversation's prompt token ids, with special-token text inside the messages
+        encoded as plain text. Without such text, exactly
+        `encode(apply_chat_template(messages), add_special_tokens=False)`."""
+        specials = self._special_texts
+        if not any(_holds(m, specials) for m in messages):
+            return self.apply_chat_template(messages, add_generation_prompt, tokenize=True)
+        # Hide the messages' special-token text behind placeholders while the template
+        # renders, so every special token left in the text is the template's own.
+        nonce = _placeholder_nonce(messages)
+        hidden = [_hide(m, specials, nonce) for m in messages]
+        text = self.apply_chat_template(hidden, add_generation_prompt)
+        ids: list[int] = []
+        for i, piece in enumerate(self._special_pattern.split(text)):
+            if i % 2:
+                token = piece if piece in specials else piece.strip()  # stripped whitespace
+                ids.append(self.backend.token_to_id(token))
+            elif piece:
+                plain = _reveal(piece, specials, nonce)
+                ids += _encode(self._plain_backend, plain, add_special_tokens=False)
+        return ids
+
+    @functools.cached_property
+    def _special_texts(self) -> list[str]:
+        """The special added tokens' texts, longest first (the tokenizer matches the
+        longest at each position)."""
+        added = self.backend.get_added_tokens_decoder().values()
+        return sorted((t.content for t in added if t.special), key=len, reverse=True)
+
+    @functools.cached_property
+    def _special_pattern(self) -> re.Pattern:
+        """Splits a text at special tokens as the tokenizer does, whitespace that a
+        token strips included."""
+        added = {t.content: t for t in self.backend.get_added_tokens_decoder().values()}
+        alternatives = [
+            (r"\s*" if added[text].lstrip else "")
+            + re.escape(text)
+            + (r"\s*" if added[text].rstrip else "")
+            for text in self._special_texts
+        ]
+        return re.compile(f"({'|'.join(alternatives)})" if alternatives else "(?!)")
+
+    @functools.cached_property
+    def _plain_backend(self) -> tokenizers.Tokenizer:
+        """The tokenizer with special-token text encoded as text (transformers'
+        split_special_tokens)."""
+        plain = tokenizers.Tokenizer.from_str(self.backend.to_str())
+        plain.encode_special_tokens = True
+        return plain
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int | None:
+        """The most UTF-8 bytes of input text one token can stand for, so that a text of
+        n bytes encodes to at least n / max_token_bytes tokens. None where there is no
+        such bound: a normalizer or pre-tokenizer that drops text, an unknown token that
+        absorbs a run of text, a special token that strips whitespace."""
+        spec = json.loads(self.backend.to_str())
+        shrink = _normalizer_shrink(spec.get("normalizer"))
+        if shrink is None or not _keeps_every_byte(spec.get("pre_tokenizer")):
+            return None
+        model = spec["model"]
+        if model["type"] == "BPE":
+            unknown_char = model.get("unk_token") is not None and not model.get("byte_fallback")
+            if unknown_char and model.get("fuse_unk"):
+                return None
+        elif model["type"] == "Unigram" and model.get("byte_fallback"):
+            unknown_char = False
+        else:
+            return None  # a run of unknown text (or a whole word) becomes one token
+        vocab = model["vocab"]
+        texts = list(vocab) if isinstance(vocab, dict) else [text for text, _ in vocab]
+        if _is_byte_level(spec.get("pre_tokenizer")):
+            most = max(map(len, texts))  # one character per byte
+        else:
+            most = max(len(text.encode()) for text in texts)
+        for token in spec.get("added_tokens", ()):
+            if token["lstrip"] or token["rstrip"]:
+                return None
+            most = max(most, len(token["content"].encode()))
+        return shrink * max(most, 4 if unknown_char else 1)
+
 
 def _token_text(token: str | dict[str, Any]) -> str:
     """Special tokens are saved as plain strings or as AddedToken dicts."""
@@ -104,6 +203,83 @@ def _default_template(template: str | list[dict[str, str]] | None) -> str | None
         named = {t["name"]: t["template"] for t in template}
         return named.get("default")
     return template
+
+
+def _encode(backend: tokenizers.Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    if len(text) > _LONG_TEXT_CHARS:
+        return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+    return backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+
+def _holds(value: Any, texts: list[str]) -> bool:
+    """Whether a message (any string inside it) holds one of `texts`."""
+    if isinstance(value, str):
+        return any(text in value for text in texts)
+    if isinstance(value, dict):
+        return any(_holds(v, texts) for v in value.values())
+    if isinstance(value, list):
+        return any(_holds(v, texts) for v in value)
+    return False
+
+
+def _placeholder_nonce(messages: list[dict[str, Any]]) -> str:
+    """Private-use characters that appear in no message; placeholders are built from it."""
+    while True:
+        nonce = "".join(chr(0xE000 + b) for b in secrets.token_bytes(8))
+        if not _holds(messages, [nonce]):
+            return nonce
+
+
+def _hide(value: Any, texts: list[str], nonce: str) -> Any:
+    """`value` with each of `texts` replaced by its placeholder (no letter or space, so a
+    template's trim, upper or lower leaves it whole)."""
+    if isinstance(value, str):
+        if not any(text in value for text in texts):
+            return value
+        pattern = "|".join(map(re.escape, texts))
+        return re.sub(pattern, lambda m: f"{nonce}{chr(0xF000 + texts.index(m[0]))}", value)
+    if isinstance(value, dict):
+        return {k: _hide(v, texts, nonce) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_hide(v, texts, nonce) for v in value]
+    return value
+
+
+def _reveal(text: str, texts: list[str], nonce: str) -> str:
+    return re.sub(f"{re.escape(nonce)}(.)", lambda m: texts[ord(m[1]) - 0xF000], text, flags=re.S)
+
+
+def _normalizer_shrink(normalizer: dict | None) -> int | None:
+    if normalizer is None:
+        return 1
+    if normalizer["type"] == "Sequence":
+        factor = 1
+        for part in normalizer["normalizers"]:
+            shrink = _normalizer_shrink(part)
+            if shrink is None:
+                return None
+            factor *= shrink
+        return factor
+    return _NORMALIZER_SHRINK.get(normalizer["type"])
+
+
+def _keeps_every_byte(pre_tokenizer: dict | None) -> bool:
+    if pre_tokenizer is None:
+        return True
+    if pre_tokenizer["type"] == "Sequence":
+        return all(map(_keeps_every_byte, pre_tokenizer["pretokenizers"]))
+    return (
+        pre_tokenizer["type"] in _KEEPING_PRE_TOKENIZERS
+        and pre_tokenizer.get("behavior") != "Removed"
+    )
+
+
+def _is_byte_level(pre_tokenizer: dict | None) -> bool:
+    if pre_tokenizer is None:
+        return False
+    if pre_tokenizer["type"] == "Sequence":
+        return any(map(_is_byte_level, pre_tokenizer["pretokenizers"]))
+    return pre_tokenizer["type"] == "ByteLevel"
 
 
 def _raise_exception(message: str) -> None:

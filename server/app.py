@@ -2,54 +2,94 @@
 
 from __future__ import annotations
 
-import secrets
+import asyncio
+import contextlib
+import functools
 import time
 import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.datastructures import Headers
-from starlette.exceptions import HTTPException
 
 from ipc.client import EngineDeadError
 from ipc.messages import SamplingParams
-from server.inputs import Tokenizer, chat_prompt_ids, completion_prompt_ids, sampling_params
+from server.auth import BearerAuth, authenticated_key, tenant_cache_salt
+from server.errors import add_error_handlers
+from server.inputs import (
+    PromptLimits,
+    Tokenizer,
+    chat_prompt_ids,
+    completion_prompt_ids,
+    sampling_params,
+)
+from server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, BodyLimit
 from server.metrics import ServerMetrics
 from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields
 from server.responses import ChatResponses, CompletionResponses, ResponseBuilder
-from server.streaming import (
-    ClientDisconnected,
-    cancel_on_disconnect,
-    complete,
-    engine_outputs,
-    event_stream,
-)
+from server.streaming import cancel_on_disconnect, complete, engine_outputs, event_stream
+
+T = TypeVar("T")
+TOKENIZER_THREADS = 4
 
 
 def build_app(
     client,
     tokenizer: Tokenizer,
     served_model_name: str,
-    api_key: str | None = None,
+    api_keys: str | Sequence[str] | None = None,
     max_model_len: int | None = None,
     sampling_defaults: dict | None = None,
+    vocab_size: int | None = None,
+    salt_cache_by_api_key: bool = False,
+    enable_prompt_tokens_details: bool = False,
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
 ) -> FastAPI:
     """`client` is a connected AsyncEngineClient (or anything with its generate/stream/abort/
     stats/health methods); the app never connects or closes it. `sampling_defaults` (the
-    model's generation config) apply under what each request sets."""
-    app = FastAPI(title="splitserve")
+    model's generation config) apply under what each request sets. `api_keys` (one or
+    several) guard /v1; with `salt_cache_by_api_key` each key's requests share prefix-cache
+    blocks only among themselves. `vocab_size` bounds the token ids a request may send."""
+    keys = [api_keys] if isinstance(api_keys, str) else list(api_keys or ())
+    if salt_cache_by_api_key and not keys:
+        raise ValueError("salt_cache_by_api_key needs API keys")
+    tokenizer_pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenizer")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="splitserve", lifespan=lifespan)
     metrics = ServerMetrics()
     created = int(time.time())
-    if api_key:
-        app.add_middleware(BearerAuth, api_key=api_key)
-    _add_error_handlers(app)
+    limits = PromptLimits(max_model_len, vocab_size, tokenizer.max_token_bytes)
+    app.add_middleware(BodyLimit, max_bytes=max_request_body_bytes)
+    if keys:
+        app.add_middleware(BearerAuth, api_keys=keys)
+    add_error_handlers(app)
 
     def check_model(name: str | None) -> None:
         if name is not None and name != served_model_name:
             message = f"The model `{name}` does not exist (this server has `{served_model_name}`)."
             raise APIError(404, message, "model", "model_not_found")
+
+    async def off_loop(work: Callable[..., T], *args) -> T:
+        """Tokenizing (a long prompt takes seconds) never holds up the event loop."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(tokenizer_pool, functools.partial(work, *args))
+
+    def cache_salt(raw: Request, request: SamplingFields) -> str | None:
+        if not salt_cache_by_api_key:
+            return request.cache_salt
+        return tenant_cache_salt(authenticated_key(raw), request.cache_salt)
+
+    def responses_for(kind: type[ResponseBuilder], prefix: str) -> ResponseBuilder:
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        return kind(request_id, served_model_name, tokenizer, enable_prompt_tokens_details)
 
     async def answer(
         raw: Request,
@@ -61,7 +101,13 @@ def build_app(
         arrival: float,
     ) -> Response:
         outputs = engine_outputs(
-            client, prompt_token_ids, params, builder.request_id, metrics, arrival
+            client,
+            prompt_token_ids,
+            params,
+            builder.request_id,
+            metrics,
+            arrival,
+            cache_salt(raw, request),
         )
         num_prompt_tokens = len(prompt_token_ids)
         if not request.stream:
@@ -78,18 +124,20 @@ def build_app(
     async def completions(request: CompletionRequest, raw: Request) -> Response:
         arrival = time.perf_counter()
         check_model(request.model)
-        prompt_token_ids = completion_prompt_ids(request, tokenizer)
+        prompt_token_ids = await off_loop(completion_prompt_ids, request, tokenizer, limits)
         params = sampling_params(
             request,
             len(prompt_token_ids),
             request.max_tokens,
             request.logprobs,
-            max_model_len,
+            limits,
             sampling_defaults,
         )
-        builder = CompletionResponses(f"cmpl-{uuid.uuid4().hex}", served_model_name, tokenizer)
+        responses = responses_for(CompletionResponses, "cmpl")
         want_logprobs = request.logprobs is not None
-        return await answer(raw, request, builder, prompt_token_ids, want_logprobs, params, arrival)
+        return await answer(
+            raw, request, responses, prompt_token_ids, want_logprobs, params, arrival
+        )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, raw: Request) -> Response:
@@ -97,18 +145,20 @@ def build_app(
         check_model(request.model)
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-        prompt_token_ids = chat_prompt_ids(request, tokenizer)
+        prompt_token_ids = await off_loop(chat_prompt_ids, request, tokenizer, limits)
         max_tokens = request.max_completion_tokens
         if max_tokens is None:
             max_tokens = request.max_tokens
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
         num_prompt_tokens = len(prompt_token_ids)
         params = sampling_params(
-            request, num_prompt_tokens, max_tokens, logprobs, max_model_len, sampling_defaults
+            request, num_prompt_tokens, max_tokens, logprobs, limits, sampling_defaults
         )
-        builder = ChatResponses(f"chatcmpl-{uuid.uuid4().hex}", served_model_name, tokenizer)
+        responses = responses_for(ChatResponses, "chatcmpl")
         want_logprobs = bool(request.logprobs)
-        return await answer(raw, request, builder, prompt_token_ids, want_logprobs, params, arrival)
+        return await answer(
+            raw, request, responses, prompt_token_ids, want_logprobs, params, arrival
+        )
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -135,44 +185,3 @@ def build_app(
         return Response(metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
 
     return app
-
-
-def _add_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def api_error(_: Request, exc: APIError) -> Response:
-        return JSONResponse(exc.body(), status_code=exc.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid_body(_: Request, exc: RequestValidationError) -> Response:
-        error = exc.errors()[0]
-        loc = [str(part) for part in error["loc"] if part != "body"]
-        param = loc[0] if loc else None
-        message = f"invalid value for {param}: {error['msg']}" if param else error["msg"]
-        return JSONResponse(APIError(400, message, param).body(), status_code=400)
-
-    @app.exception_handler(HTTPException)
-    async def http_error(_: Request, exc: HTTPException) -> Response:
-        body = APIError(exc.status_code, str(exc.detail)).body()
-        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
-
-    @app.exception_handler(ClientDisconnected)
-    async def disconnected(_: Request, exc: ClientDisconnected) -> Response:
-        return Response(status_code=499)
-
-
-class BearerAuth:
-    """ASGI middleware: /v1/* needs `Authorization: Bearer <api_key>`."""
-
-    def __init__(self, app, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = Headers(scope=scope).get("authorization", "").encode()
-            if not secrets.compare_digest(given, self.expected):
-                message = "Invalid API key: send it as 'Authorization: Bearer <key>'."
-                error = APIError(401, message, code="invalid_api_key")
-                await JSONResponse(error.body(), status_code=401)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)

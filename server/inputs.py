@@ -1,14 +1,26 @@
-"""From an OpenAI request body to what the engine takes: prompt token ids and SamplingParams."""
+"""From an OpenAI request body to what the engine takes: prompt token ids and SamplingParams.
+
+The prompt functions tokenize (the app runs them off its event loop); a text prompt whose
+length in bytes already shows it cannot fit is refused without being tokenized.
+"""
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 from ipc.messages import SamplingParams
 from server.protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest
 
+T = TypeVar("T")
+
 
 class Tokenizer(Protocol):
+    """`max_token_bytes`: the most UTF-8 bytes one token stands for (None: no bound)."""
+
+    max_token_bytes: int | None
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
@@ -17,28 +29,84 @@ class Tokenizer(Protocol):
         self, messages: list[dict], add_generation_prompt: bool = True
     ) -> str: ...
 
+    def encode_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True
+    ) -> list[int]: ...
 
-def completion_prompt_ids(request: CompletionRequest, tokenizer: Tokenizer) -> list[int]:
+
+@dataclass(frozen=True)
+class PromptLimits:
+    """What a request must fit (None: unchecked)."""
+
+    max_model_len: int | None = None
+    vocab_size: int | None = None
+    max_token_bytes: int | None = None
+
+    def too_long(self, text: str) -> bool:
+        """Whether `text` has too many bytes to encode to fewer than max_model_len tokens
+        (and so leave room to generate)."""
+        if self.max_model_len is None or self.max_token_bytes is None:
+            return False
+        limit = self.max_model_len * self.max_token_bytes
+        # A character is at most 4 bytes: most texts need no encoding to count them.
+        return 4 * len(text) > limit - self.max_token_bytes and (
+            len(text.encode()) > limit - self.max_token_bytes
+        )
+
+    def check_text(self, text: str, param: str) -> None:
+        if self.too_long(text):
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens, and the "
+                f"prompt ({len(text.encode())} bytes) has more: no room to generate. Please "
+                "shorten the prompt.",
+                param,
+                "context_length_exceeded",
+            )
+
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        if min(token_ids) < 0:
+            raise APIError(400, f"{param}: token ids must be >= 0", param)
+        if self.vocab_size is not None and max(token_ids) >= self.vocab_size:
+            message = f"{param}: token ids must be below the vocabulary size {self.vocab_size}"
+            raise APIError(400, message, param)
+
+
+def completion_prompt_ids(
+    request: CompletionRequest, tokenizer: Tokenizer, limits: PromptLimits
+) -> list[int]:
     prompt = request.prompt
     if prompt and isinstance(prompt, list) and isinstance(prompt[0], str | list):
         if len(prompt) != 1:
             raise APIError(400, "batched prompts are not supported: send one per request", "prompt")
         prompt = prompt[0]
-    token_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+    if isinstance(prompt, str):
+        limits.check_text(prompt, "prompt")
+        token_ids = tokenizer.encode(prompt)
+    else:
+        token_ids = prompt
     if not token_ids:
         raise APIError(400, "the prompt is empty", "prompt")
-    if min(token_ids) < 0:
-        raise APIError(400, "prompt token ids must be >= 0", "prompt")
+    limits.check_token_ids(token_ids, "prompt")
     return token_ids
 
 
-def chat_prompt_ids(request: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
+def chat_prompt_ids(
+    request: ChatCompletionRequest, tokenizer: Tokenizer, limits: PromptLimits
+) -> list[int]:
     messages = [{"role": m.role, "content": _message_text(m)} for m in request.messages]
+    if limits.too_long("".join(m["content"] for m in messages)):
+        # A template may leave messages out: the prompt it renders is what must fit.
+        text = _by_template(lambda: tokenizer.apply_chat_template(messages))
+        limits.check_text(text, "messages")
+    return _by_template(lambda: tokenizer.encode_chat(messages, add_generation_prompt=True))
+
+
+def _by_template(render: Callable[[], T]) -> T:
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return render()
     except Exception as e:  # a template may raise anything (jinja's raise_exception among them)
         raise APIError(400, f"the chat template rejected the messages: {e}", "messages") from e
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def _message_text(message: ChatMessage) -> str:
@@ -54,7 +122,7 @@ def sampling_params(
     num_prompt_tokens: int,
     max_tokens: int | None,
     logprobs: int | None,
-    max_model_len: int | None,
+    limits: PromptLimits,
     defaults: dict | None = None,
 ) -> SamplingParams:
     """SamplingParams for a request, over `defaults` (the model's generation config); every
@@ -62,6 +130,8 @@ def sampling_params(
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(request, name):
             raise APIError(400, f"{name} is not supported", name)
+    if request.stop_token_ids:
+        limits.check_token_ids(request.stop_token_ids, "stop_token_ids")
     given = {
         "n": request.n,
         "temperature": request.temperature,
@@ -79,7 +149,7 @@ def sampling_params(
         return SamplingParams(
             seed=request.seed,
             logprobs=logprobs,
-            max_tokens=_max_tokens(max_tokens, num_prompt_tokens, max_model_len),
+            max_tokens=_max_tokens(max_tokens, num_prompt_tokens, limits.max_model_len),
             **kwargs,
         )
     except ValueError as e:

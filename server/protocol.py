@@ -3,12 +3,35 @@
 Fields are strict (a string where a number belongs is a 400, not a coercion); fields
 OpenAI defines that splitserve does not use are ignored, as OpenAI ignores unknown ones.
 `ignore_eos`, `min_tokens`, `top_k`, `min_p`, `stop_token_ids` and `skip_special_tokens`
-are the extra sampling fields vLLM accepts.
+are the extra sampling fields vLLM accepts, and `cache_salt` keeps a request's prefix-cache
+blocks apart from those of requests without the same salt.
+
+Every integer fits in an int64, every float is finite (JSON's 1e309 parses as inf) and
+every string is valid Unicode (JSON's "\\ud800" parses as a lone surrogate, which no
+tokenizer or encoder takes): anything else is a 400 naming the field.
 """
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+MAX_CACHE_SALT_CHARS = 256
+
+
+def _valid_unicode(text: str) -> str:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        raise ValueError("the string holds a lone surrogate (not valid Unicode)") from None
+    return text
+
+
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+Finite = Annotated[float, Field(allow_inf_nan=False)]
+Text = Annotated[str, AfterValidator(_valid_unicode)]
+Role = Literal["system", "user", "assistant", "tool", "developer"]
 
 
 class APIError(Exception):
@@ -43,22 +66,23 @@ class StreamOptions(_Body):
 class SamplingFields(_Body):
     """Fields common to both endpoints. None means "the default"."""
 
-    model: str | None = None
-    n: int | None = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    model: Text | None = None
+    n: Int64 | None = 1
+    temperature: Finite | None = None
+    top_p: Finite | None = None
+    top_k: Int64 | None = None
+    min_p: Finite | None = None
+    seed: Int64 | None = None
+    stop: Text | list[Text] | None = None
+    stop_token_ids: list[Int64] | None = None
     ignore_eos: bool | None = False
-    min_tokens: int | None = 0
+    min_tokens: Int64 | None = 0
     skip_special_tokens: bool | None = True
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: Finite | None = None
+    frequency_penalty: Finite | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    cache_salt: Annotated[Text, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -66,24 +90,24 @@ class SamplingFields(_Body):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: Text | list[Int64] | list[Text] | list[list[Int64]]
+    max_tokens: Int64 | None = 16
+    logprobs: Int64 | None = None
 
 
 class ContentPart(_Body):
-    type: str
-    text: str | None = None
+    type: Text
+    text: Text | None = None
 
 
 class ChatMessage(_Body):
-    role: str
-    content: str | list[ContentPart] | None = None
+    role: Role
+    content: Text | list[ContentPart] | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int64 | None = None
+    max_completion_tokens: Int64 | None = None
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: Int64 | None = None

@@ -16,10 +16,13 @@ class ResponseBuilder:
     object_name = ""
     chunk_object_name = ""
 
-    def __init__(self, request_id: str, model: str, tokenizer: Tokenizer) -> None:
+    def __init__(
+        self, request_id: str, model: str, tokenizer: Tokenizer, prompt_tokens_details: bool
+    ) -> None:
         self.request_id = request_id
         self.model = model
         self.tokenizer = tokenizer
+        self.prompt_tokens_details = prompt_tokens_details
         self.created = int(time.time())
 
     def _envelope(self, object_name: str, choices: list[dict]) -> dict:
@@ -53,6 +56,20 @@ class ResponseBuilder:
     def usage_chunk(self, usage: dict) -> dict:
         return {**self._envelope(self.chunk_object_name, []), "usage": usage}
 
+    def usage(
+        self, num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int
+    ) -> dict:
+        """The cached-token count only with prompt_tokens_details (vLLM's
+        --enable-prompt-tokens-details): it tells a client what others have sent."""
+        usage = {
+            "prompt_tokens": num_prompt_tokens,
+            "completion_tokens": num_completion_tokens,
+            "total_tokens": num_prompt_tokens + num_completion_tokens,
+        }
+        if self.prompt_tokens_details:
+            usage["prompt_tokens_details"] = {"cached_tokens": num_cached_tokens}
+        return usage
+
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
@@ -67,8 +84,8 @@ class CompletionResponses(ResponseBuilder):
     object_name = "text_completion"
     chunk_object_name = "text_completion"
 
-    def __init__(self, request_id: str, model: str, tokenizer: Tokenizer) -> None:
-        super().__init__(request_id, model, tokenizer)
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
         self.text_offset = 0
 
     def _choice(self, text, logprobs, finish_reason) -> dict:
@@ -147,11 +164,3 @@ class ChatResponses(ResponseBuilder):
         token = self._token_text(token_id)
         return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
-
-def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> dict:
-    return {
-        "prompt_tokens": num_prompt_tokens,
-        "completion_tokens": num_completion_tokens,
-        "total_tokens": num_prompt_tokens + num_completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
-    }

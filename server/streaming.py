@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
@@ -20,11 +21,16 @@ from fastapi import Request
 from ipc.client import EngineDeadError, RequestError
 from ipc.messages import SamplingParams, TokenLogprobs
 from ipc.outputs import RequestOutput
+from server.errors import UNEXPECTED, ClientDisconnected, engine_error
 from server.metrics import ServerMetrics
 from server.protocol import APIError
-from server.responses import ResponseBuilder, usage
+from server.responses import ResponseBuilder
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
+# Line separators some SSE and JSON-lines clients split on; JSON strings may hold them
+# raw, so they are sent escaped.
+_LINE_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\u0085": "\\u0085"})
 
 
 async def engine_outputs(
@@ -34,13 +40,17 @@ async def engine_outputs(
     request_id: str,
     metrics: ServerMetrics,
     arrival: float,
+    cache_salt: str | None,
 ) -> AsyncIterator[RequestOutput]:
-    """The engine client's stream of deltas, timed into the latency histograms."""
+    """The engine client's stream of deltas, timed into the latency histograms; its
+    errors become APIErrors."""
     last_token_time = None
     finish_reason = "abort"
     started = False
     try:
-        stream = client.stream(prompt_token_ids, params, request_id=request_id)
+        stream = client.stream(
+            prompt_token_ids, params, request_id=request_id, cache_salt=cache_salt
+        )
         async with aclosing(stream):
             async for out in stream:
                 now = time.perf_counter()
@@ -54,13 +64,9 @@ async def engine_outputs(
                     finish_reason = out.outputs[0].finish_reason or "abort"
                 started = True
                 yield out
-    except RequestError as e:
-        # Refused before any output (say, a prompt too long) is the request's fault.
+    except (RequestError, EngineDeadError) as e:
         finish_reason = "error" if started else None
-        raise APIError(500 if started else 400, str(e)) from e
-    except EngineDeadError as e:
-        finish_reason = None
-        raise APIError(503, f"the engine is not serving: {e}") from e
+        raise engine_error(e, request_id) from e
     finally:
         if finish_reason is not None:
             metrics.e2e_request_latency.observe(time.perf_counter() - arrival)
@@ -88,7 +94,7 @@ async def complete(
         "".join(texts),
         logprobs if want_logprobs else None,
         last.outputs[0].finish_reason,
-        usage(num_prompt_tokens, num_tokens, last.num_cached_tokens),
+        builder.usage(num_prompt_tokens, num_tokens, last.num_cached_tokens),
     )
 
 
@@ -101,15 +107,15 @@ async def event_stream(
     include_usage: bool,
 ) -> AsyncIterator[str]:
     """Server-sent events of OpenAI chunks, `first` (already taken from `outputs`) first,
-    then an optional usage chunk, then `data: [DONE]`. An error after the first chunk is
-    sent as an error event."""
+    then an optional usage chunk, then `data: [DONE]`. An error after the first chunk
+    ends the chunks with an error event (then `data: [DONE]`)."""
     num_tokens = 0
     num_cached_tokens = 0
     async with aclosing(outputs):
-        for chunk in builder.first_chunks():
-            yield _event(chunk)
         out = first
         try:
+            for chunk in builder.first_chunks():
+                yield _event(chunk)
             while out is not None:
                 delta = out.outputs[0]
                 num_tokens += len(delta.token_ids)
@@ -121,17 +127,20 @@ async def event_stream(
                 out = await anext(outputs, None)
         except APIError as e:
             yield _event(e.body())
+            include_usage = False
+        except Exception:
+            logger.exception("request %s failed while streaming", builder.request_id)
+            yield _event(APIError(500, UNEXPECTED).body())
+            include_usage = False
     if include_usage:
-        yield _event(builder.usage_chunk(usage(num_prompt_tokens, num_tokens, num_cached_tokens)))
+        usage = builder.usage(num_prompt_tokens, num_tokens, num_cached_tokens)
+        yield _event(builder.usage_chunk(usage))
     yield "data: [DONE]\n\n"
 
 
 def _event(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
-class ClientDisconnected(Exception):
-    pass
+    data = json.dumps(payload, ensure_ascii=False).translate(_LINE_BREAKS)
+    return f"data: {data}\n\n"
 
 
 async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:

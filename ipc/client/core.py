@@ -169,10 +169,7 @@ class ClientCore:
     def chat_token_ids(self, messages: list[Message]) -> list[int]:
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer")
-        text = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
-        )
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode_chat(messages, add_generation_prompt=True)
 
     def add_request(
         self,

@@ -22,7 +22,7 @@ import pytest
 import uvicorn
 
 from server import build_app
-from tests.server.fake_engine import FakeEngineClient
+from tests.server.fake_engine import VOCAB_SIZE, FakeEngineClient
 
 API_KEY = "test-key"
 
@@ -34,6 +34,7 @@ class EngineHarness:
     model_name: str
     max_model_len: int
     aborted: Callable[[str], bool]
+    vocab_size: int | None = None
 
 
 class LiveServer:
@@ -70,10 +71,20 @@ class LiveServer:
         self.loop.close()
 
 
+def asgi_client(app, api_key: str | None = None) -> httpx.AsyncClient:
+    """An httpx client calling `app` in this event loop (no lifespan, no socket); the
+    app's unexpected exceptions are answered, as a server would, not raised here."""
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return httpx.AsyncClient(transport=transport, base_url="http://test", headers=headers)
+
+
 @pytest.fixture(scope="module")
 def engine() -> EngineHarness:
     fake = FakeEngineClient()
-    return EngineHarness(fake, fake.tokenizer, "fake-model", 512, fake.aborted.__contains__)
+    return EngineHarness(
+        fake, fake.tokenizer, "fake-model", 512, fake.aborted.__contains__, VOCAB_SIZE
+    )
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +96,12 @@ def text_prompt() -> str:
 @pytest.fixture(scope="module")
 def live_server(engine: EngineHarness):
     app = build_app(
-        engine.client, engine.tokenizer, engine.model_name, API_KEY, engine.max_model_len
+        engine.client,
+        engine.tokenizer,
+        engine.model_name,
+        API_KEY,
+        engine.max_model_len,
+        vocab_size=engine.vocab_size,
     )
     server = LiveServer(app, engine.client)
     yield server

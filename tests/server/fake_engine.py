@@ -12,13 +12,16 @@ from ipc.messages import SamplingParams, SchedulerStats, TokenLogprobs
 from ipc.outputs import CompletionOutput, RequestOutput
 
 BOS, EOS, OFFSET = 1, 2, 3
+VOCAB_SIZE = 0x110000 + OFFSET
 REPLY = "The quick brown fox jumps over the lazy dog; héllo, wörld!"
 
 
 class CharTokenizer:
-    """One token per character (id = code point + OFFSET); BOS and EOS are special."""
+    """One token per character (id = code point + OFFSET); BOS and EOS are special. It
+    has no special-token text, so its chat encoding is the rendered template's."""
 
     eos_token_id = EOS
+    max_token_bytes = 4
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [BOS] * add_special_tokens + [ord(c) + OFFSET for c in text]
@@ -34,19 +37,27 @@ class CharTokenizer:
         text = "<s>" + "".join(f"[{m['role']}] {m['content']}\n" for m in messages)
         return text + "[assistant] " * add_generation_prompt
 
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), False)
+
 
 class FakeEngineClient:
     """Answers every prompt with REPLY then EOS, one token per `token_delay`; with
     ignore_eos it repeats REPLY up to max_tokens. Records each request's prompt and
-    SamplingParams, and the ids of streams stopped before they finished (aborts)."""
+    SamplingParams, its cache salt, and the ids of streams stopped before they finished
+    (aborts). `failure = (n, error)` makes every request raise `error` after n tokens."""
 
-    def __init__(self, max_model_len: int | None = None, token_delay: float = 0.005) -> None:
+    def __init__(
+        self, max_model_len: int | None = None, token_delay: float = 0.005, reply: str = REPLY
+    ) -> None:
         self.tokenizer = CharTokenizer()
         self.max_model_len = max_model_len
         self.token_delay = token_delay
-        self.script = self.tokenizer.encode(REPLY, add_special_tokens=False) + [EOS]
+        self.script = self.tokenizer.encode(reply, add_special_tokens=False) + [EOS]
         self.requests: dict[str, tuple[list[int], SamplingParams]] = {}
         self.aborted: list[str] = []
+        self.salts: dict[str, str | None] = {}
+        self.failure: tuple[int, Exception] | None = None
         self.alive = True
         self._stats = SchedulerStats()
 
@@ -71,9 +82,10 @@ class FakeEngineClient:
         prompt: str | list[int],
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> RequestOutput:
         result = None
-        async for delta in self.stream(prompt, sampling_params, request_id):
+        async for delta in self.stream(prompt, sampling_params, request_id, cache_salt):
             if result is None:
                 result = delta
                 continue
@@ -91,6 +103,7 @@ class FakeEngineClient:
         prompt: str | list[int],
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         self._check_alive()
         params = sampling_params or SamplingParams()
@@ -101,6 +114,7 @@ class FakeEngineClient:
             )
         request_id = request_id or uuid.uuid4().hex
         self.requests[request_id] = (prompt_ids, params)
+        self.salts[request_id] = cache_salt
         self._stats.num_prompt_tokens += len(prompt_ids)
         text = sent = ""
         finished = False
@@ -108,6 +122,8 @@ class FakeEngineClient:
             for step in range(params.max_tokens or 10_000):
                 await asyncio.sleep(self.token_delay)
                 self._check_alive()
+                if self.failure is not None and step == self.failure[0]:
+                    raise self.failure[1]
                 token = self.script[step % len(self.script)]
                 self._stats.num_generation_tokens += 1
                 text += self.tokenizer.decode([token], params.skip_special_tokens)

@@ -10,6 +10,17 @@ from ipc.client import AsyncEngineClient
 from ipc.tokenizer import Tokenizer
 from tests.ipc.client_fakes import FAIL_MESSAGE, FAIL_TOKEN, FakeEngine, tiny_tokenizer_path
 from tests.server.conftest import EngineHarness
+from tests.server.test_input_validation import (  # noqa: F401  (collected again with this engine)
+    COMPLETION_FIELDS,
+    test_cache_salt_is_a_short_non_empty_string,
+    test_chat_integers_beyond_int64_are_400_naming_the_field,
+    test_integers_beyond_int64_are_400_naming_the_field,
+    test_known_roles_are_served,
+    test_lone_surrogates_are_400_naming_the_field,
+    test_non_finite_floats_are_400_naming_the_field,
+    test_token_ids_outside_the_vocabulary_are_400_naming_the_field,
+    test_unknown_roles_are_400_naming_messages,
+)
 from tests.server.test_openai_api import (  # noqa: F401  (collected again with this engine)
     _metrics,
     test_chat_stream,
@@ -36,7 +47,9 @@ def engine():
     with FakeEngine() as fake:
         tokenizer = Tokenizer.from_pretrained(tiny_tokenizer_path())
         client = AsyncEngineClient(fake.address, tokenizer=tokenizer)
-        yield EngineHarness(client, tokenizer, "tiny", 256, fake.aborted.__contains__)
+        # The model's vocabulary: FAIL_TOKEN must reach the engine.
+        vocab_size = FAIL_TOKEN + 1
+        yield EngineHarness(client, tokenizer, "tiny", 256, fake.aborted.__contains__, vocab_size)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -49,3 +62,14 @@ def test_engine_refusal_is_400_with_its_message(http, engine, stream):
 
 def test_metrics_carry_the_engine_stats(http):
     assert _metrics(http)[("splitserve:num_requests_running", ())] == 0
+
+
+def test_refused_requests_leave_nothing_registered_in_the_engine_client(http, engine):
+    """Every refusal happens before the engine client registers the request (a request
+    that failed to encode used to stay registered, and answer a plain-text 500)."""
+    for extra, _ in COMPLETION_FIELDS:
+        body = {"model": engine.model_name, "prompt": "Hi", "max_tokens": 2, **extra}
+        assert http.post("/v1/completions", json=body).status_code == 400
+    body = {"model": engine.model_name, "prompt": [5, engine.vocab_size], "max_tokens": 2}
+    assert http.post("/v1/completions", json=body).status_code == 400
+    assert engine.client._core._requests == {}
