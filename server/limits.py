@@ -6,9 +6,10 @@ from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
+from server.args import DEFAULT_MAX_REQUEST_BODY_BYTES
 from server.protocol import APIError
 
-DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024
+__all__ = ["DEFAULT_MAX_REQUEST_BODY_BYTES", "BodyLimit"]
 
 
 def _too_large(limit: int) -> str:

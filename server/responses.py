@@ -163,4 +163,3 @@ class ChatResponses(ResponseBuilder):
     def _logprob(self, token_id: int, logprob: float) -> dict:
         token = self._token_text(token_id)
         return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
-

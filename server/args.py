@@ -1,0 +1,86 @@
+"""The HTTP server's command-line flags, declared once for `python -m server` and
+launch.py. This module imports nothing heavy: launch.py parses its flags with it
+without loading fastapi."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+API_KEY_ENV = "SPLITSERVE_API_KEY"
+DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The HTTP server's flags (launch.py shares them)."""
+    group = parser.add_argument_group("OpenAI-compatible API server")
+    group.add_argument("--api-host", default="0.0.0.0", help="default: %(default)s")
+    group.add_argument("--api-port", type=int, default=8000, help="default: %(default)s")
+    group.add_argument(
+        "--api-key",
+        action="append",
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on /v1; repeat it for several keys "
+        f"(default: ${API_KEY_ENV}, comma-separated)",
+    )
+    group.add_argument("--served-model-name", help="default: the model folder's name")
+    group.add_argument(
+        "--salt-cache-by-api-key",
+        action="store_true",
+        help="salt each request's prefix-cache blocks with its API key, so that requests "
+        "made with different keys never share cached prompts",
+    )
+    group.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="report usage.prompt_tokens_details (the cached prompt tokens); off by default, "
+        "as in vLLM",
+    )
+    group.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+        help="refuse larger request bodies with a 413 (default: %(default)s, 8 MiB)",
+    )
+    return parser
+
+
+def server_options(args: argparse.Namespace) -> dict[str, Any]:
+    """run_server's keyword arguments from the flags add_server_args declares; a flag the
+    namespace lacks takes its default."""
+    defaults = add_server_args(argparse.ArgumentParser()).parse_args([])
+    given = {**vars(defaults), **vars(args)}
+    return {
+        "host": given["api_host"],
+        "port": given["api_port"],
+        "served_model_name": given["served_model_name"],
+        "api_keys": _api_keys(given["api_key"]),
+        "salt_cache_by_api_key": given["salt_cache_by_api_key"],
+        "enable_prompt_tokens_details": given["enable_prompt_tokens_details"],
+        "max_request_body_bytes": given["max_request_body_bytes"],
+    }
+
+
+def server_child_args(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
+    """For a launcher that starts the server as a child process: the server flags of
+    `args` as command-line arguments, and the environment variable that carries the API
+    keys (out of sight of `ps`)."""
+    options = server_options(args)
+    argv = ["--api-host", options["host"], "--api-port", str(options["port"])]
+    if options["served_model_name"]:
+        argv += ["--served-model-name", options["served_model_name"]]
+    for flag in ("salt_cache_by_api_key", "enable_prompt_tokens_details"):
+        if options[flag]:
+            argv.append("--" + flag.replace("_", "-"))
+    argv += ["--max-request-body-bytes", str(options["max_request_body_bytes"])]
+    return argv, {API_KEY_ENV: ",".join(options["api_keys"])}
+
+
+def _api_keys(given: str | list[str] | None) -> list[str]:
+    """The keys given, or else those in $SPLITSERVE_API_KEY; each may be a comma-separated
+    list."""
+    if given is None:
+        given = os.environ.get(API_KEY_ENV, "")
+    values = [given] if isinstance(given, str) else given
+    return [key.strip() for value in values for key in value.split(",") if key.strip()]
