@@ -13,6 +13,7 @@ class InProcessExecutor(Executor):
     def determine_num_blocks(self) -> int:
         num_blocks = self.runner.determine_num_blocks()
         self.runner.initialize_kv_cache(num_blocks)
+        self.runner.capture_cuda_graphs()
         return num_blocks
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
