@@ -1,14 +1,17 @@
 """Attention metadata, the forward context, the store-KV step and the backends."""
 
+from attention.backends.base import AttentionBackend
 from attention.forward_context import ForwardContext, get_forward_context, set_forward_context
 from attention.layer import Attention
-from attention.metadata import AttentionMetadata
+from attention.metadata import AttentionMetadata, CommonAttentionMetadata
 from attention.selector import BACKEND_NAMES, get_attn_backend
 
 __all__ = [
     "BACKEND_NAMES",
     "Attention",
+    "AttentionBackend",
     "AttentionMetadata",
+    "CommonAttentionMetadata",
     "ForwardContext",
     "get_attn_backend",
     "get_forward_context",

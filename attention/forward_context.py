@@ -1,32 +1,41 @@
+"""The forward context: the step's attention metadata and backend, set around a forward pass."""
+
+from __future__ import annotations
+
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from attention.backends.base import AttentionBackend
 from attention.metadata import AttentionMetadata
 
 
-@dataclass
+@dataclass(frozen=True)
 class ForwardContext:
-    """The step's metadata, set around a forward pass. attn_metadata None means a
+    """What the attention layers of one forward pass read. attn_metadata None means a
     profiling/plain run: every layer attends causally over all tokens as one sequence
     and touches no KV cache."""
 
-    attn_metadata: AttentionMetadata | None
-    backend: object | None = None
+    attn_metadata: AttentionMetadata | None = None
+    backend: AttentionBackend | None = None
+
+    def __post_init__(self) -> None:
+        if (self.attn_metadata is None) != (self.backend is None):
+            raise ValueError("attention metadata and its backend go together")
 
 
-_context = ForwardContext(attn_metadata=None)
+_context = ForwardContext()
 
 
 @contextmanager
 def set_forward_context(
-    attn_metadata: AttentionMetadata | None, backend: object | None = None
-) -> Iterator[None]:
+    attn_metadata: AttentionMetadata | None, backend: AttentionBackend | None = None
+) -> Iterator[ForwardContext]:
     global _context
     previous = _context
     _context = ForwardContext(attn_metadata, backend)
     try:
-        yield
+        yield _context
     finally:
         _context = previous
 

@@ -1,9 +1,8 @@
 """Choosing the attention backend (`--attention-backend auto|flash_attn|triton|torch`)."""
 
-import os
-
 import torch
 
+from attention.backends.base import AttentionBackend
 from attention.backends.flash_attn_backend import FlashAttentionBackend
 from attention.backends.torch_backend import TorchAttentionBackend
 from attention.backends.triton_backend import TritonAttentionBackend
@@ -17,7 +16,7 @@ def get_attn_backend(
     *,
     block_size: int | None = None,
     dtype: torch.dtype | None = None,
-):
+) -> AttentionBackend:
     """A backend instance for this device. "auto": flash_attn on CUDA when it is
     installed and supports block_size and dtype (when given), else triton on CUDA;
     torch on CPU."""
@@ -49,7 +48,7 @@ def get_attn_backend(
         except ImportError as e:
             raise ImportError("attention backend flash_attn needs `pip install flash-attn`") from e
     if name == "triton":
-        if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError("attention backend triton needs CUDA (or TRITON_INTERPRET=1)")
+        if not on_cuda:
+            raise ValueError("attention backend triton needs a CUDA device")
         return TritonAttentionBackend()
     return TorchAttentionBackend()

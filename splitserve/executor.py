@@ -1,3 +1,7 @@
+import gc
+
+import torch
+
 from engine_core import EngineConfig
 from engine_core.executor import Executor
 from ipc.messages import ModelRunnerOutput, SchedulerOutput
@@ -8,15 +12,30 @@ class InProcessExecutor(Executor):
     """One ModelRunner in the EngineCore's own process (tensor_parallel_size 1)."""
 
     def __init__(self, config: EngineConfig) -> None:
-        self.runner = ModelRunner(config)
+        self.runner: ModelRunner | None = ModelRunner(config)
 
     def determine_num_blocks(self) -> int:
-        num_blocks = self.runner.determine_num_blocks()
-        self.runner.initialize_kv_cache(num_blocks)
+        runner = self._runner()
+        num_blocks = runner.determine_num_blocks()
+        runner.initialize_kv_cache(num_blocks)
+        runner.capture_cuda_graphs()
         return num_blocks
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute_model(scheduler_output)
+        return self._runner().execute_model(scheduler_output)
 
     def shutdown(self) -> None:
-        pass
+        """Drop the runner: its model, KV cache and CUDA graphs are freed, and on CUDA the
+        cached memory goes back to the device, so a new engine in this process finds it."""
+        if self.runner is None:
+            return
+        on_cuda = self.runner.device.type == "cuda"
+        self.runner = None
+        if on_cuda:
+            gc.collect()
+            torch.cuda.empty_cache()
+
+    def _runner(self) -> ModelRunner:
+        if self.runner is None:
+            raise RuntimeError("the executor was shut down")
+        return self.runner

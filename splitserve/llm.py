@@ -67,7 +67,8 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def shutdown(self) -> None:
-        """Stop the worker processes, if any; the LLM cannot generate afterwards."""
+        """Stop the worker processes, or release the model and its KV cache when it runs
+        in this process; the LLM cannot generate afterwards."""
         self.engine.shutdown()
 
     def _run(

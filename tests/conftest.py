@@ -2,10 +2,54 @@ import os
 import sys
 from pathlib import Path
 
-# Triton kernels run on the CPU interpreter in tests; it must be set before triton is imported.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+
+try:
+    import torch
+except ImportError:  # the EngineCore-side tests need no torch
+    torch = None
+
+HAS_CUDA = torch is not None and torch.cuda.is_available()
+# Without a GPU the Triton kernels run on the CPU interpreter; it must be set before
+# triton is imported. With one they run natively, on CUDA tensors (see `kernel_device`).
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # The project's packages and `tests.*` helpers import however pytest was started.
 _ROOT = str(Path(__file__).resolve().parents[1])
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "gpus(n): needs n CUDA devices when CUDA is in use (skipped on a machine with fewer; "
+        "CPU runs, with any number of gloo ranks, are unaffected)",
+    )
+
+
+def pytest_runtest_setup(item):
+    marker = item.get_closest_marker("gpus")
+    if marker is not None and HAS_CUDA and torch.cuda.device_count() < marker.args[0]:
+        pytest.skip(f"needs {marker.args[0]} CUDA devices, found {torch.cuda.device_count()}")
+
+
+@pytest.fixture
+def kernel_device() -> str:
+    """Where the Triton kernel tests put their tensors: CUDA when there is a GPU, else the
+    CPU (under TRITON_INTERPRET=1)."""
+    return "cuda" if HAS_CUDA else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Tiny tensors gain nothing from threads, and on a shared 2-core box a parallel
+    region can wait milliseconds for a descheduled thread."""
+    if torch is None:
+        yield
+        return
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

@@ -1,13 +1,15 @@
 import numpy as np
 import torch
 
+from worker.buffers import CpuGpuBuffer
 from worker.slot_mapping import slot_mapping_torch, slot_mapping_triton
 
 
 class BlockTable:
     """Block ids of every batch row, staged in numpy and committed to the device once
     per step. `np` and `num_blocks_per_row` are the host side; `device_tensor` is what
-    the attention kernels and the slot mapping read."""
+    the attention kernels and the slot mapping read (a separate tensor even on CPU:
+    rows staged after a commit stay invisible until the next one)."""
 
     def __init__(
         self,
@@ -19,12 +21,12 @@ class BlockTable:
         self.block_size = block_size
         self.max_num_blocks_per_req = max_num_blocks_per_req
         self.device = torch.device(device)
-        self._on_cuda = self.device.type == "cuda"
-        shape = (max_num_reqs, max_num_blocks_per_req)
-        self._host = torch.zeros(shape, dtype=torch.int32, pin_memory=self._on_cuda)
-        self.np = self._host.numpy()
+        self._buffer = CpuGpuBuffer(
+            max_num_reqs, max_num_blocks_per_req, dtype=torch.int32, device=device, staged=True
+        )
+        self.np = self._buffer.np
         self.num_blocks_per_row = np.zeros(max_num_reqs, dtype=np.int32)
-        self.device_tensor = torch.zeros(shape, dtype=torch.int32, device=self.device)
+        self.device_tensor = self._buffer.gpu
 
     def add_row(self, block_ids: list[int], row: int) -> None:
         self.num_blocks_per_row[row] = 0
@@ -51,7 +53,7 @@ class BlockTable:
 
     def commit(self, num_reqs: int) -> None:
         """Copy rows 0..num_reqs-1 to the device (asynchronously from pinned memory on CUDA)."""
-        self.device_tensor[:num_reqs].copy_(self._host[:num_reqs], non_blocking=self._on_cuda)
+        self._buffer.copy_to_gpu(num_reqs)
 
     def get_device_tensor(self) -> torch.Tensor:
         return self.device_tensor
@@ -61,9 +63,16 @@ class BlockTable:
         query_start_loc: torch.Tensor,
         positions: torch.Tensor,
         num_tokens_padded: int | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """int64 slot of every token of the committed rows; -1 past query_start_loc[-1]."""
-        compute = slot_mapping_triton if self._on_cuda else slot_mapping_torch
+        """int64 slot of every token of the committed rows; -1 past query_start_loc[-1].
+        Written into `out` when given (its length is then the padded length)."""
+        compute = slot_mapping_triton if self.device.type == "cuda" else slot_mapping_torch
         return compute(
-            self.device_tensor, query_start_loc, positions, self.block_size, num_tokens_padded
+            self.device_tensor,
+            query_start_loc,
+            positions,
+            self.block_size,
+            num_tokens_padded,
+            out=out,
         )

@@ -1,22 +1,22 @@
 """CUDA graphs of pure-decode batches, padded to a few captured sizes.
 
 A decode step of n requests (one token each) is padded to the smallest captured size
->= n: the step's inputs are copied into the first n rows of static buffers and the
-other rows become harmless one-token requests (token 0 at position 0, seq_len 1, so
-they read one valid cache slot; slot -1, so they write nothing). The graph of that
-size replays over the static buffers and the first n rows of the static output are
-the step's hidden states. Prefills, mixed steps and batches larger than the largest
-size run eagerly.
+>= n: the ModelRunner writes the step's inputs into the first n rows of its persistent
+buffers (InputBuffers and the block table's device tensor) and makes the other rows
+harmless one-token requests (token 0 at position 0, seq_len 1, so they read one valid
+cache slot; slot -1, so they write nothing). The graph of that size replays over views
+of those same buffers, and the first n rows of the static output are the step's hidden
+states. Prefills, mixed steps and batches larger than the largest size run eagerly.
 
-Each size's AttentionMetadata is built once, over views of the static buffers, with
-the host-side fields at safe upper bounds (every row a decode of up to max_model_len
-tokens) and its batch split computed before capture, so no host value or host-to-device
-copy is baked into a graph. The backend's decode path must then depend only on device
-values and the padded batch size: `cudagraph_support` on each backend says whether it does.
+Each size's attention metadata is built once (`AttentionBackend.build_cudagraph_metadata`)
+over views of the buffers, with the host-side fields at safe upper bounds (every row a
+decode of up to max_model_len tokens), so no host value or host-to-device copy is baked
+into a graph. The backend's decode path must then depend only on device values and the
+padded batch size: `cudagraph_support` on each backend says whether it does.
 
 Mode "cuda_graph" warms up and captures every size, largest first, into one shared
-memory pool. Mode "padded_eager" captures nothing and runs the model eagerly on the
-padded static buffers: the same padding and metadata on any device (the CPU tests).
+memory pool. Mode "padded_eager" captures nothing and runs the model eagerly over the
+same padded buffers and metadata, on any device (the CPU tests).
 """
 
 from __future__ import annotations
@@ -24,15 +24,18 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 
-from attention import AttentionMetadata, set_forward_context
+from attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    CommonAttentionMetadata,
+    set_forward_context,
+)
+from worker.buffers import InputBuffers
 from worker.slot_mapping import PAD_SLOT_ID
-
-if TYPE_CHECKING:
-    from worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -54,121 +57,115 @@ def default_capture_sizes(max_num_seqs: int, max_num_batched_tokens: int) -> lis
     return sizes
 
 
+def capture_sizes(requested: list[int] | None, max_num_reqs: int, max_num_tokens: int) -> list[int]:
+    """The sizes to capture: `requested` (default_capture_sizes when None), each cut to
+    the largest decode batch, which is also as many rows as the buffers hold."""
+    largest_batch = min(max_num_reqs, max_num_tokens)
+    sizes = requested or default_capture_sizes(max_num_reqs, max_num_tokens)
+    return sorted({min(size, largest_batch) for size in sizes})
+
+
+def cuda_graphs_off_reason(
+    device: torch.device, enforce_eager: bool, backend: AttentionBackend
+) -> str | None:
+    """Why decode steps cannot replay CUDA graphs here, or None when they can."""
+    if device.type != "cuda":
+        return "not on a CUDA device"
+    if enforce_eager:
+        return "enforce_eager"
+    if not backend.cudagraph_support:
+        return f"the {backend.name} attention backend has none"
+    return None
+
+
 class CudaGraphRunner:
-    """Static decode buffers, one metadata per captured size, and (on CUDA) the graphs."""
+    """One metadata per captured size over the persistent buffers, and (on CUDA) the
+    graphs. The caller writes and pads each step's inputs (`padded_size` says to what)."""
 
     def __init__(
         self,
         model: torch.nn.Module,
-        attn_backend,
+        attn_backend: AttentionBackend,
+        buffers: InputBuffers,
+        block_table: torch.Tensor,
         sizes: list[int],
         *,
         max_model_len: int,
-        max_num_blocks_per_req: int,
         hidden_size: int,
         dtype: torch.dtype,
-        device: torch.device,
         mode: Mode = "cuda_graph",
     ) -> None:
         if not sizes or min(sizes) < 1:
             raise ValueError(f"capture sizes must be positive integers, got {sizes}")
-        self.model = model
-        self.attn_backend = attn_backend
         self.sizes = sorted(set(sizes))
         self.max_size = self.sizes[-1]
+        capacity = min(buffers.max_num_reqs, buffers.max_num_tokens, block_table.shape[0])
+        if self.max_size > capacity:
+            raise ValueError(f"capture size {self.max_size} exceeds the buffers' {capacity} rows")
+        self.model = model
+        self.attn_backend = attn_backend
+        self.buffers = buffers
+        self.block_table = block_table
         self.max_model_len = max_model_len
-        self.device = torch.device(device)
+        self.device = block_table.device
         self.mode = mode
-        n = self.max_size
-
-        def buffer(shape, fill: int, dtype: torch.dtype) -> torch.Tensor:
-            return torch.full(shape, fill, dtype=dtype, device=self.device)
-
-        self.input_ids = buffer((n,), 0, torch.long)
-        self.positions = buffer((n,), 0, torch.long)
-        self.seq_lens = buffer((n,), 1, torch.int32)
-        self.slot_mapping = buffer((n,), PAD_SLOT_ID, torch.long)
-        self.block_table = buffer((n, max_num_blocks_per_req), 0, torch.int32)
-        # Every row, padding included, is a one-token request: this never changes.
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=self.device)
-        self.output = buffer((n, hidden_size), 0, dtype)
+        self.output = torch.zeros(self.max_size, hidden_size, dtype=dtype, device=self.device)
         self.metadata: dict[int, AttentionMetadata] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-
-    @classmethod
-    def for_model_runner(cls, runner: ModelRunner, mode: Mode = "cuda_graph") -> CudaGraphRunner:
-        config = runner.config
-        sizes = config.cuda_graph_sizes or default_capture_sizes(
-            config.max_num_seqs, config.max_num_batched_tokens
-        )
-        return cls(
-            runner.model,
-            runner.attn_backend,
-            sizes,
-            max_model_len=config.max_model_len,
-            max_num_blocks_per_req=runner.input_batch.block_table.max_num_blocks_per_req,
-            hidden_size=runner.hf_config.hidden_size,
-            dtype=runner.dtype,
-            device=runner.device,
-            mode=mode,
-        )
 
     def padded_size(self, num_reqs: int) -> int | None:
         """The smallest captured size >= num_reqs; None past the largest."""
         i = bisect.bisect_left(self.sizes, num_reqs)
         return self.sizes[i] if i < len(self.sizes) else None
 
-    def can_run(self, md: AttentionMetadata) -> bool:
-        """A pure-decode step (one token per request) within the largest size."""
-        return md.max_query_len == 1 and md.num_actual_tokens == md.num_reqs <= self.max_size
-
     def capture(self) -> None:
+        """Build every size's metadata, then (mode "cuda_graph") capture the graphs. The
+        buffers hold an all-padding batch meanwhile, so warm-up runs read valid slots."""
+        self._fill_with_padding()
         for size in self.sizes:
-            md = self._metadata(size)
-            _ = md.split  # its host-to-device copies happen now, never inside a capture
-            self.metadata[size] = md
+            self.metadata[size] = self.attn_backend.build_cudagraph_metadata(self._common(size))
         if self.mode == "cuda_graph":
             self._capture_graphs()
 
-    def run(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata
-    ) -> torch.Tensor:
-        """Hidden states [n, hidden_size] of a decode step that `can_run`. The result is a
-        view of the static output: read it before the next call."""
-        n = md.num_actual_tokens
-        size = self.padded_size(n)
-        for static, values, pad in (
-            (self.input_ids, input_ids, 0),
-            (self.positions, positions, 0),
-            (self.seq_lens, md.seq_lens, 1),
-            (self.slot_mapping, md.slot_mapping[:n], PAD_SLOT_ID),
-        ):
-            static[:n].copy_(values)
-            static[n:size].fill_(pad)
-        # Padding rows keep earlier rows' block ids: any valid id is fine for seq_len 1.
-        self.block_table[:n].copy_(md.block_table[:n])
+    def run(self, size: int) -> torch.Tensor:
+        """Hidden states [size, hidden_size] of the padded decode batch in the buffers.
+        The result is a view of the static output: read it before the next call."""
+        self.attn_backend.prepare_replay(self.metadata[size])
         if self.mode == "cuda_graph":
             self.graphs[size].replay()
         else:
             self._forward(size)
-        return self.output[:n]
+        return self.output[:size]
 
-    def _metadata(self, size: int) -> AttentionMetadata:
-        return AttentionMetadata(
+    def _fill_with_padding(self) -> None:
+        buffers, n = self.buffers, self.max_size
+        buffers.wait_for_copies()
+        buffers.query_start_loc.np[0] = 0
+        buffers.pad_decodes(0, n)
+        for buffer in (buffers.input_ids, buffers.positions, buffers.seq_lens):
+            buffer.copy_to_gpu(n)
+        buffers.query_start_loc.copy_to_gpu(n + 1)
+        buffers.slot_mapping[:n].fill_(PAD_SLOT_ID)
+        buffers.record_copies()
+
+    def _common(self, size: int) -> CommonAttentionMetadata:
+        buffers = self.buffers
+        return CommonAttentionMetadata(
             num_actual_tokens=size,
             max_query_len=1,
             max_seq_len=self.max_model_len,
-            query_start_loc=self.query_start_loc[: size + 1],
-            seq_lens=self.seq_lens[:size],
+            query_start_loc=buffers.query_start_loc.gpu[: size + 1],
+            seq_lens=buffers.seq_lens.gpu[:size],
             block_table=self.block_table[:size],
-            slot_mapping=self.slot_mapping[:size],
+            slot_mapping=buffers.slot_mapping[:size],
             query_start_loc_cpu=torch.arange(size + 1, dtype=torch.int32),
             seq_lens_cpu=torch.full((size,), self.max_model_len, dtype=torch.int32),
         )
 
     def _forward(self, size: int) -> None:
+        buffers = self.buffers
         with set_forward_context(self.metadata[size], self.attn_backend):
-            hidden = self.model(self.input_ids[:size], self.positions[:size])
+            hidden = self.model(buffers.input_ids.gpu[:size], buffers.positions.gpu[:size])
         self.output[:size].copy_(hidden)
 
     def _capture_graphs(self) -> None:
@@ -193,18 +190,3 @@ class CudaGraphRunner:
             self.sizes,
             time.perf_counter() - start,
         )
-
-
-def capture_decode_graphs(runner: ModelRunner) -> CudaGraphRunner | None:
-    """The runner's captured decode graphs, or None when it runs every step eagerly."""
-    if runner.device.type != "cuda":
-        return None
-    if runner.config.enforce_eager:
-        logger.info("CUDA graphs off: enforce_eager")
-        return None
-    if not runner.attn_backend.cudagraph_support:
-        logger.info("CUDA graphs off: the %s attention backend has none", runner.attn_backend.name)
-        return None
-    graphs = CudaGraphRunner.for_model_runner(runner)
-    graphs.capture()
-    return graphs

@@ -4,14 +4,16 @@ import numpy as np
 import torch
 from transformers import AutoConfig
 
-from attention import AttentionMetadata, get_attn_backend, set_forward_context
+from attention import get_attn_backend, set_forward_context
 from engine_core.config import EngineConfig
 from ipc.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput, TokenLogprobs
 from models import kv_cache_shape_info, load_model, resolve_dtype
 from models.parallel_state import get_tp_rank, get_tp_size, tp_broadcast
-from worker.cuda_graph import CudaGraphRunner, capture_decode_graphs
+from worker.buffers import InputBuffers
+from worker.cuda_graph import CudaGraphRunner, Mode, capture_sizes, cuda_graphs_off_reason
 from worker.input_batch import CachedRequestState, InputBatch, check_new_request
 from worker.sampler import Sampler
+from worker.step_inputs import prepare_inputs
 
 _CPU_KV_CACHE_BYTES = 4 << 30
 logger = logging.getLogger(__name__)
@@ -21,10 +23,14 @@ class ModelRunner:
     """Holds this rank's model shard, KV cache and persistent batch; runs one step.
 
     A step: update the persistent batch from the SchedulerOutput, build the inputs
-    on the host with numpy, copy them to the device once, run the forward pass under
-    the step's attention metadata, sample the requests whose known tokens are all
-    computed (a partial prefill chunk samples nothing), and append the sampled tokens
-    to their rows so the next step can read them without the EngineCore.
+    on the host with numpy in persistent buffers, copy them to the device once, run the
+    forward pass under the step's attention metadata (or replay a captured decode graph),
+    sample the requests whose known tokens are all computed (a partial prefill chunk
+    samples nothing), and append the sampled tokens to their rows so the next step can
+    read them without the EngineCore.
+
+    Setup, in order: `determine_num_blocks()`, `initialize_kv_cache(num_blocks)`,
+    `capture_cuda_graphs()`.
     """
 
     def __init__(self, config: EngineConfig, device: str | torch.device | None = None) -> None:
@@ -53,7 +59,7 @@ class ModelRunner:
         )
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
-        self.arange = np.arange(max(self.max_num_tokens, config.max_num_seqs) + 1, dtype=np.int64)
+        self.inputs = InputBuffers(config.max_num_seqs, self.max_num_tokens, self.device)
         self.is_driver = get_tp_rank() == 0
         self.cuda_graphs: CudaGraphRunner | None = None
         self.failed_requests: dict[str, str] = {}
@@ -109,26 +115,60 @@ class ModelRunner:
             num_blocks * self.kv_cache_bytes_per_block() / 2**30,
             self.dtype,
         )
-        self.cuda_graphs = capture_decode_graphs(self)
+
+    def capture_cuda_graphs(self, mode: Mode = "cuda_graph") -> None:
+        """Capture the decode CUDA graphs, once the KV cache is bound. Off CUDA, under
+        enforce_eager or with a backend that cannot be captured, every step runs eagerly.
+        Mode "padded_eager" pads decode steps as the graphs would but runs them eagerly,
+        on any device and backend (tests)."""
+        if any(layer.kv_cache is None for layer in self.model.attention_layers()):
+            raise RuntimeError("initialize_kv_cache must come before capture_cuda_graphs")
+        if mode == "cuda_graph":
+            reason = cuda_graphs_off_reason(
+                self.device, self.config.enforce_eager, self.attn_backend
+            )
+            if reason is not None:
+                if self.device.type == "cuda":
+                    logger.info("CUDA graphs off: %s", reason)
+                return
+        config = self.config
+        self.cuda_graphs = CudaGraphRunner(
+            self.model,
+            self.attn_backend,
+            self.inputs,
+            self.input_batch.block_table.get_device_tensor(),
+            capture_sizes(config.cuda_graph_sizes, config.max_num_seqs, self.max_num_tokens),
+            max_model_len=self.max_model_len,
+            hidden_size=self.hf_config.hidden_size,
+            dtype=self.dtype,
+            mode=mode,
+        )
+        self.cuda_graphs.capture()
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        # The host sides of the batch and the buffers are rewritten from here on.
+        self.inputs.wait_for_copies()
         self._update_states(scheduler_output)
         if self.input_batch.num_reqs == 0:
             return ModelRunnerOutput(
                 scheduler_output.step_id, [], [], failed_requests=self.failed_requests
             )
-        input_ids, positions, attn_metadata, sample_rows, logits_indices = self._prepare_inputs(
-            scheduler_output
+        step = prepare_inputs(
+            self.input_batch,
+            scheduler_output.num_scheduled_tokens,
+            self.inputs,
+            self.attn_backend,
+            self.cuda_graphs,
         )
-        if self.cuda_graphs is not None and self.cuda_graphs.can_run(attn_metadata):
-            hidden = self.cuda_graphs.run(input_ids, positions, attn_metadata)
+        if step.graph_size is not None:
+            hidden = self.cuda_graphs.run(step.graph_size)
         else:
-            with set_forward_context(attn_metadata, self.attn_backend):
-                hidden = self.model(input_ids, positions)
-        logits = self.model.compute_logits(hidden[logits_indices])
-        sampled, logprobs = self._sample(logits, sample_rows)
-        return self._finish_step(scheduler_output.step_id, sample_rows, sampled, logprobs)
+            with set_forward_context(step.attn_metadata, self.attn_backend):
+                hidden = self.model(step.input_ids, step.positions)
+        logits = self.model.compute_logits(hidden[step.logits_indices])
+        sampled, logprobs = self._sample(logits, step.sample_rows)
+        return self._finish_step(scheduler_output.step_id, step.sample_rows, sampled, logprobs)
 
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.input_batch
@@ -179,54 +219,6 @@ class ModelRunner:
             error = f"{type(e).__name__}: {e}"
         logger.warning("request %s failed on this rank: %s", new.req_id, error)
         self.failed_requests[new.req_id] = error
-
-    def _prepare_inputs(self, so: SchedulerOutput):
-        """Flatten the scheduled tokens of rows 0..n-1 into one ragged batch.
-
-        Row i's tokens are positions num_computed[i] .. num_computed[i] + n_i - 1;
-        input ids come from the row's token table, slots from its block table.
-        """
-        batch = self.input_batch
-        num_reqs = batch.num_reqs
-        num_scheduled = np.array(
-            [so.num_scheduled_tokens[r] for r in batch.req_ids[:num_reqs]], dtype=np.int64
-        )
-        total = int(num_scheduled.sum())
-        cu_num_tokens = np.cumsum(num_scheduled)
-        req_indices = np.repeat(self.arange[:num_reqs], num_scheduled)
-        offsets = self.arange[:total] - np.repeat(cu_num_tokens - num_scheduled, num_scheduled)
-        num_computed = batch.num_computed_tokens[:num_reqs].astype(np.int64)
-        positions_np = num_computed[req_indices] + offsets
-        input_ids_np = batch.token_ids[req_indices, positions_np]
-        seq_lens_np = (num_computed + num_scheduled).astype(np.int32)
-        query_start_loc_np = np.zeros(num_reqs + 1, dtype=np.int32)
-        query_start_loc_np[1:] = cu_num_tokens
-        sample_rows = np.flatnonzero(seq_lens_np >= batch.num_tokens[:num_reqs])
-        logits_indices_np = cu_num_tokens[sample_rows] - 1
-
-        to_device = self._to_device
-        positions = to_device(positions_np)
-        query_start_loc = to_device(query_start_loc_np)
-        batch.block_table.commit(num_reqs)
-        attn_metadata = AttentionMetadata(
-            num_actual_tokens=total,
-            max_query_len=int(num_scheduled.max()),
-            max_seq_len=int(seq_lens_np.max()),
-            query_start_loc=query_start_loc,
-            seq_lens=to_device(seq_lens_np),
-            block_table=batch.block_table.get_device_tensor()[:num_reqs],
-            slot_mapping=batch.block_table.compute_slot_mapping(query_start_loc, positions),
-            query_start_loc_cpu=torch.from_numpy(query_start_loc_np),
-            seq_lens_cpu=torch.from_numpy(seq_lens_np),
-        )
-        input_ids = to_device(input_ids_np.astype(np.int64))
-        return input_ids, positions, attn_metadata, sample_rows, to_device(logits_indices_np)
-
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        tensor = torch.from_numpy(array)
-        if self.device.type == "cpu":
-            return tensor
-        return tensor.pin_memory().to(self.device, non_blocking=True)
 
     def _sample(self, logits: torch.Tensor, rows: np.ndarray):
         """Rank 0 samples and broadcasts the token ids, so every rank appends the same

@@ -51,11 +51,12 @@ def slot_mapping_triton(
     block_size: int,
     num_tokens_padded: int | None = None,
     tile: int = 1024,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One launch, one program per request plus one that writes the padding."""
     num_reqs = query_start_loc.shape[0] - 1
-    num_out = positions.shape[0] if num_tokens_padded is None else num_tokens_padded
-    out = torch.empty(num_out, dtype=torch.int64, device=positions.device)
+    out = _output(positions, num_tokens_padded, out)
+    num_out = out.shape[0]
     _slot_mapping_kernel[(num_reqs + 1,)](
         block_table,
         block_table.stride(0),
@@ -77,9 +78,10 @@ def slot_mapping_torch(
     positions: torch.Tensor,
     block_size: int,
     num_tokens_padded: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     num_tokens = int(query_start_loc[-1])
-    num_out = positions.shape[0] if num_tokens_padded is None else num_tokens_padded
+    out = _output(positions, num_tokens_padded, out)
     tokens_per_req = query_start_loc[1:] - query_start_loc[:-1]
     req_indices = torch.repeat_interleave(
         torch.arange(tokens_per_req.shape[0], device=positions.device),
@@ -88,6 +90,18 @@ def slot_mapping_torch(
     )
     pos = positions[:num_tokens].long()
     block_ids = block_table[req_indices, pos // block_size].long()
-    out = torch.full((num_out,), PAD_SLOT_ID, dtype=torch.int64, device=positions.device)
     out[:num_tokens] = block_ids * block_size + pos % block_size
+    out[num_tokens:] = PAD_SLOT_ID
     return out
+
+
+def _output(
+    positions: torch.Tensor, num_tokens_padded: int | None, out: torch.Tensor | None
+) -> torch.Tensor:
+    """`out`, or a new int64 tensor of the padded length (positions' length by default)."""
+    if out is not None:
+        if num_tokens_padded is not None and out.shape[0] != num_tokens_padded:
+            raise ValueError(f"out has {out.shape[0]} rows, not {num_tokens_padded}")
+        return out
+    num_out = positions.shape[0] if num_tokens_padded is None else num_tokens_padded
+    return torch.empty(num_out, dtype=torch.int64, device=positions.device)

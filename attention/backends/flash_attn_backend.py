@@ -2,10 +2,11 @@
 
 import torch
 
+from attention.backends.base import AttentionBackend
 from attention.metadata import AttentionMetadata
 
 
-class FlashAttentionBackend:
+class FlashAttentionBackend(AttentionBackend):
     """Decodes through `flash_attn_with_kvcache`, prefills through
     `flash_attn_varlen_func`, both reading K/V from the paged cache by block table.
 

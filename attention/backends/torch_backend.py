@@ -1,13 +1,36 @@
 """Paged attention with torch ops: the CPU default and the reference for the other backends."""
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
 import torch
 import torch.nn.functional as F
 
+from attention.backends.base import AttentionBackend
 from attention.batch_split import DecodeGroup
-from attention.metadata import AttentionMetadata
+from attention.metadata import AttentionMetadata, CommonAttentionMetadata
+
+Window = int | None
+_K = TypeVar("_K")
+_V = TypeVar("_V")
 
 
-class TorchAttentionBackend:
+@dataclass
+class TorchAttentionMetadata(AttentionMetadata):
+    """The step's metadata plus the layouts every layer of a forward pass shares, built by
+    the first layer that needs one: decode page ids and masks per (decode group, window)
+    and prefill masks per (request, window). Decode layouts read device values (seq_lens,
+    the block table), so `TorchAttentionBackend.prepare_replay` drops them before a pass
+    over rewritten buffers."""
+
+    decode_layouts: dict[tuple[int, Window], tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict
+    )
+    prefill_masks: dict[tuple[int, Window], torch.Tensor] = field(default_factory=dict)
+
+
+class TorchAttentionBackend(AttentionBackend):
     """Gathers each request's context pages from the cache by its block table and calls
     `scaled_dot_product_attention`.
 
@@ -32,12 +55,14 @@ class TorchAttentionBackend:
 
     def __init__(self) -> None:
         self._workspace: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
-        # Layouts (decode block ids and masks, prefill masks) that every layer of a step
-        # shares, kept for one forward pass: until the metadata changes or the pass's
-        # first layer comes again (a CUDA-graph runner reuses one metadata object).
-        self._layout_md: AttentionMetadata | None = None
-        self._layout_first_layer: object | None = None
-        self._layouts: dict[tuple, object] = {}
+
+    def build_metadata(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
+        return TorchAttentionMetadata.from_common(common, split=common.compute_split())
+
+    def prepare_replay(self, md: AttentionMetadata) -> None:
+        assert isinstance(md, TorchAttentionMetadata)
+        md.decode_layouts.clear()
+        md.prefill_masks.clear()
 
     def forward(
         self,
@@ -48,22 +73,31 @@ class TorchAttentionBackend:
         kv_cache: torch.Tensor,
         md: AttentionMetadata,
     ) -> torch.Tensor:
+        assert isinstance(md, TorchAttentionMetadata), "metadata of another backend"
         out = torch.empty_like(q)
         out[md.num_actual_tokens :] = 0
-        split = md.split
-        if md is not self._layout_md or layer is self._layout_first_layer:
-            self._layout_md, self._layout_first_layer, self._layouts = md, layer, {}
-        for group in split.decode_groups:
-            self._decode(layer, q, kv_cache, md, out, group)
-        for req in split.prefill_reqs_cpu:
+        for index, group in enumerate(md.split.decode_groups):
+            self._decode(layer, q, kv_cache, md, out, index, group)
+        for req in md.split.prefill_reqs_cpu:
             self._prefill(layer, req, q, k, v, kv_cache, md, out)
         return out
 
     def _decode(
-        self, layer, q, kv_cache, md: AttentionMetadata, out: torch.Tensor, group: DecodeGroup
+        self,
+        layer,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        md: TorchAttentionMetadata,
+        out: torch.Tensor,
+        index: int,
+        group: DecodeGroup,
     ) -> None:
         num_decodes, block_size = group.reqs.shape[0], kv_cache.shape[2]
-        block_ids, valid = self._decode_layout(md, group, layer.sliding_window, block_size)
+        block_ids, valid = _shared(
+            md.decode_layouts,
+            (index, layer.sliding_window),
+            lambda: _decode_layout(md, group, layer.sliding_window, block_size),
+        )
         keys, values = self._gather(kv_cache, block_ids)
         shape = (num_decodes, valid.shape[-1], layer.num_kv_heads, layer.head_dim)
         query = q[group.rows].view(num_decodes, layer.num_kv_heads, -1, layer.head_dim)
@@ -76,47 +110,7 @@ class TorchAttentionBackend:
         )
         out[group.rows] = result.reshape(num_decodes, layer.num_heads, layer.head_dim)
 
-    def _decode_layout(
-        self, md: AttentionMetadata, group: DecodeGroup, window: int | None, block_size: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pages a decode group gathers (flat block ids) and which gathered positions
-        it may attend to ([n, 1, 1, ctx] mask). The same for every layer of a step with
-        the same window, so it is built once per forward pass."""
-        return self._shared(
-            ("decode", id(group), window),
-            lambda: self._build_decode_layout(md, group, window, block_size),
-        )
-
-    def _shared(self, key: tuple, build):
-        """build(), computed once per forward pass for `key`."""
-        if key not in self._layouts:
-            self._layouts[key] = build()
-        return self._layouts[key]
-
-    @staticmethod
-    def _build_decode_layout(
-        md: AttentionMetadata, group: DecodeGroup, window: int | None, block_size: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        num_decodes = group.reqs.shape[0]
-        seq_lens = md.seq_lens[group.reqs].long()
-        num_blocks = -(-group.max_seq_len // block_size)
-        if window is not None:  # a window of w tokens spans at most cdiv(w - 1, bs) + 1 pages
-            num_blocks = min(num_blocks, -(-(window - 1) // block_size) + 1)
-        device = md.block_table.device
-        cols = torch.arange(num_blocks, device=device).expand(num_decodes, num_blocks)
-        if window is not None:
-            cols = cols + ((seq_lens - window).clamp(min=0) // block_size)[:, None]
-        block_ids = md.block_table[group.reqs].gather(
-            1, cols.clamp(max=md.block_table.shape[1] - 1)
-        )
-        positions = cols[:, :, None] * block_size + torch.arange(block_size, device=device)
-        positions = positions.view(num_decodes, num_blocks * block_size)
-        valid = positions < seq_lens[:, None]
-        if window is not None:
-            valid &= positions >= (seq_lens - window)[:, None]
-        return block_ids.flatten(), valid[:, None, None, :]
-
-    def _prefill(self, layer, req: int, q, k, v, kv_cache, md: AttentionMetadata, out) -> None:
+    def _prefill(self, layer, req: int, q, k, v, kv_cache, md: TorchAttentionMetadata, out) -> None:
         start = int(md.query_start_loc_cpu[req])
         end = int(md.query_start_loc_cpu[req + 1])
         seq_len = int(md.seq_lens_cpu[req])
@@ -134,8 +128,9 @@ class TorchAttentionBackend:
             values = values.view(heads)[: seq_len - first]
         mask = None
         if seq_len > query_len or window is not None:
-            mask = self._shared(
-                ("prefill", req, window),
+            mask = _shared(
+                md.prefill_masks,
+                (req, window),
                 lambda: _prefill_mask(seq_len, query_len, first, window, q.device),
             )
         # 4-D inputs: on CPU only those reach SDPA's fused kernel (3-D ones take the
@@ -177,3 +172,34 @@ def _prefill_mask(
     if window is not None:
         mask &= key_pos > query_pos - window
     return mask
+
+
+def _shared(layouts: dict[_K, _V], key: _K, build: Callable[[], _V]) -> _V:
+    """layouts[key], built on first use: the first layer of a pass builds what the others
+    reuse."""
+    if key not in layouts:
+        layouts[key] = build()
+    return layouts[key]
+
+
+def _decode_layout(
+    md: AttentionMetadata, group: DecodeGroup, window: Window, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pages a decode group gathers (flat block ids) and which gathered positions it
+    may attend to ([n, 1, 1, ctx] mask)."""
+    num_decodes = group.reqs.shape[0]
+    seq_lens = md.seq_lens[group.reqs].long()
+    num_blocks = -(-group.max_seq_len // block_size)
+    if window is not None:  # a window of w tokens spans at most cdiv(w - 1, bs) + 1 pages
+        num_blocks = min(num_blocks, -(-(window - 1) // block_size) + 1)
+    device = md.block_table.device
+    cols = torch.arange(num_blocks, device=device).expand(num_decodes, num_blocks)
+    if window is not None:
+        cols = cols + ((seq_lens - window).clamp(min=0) // block_size)[:, None]
+    block_ids = md.block_table[group.reqs].gather(1, cols.clamp(max=md.block_table.shape[1] - 1))
+    positions = cols[:, :, None] * block_size + torch.arange(block_size, device=device)
+    positions = positions.view(num_decodes, num_blocks * block_size)
+    valid = positions < seq_lens[:, None]
+    if window is not None:
+        valid &= positions >= (seq_lens - window)[:, None]
+    return block_ids.flatten(), valid[:, None, None, :]

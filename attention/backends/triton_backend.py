@@ -2,11 +2,12 @@
 
 import torch
 
+from attention.backends.base import AttentionBackend
 from attention.backends.triton_kernels import paged_attention
 from attention.metadata import AttentionMetadata
 
 
-class TritonAttentionBackend:
+class TritonAttentionBackend(AttentionBackend):
     """Launches the decode kernel over the decodes and the prefill kernel over the
     prefills (fresh prompts, cached prefixes and chunks alike); each reads the step's
     rows of q and the context from the paged cache, in any request order."""

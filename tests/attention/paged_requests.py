@@ -4,7 +4,7 @@ request's whole, unpaged sequence as the independent reference."""
 
 import torch
 
-from attention import Attention, AttentionMetadata, set_forward_context
+from attention import Attention, AttentionBackend, CommonAttentionMetadata, set_forward_context
 
 
 def reference_attention(q, k, v, scale: float, sliding_window: int | None) -> torch.Tensor:
@@ -24,7 +24,8 @@ def reference_attention(q, k, v, scale: float, sliding_window: int | None) -> to
 class PagedRequests:
     """Requests of the given total lengths, with random q/k/v for every position and
     random, non-contiguous blocks drawn from a cache of num_blocks pages filled with
-    finite garbage (anything read outside a request's context would show)."""
+    finite garbage (anything read outside a request's context would show). The cache and
+    each step's tensors live on `device`; the reference stays on the CPU."""
 
     def __init__(
         self,
@@ -37,8 +38,10 @@ class PagedRequests:
         sliding_window: int | None = None,
         dtype: torch.dtype = torch.float32,
         seed: int = 0,
+        device: torch.device | str = "cpu",
     ) -> None:
         gen = torch.Generator().manual_seed(seed)
+        self.device = torch.device(device)
         self.block_size = block_size
         self.q = [torch.randn(n, num_heads, head_dim, generator=gen).to(dtype) for n in seq_lens]
         self.k = [torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype) for n in seq_lens]
@@ -47,7 +50,7 @@ class PagedRequests:
         ids = torch.randperm(num_blocks, generator=gen)[: len(seq_lens) * blocks_per_req]
         self.block_table = ids.view(len(seq_lens), blocks_per_req).to(torch.int32)
         shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
-        self.kv_cache = (torch.randn(shape, generator=gen) * 10).to(dtype)
+        self.kv_cache = (torch.randn(shape, generator=gen) * 10).to(dtype).to(self.device)
         self.layer = Attention(num_heads, head_dim, head_dim**-0.5, num_kv_heads, sliding_window)
         self.layer.kv_cache = self.kv_cache
 
@@ -65,12 +68,13 @@ class PagedRequests:
         return full[start : start + query_len]
 
     def run_step(
-        self, backend, schedule: list[tuple[int, int, int]], num_padding: int = 0
+        self, backend: AttentionBackend, schedule: list[tuple[int, int, int]], num_padding: int = 0
     ) -> list[torch.Tensor]:
         """One step through the Attention layer: schedule lists (request, context length
         before the step, query length) in batch order; query_len 0 is a padding request.
-        Returns each entry's output rows."""
-        metadata, rows = self.metadata(schedule, num_padding)
+        Returns each entry's output rows, on the CPU."""
+        common, rows = self.metadata(schedule, num_padding)
+        metadata = backend.build_metadata(common)
 
         def batch(xs: list[torch.Tensor]) -> torch.Tensor:
             pad = torch.randn(num_padding, xs[0][0].numel()).to(xs[0].dtype)
@@ -78,17 +82,18 @@ class PagedRequests:
             return torch.cat(pieces + [pad])
 
         q, k, v = batch(self.q), batch(self.k), batch(self.v)
-        qkv = torch.cat([q, k, v], dim=1)  # the layer gets strided views, as from a QKV proj
+        qkv = torch.cat([q, k, v], dim=1).to(
+            self.device
+        )  # the layer gets strided views, as from a QKV proj
         q, k, v = qkv.split([q.shape[1], k.shape[1], v.shape[1]], dim=1)
         with set_forward_context(metadata, backend):
             out = self.layer(q, k, v)
         out = out.view(out.shape[0], self.layer.num_heads, self.layer.head_dim)
         assert out[metadata.num_actual_tokens :].eq(0).all()
-        return [out[r] for r in rows]
+        return [out[r].cpu() for r in rows]
 
     def metadata(self, schedule: list[tuple[int, int, int]], num_padding: int = 0):
-        """The step's AttentionMetadata (slots computed token by token) and each entry's
-        row range."""
+        """The step's batch (slots computed token by token) and each entry's row range."""
         query_lens = [n for _, _, n in schedule]
         seq_lens = [start + n for _, start, n in schedule]
         starts = torch.tensor([0] + query_lens).cumsum(0).to(torch.int32)
@@ -98,16 +103,17 @@ class PagedRequests:
                 block = int(self.block_table[req, pos // self.block_size])
                 slots.append(block * self.block_size + pos % self.block_size)
         num_tokens = len(slots)
-        metadata = AttentionMetadata(
+        device = self.device
+        common = CommonAttentionMetadata(
             num_actual_tokens=num_tokens,
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
-            query_start_loc=starts,
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            block_table=self.block_table[[req for req, _, _ in schedule]],
-            slot_mapping=torch.tensor(slots + [-1] * num_padding, dtype=torch.int64),
+            query_start_loc=starts.to(device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_table=self.block_table[[req for req, _, _ in schedule]].to(device),
+            slot_mapping=torch.tensor(slots + [-1] * num_padding, device=device),
             query_start_loc_cpu=starts.clone(),
             seq_lens_cpu=torch.tensor(seq_lens, dtype=torch.int32),
         )
         rows = [slice(int(starts[i]), int(starts[i + 1])) for i in range(len(schedule))]
-        return metadata, rows
+        return common, rows

@@ -1,4 +1,5 @@
-"""The Triton store-KV kernel (under TRITON_INTERPRET=1) against the torch path, exactly."""
+"""The Triton store-KV kernel (on the GPU, or under TRITON_INTERPRET=1 without one) against
+the torch path on the CPU, exactly."""
 
 import pytest
 import torch
@@ -7,7 +8,9 @@ from attention.store_kv import store_kv_cache
 from attention.triton_store_kv import store_kv_triton
 
 
-def stored_both_ways(num_tokens, num_padding, num_kv_heads, head_dim, block_size, num_blocks):
+def stored_both_ways(
+    device, num_tokens, num_padding, num_kv_heads, head_dim, block_size, num_blocks
+):
     gen = torch.Generator().manual_seed(num_tokens)
     shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
     cache = torch.randn(shape, generator=gen)
@@ -17,10 +20,12 @@ def stored_both_ways(num_tokens, num_padding, num_kv_heads, head_dim, block_size
     total = num_tokens + num_padding + 3
     kv = torch.randn(total, 3, num_kv_heads, head_dim, generator=gen)
     k, v = kv[:, 0], kv[:, 2]
-    expected, actual = cache.clone(), cache.clone()
+    expected, actual = cache.clone(), cache.clone().to(device)
     store_kv_cache(k, v, expected, slot_mapping)
-    store_kv_triton(k, v, actual, slot_mapping, tile=16)
-    return cache, expected, actual, slots, k, v
+    kv_on_device = kv.to(device)
+    k_on_device, v_on_device = kv_on_device[:, 0], kv_on_device[:, 2]
+    store_kv_triton(k_on_device, v_on_device, actual, slot_mapping.to(device), tile=16)
+    return cache, expected, actual.cpu(), slots, k, v
 
 
 @pytest.mark.parametrize(
@@ -33,10 +38,10 @@ def stored_both_ways(num_tokens, num_padding, num_kv_heads, head_dim, block_size
     ],
 )
 def test_triton_store_kv_equals_torch(
-    num_tokens, num_padding, num_kv_heads, head_dim, block_size, num_blocks
+    kernel_device, num_tokens, num_padding, num_kv_heads, head_dim, block_size, num_blocks
 ):
     cache, expected, actual, slots, k, v = stored_both_ways(
-        num_tokens, num_padding, num_kv_heads, head_dim, block_size, num_blocks
+        kernel_device, num_tokens, num_padding, num_kv_heads, head_dim, block_size, num_blocks
     )
     assert torch.equal(actual, expected)
     flat = expected.view(2, -1, num_kv_heads, head_dim)

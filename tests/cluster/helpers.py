@@ -34,7 +34,11 @@ class Cluster:
 
 
 def cluster_env() -> dict[str, str]:
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    return dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    )
 
 
 def start_launch(folder: Path, *args: str) -> tuple[subprocess.Popen, Path, Path]:

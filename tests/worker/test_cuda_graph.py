@@ -1,11 +1,11 @@
-"""Decode batches padded to capture sizes (CudaGraphRunner in "padded_eager" mode, the
-CUDA-graph code path minus the capture) against the plain eager step: same logits, same
-KV cache, padding rows write nothing; prefills, mixed steps and big batches bypass it."""
+"""Decode batches padded to capture sizes against the plain eager step: same logits, same
+KV cache, padding rows write nothing; prefills, mixed steps and big batches bypass them.
+On CPU the CudaGraphRunner runs in "padded_eager" mode (the CUDA-graph code path minus
+the capture); on a GPU the Triton backend also replays real graphs."""
 
 import copy
 import itertools
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,7 +16,13 @@ from engine_core import EngineConfig, EngineCore
 from ipc.messages import EngineCoreRequest, SamplingParams
 from splitserve.executor import InProcessExecutor
 from tests.models.tiny import make_tiny_checkpoint
-from worker.cuda_graph import CudaGraphRunner, capture_decode_graphs, default_capture_sizes
+from worker.buffers import InputBuffers
+from worker.cuda_graph import (
+    CudaGraphRunner,
+    capture_sizes,
+    cuda_graphs_off_reason,
+    default_capture_sizes,
+)
 from worker.model_runner import ModelRunner
 
 SIZES = [1, 2, 4, 8]
@@ -36,19 +42,38 @@ def test_default_capture_sizes():
     assert default_capture_sizes(1, 8192) == [1]
 
 
-def test_padded_size_is_the_smallest_capture_size_that_fits():
-    runner = CudaGraphRunner(
+def test_capture_sizes_stop_at_the_largest_decode_batch():
+    """No captured batch has more rows than the persistent buffers hold."""
+    assert capture_sizes(None, 12, 8192) == [1, 2, 4, 8, 12]
+    assert capture_sizes(None, 256, 20) == [1, 2, 4, 8, 16, 20]
+    assert capture_sizes([64, 1, 3], 10, 8192) == [1, 3, 10]
+    assert capture_sizes(None, 256, 8192) == default_capture_sizes(256, 8192)
+
+
+def _graph_runner(sizes: list[int], max_num_reqs: int = 8) -> CudaGraphRunner:
+    return CudaGraphRunner(
         torch.nn.Identity(),
-        None,
-        [8, 1, 4, 2],
+        TorchAttentionBackend(),
+        InputBuffers(max_num_reqs, 16, torch.device("cpu")),
+        torch.zeros(max_num_reqs, 4, dtype=torch.int32),
+        sizes,
         max_model_len=64,
-        max_num_blocks_per_req=4,
         hidden_size=4,
         dtype=torch.float32,
-        device=torch.device("cpu"),
         mode="padded_eager",
     )
+
+
+def test_padded_size_is_the_smallest_capture_size_that_fits():
+    runner = _graph_runner([8, 1, 4, 2])
     assert [runner.padded_size(n) for n in range(1, 10)] == [1, 2, 4, 4, 8, 8, 8, 8, None]
+
+
+def test_capture_sizes_must_fit_the_buffers():
+    with pytest.raises(ValueError, match="exceeds"):
+        _graph_runner([1, 16], max_num_reqs=8)
+    with pytest.raises(ValueError, match="positive"):
+        _graph_runner([0, 8])
 
 
 def test_config_rejects_bad_capture_sizes():
@@ -57,35 +82,37 @@ def test_config_rejects_bad_capture_sizes():
             EngineConfig(max_model_len=64, cuda_graph_sizes=sizes)
 
 
-def test_no_graphs_off_cuda(checkpoint):
+def test_cuda_graphs_off_reason():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    triton, torch_backend = TritonAttentionBackend(), TorchAttentionBackend()
+    assert cuda_graphs_off_reason(cuda, False, triton) is None
+    assert "CUDA" in cuda_graphs_off_reason(cpu, False, triton)
+    assert cuda_graphs_off_reason(cuda, True, triton) == "enforce_eager"
+    assert "torch" in cuda_graphs_off_reason(cuda, False, torch_backend)
+
+
+def test_capture_is_an_explicit_step_after_the_kv_cache(checkpoint):
     runner = ModelRunner(_config(checkpoint, "torch"))
+    with pytest.raises(RuntimeError, match="initialize_kv_cache"):
+        runner.capture_cuda_graphs()
     runner.initialize_kv_cache(8)
-    assert runner.cuda_graphs is None
+    assert runner.cuda_graphs is None  # initialize_kv_cache captures nothing
+    runner.capture_cuda_graphs()
+    if runner.device.type == "cpu":
+        assert runner.cuda_graphs is None
 
 
-@pytest.mark.parametrize(
-    ("enforce_eager", "backend"),
-    [(True, TritonAttentionBackend()), (False, TorchAttentionBackend())],
-)
-def test_no_graphs_when_eager_is_enforced_or_the_backend_cannot(enforce_eager, backend):
-    runner = SimpleNamespace(
-        device=torch.device("cuda"),
-        config=SimpleNamespace(enforce_eager=enforce_eager),
-        attn_backend=backend,
-    )
-    assert capture_decode_graphs(runner) is None
-
-
-def _config(checkpoint: str, backend: str) -> EngineConfig:
+def _config(checkpoint: str, backend: str, **overrides) -> EngineConfig:
     return EngineConfig(
         model=checkpoint,
         dtype="float32",
         max_model_len=128,
         block_size=8,
-        kv_cache_memory=1 << 20,
+        num_gpu_blocks_override=128,
         max_num_seqs=10,
         attention_backend=backend,
         cuda_graph_sizes=SIZES,
+        **overrides,
     )
 
 
@@ -102,13 +129,15 @@ def _record_logits(runner: ModelRunner) -> list[torch.Tensor]:
     return seen
 
 
-def _record_graph_runs(graphs: CudaGraphRunner) -> list[int]:
+def _record_graph_runs(runner: ModelRunner) -> list[tuple[int, int]]:
+    """(requests, padded size) of every step that runs through the CudaGraphRunner."""
     seen = []
+    graphs = runner.cuda_graphs
     run = graphs.run
 
-    def recording(input_ids, positions, md):
-        seen.append(md.num_actual_tokens)
-        return run(input_ids, positions, md)
+    def recording(size: int) -> torch.Tensor:
+        seen.append((runner.input_batch.num_reqs, size))
+        return run(size)
 
     graphs.run = recording
     return seen
@@ -131,22 +160,37 @@ def _written_slots(before: list[torch.Tensor], after: list[torch.Tensor]) -> int
     return int(changed.bool().sum())
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_padded_decode_matches_eager(checkpoint, backend):
+MODES = [
+    ("torch", "padded_eager"),
+    ("triton", "padded_eager"),
+    pytest.param(
+        "triton",
+        "cuda_graph",
+        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    ),
+]
+
+
+@pytest.mark.parametrize(("backend", "mode"), MODES)
+def test_padded_decode_matches_eager(checkpoint, backend, mode, monkeypatch):
     """One scheduler drives an eager runner and a padded one through the same steps.
     Requests finishing one per step give decode batches of 10 and 9 (eager: past the
     largest size), 8, 7 and 6 (padded to 8), then a late prompt makes a mixed step
-    (eager), then 5 (padded to 8), 4, 3 (padded to 4), 2 and 1. Rows left in the static
-    buffers by a bigger batch become the next smaller batch's padding."""
-    config = _config(checkpoint, backend)
-    core = EngineCore(config, InProcessExecutor(config))
+    (eager), then 5 (padded to 8), 4, 3 (padded to 4), 2 and 1. Rows left in the
+    persistent buffers by a bigger batch become the next smaller batch's padding."""
+    if backend == "triton":  # the selector offers it on CUDA only; the interpreter runs it here
+        monkeypatch.setattr(
+            "worker.model_runner.get_attn_backend", lambda *_, **__: TritonAttentionBackend()
+        )
+    eager_config = _config(checkpoint, backend, enforce_eager=True)
+    core = EngineCore(eager_config, InProcessExecutor(eager_config))
     eager = core.executor.runner
-    padded = ModelRunner(config)
+    assert eager.cuda_graphs is None
+    padded = ModelRunner(_config(checkpoint, backend))
     padded.initialize_kv_cache(_kv_caches(eager)[0].shape[1])
-    padded.cuda_graphs = CudaGraphRunner.for_model_runner(padded, mode="padded_eager")
-    padded.cuda_graphs.capture()
+    padded.capture_cuda_graphs(mode)
     eager_logits, padded_logits = _record_logits(eager), _record_logits(padded)
-    graph_runs = _record_graph_runs(padded.cuda_graphs)
+    graph_runs = _record_graph_runs(padded)
 
     gen = torch.Generator().manual_seed(0)
     for i in range(10):
@@ -176,6 +220,7 @@ def test_padded_decode_matches_eager(checkpoint, backend):
         if set(lens) == {1}:
             assert _written_slots(before, _kv_caches(padded)) == len(lens)
             if len(lens) <= SIZES[-1]:
-                expected_runs.append(len(lens))
+                expected_runs.append((len(lens), padded.cuda_graphs.padded_size(len(lens))))
         assert graph_runs == expected_runs
-    assert sorted(set(expected_runs)) == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert sorted({n for n, _ in expected_runs}) == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert {size for _, size in expected_runs} == set(SIZES)

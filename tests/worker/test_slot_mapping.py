@@ -1,3 +1,6 @@
+"""The slot-mapping Triton kernel (on the GPU, or under TRITON_INTERPRET=1 without one) and
+the torch path against a per-token reference."""
+
 import numpy as np
 import pytest
 import torch
@@ -41,7 +44,9 @@ def make_case(rng, num_reqs, block_size, max_blocks, low_id, high_id):
         (5, 128, 2**20, 2**24, 0, 8),
     ],
 )
-def test_triton_and_torch_match_reference(num_reqs, block_size, low_id, high_id, pad, tile):
+def test_triton_and_torch_match_reference(
+    kernel_device, num_reqs, block_size, low_id, high_id, pad, tile
+):
     rng = np.random.default_rng(num_reqs * 1000 + block_size)
     block_table, query_start_loc, positions = make_case(
         rng, num_reqs, block_size, max(4, 96 // block_size), low_id, high_id
@@ -55,7 +60,8 @@ def test_triton_and_torch_match_reference(num_reqs, block_size, low_id, high_id,
         block_size,
         num_out,
     )
-    triton_out = slot_mapping_triton(*args, tile=tile)
+    on_device = [a.to(kernel_device) if isinstance(a, torch.Tensor) else a for a in args]
+    triton_out = slot_mapping_triton(*on_device, tile=tile).cpu()
     torch_out = slot_mapping_torch(*args)
     assert triton_out.dtype == torch_out.dtype == torch.int64
     np.testing.assert_array_equal(triton_out.numpy(), expected)
@@ -64,18 +70,35 @@ def test_triton_and_torch_match_reference(num_reqs, block_size, low_id, high_id,
         assert expected.max() > 2**31
 
 
-def test_padded_positions_and_empty_batch():
+@pytest.mark.parametrize("fn", [slot_mapping_triton, slot_mapping_torch])
+def test_padded_positions_and_empty_batch(fn, kernel_device):
     """Positions may already be padded (values there are garbage); only the padded length
     decides the output size. A batch with no tokens is all padding."""
-    block_table = torch.tensor([[3, 9], [4, 0]], dtype=torch.int32)
-    query_start_loc = torch.tensor([0, 2, 3], dtype=torch.int32)
-    positions = torch.tensor([15, 16, 2, 999, 999], dtype=torch.int64)
+    device = kernel_device if fn is slot_mapping_triton else "cpu"
+    block_table = torch.tensor([[3, 9], [4, 0]], dtype=torch.int32, device=device)
+    query_start_loc = torch.tensor([0, 2, 3], dtype=torch.int32, device=device)
+    positions = torch.tensor([15, 16, 2, 999, 999], dtype=torch.int64, device=device)
     expected = [3 * 16 + 15, 9 * 16, 4 * 16 + 2, -1, -1, -1]
-    for fn in (slot_mapping_triton, slot_mapping_torch):
-        assert fn(block_table, query_start_loc, positions, 16, 6).tolist() == expected
-        assert fn(block_table, query_start_loc, positions, 16).tolist() == expected[:5]
-        empty = fn(block_table, torch.zeros(1, dtype=torch.int32), positions[:0], 16, 4)
-        assert empty.tolist() == [-1] * 4
+    assert fn(block_table, query_start_loc, positions, 16, 6).tolist() == expected
+    assert fn(block_table, query_start_loc, positions, 16).tolist() == expected[:5]
+    no_tokens = torch.zeros(1, dtype=torch.int32, device=device)
+    assert fn(block_table, no_tokens, positions[:0], 16, 4).tolist() == [-1] * 4
+
+
+@pytest.mark.parametrize("fn", [slot_mapping_triton, slot_mapping_torch])
+def test_writes_into_a_persistent_buffer(fn, kernel_device):
+    """With `out`, the slots land in the given rows of a buffer (its length is the padded
+    length); rows past it are left alone."""
+    device = kernel_device if fn is slot_mapping_triton else "cpu"
+    block_table = torch.tensor([[3, 9], [4, 0]], dtype=torch.int32, device=device)
+    query_start_loc = torch.tensor([0, 2, 3], dtype=torch.int32, device=device)
+    positions = torch.tensor([15, 16, 2, 0], dtype=torch.int64, device=device)
+    buffer = torch.full((8,), 7, dtype=torch.int64, device=device)
+    out = fn(block_table, query_start_loc, positions, 16, out=buffer[:4])
+    assert out.data_ptr() == buffer.data_ptr()
+    assert buffer.tolist() == [3 * 16 + 15, 9 * 16, 4 * 16 + 2, -1, 7, 7, 7, 7]
+    with pytest.raises(ValueError, match="not 5"):
+        fn(block_table, query_start_loc, positions, 16, 5, out=buffer[:4])
 
 
 def test_block_table_uses_committed_rows():

@@ -1,0 +1,44 @@
+"""An in-process LLM gives its model and KV cache back on shutdown and when it is garbage
+collected, so a second LLM in the same process finds the memory."""
+
+import gc
+import weakref
+
+import pytest
+
+from splitserve import LLM, SamplingParams
+from tests.models.tiny import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
+
+
+def _llm_and_refs(checkpoint: str) -> tuple[LLM, list[weakref.ref]]:
+    """An LLM that has run a request, and weak references to its runner, model and every
+    layer's KV cache."""
+    llm = LLM(checkpoint, dtype="float32", max_model_len=64, num_gpu_blocks_override=16)
+    llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    runner = llm.engine.executor.runner
+    kv_caches = [layer.kv_cache for layer in runner.model.attention_layers()]
+    assert kv_caches and all(kv is not None for kv in kv_caches)
+    return llm, [weakref.ref(x) for x in (runner, runner.model, *kv_caches)]
+
+
+def test_shutdown_frees_the_model_and_kv_cache(checkpoint):
+    llm, refs = _llm_and_refs(checkpoint)
+    llm.shutdown()
+    assert [ref() for ref in refs] == [None] * len(refs)  # no garbage collection needed
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate([[1, 2]], SamplingParams(max_tokens=1), use_tqdm=False)
+    llm.shutdown()  # a second shutdown is harmless
+
+
+def test_garbage_collection_frees_the_model_and_kv_cache(checkpoint):
+    llm, refs = _llm_and_refs(checkpoint)
+    del llm
+    gc.collect()
+    assert [ref() for ref in refs] == [None] * len(refs)
+    second, _ = _llm_and_refs(checkpoint)
+    second.shutdown()

@@ -1,0 +1,96 @@
+"""A step's model inputs: the persistent batch's scheduled tokens, flattened into the
+persistent buffers and copied to the device once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from attention import AttentionBackend, AttentionMetadata, CommonAttentionMetadata
+from worker.buffers import InputBuffers
+from worker.cuda_graph import CudaGraphRunner
+from worker.input_batch import InputBatch
+
+
+@dataclass
+class StepInputs:
+    """A step's inputs on the device. A decode step that replays a CUDA graph has them in
+    the buffers, padded to `graph_size`, and needs no metadata of its own."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn_metadata: AttentionMetadata | None
+    graph_size: int | None
+    sample_rows: np.ndarray  # batch rows that sample a token this step
+    logits_indices: torch.Tensor  # their last token's row in the hidden states
+
+
+def prepare_inputs(
+    batch: InputBatch,
+    num_scheduled_tokens: dict[str, int],
+    buffers: InputBuffers,
+    backend: AttentionBackend,
+    cuda_graphs: CudaGraphRunner | None,
+) -> StepInputs:
+    """Flatten the scheduled tokens of rows 0..n-1 into one ragged batch.
+
+    Row i's tokens are positions num_computed[i] .. num_computed[i] + n_i - 1;
+    input ids come from the row's token table, slots from its block table.
+    """
+    num_reqs = batch.num_reqs
+    num_scheduled = np.array(
+        [num_scheduled_tokens[r] for r in batch.req_ids[:num_reqs]], dtype=np.int64
+    )
+    total = int(num_scheduled.sum())
+    cu_num_tokens = np.cumsum(num_scheduled)
+    arange = buffers.arange
+    req_indices = np.repeat(arange[:num_reqs], num_scheduled)
+    offsets = arange[:total] - np.repeat(cu_num_tokens - num_scheduled, num_scheduled)
+    num_computed = batch.num_computed_tokens[:num_reqs].astype(np.int64)
+    positions_np = buffers.positions.np[:total]
+    np.add(num_computed[req_indices], offsets, out=positions_np)
+    buffers.input_ids.np[:total] = batch.token_ids[req_indices, positions_np]
+    seq_lens_np = buffers.seq_lens.np[:num_reqs]
+    seq_lens_np[:] = num_computed + num_scheduled
+    query_start_loc_np = buffers.query_start_loc.np[: num_reqs + 1]
+    query_start_loc_np[0] = 0
+    query_start_loc_np[1:] = cu_num_tokens
+    sample_rows = np.flatnonzero(seq_lens_np >= batch.num_tokens[:num_reqs])
+    buffers.logits_indices.np[: len(sample_rows)] = cu_num_tokens[sample_rows] - 1
+
+    max_query_len = int(num_scheduled.max())
+    graph_size = None
+    if cuda_graphs is not None and max_query_len == 1 and total == num_reqs:
+        graph_size = cuda_graphs.padded_size(num_reqs)
+    num_rows, num_tokens = num_reqs, total
+    if graph_size is not None:
+        buffers.pad_decodes(num_reqs, graph_size)
+        num_rows = num_tokens = graph_size
+
+    input_ids = buffers.input_ids.copy_to_gpu(num_tokens)
+    positions = buffers.positions.copy_to_gpu(num_tokens)
+    query_start_loc = buffers.query_start_loc.copy_to_gpu(num_rows + 1)
+    seq_lens = buffers.seq_lens.copy_to_gpu(num_rows)
+    logits_indices = buffers.logits_indices.copy_to_gpu(len(sample_rows))
+    batch.block_table.commit(num_reqs)
+    buffers.record_copies()
+    slot_mapping = batch.block_table.compute_slot_mapping(
+        query_start_loc[: num_reqs + 1], positions, out=buffers.slot_mapping[:num_tokens]
+    )
+    attn_metadata = None
+    if graph_size is None:
+        common = CommonAttentionMetadata(
+            num_actual_tokens=total,
+            max_query_len=max_query_len,
+            max_seq_len=int(seq_lens_np.max()),
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_table=batch.block_table.get_device_tensor()[:num_reqs],
+            slot_mapping=slot_mapping,
+            query_start_loc_cpu=buffers.query_start_loc.cpu[: num_reqs + 1],
+            seq_lens_cpu=buffers.seq_lens.cpu[:num_reqs],
+        )
+        attn_metadata = backend.build_metadata(common)
+    return StepInputs(input_ids, positions, attn_metadata, graph_size, sample_rows, logits_indices)
