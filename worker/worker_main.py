@@ -81,6 +81,7 @@ def run_worker(
                     sock.send(encode(output))
             elif isinstance(msg, InitKVCache):
                 runner.initialize_kv_cache(msg.num_blocks)
+                runner.capture_cuda_graphs()
             else:
                 destroy_distributed()
                 return 0

@@ -38,7 +38,7 @@ def llama_tp1(llama_path, tmp_path_factory):
         yield c
 
 
-@pytest.fixture(params=["qwen3_tp2", "llama_tp1"])
+@pytest.fixture(params=[pytest.param("qwen3_tp2", marks=pytest.mark.gpus(2)), "llama_tp1"])
 def cluster(request):
     """Each test runs on a 2-rank Qwen3 cluster and a 1-rank Llama cluster."""
     return request.getfixturevalue(request.param)

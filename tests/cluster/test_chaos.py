@@ -120,6 +120,7 @@ def _http_worker(url: str, seed: int, expected, tally: Tally) -> None:
                 tally.add("http error", repr(e))
 
 
+@pytest.mark.gpus(2)
 def test_chaos(tmp_path, qwen3_path):
     port = _free_port()
     args = ("--model", qwen3_path, "--tp", "2", "--dtype", "float32")

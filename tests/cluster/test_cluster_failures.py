@@ -40,6 +40,7 @@ def _wait_gone(pids, timeout: float = 10.0) -> list[int]:
     return alive
 
 
+@pytest.mark.gpus(2)
 def test_killed_worker_without_restarts_fails_requests_and_the_cluster(tmp_path, qwen3_path):
     process, log, address, pids = _start(
         tmp_path, qwen3_path, "--tp", "2", "--max-worker-restarts", "0"

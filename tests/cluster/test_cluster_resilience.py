@@ -86,6 +86,7 @@ def _stop(process) -> int:
     return process.wait(timeout=30)
 
 
+@pytest.mark.gpus(2)
 def test_killed_worker_is_replaced_and_requests_replayed(tmp_path, qwen3_path):
     process, log, address = _start(tmp_path, qwen3_path, "--tp", "2")
     old = child_pids(log.read_text())
@@ -105,6 +106,7 @@ def test_killed_worker_is_replaced_and_requests_replayed(tmp_path, qwen3_path):
     assert "replacing the workers (restart 1) and replaying" in log.read_text()
 
 
+@pytest.mark.gpus(2)
 def test_hung_worker_is_replaced(tmp_path, qwen3_path):
     process, log, address = _start(tmp_path, qwen3_path, "--tp", "2", "--worker-step-timeout", "2")
     old = child_pids(log.read_text())
@@ -116,6 +118,7 @@ def test_hung_worker_is_replaced(tmp_path, qwen3_path):
     assert "did not answer step" in log.read_text()
 
 
+@pytest.mark.gpus(2)
 def test_restarts_are_bounded(tmp_path, qwen3_path):
     process, log, address = _start(tmp_path, qwen3_path, "--tp", "2", "--max-worker-restarts", "1")
     try:

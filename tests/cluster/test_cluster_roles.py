@@ -7,6 +7,8 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from ipc.client import EngineClient
 from ipc.messages import SamplingParams
 from ipc.sockets import free_tcp_port
@@ -23,6 +25,7 @@ ENGINE_ARGS = ("--dtype", "float32", "--kv-cache-memory", "64MiB")
 PROMPTS = [[5, 77, 3, 200], [42] * 30]
 
 
+@pytest.mark.gpus(2)
 def test_engine_role_with_torchrun_workers(tmp_path, qwen3_path):
     address = f"tcp://127.0.0.1:{free_tcp_port()}"
     engine_args = ["--role", "engine", "--engine-address", address, "--tp", "2"]

@@ -18,6 +18,7 @@ from tests.models.tiny import make_tiny_checkpoint
 PROMPTS = [[5, 77, 3, 200], [9, 8, 7, 6, 5, 4, 3, 2, 1], [100] * 20]
 
 
+@pytest.mark.gpus(2)
 def test_llm_tp2_equals_transformers(qwen3_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     llm = LLM(qwen3_path, tensor_parallel_size=2, dtype="float32", kv_cache_memory=64 << 20)
@@ -31,6 +32,7 @@ def test_llm_tp2_equals_transformers(qwen3_path, monkeypatch):
     assert not any(pid_alive(p) for p in pids)
 
 
+@pytest.mark.gpus(2)
 def test_worker_start_failure_names_the_rank(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     ipc_dir = tmp_path / "ipc"
