@@ -12,6 +12,7 @@ from pathlib import Path
 import uvicorn
 from fastapi import FastAPI
 
+from ipc.auth import Credentials
 from ipc.client import AsyncEngineClient
 from ipc.defaults import generation_defaults
 from ipc.tokenizer import Tokenizer
@@ -28,11 +29,12 @@ def run_server(
     served_model_name: str | None = None,
     api_key: str | None = None,
     max_model_len: int | None = None,
+    credentials: Credentials | str | os.PathLike | None = None,
 ) -> None:
     """Serve the API until SIGINT/SIGTERM. The model name defaults to the tokenizer
-    folder's name."""
+    folder's name; `credentials` (a file or Credentials) are needed on a tcp engine."""
     tokenizer = Tokenizer.from_pretrained(tokenizer_path)
-    client = AsyncEngineClient(engine_address, tokenizer=tokenizer)
+    client = AsyncEngineClient(engine_address, tokenizer=tokenizer, credentials=credentials)
     name = served_model_name or Path(tokenizer_path).name
     app = build_app(
         client,
@@ -80,6 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m server", description=__doc__)
     parser.add_argument("--engine-address", required=True, help="the EngineCore's client socket")
     parser.add_argument("--tokenizer", required=True, help="a Hugging Face model folder")
+    parser.add_argument("--credentials", help="client credentials of a tcp engine address")
     args = add_server_args(parser).parse_args(argv)
     with contextlib.suppress(KeyboardInterrupt):
         run_server(
@@ -90,4 +93,5 @@ def main(argv: list[str] | None = None) -> None:
             args.served_model_name,
             args.api_key,
             args.max_model_len,
+            args.credentials,
         )

@@ -6,6 +6,13 @@ deltas into that request's queue (`queue.Queue` or `asyncio.Queue`: only `put_no
 is used), and matches utility answers to their futures
 (`concurrent.futures.Future` or `asyncio.Future`). It owns no socket: the caller sends
 what it returns.
+
+It also keeps the state of the connection, fed with the frames of the output socket
+and of that socket's monitor: a lost connection fails every live request and call with
+EngineDeadError at once, and new ones fail at once until the engine is back (a fresh
+connection, HELLO, WELCOME); a refused security handshake does the same with
+CredentialsError. A hung engine that keeps its connection is found by the clients'
+health checks instead.
 """
 
 from __future__ import annotations
@@ -18,6 +25,10 @@ import time
 import uuid
 from typing import Any, Protocol
 
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from ipc.auth import CredentialsError
 from ipc.detokenizer import IncrementalDetokenizer
 from ipc.messages import (
     AbortRequests,
@@ -32,6 +43,7 @@ from ipc.messages import (
     UtilityRequest,
 )
 from ipc.outputs import CompletionOutput, RequestOutput
+from ipc.sockets import WELCOME
 from ipc.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -39,6 +51,21 @@ logger = logging.getLogger(__name__)
 CLOSE_LINGER_MS = 1000  # how long a closing client lets its last aborts leave
 Prompt = str | list[int]
 Message = dict[str, Any]
+_REFUSED = {
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the EngineCore at {} refused this client's credentials",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "the EngineCore at {} refused the security handshake "
+    "(tcp needs CURVE credentials, ipc none)",
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the security handshake with the EngineCore at {} "
+    "failed: are the credentials this engine's?",
+}
+# What the output socket's monitor must report (make_socket's `monitor`).
+MONITOR_EVENTS = (
+    zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
 
 
 class RequestError(ValueError):
@@ -52,7 +79,7 @@ class RequestError(ValueError):
 
 
 class EngineDeadError(RuntimeError):
-    """The EngineCore did not answer in time."""
+    """The EngineCore did not answer in time, or the connection to it is lost."""
 
 
 class ClientTokenizer(Protocol):
@@ -87,6 +114,10 @@ def dead_engine_error(address: str, method: str, timeout: float) -> EngineDeadEr
     return EngineDeadError(
         f"the EngineCore at {address} did not answer {method!r} within {timeout:g} s"
     )
+
+
+def full_queue_error(address: str) -> EngineDeadError:
+    return EngineDeadError(f"the EngineCore at {address} is not reading (send queue full)")
 
 
 class RequestState:
@@ -149,8 +180,15 @@ class RequestState:
 
 
 class ClientCore:
-    def __init__(self, tokenizer: str | os.PathLike | ClientTokenizer | None) -> None:
+    def __init__(
+        self, tokenizer: str | os.PathLike | ClientTokenizer | None, address: str
+    ) -> None:
         self.tokenizer = load_tokenizer(tokenizer)
+        self.address = address
+        # Why requests cannot be sent now; None while connected and welcomed.
+        self._down: Exception | None = EngineDeadError(
+            f"not connected to the EngineCore at {address} yet"
+        )
         self._requests: dict[str, RequestState] = {}
         self._calls: dict[int, Any] = {}
         self._call_ids = itertools.count()
@@ -196,6 +234,7 @@ class ClientCore:
         )
         state = RequestState(request, self.tokenizer, queue)
         with self._lock:
+            self.check_connected()
             if request.request_id in self._requests:
                 raise ValueError(f"request id {request.request_id!r} is already running")
             self._requests[request.request_id] = state
@@ -213,9 +252,46 @@ class ClientCore:
             state.queue.put_nowait(state.apply(EngineCoreOutput(request_id, [], "abort")))
         return state is not None
 
+    @property
+    def connected(self) -> bool:
+        return self._down is None
+
+    def connection_error(self) -> Exception | None:
+        """Why nothing can be sent now (a fresh exception), or None."""
+        down = self._down
+        return None if down is None else type(down)(str(down))
+
+    def check_connected(self) -> None:
+        error = self.connection_error()
+        if error is not None:
+            raise error
+
+    def handle_event(self, frames: list[bytes]) -> bool:
+        """Take one message of the output socket's monitor; True when a connection just
+        opened and the caller must send HELLO on it."""
+        event = parse_monitor_message(frames)["event"]
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            return True
+        if event in _REFUSED:
+            self._lose(CredentialsError(_REFUSED[event].format(self.address)))
+        elif event == zmq.EVENT_DISCONNECTED:
+            self._lose(EngineDeadError(f"lost the connection to the EngineCore at {self.address}"))
+        return False
+
+    def _lose(self, error: Exception) -> None:
+        with self._lock:
+            if isinstance(self._down, CredentialsError) and isinstance(error, EngineDeadError):
+                return  # the disconnection that follows a refused handshake
+            self._down = error
+        self.fail_all(error)
+
     def handle_frame(self, frame: bytes) -> AbortRequests | None:
         """Deliver one frame from the engine's output socket; return the abort the
         caller must send for requests whose text reached a stop string."""
+        if frame == WELCOME:
+            with self._lock:
+                self._down = None
+            return None
         try:
             message = self._decoder.decode(frame)
         except DecodeError as e:
@@ -265,6 +341,7 @@ class ClientCore:
 
     def add_call(self, method: str, future: Any) -> UtilityRequest:
         with self._lock:
+            self.check_connected()
             call_id = next(self._call_ids)
             self._calls[call_id] = future
         return UtilityRequest(call_id, method)
