@@ -235,16 +235,22 @@ class AsyncEngineClient:
             await self._receive(int(left * 1000) + 1)
 
     async def _receive(self, timeout_ms: int | None) -> None:
-        """Handle what the output socket and its monitor hold, waiting up to timeout_ms."""
+        """Handle what the output socket and its monitor hold, waiting up to timeout_ms.
+        Frames first: those the engine sent before it went are in before the event."""
         events = dict(await self._poller.poll(timeout_ms))
-        if self._monitor in events and self._core.handle_event(
-            await self._monitor.recv_multipart()
-        ):
-            await self._output.send(HELLO)
         if self._output in events:
-            abort = self._core.handle_frame(await self._output.recv())
-            if abort is not None:
-                self._send(abort)
+            await self._handle_frame()
+        if self._monitor not in events:
+            return
+        while await self._output.poll(0):
+            await self._handle_frame()
+        if self._core.handle_event(await self._monitor.recv_multipart()):
+            await self._output.send(HELLO)
+
+    async def _handle_frame(self) -> None:
+        abort = self._core.handle_frame(await self._output.recv())
+        if abort is not None:
+            self._send(abort)
 
     async def _receive_loop(self) -> None:
         try:

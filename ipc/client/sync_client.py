@@ -226,14 +226,22 @@ class EngineClient:
             raise full_queue_error(self.address)
 
     def _receive(self, timeout_ms: int | None) -> None:
-        """Handle what the output socket and its monitor hold, waiting up to timeout_ms."""
+        """Handle what the output socket and its monitor hold, waiting up to timeout_ms.
+        Frames first: those the engine sent before it went are in before the event."""
         events = dict(self._poller.poll(timeout_ms))
-        if self._monitor in events and self._core.handle_event(self._monitor.recv_multipart()):
-            self._output.send(HELLO, zmq.NOBLOCK)
         if self._output in events:
-            abort = self._core.handle_frame(self._output.recv())
-            if abort is not None:
-                self._send(abort)
+            self._handle_frame()
+        if self._monitor not in events:
+            return
+        while self._output.poll(0):
+            self._handle_frame()
+        if self._core.handle_event(self._monitor.recv_multipart()):
+            self._output.send(HELLO, zmq.NOBLOCK)
+
+    def _handle_frame(self) -> None:
+        abort = self._core.handle_frame(self._output.recv())
+        if abort is not None:
+            self._send(abort)
 
     def _receive_loop(self) -> None:
         with self._output, self._monitor:
