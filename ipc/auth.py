@@ -40,14 +40,15 @@ class CredentialsError(PermissionError):
 
 @dataclasses.dataclass(frozen=True)
 class Credentials:
-    """Z85-encoded CURVE keys (bytes, as zmq.curve_keypair gives them)."""
+    """Z85-encoded CURVE keys (bytes, as zmq.curve_keypair gives them); repr hides the
+    secret ones."""
 
     server_public: bytes
-    server_secret: bytes | None = None
+    server_secret: bytes | None = dataclasses.field(default=None, repr=False)
     client_public: bytes | None = None
-    client_secret: bytes | None = None
+    client_secret: bytes | None = dataclasses.field(default=None, repr=False)
     worker_public: bytes | None = None
-    worker_secret: bytes | None = None
+    worker_secret: bytes | None = dataclasses.field(default=None, repr=False)
 
     @classmethod
     def generate(cls) -> Credentials:
@@ -178,7 +179,7 @@ class AuthContext(zmq.Context):
 
     def __init__(self, credentials: Credentials) -> None:
         super().__init__()
-        self.authenticator = ThreadAuthenticator(self, log=logging.getLogger("zmq.auth"))
+        self.authenticator = ThreadAuthenticator(self)
         self.authenticator.start()
         for role in ROLES:
             key = getattr(credentials, f"{role}_public")

@@ -29,7 +29,6 @@ from ipc.client.core import (
     Prompt,
     RequestState,
     dead_engine_error,
-    full_queue_error,
     new_identity,
     no_engine_error,
 )
@@ -167,13 +166,9 @@ class AsyncEngineClient:
 
     def _submit(self, prompt, sampling_params, request_id, priority, cache_salt) -> RequestState:
         self._check_open()
-        state = self._core.add_request(
-            prompt, sampling_params, request_id, priority, cache_salt, asyncio.Queue()
+        return self._core.submit(
+            self._send, asyncio.Queue(), prompt, sampling_params, request_id, priority, cache_salt
         )
-        if not self._send(state.request):
-            self._core.pop(state.request.request_id)
-            raise full_queue_error(self.address)
-        return state
 
     async def _deltas(self, state: RequestState) -> AsyncIterator[RequestOutput]:
         try:
@@ -188,19 +183,18 @@ class AsyncEngineClient:
                 if item.finished:
                     return
         finally:
-            if self._core.pop(state.request.request_id) is not None:
-                self._send(AbortRequests([state.request.request_id]))
+            abort = self._core.release(state.request.request_id)
+            if abort is not None:
+                self._send(abort)
 
     async def _call(self, method: str, timeout: float) -> Any:
         self._check_open()
         future = asyncio.get_running_loop().create_future()
-        request = self._core.add_call(method, future)
+        call_id = self._core.start_call(self._send, method, future)
         try:
-            if not self._send(request):
-                raise full_queue_error(self.address)
             await asyncio.wait([future], timeout=timeout)
         finally:
-            self._core.drop_call(request.call_id)
+            self._core.drop_call(call_id)
         if not future.done():
             raise dead_engine_error(self.address, method, timeout)
         return future.result()
@@ -212,9 +206,10 @@ class AsyncEngineClient:
             raise RuntimeError("the AsyncEngineClient is closed")
 
     def _send(self, message: msgspec.Struct) -> bool:
-        """Send without waiting; False if the engine's queue is full (or we closed)."""
+        """Send without waiting; False if the engine's queue is full. Once closed, drop
+        it (close() failed every live request)."""
         if self._closed:
-            return False
+            return True
         try:
             self._input.send(encode(message), zmq.NOBLOCK)
         except zmq.Again:

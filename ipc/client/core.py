@@ -23,8 +23,10 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, Protocol
 
+import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
@@ -88,6 +90,10 @@ class ClientTokenizer(Protocol):
     def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
 
     def apply_chat_template(self, messages: list[Message], **kwargs: Any) -> Any: ...
+
+
+# Sends a message without blocking; False when the engine's queue is full.
+Send = Callable[[msgspec.Struct], bool]
 
 
 class _Sink(Protocol):
@@ -180,9 +186,7 @@ class RequestState:
 
 
 class ClientCore:
-    def __init__(
-        self, tokenizer: str | os.PathLike | ClientTokenizer | None, address: str
-    ) -> None:
+    def __init__(self, tokenizer: str | os.PathLike | ClientTokenizer | None, address: str) -> None:
         self.tokenizer = load_tokenizer(tokenizer)
         self.address = address
         # Why requests cannot be sent now; None while connected and welcomed.
@@ -239,6 +243,27 @@ class ClientCore:
                 raise ValueError(f"request id {request.request_id!r} is already running")
             self._requests[request.request_id] = state
         return state
+
+    def submit(
+        self,
+        send: Send,
+        queue: _Sink,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None,
+        request_id: str | None,
+        priority: int,
+        cache_salt: str | None,
+    ) -> RequestState:
+        """add_request, then `send` it; a request that cannot leave is forgotten."""
+        state = self.add_request(prompt, sampling_params, request_id, priority, cache_salt, queue)
+        if not send(state.request):
+            self.pop(state.request.request_id)
+            raise full_queue_error(self.address)
+        return state
+
+    def release(self, request_id: str) -> AbortRequests | None:
+        """Its consumer is done with a request: the abort to send if it was still live."""
+        return None if self.pop(request_id) is None else AbortRequests([request_id])
 
     def pop(self, request_id: str) -> RequestState | None:
         """Forget a live request (None if it is not live)."""
@@ -345,6 +370,14 @@ class ClientCore:
             call_id = next(self._call_ids)
             self._calls[call_id] = future
         return UtilityRequest(call_id, method)
+
+    def start_call(self, send: Send, method: str, future: Any) -> int:
+        """add_call, then `send` it; returns the call id (drop_call it when done)."""
+        request = self.add_call(method, future)
+        if not send(request):
+            self.drop_call(request.call_id)
+            raise full_queue_error(self.address)
+        return request.call_id
 
     def drop_call(self, call_id: int) -> None:
         with self._lock:

@@ -30,7 +30,6 @@ from ipc.client.core import (
     Prompt,
     RequestState,
     dead_engine_error,
-    full_queue_error,
     new_identity,
     no_engine_error,
 )
@@ -167,11 +166,15 @@ class EngineClient:
 
     def _submit(self, prompt, sampling_params, request_id, priority, cache_salt) -> RequestState:
         self._check_open()
-        state = self._core.add_request(
-            prompt, sampling_params, request_id, priority, cache_salt, queue.SimpleQueue()
+        return self._core.submit(
+            self._send,
+            queue.SimpleQueue(),
+            prompt,
+            sampling_params,
+            request_id,
+            priority,
+            cache_salt,
         )
-        self._send_or_forget(state.request, state.request.request_id)
-        return state
 
     def _deltas(self, state: RequestState) -> Iterator[RequestOutput]:
         try:
@@ -187,43 +190,37 @@ class EngineClient:
                 if item.finished:
                     return
         finally:
-            if self._core.pop(state.request.request_id) is not None:
-                self._send(AbortRequests([state.request.request_id]))
+            abort = self._core.release(state.request.request_id)
+            if abort is not None:
+                self._send(abort)
 
     def _call(self, method: str, timeout: float) -> Any:
         self._check_open()
         future: concurrent.futures.Future = concurrent.futures.Future()
-        request = self._core.add_call(method, future)
+        call_id = self._core.start_call(self._send, method, future)
         try:
-            self._send_or_forget(request, None)
             return future.result(timeout)
         except concurrent.futures.TimeoutError:
             raise dead_engine_error(self.address, method, timeout) from None
         finally:
-            self._core.drop_call(request.call_id)
+            self._core.drop_call(call_id)
 
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("the EngineClient is closed")
 
     def _send(self, message: msgspec.Struct) -> bool:
-        """Send without blocking; False if the engine's queue is full (or we closed)."""
+        """Send without blocking; False if the engine's queue is full. Once closed, drop
+        it (close() failed every live request)."""
         frame = encode(message)
         with self._send_lock:
             if self._closed:
-                return False
+                return True
             try:
                 self._input.send(frame, zmq.NOBLOCK)
             except zmq.Again:
                 return False
             return True
-
-    def _send_or_forget(self, message: msgspec.Struct, request_id: str | None) -> None:
-        """Send a request or call; if it cannot leave, forget the request and raise."""
-        if not self._send(message) and not self._closed:
-            if request_id is not None:
-                self._core.pop(request_id)
-            raise full_queue_error(self.address)
 
     def _receive(self, timeout_ms: int | None) -> None:
         """Handle what the output socket and its monitor hold, waiting up to timeout_ms.

@@ -3,21 +3,25 @@ a couple of seconds (not after the health check's silence), fail new ones at onc
 the engine is gone, and serve again once an engine is back at the address.
 
 The engine is the stand-in of client_fakes.py run as its own process, killed with
-SIGKILL: no goodbye reaches the client, only the closed connection.
+SIGKILL: no goodbye reaches the client, only the closed connection. Last, an engine that
+stays connected but stops reading: the client's bounded queue fills and fails requests.
 """
 
 import asyncio
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
+import zmq
 
+import ipc.sockets
 from ipc.client import AsyncEngineClient, EngineClient, EngineDeadError
 from ipc.messages import SamplingParams
-from ipc.sockets import new_ipc_address, remove_ipc_files
+from ipc.sockets import WELCOME, make_socket, new_ipc_address, remove_ipc_files, socket_address
 
 ROOT = Path(__file__).resolve().parents[2]
 FAKE = str(Path(__file__).with_name("client_fakes.py"))
@@ -123,3 +127,47 @@ def _eventually(call, timeout: float = 10.0):
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
+
+
+def test_an_engine_that_stops_reading_fails_requests_instead_of_growing_the_client(
+    monkeypatch,
+):
+    """An engine that is connected but never reads its input: once the client's bounded
+    queue is full, a new request fails at once."""
+    monkeypatch.setattr(ipc.sockets, "CLIENT_HWM", 2)
+    address = new_ipc_address()
+    ctx = zmq.Context()
+    stop = threading.Event()
+    inputs = make_socket(ctx, zmq.ROUTER, socket_address(address, "input"), True)
+    outputs = make_socket(ctx, zmq.ROUTER, socket_address(address, "output"), True)
+
+    def welcome() -> None:  # answers HELLO, never reads a request
+        while not stop.is_set():
+            if outputs.poll(10):
+                identity, _ = outputs.recv_multipart()
+                outputs.send_multipart([identity, WELCOME])
+
+    async def main() -> int:
+        async with AsyncEngineClient(address) as client:
+            prompt = list(range(50_000))
+            tasks = []
+            while len(tasks) < 1000 and not (tasks and tasks[-1].done()):
+                tasks.append(asyncio.create_task(client.generate(prompt)))
+                await asyncio.sleep(0)  # the task sends its request
+            with pytest.raises(EngineDeadError, match="not reading"):
+                await tasks[-1]
+            for task in tasks[:-1]:
+                task.cancel()
+            return len(tasks)
+
+    thread = threading.Thread(target=welcome, daemon=True)
+    thread.start()
+    try:
+        assert asyncio.run(main()) < 1000
+    finally:
+        stop.set()
+        thread.join()
+        inputs.close()
+        outputs.close()
+        ctx.term()
+        remove_ipc_files(address)
