@@ -13,6 +13,11 @@ worker on its own with
 
 or under torchrun (RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT are honoured).
 
+A tcp engine address admits only peers holding the cluster's CURVE keys (ipc/auth.py):
+`--role all` makes them in a private folder (or uses `--credentials FILE`, made if
+missing) and writes the clients' part beside `--address-file F` as F.credentials;
+on several hosts give every process a copy of the same `--credentials FILE`.
+
 The children are this file again (`--role engine|worker|api`) with plain command line
 arguments (the engine config as JSON), each in its own session so that a terminal's
 Ctrl-C reaches only the launcher, and each dying with the launcher (PR_SET_PDEATHSIG).
@@ -21,6 +26,8 @@ Ctrl-C reaches only the launcher, and each dying with the launcher (PR_SET_PDEAT
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import ctypes
 import dataclasses
 import importlib.util
@@ -29,16 +36,27 @@ import logging
 import os
 import re
 import select
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from engine_core.config import EngineConfig
-from ipc.sockets import free_tcp_port, new_ipc_address, remove_ipc_files, write_address_file
+from ipc.auth import CLIENT, WORKER, Credentials, credentials_beside, ensure_credentials
+from ipc.sockets import (
+    free_tcp_port,
+    new_ipc_address,
+    private_folder,
+    remove_ipc_files,
+    write_address_file,
+)
+from server.args import add_server_args, server_child_args, server_options
 
 _THIS_FILE = str(Path(__file__).resolve())
 _ENGINE_ARGS = (
@@ -67,6 +85,7 @@ _ENGINE_ARGS = (
 )
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _UNITS.update({f"{u}i": 1024 ** "kmgt".index(u) * 1024 for u in "kmgt"})
+_CREDENTIALS_ENV = "SPLITSERVE_CREDENTIALS"
 ENGINE_REPORT_S = 5.0  # time the engine gets to report a dead worker to its clients
 SHUTDOWN_GRACE_S = 5.0
 API_RESTARTS = 3  # API server starts within a minute before its death is fatal
@@ -105,6 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", help="serve the engine on tcp://HOST:PORT (default: a fresh ipc://)")
     p.add_argument("--port", type=int, help="first of 3 ports (input, output, workers)")
     p.add_argument("--address-file", help="write the engine address here once it is ready")
+    p.add_argument(
+        "--credentials",
+        metavar="FILE",
+        default=os.environ.get(_CREDENTIALS_ENV),
+        help="CURVE keys of a tcp engine address; the engine side makes FILE if missing "
+        f"(default: ${_CREDENTIALS_ENV}, else fresh keys for --role all)",
+    )
     engine = p.add_argument_group("engine")
     engine.add_argument("--max-model-len", type=int)
     engine.add_argument("--max-num-seqs", type=int)
@@ -144,12 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         help="on SIGTERM, seconds to let running requests finish (default 30)",
     )
-    api = p.add_argument_group("OpenAI-compatible API server")
-    api.add_argument("--no-api", action="store_true")
-    api.add_argument("--api-host", default="0.0.0.0")
-    api.add_argument("--api-port", type=int, default=8000)
-    api.add_argument("--api-key", default=os.environ.get("SPLITSERVE_API_KEY"))
-    api.add_argument("--served-model-name")
+    p.add_argument("--no-api", action="store_true", help="start no HTTP server")
+    add_server_args(p)
     single = p.add_argument_group("one process (--role engine|worker|api)")
     single.add_argument("--engine-address")
     single.add_argument("--rank", type=int, default=int(os.environ.get("RANK", 0)))
@@ -174,15 +196,31 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def start_workers(
-    config: EngineConfig, engine_address: str, dist_init_address: str | None = None
+    config: EngineConfig,
+    engine_address: str,
+    dist_init_address: str | None = None,
+    credentials: str | None = None,
 ) -> list[subprocess.Popen]:
-    """Start config.tensor_parallel_size worker processes on this machine."""
-    dist_init = dist_init_address or f"tcp://127.0.0.1:{free_tcp_port(count=1)}"
+    """Start config.tensor_parallel_size worker processes on this machine. Unless told
+    otherwise they meet through a file in a private folder (no listening store) and gloo
+    binds loopback only."""
+    dist_init = dist_init_address or _private_rendezvous(engine_address)
     args = ["--engine-address", engine_address, "--dist-init-address", dist_init]
+    if credentials is not None:
+        args += ["--credentials", credentials]
     return [
         spawn("worker", config, *args, "--rank", str(rank))
         for rank in range(config.tensor_parallel_size)
     ]
+
+
+def _private_rendezvous(engine_address: str) -> str:
+    """A fresh file in the engine's private ipc folder, else in a new private folder."""
+    folder = private_folder(engine_address)
+    if folder is None:
+        folder = tempfile.mkdtemp(prefix="splitserve-dist-")  # mode 0700
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return f"file://{folder}/rendezvous-{os.urandom(4).hex()}"
 
 
 def spawn(role: str, config: EngineConfig, *args: str, **popen_kwargs) -> subprocess.Popen:
@@ -276,12 +314,9 @@ class Supervisor:
             process.wait()
 
     def _start_api(self) -> None:
-        a = self.args
-        env = dict(os.environ, SPLITSERVE_API_KEY=a.api_key or "")
-        args = ["--engine-address", self.address, "--api-host", a.api_host]
-        args += ["--api-port", str(a.api_port)]
-        if a.served_model_name:
-            args += ["--served-model-name", a.served_model_name]
+        argv, env = server_child_args(self.args)
+        args = ["--engine-address", self.address, *argv]
+        env = dict(os.environ, **env)
         self._api_starts = [t for t in self._api_starts if time.monotonic() - t < 60.0]
         self._api_starts.append(time.monotonic())
         self._add("api server", spawn("api", self.config, *args, env=env))
@@ -408,13 +443,14 @@ def _run_role(args: argparse.Namespace) -> int:
     if args.engine_address is None:
         raise SystemExit(f"--role {args.role} needs --engine-address")
     if args.role == "api":
-        from server import run_server, server_options
+        from server import run_server
 
         run_server(
             args.engine_address,
             config.tokenizer,
             max_model_len=config.max_model_len,
             vocab_size=config.vocab_size,
+            credentials=_role_credentials(args, CLIENT),
             **server_options(args),
         )
         return 0
@@ -425,7 +461,8 @@ def _run_role(args: argparse.Namespace) -> int:
         dist_init = "env://"
     if dist_init is None:
         raise SystemExit("--role worker needs --dist-init-address (or torchrun's MASTER_ADDR)")
-    code = run_worker(config, args.engine_address, args.rank, dist_init)
+    credentials = _role_credentials(args, WORKER)
+    code = run_worker(config, args.engine_address, args.rank, dist_init, credentials=credentials)
     # The process group is destroyed by now. Skip the interpreter's teardown: there,
     # torch.distributed's C++ threads now and then abort (SIGABRT) a clean exit.
     logging.shutdown()
@@ -438,6 +475,16 @@ def _run_engine(args: argparse.Namespace, config: EngineConfig) -> int:
     from engine_core.engine_proc import run_engine_core
 
     address = _engine_address(args)
+    credentials = None
+    if address.startswith("tcp://"):
+        if args.credentials is None:
+            raise SystemExit(
+                "a tcp engine address needs --credentials FILE (made if missing); give the "
+                "workers and clients a copy"
+            )
+        credentials = ensure_credentials(args.credentials)
+    if credentials is not None and args.address_file:
+        credentials.for_role(CLIENT).save(credentials_beside(args.address_file))
 
     def on_ready() -> None:
         if args.ready_fd is not None:
@@ -451,19 +498,60 @@ def _run_engine(args: argparse.Namespace, config: EngineConfig) -> int:
     try:
         supervised = args.ready_fd is not None
         return run_engine_core(
-            config, address, on_ready, request_new_workers if supervised else None
+            config, address, on_ready, request_new_workers if supervised else None, credentials
         )
     finally:
         if args.address_file:
             Path(args.address_file).unlink(missing_ok=True)
+            credentials_beside(args.address_file).unlink(missing_ok=True)
+
+
+def _role_credentials(args: argparse.Namespace, role: str) -> Credentials | None:
+    """A worker's or the API server's part of the credentials of a tcp engine address."""
+    if not args.engine_address.startswith("tcp://"):
+        return None
+    if args.credentials is None:
+        raise SystemExit(f"the tcp engine address needs --credentials FILE for the {role}")
+    return Credentials.load(args.credentials).for_role(role)
+
+
+@contextlib.contextmanager
+def _cluster_credentials(args: argparse.Namespace, address: str) -> Iterator[None]:
+    """For a tcp cluster: the credentials file (fresh keys in a private folder unless
+    --credentials names one), named to the children in $SPLITSERVE_CREDENTIALS, and the
+    clients' part beside the address file while the cluster runs."""
+    if not address.startswith("tcp://"):
+        yield
+        return
+    folder = None
+    if args.credentials is None:
+        folder = tempfile.mkdtemp(prefix="splitserve-keys-")  # mode 0700
+        args.credentials = os.path.join(folder, "cluster.credentials")
+    credentials = ensure_credentials(args.credentials)
+    os.environ[_CREDENTIALS_ENV] = str(Path(args.credentials).resolve())
+    beside = credentials_beside(args.address_file) if args.address_file else None
+    if beside is not None:
+        credentials.for_role(CLIENT).save(beside)
+    try:
+        yield
+    finally:
+        if beside is not None:
+            beside.unlink(missing_ok=True)
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.salt_cache_by_api_key and not server_options(args)["api_keys"]:
+        parser.error("--salt-cache-by-api-key needs --api-key")
     if args.role != "all":
         return _run_role(args)
     config = engine_config(args)
-    return Supervisor(args, config, _engine_address(args)).run()
+    address = _engine_address(args)
+    with _cluster_credentials(args, address):
+        return Supervisor(args, config, address).run()
 
 
 if __name__ == "__main__":

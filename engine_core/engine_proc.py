@@ -7,8 +7,10 @@ Three threads, each the only user of its sockets:
   answered with UtilityOutput(call_id=-1, error), or, when it is an EngineCoreRequest
   whose request_id can be read, with an "error" output for that request.
 * output thread — the output ROUTER. Answers HELLO with WELCOME; encodes and sends the
-  (identity, message) pairs of the output queue. With ROUTER_MANDATORY a client that
-  is gone is noticed on send, and the busy loop aborts its requests.
+  (identity, message) pairs of the output queue, never blocking. With ROUTER_MANDATORY a
+  client that is gone, or one whose pipe is full because it stopped reading, is noticed
+  on send: it is dropped (its outputs are discarded until it says HELLO again) and the
+  busy loop aborts its requests.
 * main thread — the busy loop: drain the input queue (blocking while there is no
   work), step the EngineCore, send each output to the client that sent its request.
   A worker failure replaces the workers and replays the running requests (see
@@ -39,6 +41,7 @@ from engine_core.core import EngineCore
 from engine_core.executor import WorkerFailure
 from engine_core.multiproc_executor import MultiprocExecutor
 from engine_core.step_profile import StepProfile
+from ipc.auth import CLIENT, Credentials, engine_context
 from ipc.messages import (
     AbortRequests,
     DecodeError,
@@ -51,7 +54,7 @@ from ipc.messages import (
     UtilityRequest,
     encode,
 )
-from ipc.sockets import HELLO, WELCOME, make_socket, remove_ipc_files, socket_address
+from ipc.sockets import HELLO, HWM, WELCOME, make_socket, remove_ipc_files, socket_address
 
 logger = logging.getLogger(__name__)
 
@@ -73,16 +76,20 @@ class ClientGone:
 
 class EngineCoreProc:
     """`request_new_workers`: how to have the workers replaced after a failure (launch.py
-    passes a call that asks its supervisor); None waits for new workers to register."""
+    passes a call that asks its supervisor); None waits for new workers to register. A
+    tcp `address` needs the cluster's `credentials` (ipc/auth.py)."""
 
     def __init__(
         self,
         config: EngineConfig,
         address: str,
         request_new_workers: Callable[[], None] | None = None,
+        credentials: Credentials | None = None,
     ) -> None:
         self.address = address
-        self.executor = MultiprocExecutor(config, address, request_new_workers=request_new_workers)
+        self.executor = MultiprocExecutor(
+            config, address, request_new_workers=request_new_workers, credentials=credentials
+        )
         try:
             self.engine = EngineCore(config, self.executor)
         except BaseException:
@@ -95,9 +102,14 @@ class EngineCoreProc:
         self._stopping = threading.Event()
         self._drain_deadline: float | None = None
         self._stats_window = (time.monotonic(), self.engine.get_stats())
-        self._ctx = zmq.Context()
-        self._input = make_socket(self._ctx, zmq.ROUTER, socket_address(address, "input"), True)
-        self._output = make_socket(self._ctx, zmq.ROUTER, socket_address(address, "output"), True)
+        self._ctx = engine_context(credentials)
+        secure = {"credentials": credentials, "role": CLIENT}
+        self._input = make_socket(
+            self._ctx, zmq.ROUTER, socket_address(address, "input"), True, **secure
+        )
+        self._output = make_socket(
+            self._ctx, zmq.ROUTER, socket_address(address, "output"), True, **secure
+        )
         self._output.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._wake = make_socket(self._ctx, zmq.PUSH, _WAKE_ADDRESS, True)
         self._threads = [
@@ -323,7 +335,7 @@ class EngineCoreProc:
                     identity, *frames = sock.recv_multipart()
                     if frames == [HELLO]:
                         gone.discard(identity)
-                        sock.send_multipart((identity, WELCOME))
+                        self._deliver(identity, WELCOME, gone)
                     else:
                         logger.warning("ignored a frame on the output socket (expected HELLO)")
                 if wake in events:
@@ -338,15 +350,25 @@ class EngineCoreProc:
             sock.close(linger=_OUTPUT_LINGER_MS)
 
     def _deliver(self, identity: bytes, frame: bytes, gone: set[bytes]) -> None:
-        try:
-            self._output.send_multipart((identity, frame), copy=False)
-        except zmq.ZMQError as e:
-            if e.errno != zmq.EHOSTUNREACH:
-                raise
-            if identity not in gone:
-                gone.add(identity)
+        """Send without blocking. A client that cannot take the frame is dropped: this and
+        its later outputs are discarded, and each discarded output has the busy loop abort
+        the client's requests (those it sent since, too)."""
+        if identity not in gone:
+            try:
+                self._output.send_multipart((identity, frame), zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:
+                logger.warning(
+                    "client %s stopped reading its outputs (%d queued); dropped it",
+                    identity.hex(),
+                    HWM,
+                )
+            except zmq.ZMQError as e:
+                if e.errno != zmq.EHOSTUNREACH:
+                    raise
                 logger.warning("client %s is not connected; dropped its output", identity.hex())
-                self.input_queue.put((identity, ClientGone))
+            gone.add(identity)
+        self.input_queue.put((identity, ClientGone))
 
 
 def run_engine_core(
@@ -354,10 +376,11 @@ def run_engine_core(
     address: str,
     on_ready: Callable[[], None] | None = None,
     request_new_workers: Callable[[], None] | None = None,
+    credentials: Credentials | None = None,
 ) -> int:
     """Run the EngineCore process's main until it drains after SIGTERM/SIGINT (0) or
     fails (1). `on_ready` runs once every worker is ready and the client sockets are
-    bound."""
+    bound; a tcp `address` needs the cluster's `credentials` (ipc/auth.py)."""
     proc: EngineCoreProc | None = None
 
     def on_signal(signum: int, frame: object) -> None:
@@ -370,7 +393,7 @@ def run_engine_core(
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
     try:
-        proc = EngineCoreProc(config, address, request_new_workers)
+        proc = EngineCoreProc(config, address, request_new_workers, credentials)
         logger.info(
             "EngineCore ready at %s: tp %d, %d KV blocks of %d tokens",
             address,

@@ -6,6 +6,10 @@ count. A step encodes the SchedulerOutput once, sends the same bytes to every ra
 waits for rank 0's ModelRunnerOutput. A WorkerError from any rank, or a worker process
 that is gone, raises WorkerFailure naming the rank: the wait polls with a short timeout
 and checks the workers' pids (on this host), so it never hangs on a dead worker.
+
+Once the workers registered, frames from any other identity are dropped with a log line:
+a stranger on the workers socket can neither end the cluster nor answer a step. On tcp the
+socket admits only peers holding the workers' CURVE key (ipc/auth.py).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import zmq
 
 from engine_core.config import EngineConfig
 from engine_core.executor import Executor, WorkerFailure
+from ipc.auth import WORKER, Credentials, engine_context
 from ipc.messages import (
     DecodeError,
     Decoder,
@@ -37,7 +42,7 @@ from ipc.messages import (
     WorkerReady,
     encode,
 )
-from ipc.sockets import bind_address, remove_ipc_files, socket_address
+from ipc.sockets import make_socket, remove_ipc_files, socket_address
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +50,7 @@ READY_TIMEOUT_S = 600.0
 _POLL_MS = 100
 _SHUTDOWN_GRACE_S = 5.0
 _DEATH_GRACE_S = 0.5
+_MAX_STRANGERS_LOGGED = 64
 
 
 @dataclass
@@ -75,6 +81,7 @@ class MultiprocExecutor(Executor):
         start_workers: Callable[[], Sequence[subprocess.Popen]] | None = None,
         request_new_workers: Callable[[], None] | None = None,
         ready_timeout: float = READY_TIMEOUT_S,
+        credentials: Credentials | None = None,
     ) -> None:
         self.config = config
         self.address = address
@@ -89,12 +96,14 @@ class MultiprocExecutor(Executor):
         self._processes: list[subprocess.Popen] = []
         self._hostname = socket.gethostname()
         self._decoder = Decoder(ModelRunnerOutput, WorkerError, WorkerReady)
-        self._ctx = zmq.Context()
-        self._socket = self._ctx.socket(zmq.ROUTER)
-        for option, value in ((zmq.LINGER, 0), (zmq.SNDHWM, 0), (zmq.RCVHWM, 0)):
-            self._socket.setsockopt(option, value)
+        self._strangers: set[bytes] = set()
+        self._replaced: set[bytes] = set()  # identities of workers replaced since
+        self._ctx = engine_context(credentials)
+        workers_address = socket_address(address, "workers")
+        self._socket = make_socket(
+            self._ctx, zmq.ROUTER, workers_address, True, credentials=credentials, role=WORKER
+        )
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._socket.bind(bind_address(socket_address(address, "workers")))
         self._closer = weakref.finalize(
             self, _close, self._ctx, self._socket, self.workers, self._processes, address
         )
@@ -124,6 +133,7 @@ class MultiprocExecutor(Executor):
         for worker in self.workers:
             with contextlib.suppress(zmq.ZMQError):
                 self._socket.send_multipart((worker.identity, frame), zmq.NOBLOCK)
+        self._replaced.update(w.identity for w in self.workers)
         self.workers.clear()
         if self._start_workers is not None:
             for process in self._processes:
@@ -157,8 +167,12 @@ class MultiprocExecutor(Executor):
                 self._fail_with(msg)
             if not isinstance(msg, WorkerReady):
                 logger.warning("ignored %s from a worker that is not ready", type(msg).__name__)
-            elif not 0 <= msg.rank < self.world_size or msg.rank in ready:
+            elif not 0 <= msg.rank < self.world_size:
                 self._fail(f"unexpected WorkerReady for rank {msg.rank} (tp={self.world_size})")
+            elif msg.rank in ready or any(w.identity == identity for w in ready.values()):
+                logger.warning(
+                    "ignored a second WorkerReady for rank %d (from %r)", msg.rank, identity
+                )
             else:
                 ready[msg.rank] = WorkerInfo(
                     msg.rank, identity, msg.num_kv_blocks, msg.pid, msg.hostname
@@ -214,6 +228,11 @@ class MultiprocExecutor(Executor):
 
     def _read(self) -> tuple[bytes, msgspec.Struct] | None:
         identity, *frames = self._socket.recv_multipart()
+        if identity in self._replaced:  # a late word from a worker that was replaced
+            return None
+        if self.workers and all(w.identity != identity for w in self.workers):
+            self._drop_stranger(identity)
+            return None
         try:
             if len(frames) != 1:
                 raise DecodeError(f"expected one frame, got {len(frames)}")
@@ -221,6 +240,16 @@ class MultiprocExecutor(Executor):
         except DecodeError as e:
             logger.error("dropped a frame from worker %r: %s", identity, e)
             return None
+
+    def _drop_stranger(self, identity: bytes) -> None:
+        """Log once per identity (a flood of strangers is logged up to a bound)."""
+        if identity not in self._strangers and len(self._strangers) < _MAX_STRANGERS_LOGGED:
+            self._strangers.add(identity)
+            logger.warning(
+                "dropped a frame on the workers socket from %r, which is not a registered "
+                "worker (further frames from it are dropped silently)",
+                identity,
+            )
 
     def _broadcast(self, frame: bytes) -> None:
         for worker in self.workers:

@@ -6,7 +6,7 @@ never touched, so models run unchanged in a single process.
 
 A worker initialises it once, before building the model:
 
-    init_distributed(rank, world_size, "tcp://127.0.0.1:29500", device=device)
+    init_distributed(rank, world_size, "file:///tmp/private-folder/rendezvous", device=device)
     model = load_model(path, dtype, device)
     ...
     destroy_distributed()
@@ -14,6 +14,8 @@ A worker initialises it once, before building the model:
 
 from __future__ import annotations
 
+import os
+import socket
 from typing import Any
 
 import torch
@@ -39,6 +41,10 @@ def init_distributed(
     backend None picks "nccl" when the device (or, with no device given, the machine)
     is CUDA and "gloo" otherwise. For CUDA the current device is set to `device` first.
     World size 1 does not initialise torch.distributed.
+
+    A `file://` rendezvous means every rank is on this host: gloo then binds its sockets
+    on the loopback interface only (unless GLOO_SOCKET_IFNAME says otherwise), instead
+    of the address the host name resolves to.
     """
     global _TP_RANK, _TP_SIZE, _TP_GROUP, _BACKEND, _DEVICE, _OWNS_PROCESS_GROUP
     if world_size < 1 or not 0 <= rank < world_size:
@@ -63,6 +69,8 @@ def init_distributed(
             )
         _OWNS_PROCESS_GROUP = False
     else:
+        if init_method.startswith("file://"):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())
         dist.init_process_group(
             backend=backend, init_method=init_method, rank=rank, world_size=world_size
         )
@@ -71,6 +79,11 @@ def init_distributed(
     _BACKEND = dist.get_backend(_TP_GROUP)
     _TP_RANK = rank
     _TP_SIZE = world_size
+
+
+def _loopback_interface() -> str:
+    names = [name for _, name in socket.if_nameindex()]
+    return next((n for n in ("lo", "lo0") if n in names), "lo")
 
 
 def destroy_distributed() -> None:

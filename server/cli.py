@@ -6,12 +6,14 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI
 
+from ipc.auth import Credentials
 from ipc.client import AsyncEngineClient
 from ipc.defaults import generation_defaults
 from ipc.tokenizer import Tokenizer
@@ -33,11 +35,13 @@ def run_server(
     salt_cache_by_api_key: bool = False,
     enable_prompt_tokens_details: bool = False,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    credentials: Credentials | str | os.PathLike | None = None,
 ) -> None:
     """Serve the API until SIGINT/SIGTERM. The model name defaults to the tokenizer
-    folder's name; the other settings are build_app's."""
+    folder's name; `credentials` (a file or Credentials) are needed on a tcp engine; the
+    other settings are build_app's."""
     tokenizer = Tokenizer.from_pretrained(tokenizer_path)
-    client = AsyncEngineClient(engine_address, tokenizer=tokenizer)
+    client = AsyncEngineClient(engine_address, tokenizer=tokenizer, credentials=credentials)
     name = served_model_name or Path(tokenizer_path).name
     app = build_app(
         client,
@@ -78,6 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--vocab-size", type=int, help="the model's; token ids must be below it (default: any)"
     )
+    parser.add_argument("--credentials", help="client credentials of a tcp engine address")
     args = add_server_args(parser).parse_args(argv)
     options = server_options(args)
     if options["salt_cache_by_api_key"] and not options["api_keys"]:
@@ -88,5 +93,6 @@ def main(argv: list[str] | None = None) -> None:
             args.tokenizer,
             max_model_len=args.max_model_len,
             vocab_size=args.vocab_size,
+            credentials=args.credentials,
             **options,
         )

@@ -5,11 +5,10 @@ from collections.abc import Sequence
 from tqdm import tqdm
 
 from engine_core import EngineConfig, EngineCore
-from ipc.client.core import RequestState
+from ipc.client.core import RequestState, chat_token_ids, load_tokenizer, prompt_token_ids
 from ipc.defaults import default_sampling_params
 from ipc.messages import EngineCoreRequest, SamplingParams
 from ipc.outputs import RequestOutput
-from ipc.tokenizer import Tokenizer
 
 Prompt = str | list[int]
 Message = dict[str, str]
@@ -29,7 +28,7 @@ class LLM:
 
             model = default_model_path()
         self.config = EngineConfig(model=model, **engine_args)
-        self.tokenizer = Tokenizer.from_pretrained(self.config.tokenizer)
+        self.tokenizer = load_tokenizer(self.config.tokenizer)
         self.engine = EngineCore(self.config, _make_executor(self.config))
         self._ids = itertools.count()
 
@@ -47,7 +46,7 @@ class LLM:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError("sampling_params must be one, or one per prompt")
-        token_ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        token_ids = [prompt_token_ids(self.tokenizer, p) for p in prompts]
         return self._run(token_ids, sampling_params, use_tqdm)
 
     def chat(
@@ -57,13 +56,7 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         conversations = [messages] if isinstance(messages[0], dict) else messages
-        prompts = [
-            self.tokenizer.encode(
-                self.tokenizer.apply_chat_template(conv, add_generation_prompt=True),
-                add_special_tokens=False,
-            )
-            for conv in conversations
-        ]
+        prompts = [chat_token_ids(self.tokenizer, conv) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def shutdown(self) -> None:

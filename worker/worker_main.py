@@ -19,6 +19,7 @@ import torch
 import zmq
 
 from engine_core.config import EngineConfig
+from ipc.auth import WORKER, Credentials
 from ipc.messages import (
     Decoder,
     InitKVCache,
@@ -35,6 +36,11 @@ from worker.model_runner import ModelRunner
 logger = logging.getLogger(__name__)
 
 _ERROR_LINGER_MS = 2000
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
 
 
 def run_worker(
@@ -43,9 +49,11 @@ def run_worker(
     rank: int,
     dist_init_address: str,
     world_size: int | None = None,
+    credentials: Credentials | None = None,
 ) -> int:
     """Serve one rank until Shutdown; returns the process exit code. world_size
-    defaults to config.tensor_parallel_size."""
+    defaults to config.tensor_parallel_size; a tcp engine address needs the worker
+    credentials (ipc/auth.py)."""
     world_size = world_size or config.tensor_parallel_size
     ctx = zmq.Context()
     sock = make_socket(
@@ -53,9 +61,12 @@ def run_worker(
         zmq.DEALER,
         socket_address(engine_address, "workers"),
         bind=False,
-        identity=f"worker-{rank}".encode(),
+        identity=f"worker-{rank}-{os.urandom(4).hex()}".encode(),
+        credentials=credentials,
+        role=WORKER,
     )
-    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    # A lost connection, or credentials the engine refuses, ends the serving loop.
+    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED)
     step_id = None
     try:
         _set_num_threads(world_size)

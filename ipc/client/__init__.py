@@ -1,8 +1,16 @@
 """The client library of an EngineCore process: EngineClient (blocking, thread-safe)
 and AsyncEngineClient (asyncio). `python -m ipc.client --help` streams one answer."""
 
+from ipc.auth import Credentials, CredentialsError
 from ipc.client.async_client import AsyncEngineClient
 from ipc.client.core import EngineDeadError, RequestError
 from ipc.client.sync_client import EngineClient
 
-__all__ = ["AsyncEngineClient", "EngineClient", "EngineDeadError", "RequestError"]
+__all__ = [
+    "AsyncEngineClient",
+    "Credentials",
+    "CredentialsError",
+    "EngineClient",
+    "EngineDeadError",
+    "RequestError",
+]

@@ -1,6 +1,6 @@
 """Stream one answer from a running EngineCore to stdout:
 
-    python -m ipc.client --address ipc:///tmp/splitserve-x/engine --model PATH "Hello!"
+python -m ipc.client --address ipc:///tmp/splitserve-x/engine --model PATH "Hello!"
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import argparse
 import os
 import sys
 
+from ipc.auth import CredentialsError
 from ipc.client.core import EngineDeadError, RequestError
 from ipc.client.sync_client import EngineClient
 from ipc.defaults import default_sampling_params
@@ -23,6 +24,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("prompt")
     parser.add_argument("--address", required=True, help="engine address, or a file holding one")
+    parser.add_argument(
+        "--credentials",
+        metavar="FILE",
+        help="client credentials of a tcp engine (default: ADDRESS_FILE.credentials if it exists)",
+    )
     parser.add_argument(
         "--tokenizer",
         "--model",
@@ -45,14 +51,16 @@ def main(argv: list[str] | None = None) -> int:
 
     tokenizer = Tokenizer.from_pretrained(args.tokenizer)
     messages = [{"role": "user", "content": args.prompt}]
-    prompt = args.prompt if args.no_chat else tokenizer.apply_chat_template(messages, tokenize=True)
+    prompt = args.prompt if args.no_chat else tokenizer.encode_chat(messages)
     overrides = {} if args.temperature is None else {"temperature": args.temperature}
     params = default_sampling_params(args.tokenizer, max_tokens=args.max_tokens, **overrides)
     try:
-        with EngineClient(args.address, tokenizer, args.connect_timeout) as client:
+        with EngineClient(
+            args.address, tokenizer, args.connect_timeout, credentials=args.credentials
+        ) as client:
             for delta in client.stream(prompt, params):
                 print(delta.outputs[0].text, end="", flush=True)
-    except (TimeoutError, RequestError, EngineDeadError) as e:
+    except (TimeoutError, RequestError, EngineDeadError, CredentialsError) as e:
         print(f"\nerror: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

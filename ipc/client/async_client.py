@@ -1,9 +1,10 @@
 """AsyncEngineClient: the asyncio client of an EngineCore process (the HTTP server's).
 
-One task owns the output socket and hands each request's deltas to that request's
-asyncio.Queue. Sends go through a plain (blocking-API) socket on the same ZMQ context:
-with no high-water mark they never wait, so an abort can be sent from a `finally` of
-a cancelled task or a collected async generator.
+One task owns the output socket and its monitor, and hands each request's deltas to
+that request's asyncio.Queue and connection events to the ClientCore (a lost engine
+fails every live request at once). Sends go through a plain (blocking-API) socket on the
+same ZMQ context, never waiting (a full queue fails the request), so an abort can be
+sent from a `finally` of a cancelled task or a collected async generator.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from ipc.auth import Credentials, CredentialsError, client_credentials
 from ipc.client.core import (
     CLOSE_LINGER_MS,
+    MONITOR_EVENTS,
     ClientCore,
     ClientTokenizer,
     EngineDeadError,
@@ -31,12 +34,12 @@ from ipc.client.core import (
 )
 from ipc.messages import AbortRequests, SamplingParams, SchedulerStats, encode
 from ipc.outputs import RequestOutput
-from ipc.sockets import HELLO, WELCOME, make_socket, read_address, socket_address
+from ipc.sockets import HELLO, client_sockets, read_address
 
 
 class AsyncEngineClient:
     """Use `await AsyncEngineClient.create(address, ...)`, or construct and
-    `await connect()`. `health_interval` as for EngineClient."""
+    `await connect()`. `credentials` and `health_interval` as for EngineClient."""
 
     def __init__(
         self,
@@ -44,11 +47,13 @@ class AsyncEngineClient:
         tokenizer: str | os.PathLike | ClientTokenizer | None = None,
         connect_timeout: float = 30.0,
         health_interval: float = 15.0,
+        credentials: Credentials | str | os.PathLike | None = None,
     ) -> None:
         self.address = read_address(address)
+        self._credentials = client_credentials(address, self.address, credentials)
         self.connect_timeout = connect_timeout
         self.health_interval = health_interval
-        self._core = ClientCore(tokenizer)
+        self._core = ClientCore(tokenizer, self.address)
         self._ctx: zmq.asyncio.Context | None = None
         self._receiver: asyncio.Task | None = None
         self._closed = False
@@ -67,27 +72,24 @@ class AsyncEngineClient:
         if self._ctx is not None:
             raise RuntimeError("the AsyncEngineClient is already connected")
         self._ctx = zmq.asyncio.Context()
-        identity = new_identity()
-        self._input = make_socket(
+        self._input, self._output = client_sockets(
             zmq.Context.shadow(self._ctx.underlying),
-            zmq.DEALER,
-            socket_address(self.address, "input"),
-            False,
-            identity,
+            self._ctx,
+            self.address,
+            new_identity(),
+            self._credentials,
+            MONITOR_EVENTS,
         )
-        self._output = make_socket(
-            self._ctx, zmq.DEALER, socket_address(self.address, "output"), False, identity
-        )
+        self._monitor = self._output.get_monitor_socket()
+        self._poller = zmq.asyncio.Poller()
+        self._poller.register(self._output, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
         try:
             await self._output.send(HELLO)
-            welcome = await asyncio.wait_for(self._output.recv(), self.connect_timeout)
-            if welcome != WELCOME:
-                raise RuntimeError(f"the EngineCore at {self.address} answered HELLO: {welcome!r}")
-        except BaseException as e:
+            await self._wait_welcome()
+        except BaseException:
             self._close_sockets()
             self._ctx = None
-            if isinstance(e, asyncio.TimeoutError):
-                raise no_engine_error(self.address, self.connect_timeout) from None
             raise
         self._receiver = asyncio.create_task(self._receive_loop())
 
@@ -164,11 +166,9 @@ class AsyncEngineClient:
 
     def _submit(self, prompt, sampling_params, request_id, priority, cache_salt) -> RequestState:
         self._check_open()
-        state = self._core.add_request(
-            prompt, sampling_params, request_id, priority, cache_salt, asyncio.Queue()
+        return self._core.submit(
+            self._send, asyncio.Queue(), prompt, sampling_params, request_id, priority, cache_salt
         )
-        self._send(state.request)
-        return state
 
     async def _deltas(self, state: RequestState) -> AsyncIterator[RequestOutput]:
         try:
@@ -183,18 +183,18 @@ class AsyncEngineClient:
                 if item.finished:
                     return
         finally:
-            if self._core.pop(state.request.request_id) is not None:
-                self._send(AbortRequests([state.request.request_id]))
+            abort = self._core.release(state.request.request_id)
+            if abort is not None:
+                self._send(abort)
 
     async def _call(self, method: str, timeout: float) -> Any:
         self._check_open()
         future = asyncio.get_running_loop().create_future()
-        request = self._core.add_call(method, future)
-        self._send(request)
+        call_id = self._core.start_call(self._send, method, future)
         try:
             await asyncio.wait([future], timeout=timeout)
         finally:
-            self._core.drop_call(request.call_id)
+            self._core.drop_call(call_id)
         if not future.done():
             raise dead_engine_error(self.address, method, timeout)
         return future.result()
@@ -205,16 +205,52 @@ class AsyncEngineClient:
         if self._closed:
             raise RuntimeError("the AsyncEngineClient is closed")
 
-    def _send(self, message: msgspec.Struct) -> None:
-        if not self._closed:
-            self._input.send(encode(message))
+    def _send(self, message: msgspec.Struct) -> bool:
+        """Send without waiting; False if the engine's queue is full. Once closed, drop
+        it (close() failed every live request)."""
+        if self._closed:
+            return True
+        try:
+            self._input.send(encode(message), zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
+
+    async def _wait_welcome(self) -> None:
+        """Wait for WELCOME (or a refused handshake), handling what arrives meanwhile."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.connect_timeout
+        while not self._core.connected:
+            error = self._core.connection_error()
+            if isinstance(error, CredentialsError):
+                raise error
+            left = deadline - loop.time()
+            if left <= 0:
+                raise no_engine_error(self.address, self.connect_timeout)
+            await self._receive(int(left * 1000) + 1)
+
+    async def _receive(self, timeout_ms: int | None) -> None:
+        """Handle what the output socket and its monitor hold, waiting up to timeout_ms.
+        Frames first: those the engine sent before it went are in before the event."""
+        events = dict(await self._poller.poll(timeout_ms))
+        if self._output in events:
+            await self._handle_frame()
+        if self._monitor not in events:
+            return
+        while await self._output.poll(0):
+            await self._handle_frame()
+        if self._core.handle_event(await self._monitor.recv_multipart()):
+            await self._output.send(HELLO)
+
+    async def _handle_frame(self) -> None:
+        abort = self._core.handle_frame(await self._output.recv())
+        if abort is not None:
+            self._send(abort)
 
     async def _receive_loop(self) -> None:
         try:
             while True:
-                abort = self._core.handle_frame(await self._output.recv())
-                if abort is not None:
-                    self._send(abort)
+                await self._receive(None)
         except Exception as e:
             self._core.fail_all(RuntimeError(f"the AsyncEngineClient's receiver failed: {e!r}"))
             raise
@@ -222,6 +258,7 @@ class AsyncEngineClient:
     def _close_sockets(self) -> None:
         self._input.close(linger=CLOSE_LINGER_MS)
         self._output.close()
+        self._monitor.close()
         self._ctx.term()
 
 

@@ -6,6 +6,13 @@ deltas into that request's queue (`queue.Queue` or `asyncio.Queue`: only `put_no
 is used), and matches utility answers to their futures
 (`concurrent.futures.Future` or `asyncio.Future`). It owns no socket: the caller sends
 what it returns.
+
+It also keeps the state of the connection, fed with the frames of the output socket
+and of that socket's monitor: a lost connection fails every live request and call with
+EngineDeadError at once, and new ones fail at once until the engine is back (a fresh
+connection, HELLO, WELCOME); a refused security handshake does the same with
+CredentialsError. A hung engine that keeps its connection is found by the clients'
+health checks instead.
 """
 
 from __future__ import annotations
@@ -16,8 +23,14 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any, Protocol
 
+import msgspec
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from ipc.auth import CredentialsError
 from ipc.detokenizer import IncrementalDetokenizer
 from ipc.messages import (
     AbortRequests,
@@ -32,6 +45,7 @@ from ipc.messages import (
     UtilityRequest,
 )
 from ipc.outputs import CompletionOutput, RequestOutput
+from ipc.sockets import WELCOME
 from ipc.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -39,6 +53,21 @@ logger = logging.getLogger(__name__)
 CLOSE_LINGER_MS = 1000  # how long a closing client lets its last aborts leave
 Prompt = str | list[int]
 Message = dict[str, Any]
+_REFUSED = {
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the EngineCore at {} refused this client's credentials",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "the EngineCore at {} refused the security handshake "
+    "(tcp needs CURVE credentials, ipc none)",
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the security handshake with the EngineCore at {} "
+    "failed: are the credentials this engine's?",
+}
+# What the output socket's monitor must report (make_socket's `monitor`).
+MONITOR_EVENTS = (
+    zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
 
 
 class RequestError(ValueError):
@@ -52,7 +81,7 @@ class RequestError(ValueError):
 
 
 class EngineDeadError(RuntimeError):
-    """The EngineCore did not answer in time."""
+    """The EngineCore did not answer in time, or the connection to it is lost."""
 
 
 class ClientTokenizer(Protocol):
@@ -60,7 +89,13 @@ class ClientTokenizer(Protocol):
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
 
-    def apply_chat_template(self, messages: list[Message], **kwargs: Any) -> Any: ...
+    def encode_chat(
+        self, messages: list[Message], add_generation_prompt: bool = ...
+    ) -> list[int]: ...
+
+
+# Sends a message without blocking; False when the engine's queue is full.
+Send = Callable[[msgspec.Struct], bool]
 
 
 class _Sink(Protocol):
@@ -87,6 +122,10 @@ def dead_engine_error(address: str, method: str, timeout: float) -> EngineDeadEr
     return EngineDeadError(
         f"the EngineCore at {address} did not answer {method!r} within {timeout:g} s"
     )
+
+
+def full_queue_error(address: str) -> EngineDeadError:
+    return EngineDeadError(f"the EngineCore at {address} is not reading (send queue full)")
 
 
 class RequestState:
@@ -148,9 +187,29 @@ class RequestState:
         return text[sent:end]
 
 
+def prompt_token_ids(tokenizer: ClientTokenizer | None, prompt: Prompt) -> list[int]:
+    if not isinstance(prompt, str):
+        return list(prompt)
+    if tokenizer is None:
+        raise ValueError("a text prompt needs a tokenizer; pass token ids or a tokenizer")
+    return tokenizer.encode(prompt)
+
+
+def chat_token_ids(tokenizer: ClientTokenizer | None, messages: list[Message]) -> list[int]:
+    """The chat template applied; message content is text (never special tokens)."""
+    if tokenizer is None:
+        raise ValueError("chat needs a tokenizer")
+    return tokenizer.encode_chat(messages, add_generation_prompt=True)
+
+
 class ClientCore:
-    def __init__(self, tokenizer: str | os.PathLike | ClientTokenizer | None) -> None:
+    def __init__(self, tokenizer: str | os.PathLike | ClientTokenizer | None, address: str) -> None:
         self.tokenizer = load_tokenizer(tokenizer)
+        self.address = address
+        # Why requests cannot be sent now; None while connected and welcomed.
+        self._down: Exception | None = EngineDeadError(
+            f"not connected to the EngineCore at {address} yet"
+        )
         self._requests: dict[str, RequestState] = {}
         self._calls: dict[int, Any] = {}
         self._call_ids = itertools.count()
@@ -160,16 +219,10 @@ class ClientCore:
         self._decoder = Decoder(EngineCoreOutputs, UtilityOutput)
 
     def prompt_token_ids(self, prompt: Prompt) -> list[int]:
-        if not isinstance(prompt, str):
-            return list(prompt)
-        if self.tokenizer is None:
-            raise ValueError("a text prompt needs a tokenizer; pass token ids or a tokenizer")
-        return self.tokenizer.encode(prompt)
+        return prompt_token_ids(self.tokenizer, prompt)
 
     def chat_token_ids(self, messages: list[Message]) -> list[int]:
-        if self.tokenizer is None:
-            raise ValueError("chat needs a tokenizer")
-        return self.tokenizer.encode_chat(messages, add_generation_prompt=True)
+        return chat_token_ids(self.tokenizer, messages)
 
     def add_request(
         self,
@@ -193,10 +246,38 @@ class ClientCore:
         )
         state = RequestState(request, self.tokenizer, queue)
         with self._lock:
+            self.check_connected()
             if request.request_id in self._requests:
                 raise ValueError(f"request id {request.request_id!r} is already running")
             self._requests[request.request_id] = state
         return state
+
+    def submit(
+        self,
+        send: Send,
+        queue: _Sink,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None,
+        request_id: str | None,
+        priority: int,
+        cache_salt: str | None,
+    ) -> RequestState:
+        """add_request, then `send` it; a request that cannot leave (a full queue, or a
+        message the encoder refuses) is forgotten."""
+        state = self.add_request(prompt, sampling_params, request_id, priority, cache_salt, queue)
+        try:
+            sent = send(state.request)
+        except BaseException:
+            self.pop(state.request.request_id)
+            raise
+        if not sent:
+            self.pop(state.request.request_id)
+            raise full_queue_error(self.address)
+        return state
+
+    def release(self, request_id: str) -> AbortRequests | None:
+        """Its consumer is done with a request: the abort to send if it was still live."""
+        return None if self.pop(request_id) is None else AbortRequests([request_id])
 
     def pop(self, request_id: str) -> RequestState | None:
         """Forget a live request (None if it is not live)."""
@@ -210,9 +291,46 @@ class ClientCore:
             state.queue.put_nowait(state.apply(EngineCoreOutput(request_id, [], "abort")))
         return state is not None
 
+    @property
+    def connected(self) -> bool:
+        return self._down is None
+
+    def connection_error(self) -> Exception | None:
+        """Why nothing can be sent now (a fresh exception), or None."""
+        down = self._down
+        return None if down is None else type(down)(str(down))
+
+    def check_connected(self) -> None:
+        error = self.connection_error()
+        if error is not None:
+            raise error
+
+    def handle_event(self, frames: list[bytes]) -> bool:
+        """Take one message of the output socket's monitor; True when a connection just
+        opened and the caller must send HELLO on it."""
+        event = parse_monitor_message(frames)["event"]
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            return True
+        if event in _REFUSED:
+            self._lose(CredentialsError(_REFUSED[event].format(self.address)))
+        elif event == zmq.EVENT_DISCONNECTED:
+            self._lose(EngineDeadError(f"lost the connection to the EngineCore at {self.address}"))
+        return False
+
+    def _lose(self, error: Exception) -> None:
+        with self._lock:
+            if isinstance(self._down, CredentialsError) and isinstance(error, EngineDeadError):
+                return  # the disconnection that follows a refused handshake
+            self._down = error
+        self.fail_all(error)
+
     def handle_frame(self, frame: bytes) -> AbortRequests | None:
         """Deliver one frame from the engine's output socket; return the abort the
         caller must send for requests whose text reached a stop string."""
+        if frame == WELCOME:
+            with self._lock:
+                self._down = None
+            return None
         try:
             message = self._decoder.decode(frame)
         except DecodeError as e:
@@ -262,9 +380,18 @@ class ClientCore:
 
     def add_call(self, method: str, future: Any) -> UtilityRequest:
         with self._lock:
+            self.check_connected()
             call_id = next(self._call_ids)
             self._calls[call_id] = future
         return UtilityRequest(call_id, method)
+
+    def start_call(self, send: Send, method: str, future: Any) -> int:
+        """add_call, then `send` it; returns the call id (drop_call it when done)."""
+        request = self.add_call(method, future)
+        if not send(request):
+            self.drop_call(request.call_id)
+            raise full_queue_error(self.address)
+        return request.call_id
 
     def drop_call(self, call_id: int) -> None:
         with self._lock:

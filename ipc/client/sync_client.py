@@ -1,7 +1,9 @@
 """EngineClient: a blocking, thread-safe client of an EngineCore process.
 
-Sends go through one lock; one background thread owns the output socket and hands
-each request's deltas to that request's queue, utility answers to their futures.
+Sends go through one lock and never block; one background thread owns the output
+socket and its monitor, and hands each request's deltas to that request's queue, utility
+answers to their futures, and connection events to the ClientCore (a lost engine fails
+every live request at once).
 """
 
 from __future__ import annotations
@@ -10,14 +12,17 @@ import concurrent.futures
 import os
 import queue
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import msgspec
 import zmq
 
+from ipc.auth import Credentials, CredentialsError, client_credentials
 from ipc.client.core import (
     CLOSE_LINGER_MS,
+    MONITOR_EVENTS,
     ClientCore,
     ClientTokenizer,
     EngineDeadError,
@@ -30,12 +35,15 @@ from ipc.client.core import (
 )
 from ipc.messages import AbortRequests, SamplingParams, SchedulerStats, encode
 from ipc.outputs import RequestOutput
-from ipc.sockets import HELLO, WELCOME, make_socket, read_address, socket_address
+from ipc.sockets import HELLO, client_sockets, read_address
 
 
 class EngineClient:
-    """`health_interval`: a request that hears nothing for this long asks the engine
-    for its health, and raises EngineDeadError if that goes unanswered as long."""
+    """`address`: an engine address or a file holding one. `credentials` (a file or
+    ipc.auth.Credentials) are needed on tcp; given an address file, the client reads
+    FILE.credentials when it exists. `health_interval`: a request that hears nothing for
+    this long asks the engine for its health, and raises EngineDeadError if that goes
+    unanswered as long."""
 
     def __init__(
         self,
@@ -43,25 +51,27 @@ class EngineClient:
         tokenizer: str | os.PathLike | ClientTokenizer | None = None,
         connect_timeout: float = 30.0,
         health_interval: float = 15.0,
+        credentials: Credentials | str | os.PathLike | None = None,
     ) -> None:
         self.address = read_address(address)
+        keys = client_credentials(address, self.address, credentials)
         self.health_interval = health_interval
-        self._core = ClientCore(tokenizer)
+        self._core = ClientCore(tokenizer, self.address)
         self._ctx = zmq.Context()
-        identity = new_identity()
-        self._input = make_socket(
-            self._ctx, zmq.DEALER, socket_address(self.address, "input"), False, identity
+        self._input, self._output = client_sockets(
+            self._ctx, self._ctx, self.address, new_identity(), keys, MONITOR_EVENTS
         )
-        self._output = make_socket(
-            self._ctx, zmq.DEALER, socket_address(self.address, "output"), False, identity
-        )
+        self._monitor = self._output.get_monitor_socket()
+        self._poller = zmq.Poller()
+        self._poller.register(self._output, zmq.POLLIN)
+        self._poller.register(self._monitor, zmq.POLLIN)
         self._send_lock = threading.RLock()
         self._closed = False
         try:
-            self._handshake(connect_timeout)
+            self._connect(connect_timeout)
         except BaseException:
-            self._input.close()
-            self._output.close()
+            for sock in (self._input, self._output, self._monitor):
+                sock.close()
             self._ctx.term()
             raise
         self._receiver = threading.Thread(target=self._receive_loop, daemon=True, name="client-rx")
@@ -141,21 +151,30 @@ class EngineClient:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _handshake(self, timeout: float) -> None:
+    def _connect(self, timeout: float) -> None:
+        """HELLO, then wait for WELCOME (or a refused handshake) on this thread."""
         self._output.send(HELLO)
-        if not self._output.poll(int(timeout * 1000)):
-            raise no_engine_error(self.address, timeout)
-        welcome = self._output.recv()
-        if welcome != WELCOME:
-            raise RuntimeError(f"the EngineCore at {self.address} answered HELLO: {welcome!r}")
+        deadline = time.monotonic() + timeout
+        while not self._core.connected:
+            error = self._core.connection_error()
+            if isinstance(error, CredentialsError):
+                raise error
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise no_engine_error(self.address, timeout)
+            self._receive(int(left * 1000) + 1)
 
     def _submit(self, prompt, sampling_params, request_id, priority, cache_salt) -> RequestState:
         self._check_open()
-        state = self._core.add_request(
-            prompt, sampling_params, request_id, priority, cache_salt, queue.SimpleQueue()
+        return self._core.submit(
+            self._send,
+            queue.SimpleQueue(),
+            prompt,
+            sampling_params,
+            request_id,
+            priority,
+            cache_salt,
         )
-        self._send(state.request)
-        return state
 
     def _deltas(self, state: RequestState) -> Iterator[RequestOutput]:
         try:
@@ -171,38 +190,61 @@ class EngineClient:
                 if item.finished:
                     return
         finally:
-            if self._core.pop(state.request.request_id) is not None:
-                self._send(AbortRequests([state.request.request_id]))
+            abort = self._core.release(state.request.request_id)
+            if abort is not None:
+                self._send(abort)
 
     def _call(self, method: str, timeout: float) -> Any:
         self._check_open()
         future: concurrent.futures.Future = concurrent.futures.Future()
-        request = self._core.add_call(method, future)
-        self._send(request)
+        call_id = self._core.start_call(self._send, method, future)
         try:
             return future.result(timeout)
         except concurrent.futures.TimeoutError:
             raise dead_engine_error(self.address, method, timeout) from None
         finally:
-            self._core.drop_call(request.call_id)
+            self._core.drop_call(call_id)
 
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("the EngineClient is closed")
 
-    def _send(self, message: msgspec.Struct) -> None:
+    def _send(self, message: msgspec.Struct) -> bool:
+        """Send without blocking; False if the engine's queue is full. Once closed, drop
+        it (close() failed every live request)."""
         frame = encode(message)
         with self._send_lock:
-            if not self._closed:
-                self._input.send(frame)
+            if self._closed:
+                return True
+            try:
+                self._input.send(frame, zmq.NOBLOCK)
+            except zmq.Again:
+                return False
+            return True
+
+    def _receive(self, timeout_ms: int | None) -> None:
+        """Handle what the output socket and its monitor hold, waiting up to timeout_ms.
+        Frames first: those the engine sent before it went are in before the event."""
+        events = dict(self._poller.poll(timeout_ms))
+        if self._output in events:
+            self._handle_frame()
+        if self._monitor not in events:
+            return
+        while self._output.poll(0):
+            self._handle_frame()
+        if self._core.handle_event(self._monitor.recv_multipart()):
+            self._output.send(HELLO, zmq.NOBLOCK)
+
+    def _handle_frame(self) -> None:
+        abort = self._core.handle_frame(self._output.recv())
+        if abort is not None:
+            self._send(abort)
 
     def _receive_loop(self) -> None:
-        with self._output:
+        with self._output, self._monitor:
             try:
                 while True:
-                    abort = self._core.handle_frame(self._output.recv())
-                    if abort is not None:
-                        self._send(abort)
+                    self._receive(None)
             except zmq.ContextTerminated:
                 pass  # close() was called
             except Exception as e:

@@ -1,5 +1,6 @@
 """Multi-node style: `launch.py --role engine` on tcp, and the workers started on their
-own under torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), connecting to it."""
+own under torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), connecting to it, every
+process with a copy of the same credentials file."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import sys
 
 import pytest
 
+from ipc.auth import Credentials
 from ipc.client import EngineClient
 from ipc.messages import SamplingParams
 from ipc.sockets import free_tcp_port
@@ -28,7 +30,10 @@ PROMPTS = [[5, 77, 3, 200], [42] * 30]
 @pytest.mark.gpus(2)
 def test_engine_role_with_torchrun_workers(tmp_path, qwen3_path):
     address = f"tcp://127.0.0.1:{free_tcp_port()}"
+    credentials = tmp_path / "cluster.credentials"
+    Credentials.generate().save(credentials)
     engine_args = ["--role", "engine", "--engine-address", address, "--tp", "2"]
+    engine_args += ["--credentials", str(credentials)]
     engine, log, address_file = start_launch(
         tmp_path, *engine_args, "--model", qwen3_path, *ENGINE_ARGS
     )
@@ -36,6 +41,7 @@ def test_engine_role_with_torchrun_workers(tmp_path, qwen3_path):
     torchrun += ["--master-port", str(free_tcp_port(count=1))]
     with (tmp_path / "workers.log").open("wb") as out:
         worker_args = ["--role", "worker", "--engine-address", address, "--model", qwen3_path]
+        worker_args += ["--credentials", str(credentials)]
         workers = subprocess.Popen(
             [*torchrun, LAUNCH, *worker_args, *ENGINE_ARGS],
             stdout=out,
@@ -45,7 +51,7 @@ def test_engine_role_with_torchrun_workers(tmp_path, qwen3_path):
         )
     try:
         assert wait_ready(engine, log, address_file) == address
-        with EngineClient(address) as client:
+        with EngineClient(address, credentials=credentials) as client:
             params = SamplingParams(temperature=0.0, max_tokens=8)
             answers = [client.generate(p, params).outputs[0].token_ids for p in PROMPTS]
         assert answers == greedy_reference(qwen3_path, PROMPTS, 8)

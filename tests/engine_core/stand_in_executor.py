@@ -130,7 +130,6 @@ class StandInExecutor(Executor):
             self._check_context(*args)
         return ModelRunnerOutput(so.step_id, scheduled, sampled)
 
-
     def _store(self, state: WorkerRequestState, start: int, block_size: int) -> None:
         for position in range(start, state.num_computed_tokens):
             slot = (state.block_ids[position // block_size], position % block_size)

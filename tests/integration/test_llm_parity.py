@@ -112,7 +112,9 @@ def test_seeded_sampling_is_independent_of_the_batch(checkpoint):
     sp = SamplingParams(temperature=1.0, seed=1234, max_tokens=MAX_TOKENS, ignore_eos=True)
     alone = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0].token_ids
     others = SamplingParams(temperature=0.8, max_tokens=MAX_TOKENS, ignore_eos=True)
-    mixed = llm.generate(
-        _prompts(3, 5, 30, seed=7) + [prompt], [others] * 3 + [sp], use_tqdm=False
-    )[3].outputs[0].token_ids
+    mixed = (
+        llm.generate(_prompts(3, 5, 30, seed=7) + [prompt], [others] * 3 + [sp], use_tqdm=False)[3]
+        .outputs[0]
+        .token_ids
+    )
     assert alone == mixed

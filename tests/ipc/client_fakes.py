@@ -9,7 +9,11 @@ prompt repeated up to max_tokens), one token per step, round robin over the live
 requests, each client's outputs of a step in one EngineCoreOutputs; the last token
 comes with finish_reason "length". A prompt starting with FAIL_TOKEN is refused with
 finish_reason "error". Aborts stop a request; utility calls are answered unless
-`answer_utilities` is False; a `frozen` engine answers nothing at all.
+`answer_utilities` is False; a `frozen` engine answers nothing at all. On a tcp `address`
+it needs `credentials` (ipc/auth.py), as the real engine does.
+
+`python tests/ipc/client_fakes.py ADDRESS [STEP_DELAY]` runs one as a process (to be
+killed), with the repository root on PYTHONPATH.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import functools
 import itertools
 import queue
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -27,6 +32,7 @@ from collections.abc import Callable
 
 import zmq
 
+from ipc.auth import CLIENT, Credentials, engine_context
 from ipc.messages import (
     AbortRequests,
     Decoder,
@@ -70,9 +76,14 @@ def tiny_tokenizer_path() -> str:
 
 class FakeEngine:
     def __init__(
-        self, reply: Callable[[EngineCoreRequest], list[int]] = echo, step_delay: float = 0.0005
+        self,
+        reply: Callable[[EngineCoreRequest], list[int]] = echo,
+        step_delay: float = 0.0005,
+        address: str | None = None,
+        credentials: Credentials | None = None,
     ) -> None:
-        self.address = new_ipc_address()
+        self.address = address or new_ipc_address()
+        self.credentials = credentials
         self.reply = reply
         self.step_delay = step_delay
         self.requests: list[EngineCoreRequest] = []
@@ -110,9 +121,12 @@ class FakeEngine:
         return True
 
     def _run(self) -> None:
-        ctx = zmq.Context()
-        inputs = make_socket(ctx, zmq.ROUTER, socket_address(self.address, "input"), bind=True)
-        outputs = make_socket(ctx, zmq.ROUTER, socket_address(self.address, "output"), bind=True)
+        ctx = engine_context(self.credentials)
+        keys = {"credentials": self.credentials, "role": CLIENT}
+        inputs, outputs = (
+            make_socket(ctx, zmq.ROUTER, socket_address(self.address, name), True, **keys)
+            for name in ("input", "output")
+        )
         poller = zmq.Poller()
         poller.register(inputs, zmq.POLLIN)
         poller.register(outputs, zmq.POLLIN)
@@ -175,3 +189,10 @@ class FakeEngine:
                 del self._live[request_id]
         for identity, outs in by_client.items():
             outputs.send_multipart([identity, encode(EngineCoreOutputs(outs))])
+
+
+if __name__ == "__main__":
+    step_delay = float(sys.argv[2]) if len(sys.argv) > 2 else 0.01
+    with FakeEngine(address=sys.argv[1], step_delay=step_delay):
+        print("ready", flush=True)
+        threading.Event().wait()

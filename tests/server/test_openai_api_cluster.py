@@ -86,4 +86,3 @@ def test_disconnect_mid_stream_frees_the_engine(http, engine, stats_client):
         time.sleep(0.02)
     assert stats_client.stats().num_generation_tokens - before < max_tokens
     assert stats_client.stats().kv_cache_usage == 0.0
-

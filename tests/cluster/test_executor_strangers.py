@@ -1,0 +1,84 @@
+"""MultiprocExecutor against fake workers and a stranger (raw DEALERs): once the workers
+registered, nobody else is heard, and a second WorkerReady is ignored, never fatal."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import zmq
+
+from engine_core.config import EngineConfig
+from engine_core.multiproc_executor import MultiprocExecutor
+from ipc.messages import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    WorkerError,
+    WorkerReady,
+    encode,
+)
+from ipc.sockets import socket_address
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """An executor for tp 2 and three DEALERs: fake ranks 0 and 1, and a stranger."""
+    address = f"ipc://{tmp_path}/engine"
+    executor = MultiprocExecutor(
+        EngineConfig(max_model_len=64, tensor_parallel_size=2), address, ready_timeout=2.0
+    )
+    ctx = zmq.Context()
+    peers = []
+    for name in (b"fake-0", b"fake-1", b"stranger"):
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IDENTITY, name)
+        sock.connect(socket_address(address, "workers"))
+        peers.append(sock)
+    yield executor, peers
+    executor.shutdown()
+    for sock in peers:
+        sock.close()
+    ctx.term()
+
+
+def _ready(rank: int, blocks: int = 8) -> bytes:
+    return encode(WorkerReady(rank, blocks, os.getpid(), socket.gethostname()))
+
+
+def _step(step_id: int) -> SchedulerOutput:
+    return SchedulerOutput(step_id, [], CachedRequestData(), {"a": 1}, 1)
+
+
+def test_a_second_worker_ready_for_a_rank_is_ignored(cluster, caplog):
+    executor, (rank0, rank1, stranger) = cluster
+    with ThreadPoolExecutor(1) as pool:
+        num_blocks = pool.submit(executor.determine_num_blocks)
+        rank0.send(_ready(0, blocks=8))
+        rank0.send(_ready(1, blocks=1))  # the same peer again, as another rank
+        stranger.send(_ready(0, blocks=1))  # another peer for a rank that is taken
+        time.sleep(0.3)  # all three are read before rank 1 registers
+        rank1.send(_ready(1, blocks=8))
+        assert num_blocks.result() == 8
+    assert [w.identity for w in executor.workers] == [b"fake-0", b"fake-1"]
+    assert caplog.text.count("ignored a second WorkerReady") == 2
+
+
+def test_after_registration_a_stranger_is_not_heard(cluster, caplog):
+    executor, (rank0, rank1, stranger) = cluster
+    rank0.send(_ready(0))
+    rank1.send(_ready(1))
+    executor.determine_num_blocks()
+    stranger.send(encode(WorkerError(0, "forged", 0)))
+    stranger.send(_ready(0))
+    executor.check_workers()  # a WorkerError from a worker would raise here
+    stranger.send(encode(WorkerError(1, "forged", 0)))
+    stranger.send(encode(ModelRunnerOutput(0, ["a"], [[666]])))
+    answer = ModelRunnerOutput(0, ["a"], [[7]])
+    rank0.send(encode(answer))
+    assert executor.execute_model(_step(0)) == answer
+    assert caplog.text.count("not a registered worker") == 1  # once per stranger
