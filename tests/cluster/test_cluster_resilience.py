@@ -1,11 +1,13 @@
 """A worker that dies or hangs is replaced and its requests replayed: clients see a pause,
 not an error, and greedy outputs equal transformers'; restarts are bounded; SIGTERM
 drains (running requests finish, new ones are refused) before the cluster exits; an API
-server that dies is started again."""
+server that dies is started again; an engine that dies ends HTTP streams with an error
+event, not a silent cut."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import signal
@@ -162,16 +164,21 @@ def test_sigterm_drains(tmp_path, llama_path):
     assert "drained: every request finished" in log.read_text()
 
 
-def test_dead_api_server_is_restarted(tmp_path, llama_path):
+def _start_with_api(tmp_path, model: str):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    args = ("--model", llama_path, "--dtype", "float32", "--kv-cache-memory", "64MiB")
+    args = ("--model", model, "--dtype", "float32", "--kv-cache-memory", "64MiB")
     process, log, address_file = start_launch(
         tmp_path, *args, "--api-host", "127.0.0.1", "--api-port", str(port)
     )
     wait_ready(process, log, address_file)
-    url = f"http://127.0.0.1:{port}/health"
+    return process, log, f"http://127.0.0.1:{port}"
+
+
+def test_dead_api_server_is_restarted(tmp_path, llama_path):
+    process, log, base_url = _start_with_api(tmp_path, llama_path)
+    url = f"{base_url}/health"
     try:
         assert httpx.get(url).status_code == 200
         os.kill(child_pids(log.read_text())["api server"], signal.SIGKILL)
@@ -186,3 +193,23 @@ def test_dead_api_server_is_restarted(tmp_path, llama_path):
         assert "api server died with exit code -9; restarting it" in log.read_text()
     finally:
         assert _stop(process) == 0, log.read_text()
+
+
+def test_engine_death_ends_http_streams_with_an_error_event(tmp_path, llama_path):
+    process, log, base_url = _start_with_api(tmp_path, llama_path)
+    body = {"prompt": PROMPTS[0], "max_tokens": 500, "ignore_eos": True, "stream": True}
+    try:
+        with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=30) as reply:
+            lines = reply.iter_lines()
+            assert next(lines).startswith("data: ")
+            started = time.monotonic()
+            os.kill(child_pids(log.read_text())["engine core"], signal.SIGKILL)
+            events = [line for line in lines if line.startswith("data: ")]
+        assert time.monotonic() - started < 10
+        assert events[-1] == "data: [DONE]"
+        error = json.loads(events[-2][len("data: ") :])["error"]
+        assert error["type"] == "service_unavailable" and "pid" not in error["message"]
+        assert process.wait(timeout=30) != 0  # a dead engine takes the cluster down
+    finally:
+        if process.poll() is None:
+            process.kill()

@@ -178,6 +178,13 @@ def test_two_client_processes_share_one_engine(engine):
     assert len(engine.clients) == 2
 
 
+def test_a_request_the_encoder_refuses_is_not_left_registered(engine, client):
+    with pytest.raises(OverflowError):
+        client.generate([1, 2**64], SamplingParams(max_tokens=2))
+    assert not client._core._requests
+    assert client.generate([1, 2], SamplingParams(max_tokens=2)).finished
+
+
 def test_a_live_request_id_cannot_be_reused(client):
     stream = client.stream([1], SamplingParams(max_tokens=10_000), request_id="same")
     next(stream)

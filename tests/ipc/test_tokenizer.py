@@ -229,12 +229,12 @@ def test_encode_chat_survives_templates_that_transform_content(tmp_path):
     )
 
 
-def test_the_client_core_encodes_chats_with_encode_chat():
-    from ipc.client.core import ClientCore
+def test_the_clients_and_llm_encode_chats_with_encode_chat():
+    from ipc.client.core import chat_token_ids
 
-    core = ClientCore(tiny_tokenizer_path())
+    tokenizer = Tokenizer.from_pretrained(tiny_tokenizer_path())
     messages = [{"role": "user", "content": FORGED}]
-    assert core.chat_token_ids(messages) == core.tokenizer.encode_chat(messages)
+    assert chat_token_ids(tokenizer, messages) == tokenizer.encode_chat(messages)
 
 
 def test_long_texts_are_encoded_without_holding_the_gil():
