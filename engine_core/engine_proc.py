@@ -50,6 +50,7 @@ from ipc.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     ErrorCode,
+    FinishReason,
     UtilityOutput,
     UtilityRequest,
     encode,
@@ -457,5 +458,8 @@ def _error_outputs(
     request_ids: list[str], error: str, code: ErrorCode = ErrorCode.INVALID_REQUEST
 ) -> EngineCoreOutputs:
     return EngineCoreOutputs(
-        [EngineCoreOutput(i, [], "error", error=error, error_code=code) for i in request_ids]
+        [
+            EngineCoreOutput(i, [], FinishReason.ERROR, error=error, error_code=code)
+            for i in request_ids
+        ]
     )

@@ -17,6 +17,7 @@ from ipc.messages import (
     CachedRequestData,
     EngineCoreOutput,
     EngineCoreOutputs,
+    FinishReason,
     ModelRunnerOutput,
     NewRequestData,
     SamplingParams,
@@ -80,7 +81,7 @@ class Scheduler:
         if error is not None:
             request.status = RequestStatus.FINISHED_ERROR
             self.pending_outputs.append(
-                EngineCoreOutput(request.request_id, [], "error", error=error)
+                EngineCoreOutput(request.request_id, [], FinishReason.ERROR, error=error)
             )
             return
         if self.kv_cache_manager.enable_caching:
@@ -267,7 +268,7 @@ class Scheduler:
             if request is not None:
                 finished = True
                 self._free_request(request, RequestStatus.FINISHED_ERROR)
-                outputs.append(EngineCoreOutput(request_id, [], "error", error=error))
+                outputs.append(EngineCoreOutput(request_id, [], FinishReason.ERROR, error=error))
         num_generated = 0
         logprobs = model_runner_output.logprobs  # None, or one entry per request
         for i, (request_id, token_ids) in enumerate(

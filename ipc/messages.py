@@ -11,7 +11,17 @@ import enum
 
 import msgspec
 
-FINISH_REASONS = ("stop", "length", "abort", "error")
+
+class FinishReason(enum.IntEnum):
+    """Why a request finished: an int on the wire; `str()` gives the API's name."""
+
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+    ERROR = 3
+
+    def __str__(self) -> str:
+        return self.name.lower()
 
 
 class ErrorCode(enum.IntEnum):
@@ -116,7 +126,7 @@ class UtilityRequest(_Tagged):
 class EngineCoreOutput(_Wire):
     request_id: str
     new_token_ids: list[int]
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprobs] | None = None
     error: str | None = None

@@ -182,6 +182,8 @@ class Tokenizer:
         vocab = model["vocab"]
         texts = list(vocab) if isinstance(vocab, dict) else [text for text, _ in vocab]
         if _is_byte_level(spec.get("pre_tokenizer")):
+            if unknown_char:
+                return None
             most = max(map(len, texts))  # one character per byte
         else:
             most = max(len(text.encode()) for text in texts)
@@ -190,6 +192,40 @@ class Tokenizer:
                 return None
             most = max(most, len(token["content"].encode()))
         return shrink * max(most, 4 if unknown_char else 1)
+
+    @functools.cached_property
+    def _dropped_bytes(self) -> bytes:
+        """The bytes a byte-level vocabulary has no token for: encoding drops them."""
+        spec = json.loads(self.backend.to_str())
+        if not _is_byte_level(spec.get("pre_tokenizer")):
+            return b""
+        vocab = spec["model"]["vocab"]
+        texts = set(vocab) if isinstance(vocab, dict) else {text for text, _ in vocab}
+        return bytes(b for b, char in enumerate(_byte_chars()) if char not in texts)
+
+    def min_num_tokens(self, text: str) -> int:
+        """A lower bound on the length of `encode(text)`, found without tokenizing: a
+        token stands for at most max_token_bytes bytes of the text it keeps (0: no bound
+        is known)."""
+        most = self.max_token_bytes
+        if most is None:
+            return 0
+        kept = text.encode("utf-8", "surrogatepass").translate(None, self._dropped_bytes)
+        return -(-len(kept) // most)
+
+
+def _byte_chars() -> list[str]:
+    """The character byte-level pre-tokenizers write for each byte 0..255: printable
+    Latin-1 bytes stand for themselves, the others for characters from U+0100 on."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars, extra = [], 0
+    for b in range(256):
+        if b in printable:
+            chars.append(chr(b))
+        else:
+            chars.append(chr(0x100 + extra))
+            extra += 1
+    return chars
 
 
 def _token_text(token: str | dict[str, Any]) -> str:

@@ -66,7 +66,7 @@ def build_app(
     app = FastAPI(title="splitserve", lifespan=lifespan)
     metrics = ServerMetrics()
     created = int(time.time())
-    limits = PromptLimits(max_model_len, vocab_size, tokenizer.max_token_bytes)
+    limits = PromptLimits(max_model_len, vocab_size, tokenizer.min_num_tokens)
     app.add_middleware(BodyLimit, max_bytes=max_request_body_bytes)
     if keys:
         app.add_middleware(BearerAuth, api_keys=keys)

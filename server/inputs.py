@@ -17,9 +17,7 @@ T = TypeVar("T")
 
 
 class Tokenizer(Protocol):
-    """`max_token_bytes`: the most UTF-8 bytes one token stands for (None: no bound)."""
-
-    max_token_bytes: int | None
+    def min_num_tokens(self, text: str) -> int: ...
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
@@ -36,22 +34,19 @@ class Tokenizer(Protocol):
 
 @dataclass(frozen=True)
 class PromptLimits:
-    """What a request must fit (None: unchecked)."""
+    """What a request must fit (None: unchecked); `min_num_tokens(text)` bounds a text's
+    token count from below without tokenizing it."""
 
     max_model_len: int | None = None
     vocab_size: int | None = None
-    max_token_bytes: int | None = None
+    min_num_tokens: Callable[[str], int] | None = None
 
     def too_long(self, text: str) -> bool:
-        """Whether `text` has too many bytes to encode to fewer than max_model_len tokens
-        (and so leave room to generate)."""
-        if self.max_model_len is None or self.max_token_bytes is None:
+        """Whether `text` surely encodes to max_model_len tokens or more (and so leaves no
+        room to generate)."""
+        if self.max_model_len is None or self.min_num_tokens is None:
             return False
-        limit = self.max_model_len * self.max_token_bytes
-        # A character is at most 4 bytes: most texts need no encoding to count them.
-        return 4 * len(text) > limit - self.max_token_bytes and (
-            len(text.encode()) > limit - self.max_token_bytes
-        )
+        return self.min_num_tokens(text) >= self.max_model_len
 
     def check_text(self, text: str, param: str) -> None:
         if self.too_long(text):

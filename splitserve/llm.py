@@ -80,7 +80,7 @@ class LLM:
                         continue
                     state.apply(out)
                     if state.result.finished:
-                        if out.finish_reason is None:  # a stop string: the engine goes on
+                        if state.stopped_by_string:  # the engine goes on
                             self.engine.abort_requests([out.request_id])
                         bar.update(1)
         return [state.result for state in states.values()]

@@ -40,6 +40,7 @@ from ipc.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     ErrorCode,
+    FinishReason,
     SamplingParams,
     UtilityOutput,
     UtilityRequest,
@@ -145,24 +146,28 @@ class RequestState:
             )
         )
         self.stop_hold = max((len(s) for s in params.stop), default=1) - 1
+        self.stopped_by_string = False
         self.result = RequestOutput(
             request.request_id, request.prompt_token_ids, [CompletionOutput(0, "", [])]
         )
 
     def apply(self, out: EngineCoreOutput) -> RequestOutput:
-        """Fold one engine output into `result` and return the delta. The request
-        finishes when the engine says so or when the text reaches a stop string."""
+        """Fold one engine output into `result` and return the delta (finish reasons as
+        the API names them). The request finishes when the engine says so or when the
+        text reaches a stop string: then `stopped_by_string` is set, and the engine,
+        which goes on, must be told to abort it."""
         result, completion = self.result, self.result.outputs[0]
         completion.token_ids.extend(out.new_token_ids)
         if out.logprobs:
             completion.logprobs = (completion.logprobs or []) + out.logprobs
         result.num_cached_tokens = max(result.num_cached_tokens, out.num_cached_tokens)
-        finish_reason = out.finish_reason
+        finish_reason = None if out.finish_reason is None else str(out.finish_reason)
         text = ""
         if self.detokenizer is not None:
             self.detokenizer.add_tokens(out.new_token_ids)
             if finish_reason is None and self.detokenizer.stopped:
-                finish_reason = "stop"
+                finish_reason = str(FinishReason.STOP)
+                self.stopped_by_string = True
             text = self._release_text(finished=finish_reason is not None)
             completion.text += text
         if finish_reason is not None:
@@ -288,7 +293,9 @@ class ClientCore:
         """Finish a live request with finish_reason "abort", waking its consumer."""
         state = self.pop(request_id)
         if state is not None:
-            state.queue.put_nowait(state.apply(EngineCoreOutput(request_id, [], "abort")))
+            state.queue.put_nowait(
+                state.apply(EngineCoreOutput(request_id, [], FinishReason.ABORT))
+            )
         return state is not None
 
     @property
@@ -356,12 +363,12 @@ class ClientCore:
                     state.queue.put_nowait(delta)
                     continue
                 del self._requests[out.request_id]
-                if out.finish_reason == "error":
+                if out.finish_reason == FinishReason.ERROR:
                     error = RequestError(out.error or "the EngineCore failed", out.error_code)
                     state.queue.put_nowait(error)
                     continue
                 state.queue.put_nowait(delta)
-                if out.finish_reason is None:
+                if state.stopped_by_string:
                     stopped.append(out.request_id)
         return stopped
 

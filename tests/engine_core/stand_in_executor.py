@@ -187,4 +187,5 @@ def collect(outputs: EngineCoreOutputs, results: dict[str, list]) -> None:
         tokens, reason = results.setdefault(out.request_id, [[], None])
         assert reason is None, f"output for {out.request_id} after it finished"
         tokens.extend(out.new_token_ids)
-        results[out.request_id][1] = out.finish_reason
+        reason = out.finish_reason
+        results[out.request_id][1] = None if reason is None else str(reason)

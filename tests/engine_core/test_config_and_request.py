@@ -2,11 +2,18 @@
 
 import json
 
+import msgspec
 import pytest
 
 import engine_core.request as request_module
 from engine_core import EngineConfig, Request, RequestStatus, SamplingParams
-from ipc.messages import EngineCoreRequest
+from ipc.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    encode,
+)
 from kv_cache import block_hashes
 
 
@@ -68,16 +75,22 @@ def test_config_without_chunking_needs_room_for_a_whole_prompt():
         EngineConfig(max_model_len=128, enable_chunked_prefill=False, max_num_batched_tokens=64)
 
 
+def test_finish_reasons_are_ints_on_the_wire_and_names_at_the_edge():
+    out = EngineCoreOutput("r", [1], FinishReason.LENGTH)
+    assert msgspec.msgpack.decode(encode(EngineCoreOutputs([out])))[1][0][2] == 1
+    assert [str(r) for r in FinishReason] == ["stop", "length", "abort", "error"]
+
+
 def test_request_status_finish_reasons():
     assert [s.is_finished for s in RequestStatus] == [False] * 3 + [True] * 4
     assert [s.finish_reason for s in RequestStatus] == [
         None,
         None,
         None,
-        "stop",
-        "length",
-        "abort",
-        "error",
+        FinishReason.STOP,
+        FinishReason.LENGTH,
+        FinishReason.ABORT,
+        FinishReason.ERROR,
     ]
 
 

@@ -7,6 +7,7 @@ executor replays the worker's view of every step and checks it against the KV ca
 from stand_in_executor import collect, make_engine, make_request, run_to_completion
 
 from engine_core import RequestStatus
+from ipc.messages import FinishReason
 
 
 def position_token(request_id: str, token_ids: list[int]) -> int:
@@ -78,7 +79,7 @@ def test_prefix_hit_reuses_blocks_and_always_computes_the_last_token():
     (output,) = engine.step().outputs
     assert (output.new_token_ids, output.finish_reason, output.num_cached_tokens) == (
         [7],
-        "length",
+        FinishReason.LENGTH,
         16,
     )
     new = executor.outputs[-1].scheduled_new_reqs[0]

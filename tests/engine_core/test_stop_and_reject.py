@@ -3,7 +3,13 @@
 import pytest
 from stand_in_executor import collect, make_engine, make_request, run_to_completion
 
-from ipc.messages import EngineCoreRequest, ModelRunnerOutput, SamplingParams, TokenLogprobs
+from ipc.messages import (
+    EngineCoreRequest,
+    FinishReason,
+    ModelRunnerOutput,
+    SamplingParams,
+    TokenLogprobs,
+)
 
 
 @pytest.mark.parametrize(
@@ -46,7 +52,7 @@ def test_tokens_of_a_partial_prefill_step_produce_no_output():
         {"r": 1},
     ]
     assert [[o.new_token_ids for o in out] for out in outputs] == [[], [], [[7]], [[7]]]
-    assert outputs[3][0].finish_reason == "length"
+    assert outputs[3][0].finish_reason == FinishReason.LENGTH
 
 
 @pytest.mark.parametrize(
@@ -92,7 +98,7 @@ def test_a_request_the_workers_cannot_take_fails_alone():
         scheduler_output.step_id, ["good"], [[5]], failed_requests={"bad": "no room"}
     )
     bad, good = scheduler.update_from_output(scheduler_output, runner_output).outputs
-    assert (bad.request_id, bad.finish_reason, bad.error) == ("bad", "error", "no room")
+    assert (bad.request_id, bad.finish_reason, bad.error) == ("bad", FinishReason.ERROR, "no room")
     assert (good.request_id, good.new_token_ids, good.finish_reason) == ("good", [5], None)
     assert [r.request_id for r in scheduler.running] == ["good"]
     assert scheduler.schedule().finished_req_ids == ["bad"]
@@ -130,7 +136,7 @@ def test_tokens_after_a_stop_in_one_output_are_dropped():
     scheduler_output = scheduler.schedule()
     runner_output = ModelRunnerOutput(scheduler_output.step_id, ["r"], [[5, 2, 9]])
     (output,) = scheduler.update_from_output(scheduler_output, runner_output).outputs
-    assert (output.new_token_ids, output.finish_reason) == ([5, 2], "stop")
+    assert (output.new_token_ids, output.finish_reason) == ([5, 2], FinishReason.STOP)
     assert not scheduler.has_unfinished_requests()
     assert scheduler.get_stats().num_generation_tokens == 2
 

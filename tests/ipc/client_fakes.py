@@ -39,6 +39,7 @@ from ipc.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    FinishReason,
     SchedulerStats,
     UtilityOutput,
     UtilityRequest,
@@ -158,7 +159,9 @@ class FakeEngine:
         if isinstance(message, EngineCoreRequest):
             self.requests.append(message)
             if message.prompt_token_ids[:1] == [FAIL_TOKEN]:
-                error = EngineCoreOutput(message.request_id, [], "error", error=FAIL_MESSAGE)
+                error = EngineCoreOutput(
+                    message.request_id, [], FinishReason.ERROR, error=FAIL_MESSAGE
+                )
                 outputs.send_multipart([identity, encode(EngineCoreOutputs([error]))])
             else:
                 self._live[message.request_id] = (identity, self.reply(message))
@@ -183,7 +186,7 @@ class FakeEngine:
         by_client: dict[bytes, list[EngineCoreOutput]] = defaultdict(list)
         for request_id, (identity, tokens) in list(self._live.items()):
             token = tokens.pop(0)
-            finish_reason = None if tokens else "length"
+            finish_reason = None if tokens else FinishReason.LENGTH
             by_client[identity].append(EngineCoreOutput(request_id, [token], finish_reason))
             if not tokens:
                 del self._live[request_id]

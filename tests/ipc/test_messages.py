@@ -11,6 +11,7 @@ from ipc.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    FinishReason,
     ModelRunnerOutput,
     NewRequestData,
     SamplingParams,
@@ -49,7 +50,7 @@ TAGGED = [
     EngineCoreOutputs(
         [
             EngineCoreOutput("r1", [5], None, 16, [LOGPROBS]),
-            EngineCoreOutput("r2", [], "error", error="the prompt is empty"),
+            EngineCoreOutput("r2", [], FinishReason.ERROR, error="the prompt is empty"),
         ],
         STATS,
     ),

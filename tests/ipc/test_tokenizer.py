@@ -254,11 +254,18 @@ def test_long_texts_are_encoded_without_holding_the_gil():
 
 @settings(max_examples=60, deadline=None)
 @given(text=st.text(max_size=60))
-def test_max_token_bytes_bounds_the_token_count(pair, text):
+def test_min_num_tokens_bounds_the_token_count(pair, text):
     ours, _ = pair
-    bound = ours.max_token_bytes
-    assert bound is not None
-    assert len(ours.encode(text, add_special_tokens=False)) * bound >= len(text.encode())
+    assert ours.max_token_bytes is not None
+    assert len(ours.encode(text, add_special_tokens=False)) >= ours.min_num_tokens(text)
+
+
+def test_bytes_without_a_token_do_not_count():
+    ours = Tokenizer.from_pretrained(_default_model())  # its vocabulary lacks some control bytes
+    dropped = ours._dropped_bytes
+    assert dropped and not ours.encode(chr(dropped[0]) * 50, add_special_tokens=False)
+    assert ours.min_num_tokens(chr(dropped[0]) * 50) == 0
+    assert ours.min_num_tokens("a" * 810) == 10
 
 
 def test_max_token_bytes_of_the_test_tokenizers(pair):

@@ -21,7 +21,9 @@ class CharTokenizer:
     has no special-token text, so its chat encoding is the rendered template's."""
 
     eos_token_id = EOS
-    max_token_bytes = 4
+
+    def min_num_tokens(self, text: str) -> int:
+        return -(-len(text.encode()) // 4)  # a character is at most 4 bytes
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [BOS] * add_special_tokens + [ord(c) + OFFSET for c in text]
