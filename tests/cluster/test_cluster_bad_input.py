@@ -15,6 +15,7 @@ from ipc.messages import (
     Decoder,
     EngineCoreOutputs,
     EngineCoreRequest,
+    FinishReason,
     SamplingParams,
     UtilityOutput,
     encode,
@@ -110,9 +111,12 @@ def test_garbage_frames_get_errors_and_the_engine_goes_on(llama_tp1, raw_client)
     for request_id, (_, word) in INVALID.items():
         out = finished[request_id]
         if word is None:
-            assert out.finish_reason == "length" and len(out.new_token_ids) > 0
+            assert out.finish_reason == FinishReason.LENGTH and len(out.new_token_ids) > 0
         else:
-            assert out.finish_reason == "error" and word in out.error, (request_id, out.error)
+            assert out.finish_reason == FinishReason.ERROR and word in out.error, (
+                request_id,
+                out.error,
+            )
     assert llama_tp1.output().count("bad frame from client") >= NUM_GARBAGE + 1
 
     with EngineClient(llama_tp1.address) as client:
