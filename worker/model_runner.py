@@ -58,7 +58,7 @@ class ModelRunner:
             eos_token_ids=config.eos_token_ids or [],
         )
         self.requests: dict[str, CachedRequestState] = {}
-        self.sampler = Sampler()
+        self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
         self.inputs = InputBuffers(config.max_num_seqs, self.max_num_tokens, self.device)
         self.is_driver = get_tp_rank() == 0
         self.cuda_graphs: CudaGraphRunner | None = None
