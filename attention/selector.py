@@ -6,8 +6,7 @@ from attention.backends.base import AttentionBackend
 from attention.backends.flash_attn_backend import FlashAttentionBackend
 from attention.backends.torch_backend import TorchAttentionBackend
 from attention.backends.triton_backend import TritonAttentionBackend
-
-BACKEND_NAMES = ("auto", "flash_attn", "triton", "torch")
+from ipc.config import ATTENTION_BACKENDS as BACKEND_NAMES
 
 
 def get_attn_backend(

@@ -23,6 +23,7 @@ import random
 import time
 
 from engine_core.step_profile import StepProfile
+from ipc.config import DTYPES
 from ipc.messages import SamplingParams, SchedulerStats
 
 Workload = list[tuple[list[int], SamplingParams]]
@@ -136,7 +137,7 @@ def main() -> None:
     parser.add_argument("--address", help="engine address or address file (implies client)")
     parser.add_argument("--model", help="default: SmolLM2-135M-Instruct (llm mode)")
     parser.add_argument("--tp", type=int, default=1, help="tensor parallel size (llm mode)")
-    parser.add_argument("--dtype", default="auto", help="llm mode")
+    parser.add_argument("--dtype", default="auto", choices=DTYPES, help="llm mode")
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--baseline", action="store_true", help="also run transformers")

@@ -7,10 +7,10 @@ import time
 from collections import deque
 from collections.abc import Iterable
 
-from engine_core.config import EngineConfig
 from engine_core.executor import Executor, WorkerFailure
 from engine_core.request import Request, RequestStatus
 from engine_core.scheduler import Scheduler
+from ipc.config import EngineConfig
 from ipc.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from kv_cache import KVCacheManager
 

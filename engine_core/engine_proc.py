@@ -36,12 +36,12 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
-from engine_core.config import EngineConfig
 from engine_core.core import EngineCore
 from engine_core.executor import WorkerFailure
 from engine_core.multiproc_executor import MultiprocExecutor
 from engine_core.step_profile import StepProfile
 from ipc.auth import CLIENT, Credentials, engine_context
+from ipc.config import EngineConfig
 from ipc.messages import (
     AbortRequests,
     DecodeError,

@@ -28,9 +28,9 @@ from typing import NoReturn
 import msgspec
 import zmq
 
-from engine_core.config import EngineConfig
 from engine_core.executor import Executor, WorkerFailure
 from ipc.auth import WORKER, Credentials, engine_context
+from ipc.config import EngineConfig
 from ipc.messages import (
     DecodeError,
     Decoder,

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from engine_core.config import EngineConfig
 from engine_core.request import Request, RequestStatus
 from engine_core.request_queue import make_request_queue
+from ipc.config import EngineConfig
 from ipc.messages import (
     CachedRequestData,
     EngineCoreOutput,

@@ -6,18 +6,24 @@ from ipc.messages import SamplingParams
 _GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p")
 
 
-def generation_defaults(model_folder: str | None) -> dict:
-    """The sampling settings of the model's generation_config.json (temperature, top_p,
+def defaults_from_generation_config(generation_config: dict) -> dict:
+    """The sampling settings of a parsed generation_config.json (temperature, top_p,
     top_k, min_p): defaults under whatever a request sets, as vLLM's
     `--generation-config auto`. An explicit `"do_sample": false` means greedy, as it does
     in transformers."""
+    if generation_config.get("do_sample") is False:
+        return {"temperature": 0.0}
+    return {
+        k: generation_config[k] for k in _GENERATION_KEYS if generation_config.get(k) is not None
+    }
+
+
+def generation_defaults(model_folder: str | None) -> dict:
+    """`defaults_from_generation_config` of the model folder's generation_config.json."""
     path = Path(model_folder or "") / "generation_config.json"
     if not model_folder or not path.is_file():
         return {}
-    config = json.loads(path.read_text())
-    if config.get("do_sample") is False:
-        return {"temperature": 0.0}
-    return {k: config[k] for k in _GENERATION_KEYS if config.get(k) is not None}
+    return defaults_from_generation_config(json.loads(path.read_text()))
 
 
 def default_sampling_params(model_folder: str | None, **overrides) -> SamplingParams:

@@ -19,21 +19,15 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from ipc.config import DTYPES
 from models.layers.linear import kv_heads_per_rank
 from models.layers.rotary import get_head_dim
 from models.llama import layer_sliding_window
 from models.registry import get_model_class
 
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "fp32": torch.float32,
-    "float16": torch.float16,
-    "half": torch.float16,
-    "fp16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-}
+# Every name in ipc.config.DTYPES but "auto" is a torch attribute ("float" and "half"
+# are aliases of float32 and float16).
+_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPES if name != "auto"}
 
 
 @functools.cache
@@ -94,9 +88,7 @@ def resolve_dtype(
                 return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return resolved
     if name not in _DTYPES:
-        raise ValueError(
-            f"unsupported dtype {dtype!r}; use auto, float32 (float), float16 (half) or bfloat16"
-        )
+        raise ValueError(f"unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     return _DTYPES[name]
 
 

@@ -29,13 +29,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--salt-cache-by-api-key",
         action="store_true",
         help="salt each request's prefix-cache blocks with its API key, so that requests "
-        "made with different keys never share cached prompts",
+        "made with different keys never share cached prompts (default: off)",
     )
     group.add_argument(
         "--enable-prompt-tokens-details",
         action="store_true",
-        help="report usage.prompt_tokens_details (the cached prompt tokens); off by default, "
-        "as in vLLM",
+        help="report usage.prompt_tokens_details (the cached prompt tokens) "
+        "(default: off, as in vLLM)",
     )
     group.add_argument(
         "--max-request-body-bytes",

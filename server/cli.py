@@ -32,14 +32,15 @@ def run_server(
     api_keys: str | Sequence[str] | None = None,
     max_model_len: int | None = None,
     vocab_size: int | None = None,
+    sampling_defaults: dict | None = None,
     salt_cache_by_api_key: bool = False,
     enable_prompt_tokens_details: bool = False,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     credentials: Credentials | str | os.PathLike | None = None,
 ) -> None:
     """Serve the API until SIGINT/SIGTERM. The model name defaults to the tokenizer
-    folder's name; `credentials` (a file or Credentials) are needed on a tcp engine; the
-    other settings are build_app's."""
+    folder's name, the sampling defaults to its generation_config.json's; `credentials`
+    (a file or Credentials) are needed on a tcp engine; the other settings are build_app's."""
     tokenizer = Tokenizer.from_pretrained(tokenizer_path)
     client = AsyncEngineClient(engine_address, tokenizer=tokenizer, credentials=credentials)
     name = served_model_name or Path(tokenizer_path).name
@@ -49,7 +50,9 @@ def run_server(
         name,
         api_keys=api_keys,
         max_model_len=max_model_len,
-        sampling_defaults=generation_defaults(tokenizer_path),
+        sampling_defaults=(
+            generation_defaults(tokenizer_path) if sampling_defaults is None else sampling_defaults
+        ),
         vocab_size=vocab_size,
         salt_cache_by_api_key=salt_cache_by_api_key,
         enable_prompt_tokens_details=enable_prompt_tokens_details,

@@ -1,8 +1,9 @@
 """splitserve: a multi-process LLM inference engine in the style of vLLM V1."""
 
+from importlib import import_module
+
 from ipc.messages import SamplingParams
 from ipc.outputs import CompletionOutput, RequestOutput
-from splitserve.llm import LLM
 
 __all__ = [
     "LLM",
@@ -13,13 +14,12 @@ __all__ = [
     "SamplingParams",
 ]
 
-_CLIENTS = ("EngineClient", "AsyncEngineClient")
+# Imported on first use, so that a worker process (launch.py --role worker imports
+# splitserve's modules) loads neither the EngineCore nor the clients.
+_WHERE = {"LLM": "splitserve.llm", "EngineClient": "ipc.client", "AsyncEngineClient": "ipc.client"}
 
 
 def __getattr__(name: str):
-    """The clients of a running EngineCore, imported on first use."""
-    if name in _CLIENTS:
-        import ipc.client
-
-        return getattr(ipc.client, name)
+    if name in _WHERE:
+        return getattr(import_module(_WHERE[name]), name)
     raise AttributeError(f"module 'splitserve' has no attribute {name!r}")

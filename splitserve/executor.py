@@ -2,8 +2,8 @@ import gc
 
 import torch
 
-from engine_core import EngineConfig
 from engine_core.executor import Executor
+from ipc.config import EngineConfig
 from ipc.messages import ModelRunnerOutput, SchedulerOutput
 from worker.model_runner import ModelRunner
 

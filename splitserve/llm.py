@@ -4,9 +4,9 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
-from engine_core import EngineConfig, EngineCore
+from engine_core import EngineCore
 from ipc.client.core import RequestState, chat_token_ids, load_tokenizer, prompt_token_ids
-from ipc.defaults import default_sampling_params
+from ipc.config import EngineConfig
 from ipc.messages import EngineCoreRequest, SamplingParams
 from ipc.outputs import RequestOutput
 
@@ -41,7 +41,7 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None:
-            sampling_params = default_sampling_params(self.config.model)
+            sampling_params = SamplingParams(**self.config.sampling_defaults)
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
@@ -96,7 +96,7 @@ def _make_executor(config: EngineConfig):
         return InProcessExecutor(config)
     from engine_core.multiproc_executor import MultiprocExecutor
     from ipc.sockets import new_ipc_address
-    from launch import start_workers
+    from splitserve.cluster import start_workers
 
     address = new_ipc_address()
     return MultiprocExecutor(config, address, start_workers=lambda: start_workers(config, address))

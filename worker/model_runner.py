@@ -5,7 +5,7 @@ import torch
 from transformers import AutoConfig
 
 from attention import get_attn_backend, set_forward_context
-from engine_core.config import EngineConfig
+from ipc.config import EngineConfig
 from ipc.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput, TokenLogprobs
 from models import kv_cache_shape_info, load_model, resolve_dtype
 from models.parallel_state import get_tp_rank, get_tp_size, tp_broadcast
@@ -38,7 +38,7 @@ class ModelRunner:
         self.device = torch.device(device or _default_device(config.device))
         self.hf_config = AutoConfig.from_pretrained(config.model)
         self.dtype = resolve_dtype(config.dtype, self.hf_config, device=self.device)
-        self.model = load_model(config.model, self.dtype, self.device)
+        self.model = load_model(config.model, self.dtype, self.device, self.hf_config)
         self.num_layers, self.num_kv_heads, self.head_dim = kv_cache_shape_info(
             self.hf_config, get_tp_size()
         )
@@ -54,11 +54,11 @@ class ModelRunner:
             max_num_blocks_per_req=-(-config.max_model_len // config.block_size),
             block_size=config.block_size,
             device=self.device,
-            vocab_size=self.hf_config.vocab_size,
+            vocab_size=config.vocab_size,
             eos_token_ids=config.eos_token_ids or [],
         )
         self.requests: dict[str, CachedRequestState] = {}
-        self.sampler = Sampler()
+        self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
         self.inputs = InputBuffers(config.max_num_seqs, self.max_num_tokens, self.device)
         self.is_driver = get_tp_rank() == 0
         self.cuda_graphs: CudaGraphRunner | None = None

@@ -18,8 +18,8 @@ import traceback
 import torch
 import zmq
 
-from engine_core.config import EngineConfig
 from ipc.auth import WORKER, Credentials
+from ipc.config import EngineConfig
 from ipc.messages import (
     Decoder,
     InitKVCache,

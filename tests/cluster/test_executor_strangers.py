@@ -11,8 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import zmq
 
-from engine_core.config import EngineConfig
 from engine_core.multiproc_executor import MultiprocExecutor
+from ipc.config import EngineConfig
 from ipc.messages import (
     CachedRequestData,
     ModelRunnerOutput,

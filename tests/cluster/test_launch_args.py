@@ -1,15 +1,20 @@
-"""launch.py's command line: vLLM's engine argument names become the EngineConfig, which
-reaches the child processes intact as JSON."""
+"""launch.py's command line: the engine flags are made from EngineConfig's fields, with
+vLLM's names, and become the EngineConfig, which reaches the child processes intact as
+JSON."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import types
+from pathlib import Path
 
 import pytest
 
-from launch import build_parser, engine_config, parse_bytes
+from ipc.config import DTYPES, EngineConfig, parse_bytes
+from launch import build_parser
+from splitserve.engine_args import engine_config, engine_options
 from tests.models.tiny import make_tiny_checkpoint
 
 
@@ -38,3 +43,59 @@ def test_engine_args_become_the_config(tmp_path):
     assert (config.dtype, config.scheduling_policy) == ("float32", "priority")
     as_json = json.dumps(dataclasses.asdict(config))
     assert engine_config(build_parser().parse_args(["--config-json", as_json])) == config
+
+
+def test_every_engine_option_is_one_flag_with_its_default():
+    parser = build_parser()
+    flags = {a.dest: a for a in parser._actions}
+    for f in engine_options():
+        action = flags[f.name]
+        assert action.help and "(default: " in action.help, f.name
+        assert action.default is None, f.name
+    for name in ("eos_token_ids", "vocab_size", "max_position_embeddings", "sampling_defaults"):
+        assert name not in flags
+    assert {"--tensor-parallel-size", "--tp"} <= set(flags["tensor_parallel_size"].option_strings)
+    assert flags["dtype"].choices == DTYPES
+    assert "--no-enforce-eager" in flags["enforce_eager"].option_strings
+
+
+def test_every_launch_flag_has_a_help_line_with_its_default():
+    for action in build_parser()._actions:
+        if action.help in (None, argparse.SUPPRESS) or action.dest == "help":
+            continue
+        assert "default" in action.help, action.option_strings
+
+
+def test_flags_are_typed_by_the_annotations():
+    argv = ["--tp", "2", "--enforce-eager", "--cuda-graph-sizes", "1", "2", "8"]
+    argv += ["--gpu-memory-utilization", "0.5", "--max-worker-restarts", "0", "--seed", "7"]
+    args = build_parser().parse_args(argv)
+    assert args.tensor_parallel_size == 2 and args.enforce_eager is True
+    assert args.cuda_graph_sizes == [1, 2, 8] and args.gpu_memory_utilization == 0.5
+    assert (args.max_worker_restarts, args.seed, args.model) == (0, 7, None)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--dtype", "int8"])
+
+
+def test_dtype_names_agree_everywhere():
+    """The CLI's choices, EngineConfig and models.resolve_dtype accept the same names."""
+    import torch
+
+    from models import resolve_dtype
+
+    for name in DTYPES:
+        EngineConfig(max_model_len=16, dtype=name)
+        assert isinstance(resolve_dtype(name, types.SimpleNamespace()), torch.dtype)
+    with pytest.raises(ValueError):
+        EngineConfig(max_model_len=16, dtype="bf16")
+    with pytest.raises(ValueError):
+        resolve_dtype("bf16", types.SimpleNamespace())
+
+
+def test_a_config_from_json_reads_no_model_folder(tmp_path):
+    model = make_tiny_checkpoint(tmp_path, "llama", tokenizer=False)
+    config = EngineConfig(model=model)
+    assert config.vocab_size and config.max_model_len == config.max_position_embeddings
+    as_dict = dataclasses.asdict(config)
+    (Path(model) / "config.json").unlink()
+    assert EngineConfig(**as_dict) == config

@@ -8,10 +8,9 @@ import tempfile
 
 import pytest
 
-import launch
 from engine_core.multiproc_executor import WorkerFailure
 from ipc.messages import SamplingParams
-from splitserve import LLM
+from splitserve import LLM, cluster
 from tests.cluster.helpers import greedy_reference, pid_alive
 from tests.models.tiny import make_tiny_checkpoint
 
@@ -38,13 +37,13 @@ def test_worker_start_failure_names_the_rank(tmp_path, monkeypatch):
     ipc_dir = tmp_path / "ipc"
     ipc_dir.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(ipc_dir))  # where new_ipc_address goes
-    started, real_start_workers = [], launch.start_workers
+    started, real_start_workers = [], cluster.start_workers
 
     def start_workers(*args):
         started.extend(real_start_workers(*args))
         return started
 
-    monkeypatch.setattr(launch, "start_workers", start_workers)
+    monkeypatch.setattr(cluster, "start_workers", start_workers)
     # 3 attention heads cannot be split over 2 ranks.
     path = make_tiny_checkpoint(
         tmp_path, "qwen3", num_attention_heads=3, num_key_value_heads=1, head_dim=16

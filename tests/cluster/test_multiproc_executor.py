@@ -11,8 +11,8 @@ import sys
 import pytest
 import zmq
 
-from engine_core.config import EngineConfig
 from engine_core.multiproc_executor import MultiprocExecutor, WorkerFailure
+from ipc.config import EngineConfig
 from ipc.messages import (
     CachedRequestData,
     Decoder,

@@ -1,0 +1,284 @@
+"""EngineConfig: every setting of the engine, validated once, read from a model folder.
+
+It crosses the process boundary (as JSON on the children's command lines), so the
+EngineCore and the workers both import it from here. Each user option is declared once,
+as a field whose metadata carries its help text (and its choices, flag names or parser):
+`splitserve.engine_args` makes the command line from the fields.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from ipc.defaults import defaults_from_generation_config
+
+DEFAULT_CHUNKED_MAX_NUM_BATCHED_TOKENS = 8192
+
+DTYPES = ("auto", "float32", "float", "float16", "half", "bfloat16")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+ATTENTION_BACKENDS = ("auto", "flash_attn", "triton", "torch")
+DEVICES = ("auto", "cpu", "cuda")
+
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_UNITS.update({f"{u}i": 1024 ** "kmgt".index(u) * 1024 for u in "kmgt"})
+
+
+def parse_bytes(text: str) -> int:
+    """'4GiB', '512MiB', '64M' (decimal), '1000000' -> bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*", text, re.IGNORECASE)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 4GiB, 512MiB)")
+    return int(float(match[1]) * _UNITS[(match[2] or "").lower()])
+
+
+def option(
+    help: str,
+    default_text: str | None = None,
+    *,
+    flags: tuple[str, ...] = (),
+    choices: tuple[str, ...] | None = None,
+    parse: Any = None,
+    metavar: str | None = None,
+) -> dict[str, Any]:
+    """A field's metadata that makes it a command-line option. `default_text` describes a
+    None default; `flags` replace the --kebab-case name; `parse` replaces the type."""
+    meta = {"help": help, "default_text": default_text, "flags": flags, "choices": choices}
+    return {**meta, "parse": parse, "metavar": metavar}
+
+
+@dataclass
+class EngineConfig:
+    """Settings of one engine. `model` is a local Hugging Face folder; without one (tests),
+    `max_model_len` must be given. The fields without a command-line option are read from
+    the folder's config.json and generation_config.json when left None, once: a config
+    that crosses to another process carries them.
+
+    Resilience: a worker that dies, reports an error or does not answer a step within
+    `worker_step_timeout` seconds is replaced (all workers, a new process group) and the
+    running requests are replayed, at most `max_worker_restarts` times within
+    `worker_restart_window` seconds. On SIGTERM the EngineCore process stops admitting
+    and finishes what runs for up to `shutdown_timeout` seconds."""
+
+    model: str | None = field(
+        default=None,
+        metadata=option("a local Hugging Face model folder", "SmolLM2-135M-Instruct"),
+    )
+    tokenizer: str | None = field(
+        default=None, metadata=option("a Hugging Face tokenizer folder", "the model folder")
+    )
+    dtype: str = field(
+        default="auto",
+        metadata=option(
+            "the weights' and activations' dtype; auto: the checkpoint's (float32 checkpoints "
+            "run in bfloat16 where the hardware has it)",
+            choices=DTYPES,
+        ),
+    )
+    max_model_len: int | None = field(
+        default=None,
+        metadata=option(
+            "longest prompt + completion, in tokens", "the model's max_position_embeddings"
+        ),
+    )
+    block_size: int = field(default=16, metadata=option("tokens per KV cache block"))
+    max_num_seqs: int = field(default=256, metadata=option("requests in one step, at most"))
+    max_num_batched_tokens: int | None = field(
+        default=None,
+        metadata=option(
+            "tokens in one step, at most",
+            f"{DEFAULT_CHUNKED_MAX_NUM_BATCHED_TOKENS}, or max-model-len without chunked prefill",
+        ),
+    )
+    enable_prefix_caching: bool = field(
+        default=True, metadata=option("reuse the KV cache blocks of shared prompt prefixes")
+    )
+    enable_chunked_prefill: bool = field(
+        default=True, metadata=option("split long prefills over steps, beside decodes")
+    )
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata=option(
+            "worker processes (tensor-parallel ranks)",
+            flags=("--tensor-parallel-size", "--tp"),
+            metavar="N",
+        ),
+    )
+    gpu_memory_utilization: float = field(
+        default=0.9, metadata=option("share of each GPU's memory the engine may use, in (0, 1]")
+    )
+    kv_cache_memory: int | None = field(
+        default=None,
+        metadata=option(
+            "KV cache bytes per rank: 4GiB, 512MiB, 64M",
+            "what gpu-memory-utilization leaves on GPU, 4GiB on CPU",
+            parse=parse_bytes,
+            metavar="SIZE",
+        ),
+    )
+    num_gpu_blocks_override: int | None = field(
+        default=None,
+        metadata=option("KV cache blocks, instead of what fits in memory", "what fits"),
+    )
+    scheduling_policy: str = field(
+        default="fcfs",
+        metadata=option(
+            "fcfs: first come, first served; priority: lowest priority value first",
+            choices=SCHEDULING_POLICIES,
+        ),
+    )
+    attention_backend: str = field(
+        default="auto",
+        metadata=option(
+            "auto: flash_attn (else triton) on CUDA, torch on CPU", choices=ATTENTION_BACKENDS
+        ),
+    )
+    seed: int = field(
+        default=0, metadata=option("seed of the sampling of requests that set no seed")
+    )
+    device: str = field(
+        default="auto", metadata=option("auto: CUDA when there is one", choices=DEVICES)
+    )
+    enforce_eager: bool = field(
+        default=False, metadata=option("run every step eagerly: no CUDA graphs")
+    )
+    cuda_graph_sizes: list[int] | None = field(
+        default=None,
+        metadata=option(
+            "decode batch sizes to capture as CUDA graphs",
+            "1, 2, 4 and multiples of 8 up to the largest decode batch, at most 512",
+            metavar="SIZE",
+        ),
+    )
+    worker_step_timeout: float = field(
+        default=300.0,
+        metadata=option("seconds a step may take before its workers are deemed hung"),
+    )
+    max_worker_restarts: int = field(
+        default=3,
+        metadata=option(
+            "replace failed workers at most this often within --worker-restart-window, "
+            "replaying their requests; 0 makes a worker failure fatal"
+        ),
+    )
+    worker_restart_window: float = field(
+        default=300.0, metadata=option("seconds over which --max-worker-restarts counts")
+    )
+    shutdown_timeout: float = field(
+        default=30.0, metadata=option("on SIGTERM, seconds to let running requests finish")
+    )
+    # Read from the model folder (no options).
+    max_position_embeddings: int | None = None
+    vocab_size: int | None = None
+    eos_token_ids: list[int] | None = None
+    sampling_defaults: dict | None = None
+
+    def __post_init__(self) -> None:
+        if self.model is not None:
+            self._read_model_folder(Path(self.model))
+        if self.tokenizer is None:
+            self.tokenizer = self.model
+        if self.max_model_len is None:
+            self.max_model_len = self.max_position_embeddings
+        if self.max_model_len is None:
+            raise ValueError(
+                "max_model_len must be given: there is no model folder, or its config.json "
+                "has no max_position_embeddings"
+            )
+        if self.eos_token_ids is None:
+            self.eos_token_ids = []
+        if self.sampling_defaults is None:
+            self.sampling_defaults = {}
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = (
+                DEFAULT_CHUNKED_MAX_NUM_BATCHED_TOKENS
+                if self.enable_chunked_prefill
+                else self.max_model_len
+            )
+        self._validate()
+
+    def _read_model_folder(self, folder: Path) -> None:
+        """Fill the fields the folder gives; a config whose fields are all filled (one
+        that crossed from another process) reads nothing."""
+        unread = (self.max_position_embeddings, self.vocab_size, self.eos_token_ids)
+        if None not in unread and self.sampling_defaults is not None:
+            return
+        config_path = folder / "config.json"
+        if not config_path.is_file():
+            raise ValueError(f"model must be a local model folder with a config.json: {folder}")
+        hf_config = _read_json(config_path)
+        generation = _read_json(folder / "generation_config.json")
+        if self.max_position_embeddings is None:
+            self.max_position_embeddings = hf_config.get("max_position_embeddings")
+        if self.vocab_size is None:
+            self.vocab_size = hf_config.get("vocab_size")
+        if self.eos_token_ids is None:
+            eos = _as_list(hf_config.get("eos_token_id")) + _as_list(generation.get("eos_token_id"))
+            self.eos_token_ids = list(dict.fromkeys(eos))
+        if self.sampling_defaults is None:
+            self.sampling_defaults = defaults_from_generation_config(generation)
+
+    def _validate(self) -> None:
+        for f in fields(self):
+            choices = f.metadata.get("choices")
+            if choices is not None and getattr(self, f.name) not in choices:
+                raise ValueError(
+                    f"{f.name} must be one of {', '.join(choices)}; got {getattr(self, f.name)!r}"
+                )
+        _check_at_least("max_model_len", self.max_model_len, 2)
+        positions = self.max_position_embeddings
+        if positions is not None and self.max_model_len > positions:
+            raise ValueError(
+                f"max_model_len ({self.max_model_len}) must be <= the model's "
+                f"max_position_embeddings ({positions})"
+            )
+        _check_at_least("block_size", self.block_size, 1)
+        _check_at_least("max_num_seqs", self.max_num_seqs, 1)
+        _check_at_least("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _check_at_least("tensor_parallel_size", self.tensor_parallel_size, 1)
+        if self.kv_cache_memory is not None:
+            _check_at_least("kv_cache_memory", self.kv_cache_memory, 1)
+        if self.num_gpu_blocks_override is not None:
+            _check_at_least("num_gpu_blocks_override", self.num_gpu_blocks_override, 2)
+        if self.vocab_size is not None:
+            _check_at_least("vocab_size", self.vocab_size, 1)
+        if self.cuda_graph_sizes is not None:
+            if not self.cuda_graph_sizes:
+                raise ValueError("cuda_graph_sizes must not be empty (see enforce_eager)")
+            for size in self.cuda_graph_sizes:
+                _check_at_least("every cuda_graph_sizes entry", size, 1)
+        _check_at_least("max_worker_restarts", self.max_worker_restarts, 0)
+        for name in ("worker_step_timeout", "worker_restart_window", "shutdown_timeout"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if any(t < 0 for t in self.eos_token_ids):
+            raise ValueError(f"eos_token_ids must be >= 0, got {self.eos_token_ids}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
+                f"({self.max_model_len}) when chunked prefill is disabled, or long prompts could "
+                "never be scheduled"
+            )
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _as_list(value: int | list[int] | None) -> list[int]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, list) else [value]
+
+
+def _check_at_least(name: str, value: int, minimum: int) -> None:
+    if not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
