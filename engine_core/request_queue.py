@@ -8,6 +8,7 @@ from collections import deque
 from collections.abc import Iterator
 
 from engine_core.request import Request
+from ipc.config import SchedulingPolicy
 
 
 class FCFSRequestQueue:
@@ -70,5 +71,5 @@ class PriorityRequestQueue:
 RequestQueue = FCFSRequestQueue | PriorityRequestQueue
 
 
-def make_request_queue(policy: str) -> RequestQueue:
-    return PriorityRequestQueue() if policy == "priority" else FCFSRequestQueue()
+def make_request_queue(policy: SchedulingPolicy) -> RequestQueue:
+    return PriorityRequestQueue() if policy == SchedulingPolicy.PRIORITY else FCFSRequestQueue()

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 
 from engine_core.request import Request, RequestStatus
 from engine_core.request_queue import make_request_queue
-from ipc.config import EngineConfig
+from ipc.config import EngineConfig, SchedulingPolicy
 from ipc.messages import (
     CachedRequestData,
     EngineCoreOutput,
@@ -226,7 +226,7 @@ class Scheduler:
         return new_reqs, resumed
 
     def _select_victim(self) -> Request:
-        if self.config.scheduling_policy == "priority":
+        if self.config.scheduling_policy == SchedulingPolicy.PRIORITY:
             return max(self.running, key=lambda r: (r.priority, r.arrival_time))
         return self.running[-1]
 

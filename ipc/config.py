@@ -9,6 +9,7 @@ as a field whose metadata carries its help text (and its choices, flag names or 
 from __future__ import annotations
 
 import argparse
+import enum
 import json
 import re
 from dataclasses import dataclass, field, fields
@@ -20,7 +21,16 @@ from ipc.defaults import defaults_from_generation_config
 DEFAULT_CHUNKED_MAX_NUM_BATCHED_TOKENS = 8192
 
 DTYPES = ("auto", "float32", "float", "float16", "half", "bfloat16")
-SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+class SchedulingPolicy(str, enum.Enum):
+    """Which waiting request runs first; preemption picks its victim the other way round."""
+
+    FCFS = "fcfs"
+    PRIORITY = "priority"
+
+
+SCHEDULING_POLICIES = tuple(policy.value for policy in SchedulingPolicy)
 ATTENTION_BACKENDS = ("auto", "flash_attn", "triton", "torch")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -124,8 +134,8 @@ class EngineConfig:
         default=None,
         metadata=option("KV cache blocks, instead of what fits in memory", "what fits"),
     )
-    scheduling_policy: str = field(
-        default="fcfs",
+    scheduling_policy: SchedulingPolicy = field(
+        default=SchedulingPolicy.FCFS,
         metadata=option(
             "fcfs: first come, first served; priority: lowest priority value first",
             choices=SCHEDULING_POLICIES,
@@ -229,6 +239,7 @@ class EngineConfig:
                 raise ValueError(
                     f"{f.name} must be one of {', '.join(choices)}; got {getattr(self, f.name)!r}"
                 )
+        self.scheduling_policy = SchedulingPolicy(self.scheduling_policy)
         _check_at_least("max_model_len", self.max_model_len, 2)
         positions = self.max_position_embeddings
         if positions is not None and self.max_model_len > positions:

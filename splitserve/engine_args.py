@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import json
 import os
 import types
@@ -70,6 +71,8 @@ def _help(f: dataclasses.Field) -> str:
         default = f.default
         if isinstance(default, bool):
             default = "on" if default else "off"
+        elif isinstance(default, enum.Enum):
+            default = default.value
     return f"{f.metadata['help']} (default: {default})"
 
 
