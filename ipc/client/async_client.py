@@ -23,9 +23,7 @@ from ipc.client.core import (
     CLOSE_LINGER_MS,
     MONITOR_EVENTS,
     ClientCore,
-    ClientTokenizer,
     EngineDeadError,
-    Message,
     Prompt,
     RequestState,
     dead_engine_error,
@@ -35,6 +33,7 @@ from ipc.client.core import (
 from ipc.messages import AbortRequests, SamplingParams, SchedulerStats, encode
 from ipc.outputs import RequestOutput
 from ipc.sockets import HELLO, client_sockets, read_address
+from ipc.tokenizer import Message, TokenizerLike
 
 
 class AsyncEngineClient:
@@ -44,7 +43,7 @@ class AsyncEngineClient:
     def __init__(
         self,
         address: str,
-        tokenizer: str | os.PathLike | ClientTokenizer | None = None,
+        tokenizer: str | os.PathLike | TokenizerLike | None = None,
         connect_timeout: float = 30.0,
         health_interval: float = 15.0,
         credentials: Credentials | str | os.PathLike | None = None,
@@ -65,7 +64,7 @@ class AsyncEngineClient:
         return client
 
     @property
-    def tokenizer(self) -> ClientTokenizer | None:
+    def tokenizer(self) -> TokenizerLike | None:
         return self._core.tokenizer
 
     async def connect(self) -> None:

@@ -46,13 +46,12 @@ from ipc.messages import (
 )
 from ipc.outputs import CompletionOutput, RequestOutput
 from ipc.sockets import WELCOME
-from ipc.tokenizer import Tokenizer
+from ipc.tokenizer import Message, Tokenizer, TokenizerLike
 
 logger = logging.getLogger(__name__)
 
 CLOSE_LINGER_MS = 1000  # how long a closing client lets its last aborts leave
 Prompt = str | list[int]
-Message = dict[str, Any]
 _REFUSED = {
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the EngineCore at {} refused this client's credentials",
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "the EngineCore at {} refused the security handshake "
@@ -84,16 +83,6 @@ class EngineDeadError(RuntimeError):
     """The EngineCore did not answer in time, or the connection to it is lost."""
 
 
-class ClientTokenizer(Protocol):
-    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
-
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
-
-    def encode_chat(
-        self, messages: list[Message], add_generation_prompt: bool = ...
-    ) -> list[int]: ...
-
-
 # Sends a message without blocking; False when the engine's queue is full.
 Send = Callable[[msgspec.Struct], bool]
 
@@ -102,7 +91,7 @@ class _Sink(Protocol):
     def put_nowait(self, item: RequestOutput | Exception) -> None: ...
 
 
-def load_tokenizer(tokenizer: str | os.PathLike | ClientTokenizer | None) -> ClientTokenizer | None:
+def load_tokenizer(tokenizer: str | os.PathLike | TokenizerLike | None) -> TokenizerLike | None:
     if isinstance(tokenizer, str | os.PathLike):
         return Tokenizer.from_pretrained(tokenizer)
     return tokenizer
@@ -132,7 +121,7 @@ class RequestState:
     """One live request: its cumulative result and where its deltas go."""
 
     def __init__(
-        self, request: EngineCoreRequest, tokenizer: ClientTokenizer | None, queue: _Sink
+        self, request: EngineCoreRequest, tokenizer: TokenizerLike | None, queue: _Sink
     ) -> None:
         params = request.sampling_params
         self.request = request
@@ -187,7 +176,7 @@ class RequestState:
         return text[sent:end]
 
 
-def prompt_token_ids(tokenizer: ClientTokenizer | None, prompt: Prompt) -> list[int]:
+def prompt_token_ids(tokenizer: TokenizerLike | None, prompt: Prompt) -> list[int]:
     if not isinstance(prompt, str):
         return list(prompt)
     if tokenizer is None:
@@ -195,7 +184,7 @@ def prompt_token_ids(tokenizer: ClientTokenizer | None, prompt: Prompt) -> list[
     return tokenizer.encode(prompt)
 
 
-def chat_token_ids(tokenizer: ClientTokenizer | None, messages: list[Message]) -> list[int]:
+def chat_token_ids(tokenizer: TokenizerLike | None, messages: list[Message]) -> list[int]:
     """The chat template applied; message content is text (never special tokens)."""
     if tokenizer is None:
         raise ValueError("chat needs a tokenizer")
@@ -203,7 +192,7 @@ def chat_token_ids(tokenizer: ClientTokenizer | None, messages: list[Message]) -
 
 
 class ClientCore:
-    def __init__(self, tokenizer: str | os.PathLike | ClientTokenizer | None, address: str) -> None:
+    def __init__(self, tokenizer: str | os.PathLike | TokenizerLike | None, address: str) -> None:
         self.tokenizer = load_tokenizer(tokenizer)
         self.address = address
         # Why requests cannot be sent now; None while connected and welcomed.

@@ -24,9 +24,7 @@ from ipc.client.core import (
     CLOSE_LINGER_MS,
     MONITOR_EVENTS,
     ClientCore,
-    ClientTokenizer,
     EngineDeadError,
-    Message,
     Prompt,
     RequestState,
     dead_engine_error,
@@ -36,6 +34,7 @@ from ipc.client.core import (
 from ipc.messages import AbortRequests, SamplingParams, SchedulerStats, encode
 from ipc.outputs import RequestOutput
 from ipc.sockets import HELLO, client_sockets, read_address
+from ipc.tokenizer import Message, TokenizerLike
 
 
 class EngineClient:
@@ -48,7 +47,7 @@ class EngineClient:
     def __init__(
         self,
         address: str,
-        tokenizer: str | os.PathLike | ClientTokenizer | None = None,
+        tokenizer: str | os.PathLike | TokenizerLike | None = None,
         connect_timeout: float = 30.0,
         health_interval: float = 15.0,
         credentials: Credentials | str | os.PathLike | None = None,
@@ -78,7 +77,7 @@ class EngineClient:
         self._receiver.start()
 
     @property
-    def tokenizer(self) -> ClientTokenizer | None:
+    def tokenizer(self) -> TokenizerLike | None:
         return self._core.tokenizer
 
     def generate(
