@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from attention.backends.base import AttentionBackend
 from attention.batch_split import DecodeGroup
 from attention.metadata import AttentionMetadata, CommonAttentionMetadata
+from ipc.utils import cdiv
 
 Window = int | None
 _K = TypeVar("_K")
@@ -121,7 +122,7 @@ class TorchAttentionBackend(AttentionBackend):
         else:
             block_size = kv_cache.shape[2]
             first -= first % block_size
-            blocks = md.block_table[req, first // block_size : -(-seq_len // block_size)]
+            blocks = md.block_table[req, first // block_size : cdiv(seq_len, block_size)]
             keys, values = self._gather(kv_cache, blocks)
             heads = (-1, layer.num_kv_heads, layer.head_dim)
             keys = keys.view(heads)[: seq_len - first]
@@ -189,9 +190,9 @@ def _decode_layout(
     may attend to ([n, 1, 1, ctx] mask)."""
     num_decodes = group.reqs.shape[0]
     seq_lens = md.seq_lens[group.reqs].long()
-    num_blocks = -(-group.max_seq_len // block_size)
+    num_blocks = cdiv(group.max_seq_len, block_size)
     if window is not None:  # a window of w tokens spans at most cdiv(w - 1, bs) + 1 pages
-        num_blocks = min(num_blocks, -(-(window - 1) // block_size) + 1)
+        num_blocks = min(num_blocks, cdiv(window - 1, block_size) + 1)
     device = md.block_table.device
     cols = torch.arange(num_blocks, device=device).expand(num_decodes, num_blocks)
     if window is not None:
