@@ -22,9 +22,28 @@ def set_weight_attrs(param: nn.Parameter, attrs: dict[str, Any]) -> None:
         setattr(param, key, value)
 
 
-def new_parameter(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
+def new_parameter(*shape: int) -> nn.Parameter:
     """An uninitialised inference parameter (no grad) on the default device/dtype."""
-    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+def register_linear_params(
+    module: nn.Module,
+    out_features: int,
+    in_features: int,
+    bias: bool,
+    weight_loader: WeightLoader,
+    bias_loader: WeightLoader,
+) -> None:
+    """`module.weight` [out_features, in_features] and `module.bias` [out_features] (or
+    None), each with its loader."""
+    module.weight = new_parameter(out_features, in_features)
+    set_weight_attrs(module.weight, {"weight_loader": weight_loader})
+    if bias:
+        module.bias = new_parameter(out_features)
+        set_weight_attrs(module.bias, {"weight_loader": bias_loader})
+    else:
+        module.register_parameter("bias", None)
 
 
 def weight_shape(loaded: Any) -> tuple[int, ...]:
@@ -57,6 +76,17 @@ def copy_weight(param: torch.Tensor, value: torch.Tensor, what: str = "") -> Non
             f"checkpoint shard {tuple(value.shape)}"
         )
     param.copy_(value)
+
+
+@torch.no_grad()
+def load_rank_slice(
+    param: nn.Parameter, loaded: Any, dim: int, rank: int, tp_size: int, what: str
+) -> None:
+    """Copy `rank`'s slice along `dim` of the full checkpoint weight (each of the tp_size
+    ranks holds param.shape[dim] of it); with one rank, the whole weight."""
+    size = param.shape[dim]
+    shard = full_weight(loaded) if tp_size == 1 else narrow_weight(loaded, dim, rank * size, size)
+    copy_weight(param.data, shard, what)
 
 
 @torch.no_grad()
