@@ -38,7 +38,6 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.tp_rank = get_tp_rank()
         self.tp_size = get_tp_size()
-        self.input_size = input_size
         self.output_size = output_size
         self.prefix = prefix
         self.output_size_per_partition = self._partition_size()
@@ -187,7 +186,6 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.tp_rank = get_tp_rank()
         self.tp_size = get_tp_size()
-        self.input_size = input_size
         self.output_size = output_size
         self.prefix = prefix
         self.input_size_per_partition = divide(input_size, self.tp_size, f"{prefix} input size")
