@@ -65,23 +65,12 @@ class TorchAttentionBackend(AttentionBackend):
         md.decode_layouts.clear()
         md.prefill_masks.clear()
 
-    def forward(
-        self,
-        layer,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        md: AttentionMetadata,
-    ) -> torch.Tensor:
+    def attend(self, layer, q, k, v, kv_cache, md: AttentionMetadata, out) -> None:
         assert isinstance(md, TorchAttentionMetadata), "metadata of another backend"
-        out = torch.empty_like(q)
-        out[md.num_actual_tokens :] = 0
         for index, group in enumerate(md.split.decode_groups):
             self._decode(layer, q, kv_cache, md, out, index, group)
         for req in md.split.prefill_reqs_cpu:
             self._prefill(layer, req, q, k, v, kv_cache, md, out)
-        return out
 
     def _decode(
         self,
