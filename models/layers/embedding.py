@@ -17,9 +17,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from ipc.utils import cdiv
-from models.layers.utils import copy_weight, narrow_weight, new_parameter, set_weight_attrs
+from models.layers.utils import (
+    ShardedModule,
+    copy_weight,
+    narrow_weight,
+    new_parameter,
+    set_weight_attrs,
+)
 from models.layers.utils import weight_shape as _shape
-from models.parallel_state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
+from models.parallel_state import tp_all_gather, tp_all_reduce
 
 VOCAB_PADDING = 64
 
@@ -29,19 +35,11 @@ def pad_vocab_size(vocab_size: int, tp_size: int, padding: int = VOCAB_PADDING) 
     return cdiv(vocab_size, multiple) * multiple
 
 
-class VocabParallelEmbedding(nn.Module):
-    def __init__(
-        self,
-        num_embeddings: int,
-        embedding_dim: int,
-        prefix: str = "",
-    ) -> None:
-        super().__init__()
-        self.tp_rank = get_tp_rank()
-        self.tp_size = get_tp_size()
+class VocabParallelEmbedding(ShardedModule):
+    def __init__(self, num_embeddings: int, embedding_dim: int, prefix: str = "") -> None:
+        super().__init__(prefix)
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
-        self.prefix = prefix
         self.num_embeddings_padded = (
             num_embeddings if self.tp_size == 1 else pad_vocab_size(num_embeddings, self.tp_size)
         )

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.layers.utils import (
+    ShardedModule,
     copy_weight,
     default_weight_loader,
     divide,
@@ -25,30 +26,19 @@ from models.layers.utils import (
     register_linear_params,
     weight_shape,
 )
-from models.parallel_state import get_tp_rank, get_tp_size, tp_all_reduce
+from models.parallel_state import get_tp_size, tp_all_reduce
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(ShardedModule):
     """y = x A^T + b with A's rows (output features) split across ranks: the output is
     this rank's slice [.., output_size / tp]."""
 
     def __init__(
         self, input_size: int, output_size: int, bias: bool = True, prefix: str = ""
     ) -> None:
-        super().__init__()
-        self.tp_rank = get_tp_rank()
-        self.tp_size = get_tp_size()
+        super().__init__(prefix)
         self.output_size = output_size
-        self.prefix = prefix
-        self.output_size_per_partition = self._partition_size()
-        register_linear_params(
-            self,
-            self.output_size_per_partition,
-            input_size,
-            bias,
-            self.weight_loader,
-            self.weight_loader,
-        )
+        register_linear_params(self, self._partition_size(), input_size, bias)
 
     def _partition_size(self) -> int:
         return divide(self.output_size, self.tp_size, f"{self.prefix} output size")
@@ -175,7 +165,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         )
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(ShardedModule):
     """y = x A^T + b with A's columns (input features) split across ranks: the input is
     this rank's slice [.., input_size / tp]. Partial outputs are all-reduced and the
     bias is added once, after the reduction."""
@@ -183,19 +173,10 @@ class RowParallelLinear(nn.Module):
     def __init__(
         self, input_size: int, output_size: int, bias: bool = True, prefix: str = ""
     ) -> None:
-        super().__init__()
-        self.tp_rank = get_tp_rank()
-        self.tp_size = get_tp_size()
-        self.output_size = output_size
-        self.prefix = prefix
-        self.input_size_per_partition = divide(input_size, self.tp_size, f"{prefix} input size")
+        super().__init__(prefix)
+        input_size_per_partition = divide(input_size, self.tp_size, f"{prefix} input size")
         register_linear_params(
-            self,
-            output_size,
-            self.input_size_per_partition,
-            bias,
-            self.weight_loader,
-            default_weight_loader,
+            self, output_size, input_size_per_partition, bias, default_weight_loader
         )
 
     @torch.no_grad()

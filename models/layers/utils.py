@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from models.parallel_state import get_tp_rank, get_tp_size
+
 WeightLoader = Callable[..., None]
 
 
@@ -27,21 +29,30 @@ def new_parameter(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
+class ShardedModule(nn.Module):
+    """A layer holding this rank's shard of its weights; `prefix` names it in errors."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.tp_rank = get_tp_rank()
+        self.tp_size = get_tp_size()
+        self.prefix = prefix
+
+
 def register_linear_params(
     module: nn.Module,
     out_features: int,
     in_features: int,
     bias: bool,
-    weight_loader: WeightLoader,
-    bias_loader: WeightLoader,
+    bias_loader: WeightLoader | None = None,
 ) -> None:
-    """`module.weight` [out_features, in_features] and `module.bias` [out_features] (or
-    None), each with its loader."""
+    """`module.weight` [out_features, in_features], loaded by `module.weight_loader`, and
+    `module.bias` [out_features] (or None), loaded by `bias_loader` (default the same)."""
     module.weight = new_parameter(out_features, in_features)
-    set_weight_attrs(module.weight, {"weight_loader": weight_loader})
+    set_weight_attrs(module.weight, {"weight_loader": module.weight_loader})
     if bias:
         module.bias = new_parameter(out_features)
-        set_weight_attrs(module.bias, {"weight_loader": bias_loader})
+        set_weight_attrs(module.bias, {"weight_loader": bias_loader or module.weight_loader})
     else:
         module.register_parameter("bias", None)
 
