@@ -21,7 +21,6 @@ from models.layers.utils import (
     copy_weight,
     default_weight_loader,
     divide,
-    load_rank_slice,
     narrow_weight,
     register_linear_params,
     weight_shape,
@@ -45,9 +44,7 @@ class ColumnParallelLinear(ShardedModule):
 
     @torch.no_grad()
     def weight_loader(self, param: nn.Parameter, loaded_weight: Any, shard_id: Any = None) -> None:
-        if shard_id is not None:
-            raise ValueError(f"{self.prefix}: ColumnParallelLinear takes no shard_id")
-        load_rank_slice(param, loaded_weight, 0, self.tp_rank, self.tp_size, self.prefix)
+        self.load_rank_slice(param, loaded_weight, shard_id, dim=0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -181,9 +178,7 @@ class RowParallelLinear(ShardedModule):
 
     @torch.no_grad()
     def weight_loader(self, param: nn.Parameter, loaded_weight: Any, shard_id: Any = None) -> None:
-        if shard_id is not None:
-            raise ValueError(f"{self.prefix}: RowParallelLinear takes no shard_id")
-        load_rank_slice(param, loaded_weight, 1, self.tp_rank, self.tp_size, self.prefix)
+        self.load_rank_slice(param, loaded_weight, shard_id, dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:

@@ -38,6 +38,18 @@ class ShardedModule(nn.Module):
         self.tp_size = get_tp_size()
         self.prefix = prefix
 
+    def load_rank_slice(self, param: nn.Parameter, loaded: Any, shard_id: Any, dim: int) -> None:
+        """Copy this rank's slice along `dim` of the full checkpoint weight (each rank
+        holds param.shape[dim] of it; one rank, the whole weight). No shard_id here."""
+        if shard_id is not None:
+            raise ValueError(f"{self.prefix}: {type(self).__name__} takes no shard_id")
+        size = param.shape[dim]
+        if self.tp_size == 1:
+            shard = full_weight(loaded)
+        else:
+            shard = narrow_weight(loaded, dim, self.tp_rank * size, size)
+        copy_weight(param.data, shard, self.prefix)
+
 
 def register_linear_params(
     module: nn.Module,
@@ -90,16 +102,6 @@ def copy_weight(param: torch.Tensor, value: torch.Tensor, what: str = "") -> Non
 
 
 @torch.no_grad()
-def load_rank_slice(
-    param: nn.Parameter, loaded: Any, dim: int, rank: int, tp_size: int, what: str
-) -> None:
-    """Copy `rank`'s slice along `dim` of the full checkpoint weight (each of the tp_size
-    ranks holds param.shape[dim] of it); with one rank, the whole weight."""
-    size = param.shape[dim]
-    shard = full_weight(loaded) if tp_size == 1 else narrow_weight(loaded, dim, rank * size, size)
-    copy_weight(param.data, shard, what)
-
-
 @torch.no_grad()
 def default_weight_loader(param: nn.Parameter, loaded_weight: Any, shard_id: Any = None) -> None:
     """Copy a replicated (unsharded) weight whole."""
