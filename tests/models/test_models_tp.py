@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from ipc.sockets import free_tcp_port
 from tests.models.tiny import make_tiny_checkpoint
 
 PROMPT = torch.tensor([256, 5, 77, 3, 200, 287, 12, 12, 9, 41, 160, 7, 99, 1, 250, 30, 31])
@@ -39,12 +39,6 @@ CASES = {
         },
     ),
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tp_worker(rank: int, world_size: int, port: int, paths: dict, out_dir: str) -> None:
@@ -98,7 +92,7 @@ def test_tp2_matches_tp1(tmp_path):
     }
     out_dir = tmp_path / "out"
     out_dir.mkdir()
-    mp.spawn(_tp_worker, args=(2, _free_port(), paths, str(out_dir)), nprocs=2, join=True)
+    mp.spawn(_tp_worker, args=(2, free_tcp_port(count=1), paths, str(out_dir)), nprocs=2, join=True)
 
     for case, path in paths.items():
         model = load_model(path, torch.float32)
