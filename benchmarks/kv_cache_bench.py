@@ -18,6 +18,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ipc.utils import cdiv  # noqa: E402
 from kv_cache import KVCacheManager, extend_block_hashes  # noqa: E402
 
 
@@ -66,7 +67,7 @@ def run(args: argparse.Namespace, shared: bool, enable_caching: bool) -> dict[st
     bs = args.block_size
     prompts = make_prompts(args, shared)
     max_model_len = args.max_len + args.decode_steps
-    num_blocks = sum(-(-(len(p) + args.decode_steps) // bs) for p in prompts) + 1
+    num_blocks = sum(cdiv(len(p) + args.decode_steps, bs) for p in prompts) + 1
     manager = KVCacheManager(num_blocks, bs, max_model_len, enable_caching=enable_caching)
     timers = {name: Timer() for name in ("hash", "lookup", "admit", "decode", "free")}
     clock = time.perf_counter_ns

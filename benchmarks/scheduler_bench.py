@@ -15,6 +15,7 @@ import time
 
 from engine_core import EngineConfig, Request, SamplingParams, Scheduler
 from ipc.messages import ModelRunnerOutput, SchedulerOutput, encode
+from ipc.utils import cdiv
 from kv_cache import KVCacheManager
 
 BLOCK_SIZE = 16
@@ -34,7 +35,7 @@ def prefilled_scheduler(num_requests: int, context: int, num_steps: int) -> Sche
         max_num_seqs=num_requests,
         max_num_batched_tokens=num_requests * context,
     )
-    num_blocks = num_requests * -(-max_model_len // BLOCK_SIZE) + 1
+    num_blocks = num_requests * cdiv(max_model_len, BLOCK_SIZE) + 1
     scheduler = Scheduler(config, KVCacheManager(num_blocks, BLOCK_SIZE, max_model_len))
     params = SamplingParams(max_tokens=None, ignore_eos=True)
     for i in range(num_requests):

@@ -104,7 +104,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status > RequestStatus.PREEMPTED
+        return self.status.is_finished
 
     def enable_block_hashing(self, block_size: int) -> None:
         """Hash the full blocks so far, and from now on each block as it fills."""

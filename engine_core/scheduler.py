@@ -24,6 +24,7 @@ from ipc.messages import (
     SchedulerOutput,
     SchedulerStats,
 )
+from ipc.utils import cdiv
 from kv_cache import KVCacheManager
 
 _INT64 = 2**63
@@ -53,7 +54,7 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.block_size = config.block_size
-        blocks_per_request = -(-config.max_model_len // config.block_size)
+        blocks_per_request = cdiv(config.max_model_len, config.block_size)
         usable_blocks = kv_cache_manager.block_pool.num_blocks - 1
         if usable_blocks < blocks_per_request:
             raise ValueError(

@@ -1,8 +1,4 @@
-from typing import Protocol
-
-
-class Tokenizer(Protocol):
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+from ipc.tokenizer import TokenizerLike
 
 
 class IncrementalDetokenizer:
@@ -17,7 +13,7 @@ class IncrementalDetokenizer:
 
     def __init__(
         self,
-        tokenizer: Tokenizer,
+        tokenizer: TokenizerLike,
         prompt_token_ids: list[int],
         skip_special_tokens: bool = True,
         stop: list[str] | tuple[str, ...] = (),

@@ -1,4 +1,6 @@
-"""A Hugging Face tokenizer folder without transformers (which would pull in torch).
+"""A Hugging Face tokenizer folder without transformers (which would pull in torch), and
+`TokenizerLike`, what the clients, the detokenizer and the server take (this `Tokenizer`,
+or a test's stand-in).
 
 tokenizer.json runs through the `tokenizers` library, exactly as transformers' fast
 tokenizers do; special tokens come from tokenizer_config.json; the chat template from
@@ -18,12 +20,13 @@ import re
 import secrets
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import jinja2
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+Message = dict[str, Any]  # one chat message: {"role": ..., "content": ...}
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 # Longer texts are encoded with encode_batch, which releases the GIL while it works
 # (encode holds it), so other threads (an event loop) keep running.
@@ -35,6 +38,24 @@ _NORMALIZER_SHRINK = {"NFC": 4, "NFD": 4, "NFKC": 4, "NFKD": 4, "Lowercase": 4, 
 _KEEPING_PRE_TOKENIZERS = {
     "ByteLevel", "Metaspace", "Digits", "UnicodeScripts", "Split", "Punctuation"
 }  # fmt: skip
+
+
+class TokenizerLike(Protocol):
+    """What the clients, the detokenizer and the server need of a tokenizer."""
+
+    def min_num_tokens(self, text: str) -> int: ...
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+    def apply_chat_template(
+        self, messages: list[Message], add_generation_prompt: bool = True
+    ) -> str: ...
+
+    def encode_chat(
+        self, messages: list[Message], add_generation_prompt: bool = True
+    ) -> list[int]: ...
 
 
 class Tokenizer:
@@ -93,7 +114,7 @@ class Tokenizer:
 
     def apply_chat_template(
         self,
-        messages: list[dict[str, Any]],
+        messages: list[Message],
         add_generation_prompt: bool = True,
         tokenize: bool = False,
     ) -> str | list[int]:
@@ -108,9 +129,7 @@ class Tokenizer:
         )
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
-    def encode_chat(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
-    ) -> list[int]:
+    def encode_chat(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
         """The conversation's prompt token ids, with special-token text inside the messages
         encoded as plain text. Without such text, exactly
         `encode(apply_chat_template(messages), add_special_tokens=False)`."""
@@ -258,7 +277,7 @@ def _holds(value: Any, texts: list[str]) -> bool:
     return False
 
 
-def _placeholder_nonce(messages: list[dict[str, Any]]) -> str:
+def _placeholder_nonce(messages: list[Message]) -> str:
     """Private-use characters that appear in no message; placeholders are built from it."""
     while True:
         nonce = "".join(chr(0xE000 + b) for b in secrets.token_bytes(8))

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,28 +24,21 @@ _TP_RANK = 0
 _TP_SIZE = 1
 _TP_GROUP: dist.ProcessGroup | None = None
 _BACKEND: str | None = None
-_DEVICE: torch.device | None = None
-_OWNS_PROCESS_GROUP = False
 
 
 def init_distributed(
-    rank: int,
-    world_size: int,
-    init_method: str,
-    backend: str | None = None,
-    device: torch.device | str | None = None,
+    rank: int, world_size: int, init_method: str, device: torch.device | str | None = None
 ) -> None:
-    """Join the tensor-parallel group as `rank` of `world_size`.
-
-    backend None picks "nccl" when the device (or, with no device given, the machine)
-    is CUDA and "gloo" otherwise. For CUDA the current device is set to `device` first.
-    World size 1 does not initialise torch.distributed.
+    """Join the tensor-parallel group as `rank` of `world_size`: "nccl" when the device
+    (or, with no device given, the machine) is CUDA, "gloo" otherwise. For CUDA the
+    current device is set to `device` first. World size 1 does not initialise
+    torch.distributed.
 
     A `file://` rendezvous means every rank is on this host: gloo then binds its sockets
     on the loopback interface only (unless GLOO_SOCKET_IFNAME says otherwise), instead
     of the address the host name resolves to.
     """
-    global _TP_RANK, _TP_SIZE, _TP_GROUP, _BACKEND, _DEVICE, _OWNS_PROCESS_GROUP
+    global _TP_RANK, _TP_SIZE, _TP_GROUP, _BACKEND
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"invalid rank {rank} for world size {world_size}")
     dev = torch.device(device) if device is not None else None
@@ -54,27 +46,18 @@ def init_distributed(
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(dev)
-    _DEVICE = dev
     if world_size == 1:
         _TP_RANK, _TP_SIZE, _TP_GROUP, _BACKEND = 0, 1, None, None
         return
-    if backend is None:
-        on_cuda = dev.type == "cuda" if dev is not None else torch.cuda.is_available()
-        backend = "nccl" if on_cuda else "gloo"
-    if dist.is_initialized():
-        if dist.get_world_size() != world_size or dist.get_rank() != rank:
-            raise RuntimeError(
-                f"torch.distributed already initialised as rank {dist.get_rank()} of "
-                f"{dist.get_world_size()}, not rank {rank} of {world_size}"
-            )
-        _OWNS_PROCESS_GROUP = False
-    else:
-        if init_method.startswith("file://"):
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())
-        dist.init_process_group(
-            backend=backend, init_method=init_method, rank=rank, world_size=world_size
-        )
-        _OWNS_PROCESS_GROUP = True
+    on_cuda = dev.type == "cuda" if dev is not None else torch.cuda.is_available()
+    if init_method.startswith("file://"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", _loopback_interface())
+    dist.init_process_group(
+        backend="nccl" if on_cuda else "gloo",
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+    )
     _TP_GROUP = dist.group.WORLD
     _BACKEND = dist.get_backend(_TP_GROUP)
     _TP_RANK = rank
@@ -87,12 +70,11 @@ def _loopback_interface() -> str:
 
 
 def destroy_distributed() -> None:
-    """Leave the group (if this module created it) and go back to world size 1."""
-    global _TP_RANK, _TP_SIZE, _TP_GROUP, _BACKEND, _DEVICE, _OWNS_PROCESS_GROUP
-    if _OWNS_PROCESS_GROUP and dist.is_initialized():
+    """Leave the group and go back to world size 1."""
+    global _TP_RANK, _TP_SIZE, _TP_GROUP, _BACKEND
+    if _TP_GROUP is not None and dist.is_initialized():
         dist.destroy_process_group()
-    _TP_RANK, _TP_SIZE, _TP_GROUP, _BACKEND, _DEVICE = 0, 1, None, None, None
-    _OWNS_PROCESS_GROUP = False
+    _TP_RANK, _TP_SIZE, _TP_GROUP, _BACKEND = 0, 1, None, None
 
 
 def get_tp_rank() -> int:
@@ -101,15 +83,6 @@ def get_tp_rank() -> int:
 
 def get_tp_size() -> int:
     return _TP_SIZE
-
-
-def get_tp_group() -> dist.ProcessGroup | None:
-    """The tensor-parallel process group (None with world size 1)."""
-    return _TP_GROUP
-
-
-def get_tp_backend() -> str | None:
-    return _BACKEND
 
 
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -149,17 +122,3 @@ def tp_broadcast(x: torch.Tensor, src: int = 0) -> torch.Tensor:
     assert x.is_contiguous(), "tp_broadcast needs a contiguous tensor"
     dist.broadcast(x, src=dist.get_global_rank(_TP_GROUP, src), group=_TP_GROUP)
     return x
-
-
-def tp_broadcast_object(obj: Any = None, src: int = 0) -> Any:
-    """Broadcast a picklable object from tp rank `src`; returns it on every rank."""
-    if _TP_SIZE == 1:
-        return obj
-    box = [obj if src == _TP_RANK else None]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(_TP_GROUP, src), group=_TP_GROUP)
-    return box[0]
-
-
-def tp_barrier() -> None:
-    if _TP_SIZE > 1:
-        dist.barrier(group=_TP_GROUP)

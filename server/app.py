@@ -17,11 +17,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from ipc.client import EngineDeadError
 from ipc.messages import SamplingParams
+from ipc.tokenizer import TokenizerLike
 from server.auth import BearerAuth, authenticated_key, tenant_cache_salt
 from server.errors import add_error_handlers
 from server.inputs import (
     PromptLimits,
-    Tokenizer,
     chat_prompt_ids,
     completion_prompt_ids,
     sampling_params,
@@ -38,7 +38,7 @@ TOKENIZER_THREADS = 4
 
 def build_app(
     client,
-    tokenizer: Tokenizer,
+    tokenizer: TokenizerLike,
     served_model_name: str,
     api_keys: str | Sequence[str] | None = None,
     max_model_len: int | None = None,

@@ -8,28 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 from ipc.messages import SamplingParams
+from ipc.tokenizer import TokenizerLike
 from server.protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest
 
 T = TypeVar("T")
-
-
-class Tokenizer(Protocol):
-    def min_num_tokens(self, text: str) -> int: ...
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
-
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
-
-    def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True
-    ) -> str: ...
-
-    def encode_chat(
-        self, messages: list[dict], add_generation_prompt: bool = True
-    ) -> list[int]: ...
 
 
 @dataclass(frozen=True)
@@ -68,7 +53,7 @@ class PromptLimits:
 
 
 def completion_prompt_ids(
-    request: CompletionRequest, tokenizer: Tokenizer, limits: PromptLimits
+    request: CompletionRequest, tokenizer: TokenizerLike, limits: PromptLimits
 ) -> list[int]:
     prompt = request.prompt
     if prompt and isinstance(prompt, list) and isinstance(prompt[0], str | list):
@@ -87,7 +72,7 @@ def completion_prompt_ids(
 
 
 def chat_prompt_ids(
-    request: ChatCompletionRequest, tokenizer: Tokenizer, limits: PromptLimits
+    request: ChatCompletionRequest, tokenizer: TokenizerLike, limits: PromptLimits
 ) -> list[int]:
     messages = [{"role": m.role, "content": _message_text(m)} for m in request.messages]
     if limits.too_long("".join(m["content"] for m in messages)):

@@ -71,23 +71,14 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.engine = EngineStatsCollector()
         self.registry.register(self.engine)
-        self.time_to_first_token = Histogram(
-            PREFIX + "time_to_first_token_seconds",
-            "Time from request arrival to first token.",
-            buckets=TTFT_BUCKETS,
-            registry=self.registry,
+        self.time_to_first_token = self._histogram(
+            "time_to_first_token_seconds", "Time from request arrival to first token.", TTFT_BUCKETS
         )
-        self.inter_token_latency = Histogram(
-            PREFIX + "inter_token_latency_seconds",
-            "Time between successive token deliveries.",
-            buckets=ITL_BUCKETS,
-            registry=self.registry,
+        self.inter_token_latency = self._histogram(
+            "inter_token_latency_seconds", "Time between successive token deliveries.", ITL_BUCKETS
         )
-        self.e2e_request_latency = Histogram(
-            PREFIX + "e2e_request_latency_seconds",
-            "Time from request arrival to its end.",
-            buckets=E2E_BUCKETS,
-            registry=self.registry,
+        self.e2e_request_latency = self._histogram(
+            "e2e_request_latency_seconds", "Time from request arrival to its end.", E2E_BUCKETS
         )
         self.request_success = Counter(
             PREFIX + "request_success",
@@ -95,6 +86,9 @@ class ServerMetrics:
             ["finished_reason"],
             registry=self.registry,
         )
+
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(PREFIX + name, doc, buckets=buckets, registry=self.registry)
 
     def render(self, stats: SchedulerStats | None) -> bytes:
         self.engine.stats = stats

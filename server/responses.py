@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 
 from ipc.messages import TokenLogprobs
-from server.inputs import Tokenizer
+from ipc.tokenizer import TokenizerLike
 
 
 class ResponseBuilder:
@@ -17,7 +17,7 @@ class ResponseBuilder:
     chunk_object_name = ""
 
     def __init__(
-        self, request_id: str, model: str, tokenizer: Tokenizer, prompt_tokens_details: bool
+        self, request_id: str, model: str, tokenizer: TokenizerLike, prompt_tokens_details: bool
     ) -> None:
         self.request_id = request_id
         self.model = model

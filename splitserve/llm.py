@@ -5,13 +5,11 @@ from collections.abc import Sequence
 from tqdm import tqdm
 
 from engine_core import EngineCore
-from ipc.client.core import RequestState, chat_token_ids, load_tokenizer, prompt_token_ids
+from ipc.client.core import Prompt, RequestState, chat_token_ids, load_tokenizer, prompt_token_ids
 from ipc.config import EngineConfig
 from ipc.messages import EngineCoreRequest, SamplingParams
 from ipc.outputs import RequestOutput
-
-Prompt = str | list[int]
-Message = dict[str, str]
+from ipc.tokenizer import Message
 
 
 class LLM:

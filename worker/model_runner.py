@@ -7,6 +7,7 @@ from transformers import AutoConfig
 from attention import get_attn_backend, set_forward_context
 from ipc.config import EngineConfig
 from ipc.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput, TokenLogprobs
+from ipc.utils import cdiv
 from models import kv_cache_shape_info, load_model, resolve_dtype
 from models.parallel_state import get_tp_rank, get_tp_size, tp_broadcast
 from worker.buffers import InputBuffers
@@ -51,7 +52,7 @@ class ModelRunner:
         self.input_batch = InputBatch(
             max_num_reqs=config.max_num_seqs,
             max_model_len=config.max_model_len,
-            max_num_blocks_per_req=-(-config.max_model_len // config.block_size),
+            max_num_blocks_per_req=cdiv(config.max_model_len, config.block_size),
             block_size=config.block_size,
             device=self.device,
             vocab_size=config.vocab_size,

@@ -47,7 +47,6 @@ class AttentionBackend(ABC):
         """Called outside any graph before each replay over `md`, after the step's inputs
         were written to the buffers it views: drop what was derived from earlier values."""
 
-    @abstractmethod
     def forward(
         self,
         layer: Attention,
@@ -60,3 +59,21 @@ class AttentionBackend(ABC):
         """Attention of the step's query rows: q [T, num_heads, head_dim], k/v [T,
         num_kv_heads, head_dim] (already in kv_cache), the output like q with the
         padding rows past md.num_actual_tokens zeroed."""
+        out = torch.empty_like(q)
+        out[md.num_actual_tokens :] = 0
+        self.attend(layer, q, k, v, kv_cache, md, out)
+        return out
+
+    @abstractmethod
+    def attend(
+        self,
+        layer: Attention,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        md: AttentionMetadata,
+        out: torch.Tensor,
+    ) -> None:
+        """`forward`'s work: write the attention of rows 0..md.num_actual_tokens - 1 into
+        `out`."""

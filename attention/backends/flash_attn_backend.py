@@ -38,18 +38,8 @@ class FlashAttentionBackend(AttentionBackend):
         block_ok = block_size is None or block_size % cls.block_size_multiple == 0
         return block_ok and (dtype is None or dtype in cls.dtypes)
 
-    def forward(
-        self,
-        layer,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        md: AttentionMetadata,
-    ) -> torch.Tensor:
+    def attend(self, layer, q, k, v, kv_cache, md: AttentionMetadata, out) -> None:
         split = md.split
-        out = torch.empty_like(q)
-        out[md.num_actual_tokens :] = 0
         key_cache, value_cache = kv_cache.unbind(0)
         window = (-1, -1) if layer.sliding_window is None else (layer.sliding_window - 1, 0)
         if split.num_decodes:
@@ -78,4 +68,3 @@ class FlashAttentionBackend(AttentionBackend):
                 window_size=window,
                 block_table=md.block_table[split.prefill_reqs],
             )
-        return out

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from attention.backends.base import AttentionBackend
 from attention.batch_split import DecodeGroup
 from attention.metadata import AttentionMetadata, CommonAttentionMetadata
+from ipc.utils import cdiv
 
 Window = int | None
 _K = TypeVar("_K")
@@ -64,23 +65,12 @@ class TorchAttentionBackend(AttentionBackend):
         md.decode_layouts.clear()
         md.prefill_masks.clear()
 
-    def forward(
-        self,
-        layer,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        md: AttentionMetadata,
-    ) -> torch.Tensor:
+    def attend(self, layer, q, k, v, kv_cache, md: AttentionMetadata, out) -> None:
         assert isinstance(md, TorchAttentionMetadata), "metadata of another backend"
-        out = torch.empty_like(q)
-        out[md.num_actual_tokens :] = 0
         for index, group in enumerate(md.split.decode_groups):
             self._decode(layer, q, kv_cache, md, out, index, group)
         for req in md.split.prefill_reqs_cpu:
             self._prefill(layer, req, q, k, v, kv_cache, md, out)
-        return out
 
     def _decode(
         self,
@@ -121,7 +111,7 @@ class TorchAttentionBackend(AttentionBackend):
         else:
             block_size = kv_cache.shape[2]
             first -= first % block_size
-            blocks = md.block_table[req, first // block_size : -(-seq_len // block_size)]
+            blocks = md.block_table[req, first // block_size : cdiv(seq_len, block_size)]
             keys, values = self._gather(kv_cache, blocks)
             heads = (-1, layer.num_kv_heads, layer.head_dim)
             keys = keys.view(heads)[: seq_len - first]
@@ -189,9 +179,9 @@ def _decode_layout(
     may attend to ([n, 1, 1, ctx] mask)."""
     num_decodes = group.reqs.shape[0]
     seq_lens = md.seq_lens[group.reqs].long()
-    num_blocks = -(-group.max_seq_len // block_size)
+    num_blocks = cdiv(group.max_seq_len, block_size)
     if window is not None:  # a window of w tokens spans at most cdiv(w - 1, bs) + 1 pages
-        num_blocks = min(num_blocks, -(-(window - 1) // block_size) + 1)
+        num_blocks = min(num_blocks, cdiv(window - 1, block_size) + 1)
     device = md.block_table.device
     cols = torch.arange(num_blocks, device=device).expand(num_decodes, num_blocks)
     if window is not None:

@@ -1,7 +1,5 @@
 """Paged attention with this project's own Triton kernels."""
 
-import torch
-
 from attention.backends.base import AttentionBackend
 from attention.backends.triton_kernels import paged_attention
 from attention.metadata import AttentionMetadata
@@ -21,18 +19,8 @@ class TritonAttentionBackend(AttentionBackend):
         self.prefill_block_q = prefill_block_q
         self.block_n = block_n
 
-    def forward(
-        self,
-        layer,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kv_cache: torch.Tensor,
-        md: AttentionMetadata,
-    ) -> torch.Tensor:
+    def attend(self, layer, q, k, v, kv_cache, md: AttentionMetadata, out) -> None:
         split = md.split
-        out = torch.empty_like(q)
-        out[md.num_actual_tokens :] = 0
         common = dict(
             q=q,
             out=out,
@@ -53,4 +41,3 @@ class TritonAttentionBackend(AttentionBackend):
                 block_q=self.prefill_block_q,
                 **common,
             )
-        return out

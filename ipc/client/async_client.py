@@ -18,23 +18,21 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from ipc.auth import Credentials, CredentialsError, client_credentials
+from ipc.auth import Credentials, client_credentials
+from ipc.client import steps
 from ipc.client.core import (
     CLOSE_LINGER_MS,
     MONITOR_EVENTS,
     ClientCore,
-    ClientTokenizer,
-    EngineDeadError,
-    Message,
     Prompt,
     RequestState,
-    dead_engine_error,
     new_identity,
-    no_engine_error,
 )
+from ipc.client.steps import Answer, NextItem, Step, Steps
 from ipc.messages import AbortRequests, SamplingParams, SchedulerStats, encode
 from ipc.outputs import RequestOutput
 from ipc.sockets import HELLO, client_sockets, read_address
+from ipc.tokenizer import Message, TokenizerLike
 
 
 class AsyncEngineClient:
@@ -44,7 +42,7 @@ class AsyncEngineClient:
     def __init__(
         self,
         address: str,
-        tokenizer: str | os.PathLike | ClientTokenizer | None = None,
+        tokenizer: str | os.PathLike | TokenizerLike | None = None,
         connect_timeout: float = 30.0,
         health_interval: float = 15.0,
         credentials: Credentials | str | os.PathLike | None = None,
@@ -53,7 +51,7 @@ class AsyncEngineClient:
         self._credentials = client_credentials(address, self.address, credentials)
         self.connect_timeout = connect_timeout
         self.health_interval = health_interval
-        self._core = ClientCore(tokenizer, self.address)
+        self._core = ClientCore(tokenizer, self.address, self._send)
         self._ctx: zmq.asyncio.Context | None = None
         self._receiver: asyncio.Task | None = None
         self._closed = False
@@ -65,7 +63,7 @@ class AsyncEngineClient:
         return client
 
     @property
-    def tokenizer(self) -> ClientTokenizer | None:
+    def tokenizer(self) -> TokenizerLike | None:
         return self._core.tokenizer
 
     async def connect(self) -> None:
@@ -86,7 +84,7 @@ class AsyncEngineClient:
         self._poller.register(self._monitor, zmq.POLLIN)
         try:
             await self._output.send(HELLO)
-            await self._wait_welcome()
+            await steps.run_async(steps.welcome(self._core, self.connect_timeout), self._wait)
         except BaseException:
             self._close_sockets()
             self._ctx = None
@@ -133,24 +131,19 @@ class AsyncEngineClient:
             self._send(AbortRequests([request_id]))
 
     async def stats(self, timeout: float = 30.0) -> SchedulerStats:
-        return await self._call("stats", timeout)
+        return await self._call(steps.call(self._core, "stats", timeout))
 
     async def reset_prefix_cache(self, timeout: float = 30.0) -> bool:
-        return await self._call("reset_prefix_cache", timeout)
+        return await self._call(steps.call(self._core, "reset_prefix_cache", timeout))
 
     async def health(self, timeout: float = 5.0) -> bool:
-        try:
-            return bool(await self._call("health", timeout))
-        except EngineDeadError:
-            return False
+        return await self._call(steps.health(self._core, timeout))
 
     async def close(self) -> None:
         """Abort this client's live requests in the engine and release the sockets."""
         if self._closed or self._receiver is None:
             return
-        live = self._core.fail_all(RuntimeError("the AsyncEngineClient was closed"))
-        if live:
-            self._send(AbortRequests(live))
+        self._core.abort_all(RuntimeError("the AsyncEngineClient was closed"))
         self._closed = True
         self._receiver.cancel()
         await asyncio.wait([self._receiver])
@@ -167,37 +160,33 @@ class AsyncEngineClient:
     def _submit(self, prompt, sampling_params, request_id, priority, cache_salt) -> RequestState:
         self._check_open()
         return self._core.submit(
-            self._send, asyncio.Queue(), prompt, sampling_params, request_id, priority, cache_salt
+            asyncio.Queue(), prompt, sampling_params, request_id, priority, cache_salt
         )
 
     async def _deltas(self, state: RequestState) -> AsyncIterator[RequestOutput]:
         try:
             while True:
-                item = await _get(state.queue, self.health_interval)
-                if item is None:
-                    await self._call("health", self.health_interval)
-                    continue
-                if isinstance(item, Exception):
-                    raise item
-                yield item
-                if item.finished:
+                delta = await steps.run_async(
+                    steps.next_delta(self._core, state, self.health_interval), self._wait
+                )
+                yield delta
+                if delta.finished:
                     return
         finally:
-            abort = self._core.release(state.request.request_id)
-            if abort is not None:
-                self._send(abort)
+            self._core.release(state.request.request_id)
 
-    async def _call(self, method: str, timeout: float) -> Any:
+    async def _call(self, call: Steps[Any]) -> Any:
         self._check_open()
-        future = asyncio.get_running_loop().create_future()
-        call_id = self._core.start_call(self._send, method, future)
-        try:
-            await asyncio.wait([future], timeout=timeout)
-        finally:
-            self._core.drop_call(call_id)
-        if not future.done():
-            raise dead_engine_error(self.address, method, timeout)
-        return future.result()
+        return await steps.run_async(call, self._wait)
+
+    async def _wait(self, step: Step) -> Any:
+        if isinstance(step, NextItem):
+            return await _get(step.queue, step.timeout)
+        if isinstance(step, Answer):
+            await asyncio.wait([asyncio.wrap_future(step.future)], timeout=step.timeout)
+            return step.future.done()
+        await self._receive(step.timeout_ms)
+        return None
 
     def _check_open(self) -> None:
         if self._receiver is None:
@@ -216,36 +205,18 @@ class AsyncEngineClient:
             return False
         return True
 
-    async def _wait_welcome(self) -> None:
-        """Wait for WELCOME (or a refused handshake), handling what arrives meanwhile."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.connect_timeout
-        while not self._core.connected:
-            error = self._core.connection_error()
-            if isinstance(error, CredentialsError):
-                raise error
-            left = deadline - loop.time()
-            if left <= 0:
-                raise no_engine_error(self.address, self.connect_timeout)
-            await self._receive(int(left * 1000) + 1)
-
     async def _receive(self, timeout_ms: int | None) -> None:
         """Handle what the output socket and its monitor hold, waiting up to timeout_ms.
         Frames first: those the engine sent before it went are in before the event."""
         events = dict(await self._poller.poll(timeout_ms))
         if self._output in events:
-            await self._handle_frame()
+            self._core.handle_frame(await self._output.recv())
         if self._monitor not in events:
             return
         while await self._output.poll(0):
-            await self._handle_frame()
+            self._core.handle_frame(await self._output.recv())
         if self._core.handle_event(await self._monitor.recv_multipart()):
             await self._output.send(HELLO)
-
-    async def _handle_frame(self) -> None:
-        abort = self._core.handle_frame(await self._output.recv())
-        if abort is not None:
-            self._send(abort)
 
     async def _receive_loop(self) -> None:
         try:

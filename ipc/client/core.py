@@ -3,9 +3,9 @@
 `ClientCore` turns prompts into EngineCoreRequests and folds the engine's outputs into
 RequestOutputs (incremental detokenization, stop strings), putting each request's
 deltas into that request's queue (`queue.Queue` or `asyncio.Queue`: only `put_nowait`
-is used), and matches utility answers to their futures
-(`concurrent.futures.Future` or `asyncio.Future`). It owns no socket: the caller sends
-what it returns.
+is used), and matches utility answers to their futures. It owns no socket: it sends
+through the `send` it is given, which never blocks. The waits both clients do (for a
+request's next delta, a call's answer, WELCOME) are written once, in steps.py.
 
 It also keeps the state of the connection, fed with the frames of the output socket
 and of that socket's monitor: a lost connection fails every live request and call with
@@ -24,7 +24,8 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any, Protocol
+from concurrent.futures import Future
+from typing import Protocol
 
 import msgspec
 import zmq
@@ -47,13 +48,12 @@ from ipc.messages import (
 )
 from ipc.outputs import CompletionOutput, RequestOutput
 from ipc.sockets import WELCOME
-from ipc.tokenizer import Tokenizer
+from ipc.tokenizer import Message, Tokenizer, TokenizerLike
 
 logger = logging.getLogger(__name__)
 
 CLOSE_LINGER_MS = 1000  # how long a closing client lets its last aborts leave
 Prompt = str | list[int]
-Message = dict[str, Any]
 _REFUSED = {
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the EngineCore at {} refused this client's credentials",
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "the EngineCore at {} refused the security handshake "
@@ -85,16 +85,6 @@ class EngineDeadError(RuntimeError):
     """The EngineCore did not answer in time, or the connection to it is lost."""
 
 
-class ClientTokenizer(Protocol):
-    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
-
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
-
-    def encode_chat(
-        self, messages: list[Message], add_generation_prompt: bool = ...
-    ) -> list[int]: ...
-
-
 # Sends a message without blocking; False when the engine's queue is full.
 Send = Callable[[msgspec.Struct], bool]
 
@@ -103,7 +93,7 @@ class _Sink(Protocol):
     def put_nowait(self, item: RequestOutput | Exception) -> None: ...
 
 
-def load_tokenizer(tokenizer: str | os.PathLike | ClientTokenizer | None) -> ClientTokenizer | None:
+def load_tokenizer(tokenizer: str | os.PathLike | TokenizerLike | None) -> TokenizerLike | None:
     if isinstance(tokenizer, str | os.PathLike):
         return Tokenizer.from_pretrained(tokenizer)
     return tokenizer
@@ -115,16 +105,6 @@ def new_identity() -> bytes:
     return bytes([identity[0] | 1]) + identity[1:]
 
 
-def no_engine_error(address: str, timeout: float) -> TimeoutError:
-    return TimeoutError(f"no EngineCore answering at {address} (waited {timeout:g} s for WELCOME)")
-
-
-def dead_engine_error(address: str, method: str, timeout: float) -> EngineDeadError:
-    return EngineDeadError(
-        f"the EngineCore at {address} did not answer {method!r} within {timeout:g} s"
-    )
-
-
 def full_queue_error(address: str) -> EngineDeadError:
     return EngineDeadError(f"the EngineCore at {address} is not reading (send queue full)")
 
@@ -133,7 +113,7 @@ class RequestState:
     """One live request: its cumulative result and where its deltas go."""
 
     def __init__(
-        self, request: EngineCoreRequest, tokenizer: ClientTokenizer | None, queue: _Sink
+        self, request: EngineCoreRequest, tokenizer: TokenizerLike | None, queue: _Sink
     ) -> None:
         params = request.sampling_params
         self.request = request
@@ -192,7 +172,7 @@ class RequestState:
         return text[sent:end]
 
 
-def prompt_token_ids(tokenizer: ClientTokenizer | None, prompt: Prompt) -> list[int]:
+def prompt_token_ids(tokenizer: TokenizerLike | None, prompt: Prompt) -> list[int]:
     if not isinstance(prompt, str):
         return list(prompt)
     if tokenizer is None:
@@ -200,7 +180,7 @@ def prompt_token_ids(tokenizer: ClientTokenizer | None, prompt: Prompt) -> list[
     return tokenizer.encode(prompt)
 
 
-def chat_token_ids(tokenizer: ClientTokenizer | None, messages: list[Message]) -> list[int]:
+def chat_token_ids(tokenizer: TokenizerLike | None, messages: list[Message]) -> list[int]:
     """The chat template applied; message content is text (never special tokens)."""
     if tokenizer is None:
         raise ValueError("chat needs a tokenizer")
@@ -208,15 +188,18 @@ def chat_token_ids(tokenizer: ClientTokenizer | None, messages: list[Message]) -
 
 
 class ClientCore:
-    def __init__(self, tokenizer: str | os.PathLike | ClientTokenizer | None, address: str) -> None:
+    def __init__(
+        self, tokenizer: str | os.PathLike | TokenizerLike | None, address: str, send: Send
+    ) -> None:
         self.tokenizer = load_tokenizer(tokenizer)
         self.address = address
+        self._send = send
         # Why requests cannot be sent now; None while connected and welcomed.
         self._down: Exception | None = EngineDeadError(
             f"not connected to the EngineCore at {address} yet"
         )
         self._requests: dict[str, RequestState] = {}
-        self._calls: dict[int, Any] = {}
+        self._calls: dict[int, Future] = {}
         self._call_ids = itertools.count()
         # Reentrant: a stream garbage-collected while this thread holds the lock
         # aborts its request from inside the collector.
@@ -259,7 +242,6 @@ class ClientCore:
 
     def submit(
         self,
-        send: Send,
         queue: _Sink,
         prompt: Prompt,
         sampling_params: SamplingParams | None,
@@ -267,11 +249,11 @@ class ClientCore:
         priority: int,
         cache_salt: str | None,
     ) -> RequestState:
-        """add_request, then `send` it; a request that cannot leave (a full queue, or a
+        """add_request, then send it; a request that cannot leave (a full queue, or a
         message the encoder refuses) is forgotten."""
         state = self.add_request(prompt, sampling_params, request_id, priority, cache_salt, queue)
         try:
-            sent = send(state.request)
+            sent = self._send(state.request)
         except BaseException:
             self.pop(state.request.request_id)
             raise
@@ -280,9 +262,10 @@ class ClientCore:
             raise full_queue_error(self.address)
         return state
 
-    def release(self, request_id: str) -> AbortRequests | None:
-        """Its consumer is done with a request: the abort to send if it was still live."""
-        return None if self.pop(request_id) is None else AbortRequests([request_id])
+    def release(self, request_id: str) -> None:
+        """Its consumer is done with a request: abort it in the engine if it is still live."""
+        if self.pop(request_id) is not None:
+            self._send(AbortRequests([request_id]))
 
     def pop(self, request_id: str) -> RequestState | None:
         """Forget a live request (None if it is not live)."""
@@ -331,23 +314,24 @@ class ClientCore:
             self._down = error
         self.fail_all(error)
 
-    def handle_frame(self, frame: bytes) -> AbortRequests | None:
-        """Deliver one frame from the engine's output socket; return the abort the
-        caller must send for requests whose text reached a stop string."""
+    def handle_frame(self, frame: bytes) -> None:
+        """Deliver one frame from the engine's output socket; abort in the engine the
+        requests whose text reached a stop string."""
         if frame == WELCOME:
             with self._lock:
                 self._down = None
-            return None
+            return
         try:
             message = self._decoder.decode(frame)
         except DecodeError as e:
             logger.error("dropped a frame from the EngineCore: %s", e)
-            return None
+            return
         if isinstance(message, UtilityOutput):
             self.resolve_call(message)
-            return None
+            return
         stopped = self.process_outputs(message)
-        return AbortRequests(stopped) if stopped else None
+        if stopped:
+            self._send(AbortRequests(stopped))
 
     def process_outputs(self, outputs: EngineCoreOutputs) -> list[str]:
         """Deliver the engine's outputs; return the requests that hit a stop string,
@@ -372,9 +356,16 @@ class ClientCore:
                     stopped.append(out.request_id)
         return stopped
 
+    def abort_all(self, error: Exception) -> None:
+        """The client is closing: fail every live request and call with `error`, and
+        abort the requests in the engine."""
+        live = self.fail_all(error)
+        if live:
+            self._send(AbortRequests(live))
+
     def fail_all(self, error: Exception) -> list[str]:
-        """Fail every live request and utility call (the client is closing); return the
-        request ids that were live."""
+        """Fail every live request and utility call; return the request ids that were
+        live."""
         with self._lock:
             states, self._requests = self._requests, {}
             calls, self._calls = self._calls, {}
@@ -385,17 +376,17 @@ class ClientCore:
                 future.set_exception(error)
         return list(states)
 
-    def add_call(self, method: str, future: Any) -> UtilityRequest:
+    def add_call(self, method: str, future: Future) -> UtilityRequest:
         with self._lock:
             self.check_connected()
             call_id = next(self._call_ids)
             self._calls[call_id] = future
         return UtilityRequest(call_id, method)
 
-    def start_call(self, send: Send, method: str, future: Any) -> int:
-        """add_call, then `send` it; returns the call id (drop_call it when done)."""
+    def start_call(self, method: str, future: Future) -> int:
+        """add_call, then send it; returns the call id (drop_call it when done)."""
         request = self.add_call(method, future)
-        if not send(request):
+        if not self._send(request):
             self.drop_call(request.call_id)
             raise full_queue_error(self.address)
         return request.call_id

@@ -12,30 +12,27 @@ import concurrent.futures
 import os
 import queue
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import msgspec
 import zmq
 
-from ipc.auth import Credentials, CredentialsError, client_credentials
+from ipc.auth import Credentials, client_credentials
+from ipc.client import steps
 from ipc.client.core import (
     CLOSE_LINGER_MS,
     MONITOR_EVENTS,
     ClientCore,
-    ClientTokenizer,
-    EngineDeadError,
-    Message,
     Prompt,
     RequestState,
-    dead_engine_error,
     new_identity,
-    no_engine_error,
 )
+from ipc.client.steps import Answer, NextItem, Step, Steps
 from ipc.messages import AbortRequests, SamplingParams, SchedulerStats, encode
 from ipc.outputs import RequestOutput
 from ipc.sockets import HELLO, client_sockets, read_address
+from ipc.tokenizer import Message, TokenizerLike
 
 
 class EngineClient:
@@ -48,7 +45,7 @@ class EngineClient:
     def __init__(
         self,
         address: str,
-        tokenizer: str | os.PathLike | ClientTokenizer | None = None,
+        tokenizer: str | os.PathLike | TokenizerLike | None = None,
         connect_timeout: float = 30.0,
         health_interval: float = 15.0,
         credentials: Credentials | str | os.PathLike | None = None,
@@ -56,7 +53,7 @@ class EngineClient:
         self.address = read_address(address)
         keys = client_credentials(address, self.address, credentials)
         self.health_interval = health_interval
-        self._core = ClientCore(tokenizer, self.address)
+        self._core = ClientCore(tokenizer, self.address, self._send)
         self._ctx = zmq.Context()
         self._input, self._output = client_sockets(
             self._ctx, self._ctx, self.address, new_identity(), keys, MONITOR_EVENTS
@@ -68,7 +65,8 @@ class EngineClient:
         self._send_lock = threading.RLock()
         self._closed = False
         try:
-            self._connect(connect_timeout)
+            self._output.send(HELLO)
+            steps.run(steps.welcome(self._core, connect_timeout), self._wait)
         except BaseException:
             for sock in (self._input, self._output, self._monitor):
                 sock.close()
@@ -78,7 +76,7 @@ class EngineClient:
         self._receiver.start()
 
     @property
-    def tokenizer(self) -> ClientTokenizer | None:
+    def tokenizer(self) -> TokenizerLike | None:
         return self._core.tokenizer
 
     def generate(
@@ -121,24 +119,19 @@ class EngineClient:
             self._send(AbortRequests([request_id]))
 
     def stats(self, timeout: float = 30.0) -> SchedulerStats:
-        return self._call("stats", timeout)
+        return self._call(steps.call(self._core, "stats", timeout))
 
     def reset_prefix_cache(self, timeout: float = 30.0) -> bool:
-        return self._call("reset_prefix_cache", timeout)
+        return self._call(steps.call(self._core, "reset_prefix_cache", timeout))
 
     def health(self, timeout: float = 5.0) -> bool:
-        try:
-            return bool(self._call("health", timeout))
-        except EngineDeadError:
-            return False
+        return self._call(steps.health(self._core, timeout))
 
     def close(self) -> None:
         """Abort this client's live requests in the engine and release the sockets."""
         if self._closed:
             return
-        live = self._core.fail_all(RuntimeError("the EngineClient was closed"))
-        if live:
-            self._send(AbortRequests(live))
+        self._core.abort_all(RuntimeError("the EngineClient was closed"))
         with self._send_lock:
             self._closed = True
             self._input.close(linger=CLOSE_LINGER_MS)
@@ -151,59 +144,39 @@ class EngineClient:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _connect(self, timeout: float) -> None:
-        """HELLO, then wait for WELCOME (or a refused handshake) on this thread."""
-        self._output.send(HELLO)
-        deadline = time.monotonic() + timeout
-        while not self._core.connected:
-            error = self._core.connection_error()
-            if isinstance(error, CredentialsError):
-                raise error
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise no_engine_error(self.address, timeout)
-            self._receive(int(left * 1000) + 1)
-
     def _submit(self, prompt, sampling_params, request_id, priority, cache_salt) -> RequestState:
         self._check_open()
         return self._core.submit(
-            self._send,
-            queue.SimpleQueue(),
-            prompt,
-            sampling_params,
-            request_id,
-            priority,
-            cache_salt,
+            queue.SimpleQueue(), prompt, sampling_params, request_id, priority, cache_salt
         )
 
     def _deltas(self, state: RequestState) -> Iterator[RequestOutput]:
         try:
             while True:
-                try:
-                    item = state.queue.get(timeout=self.health_interval)
-                except queue.Empty:
-                    self._call("health", self.health_interval)
-                    continue
-                if isinstance(item, Exception):
-                    raise item
-                yield item
-                if item.finished:
+                delta = steps.run(
+                    steps.next_delta(self._core, state, self.health_interval), self._wait
+                )
+                yield delta
+                if delta.finished:
                     return
         finally:
-            abort = self._core.release(state.request.request_id)
-            if abort is not None:
-                self._send(abort)
+            self._core.release(state.request.request_id)
 
-    def _call(self, method: str, timeout: float) -> Any:
+    def _call(self, call: Steps[Any]) -> Any:
         self._check_open()
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        call_id = self._core.start_call(self._send, method, future)
-        try:
-            return future.result(timeout)
-        except concurrent.futures.TimeoutError:
-            raise dead_engine_error(self.address, method, timeout) from None
-        finally:
-            self._core.drop_call(call_id)
+        return steps.run(call, self._wait)
+
+    def _wait(self, step: Step) -> Any:
+        if isinstance(step, NextItem):
+            try:
+                return step.queue.get(timeout=step.timeout)
+            except queue.Empty:
+                return None
+        if isinstance(step, Answer):
+            concurrent.futures.wait([step.future], step.timeout)
+            return step.future.done()
+        self._receive(step.timeout_ms)
+        return None
 
     def _check_open(self) -> None:
         if self._closed:
@@ -227,18 +200,13 @@ class EngineClient:
         Frames first: those the engine sent before it went are in before the event."""
         events = dict(self._poller.poll(timeout_ms))
         if self._output in events:
-            self._handle_frame()
+            self._core.handle_frame(self._output.recv())
         if self._monitor not in events:
             return
         while self._output.poll(0):
-            self._handle_frame()
+            self._core.handle_frame(self._output.recv())
         if self._core.handle_event(self._monitor.recv_multipart()):
             self._output.send(HELLO, zmq.NOBLOCK)
-
-    def _handle_frame(self) -> None:
-        abort = self._core.handle_frame(self._output.recv())
-        if abort is not None:
-            self._send(abort)
 
     def _receive_loop(self) -> None:
         with self._output, self._monitor:

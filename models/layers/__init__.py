@@ -6,7 +6,6 @@ from models.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
-    ReplicatedLinear,
     RowParallelLinear,
 )
 from models.layers.norm import RMSNorm
@@ -18,7 +17,6 @@ __all__ = [
     "ParallelLMHead",
     "QKVParallelLinear",
     "RMSNorm",
-    "ReplicatedLinear",
     "RotaryEmbedding",
     "RowParallelLinear",
     "SiluAndMul",

@@ -16,32 +16,30 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.layers.utils import copy_weight, narrow_weight, new_parameter, set_weight_attrs
+from ipc.utils import cdiv
+from models.layers.utils import (
+    ShardedModule,
+    copy_weight,
+    narrow_weight,
+    new_parameter,
+    set_weight_attrs,
+)
 from models.layers.utils import weight_shape as _shape
-from models.parallel_state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
+from models.parallel_state import tp_all_gather, tp_all_reduce
 
 VOCAB_PADDING = 64
 
 
 def pad_vocab_size(vocab_size: int, tp_size: int, padding: int = VOCAB_PADDING) -> int:
     multiple = math.lcm(padding, tp_size)
-    return -(-vocab_size // multiple) * multiple
+    return cdiv(vocab_size, multiple) * multiple
 
 
-class VocabParallelEmbedding(nn.Module):
-    def __init__(
-        self,
-        num_embeddings: int,
-        embedding_dim: int,
-        params_dtype: torch.dtype | None = None,
-        prefix: str = "",
-    ) -> None:
-        super().__init__()
-        self.tp_rank = get_tp_rank()
-        self.tp_size = get_tp_size()
+class VocabParallelEmbedding(ShardedModule):
+    def __init__(self, num_embeddings: int, embedding_dim: int, prefix: str = "") -> None:
+        super().__init__(prefix)
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
-        self.prefix = prefix
         self.num_embeddings_padded = (
             num_embeddings if self.tp_size == 1 else pad_vocab_size(num_embeddings, self.tp_size)
         )
@@ -52,9 +50,7 @@ class VocabParallelEmbedding(nn.Module):
         self.num_real_rows = max(
             0, min(self.vocab_end_index, num_embeddings) - self.vocab_start_index
         )
-        self.weight = new_parameter(
-            self.num_embeddings_per_partition, embedding_dim, dtype=params_dtype
-        )
+        self.weight = new_parameter(self.num_embeddings_per_partition, embedding_dim)
         if self.num_real_rows < self.num_embeddings_per_partition:
             with torch.no_grad():
                 self.weight[self.num_real_rows :].zero_()
@@ -70,10 +66,7 @@ class VocabParallelEmbedding(nn.Module):
                 f"{self.prefix}: checkpoint embedding {shape}, expected "
                 f"{(self.num_embeddings, self.embedding_dim)}"
             )
-        self._load_vocab_rows(param, loaded_weight)
-
-    def _load_vocab_rows(self, param: nn.Parameter, loaded_weight: Any) -> None:
-        """This rank's rows of the vocabulary; rows past the real vocabulary are zero."""
+        # This rank's rows of the vocabulary; rows past the real vocabulary are zero.
         n = self.num_real_rows
         if n > 0:
             copy_weight(
@@ -100,25 +93,6 @@ class ParallelLMHead(VocabParallelEmbedding):
     embedding's weight shard (same Parameter).
     """
 
-    def __init__(
-        self,
-        num_embeddings: int,
-        embedding_dim: int,
-        bias: bool = False,
-        params_dtype: torch.dtype | None = None,
-        prefix: str = "",
-    ) -> None:
-        super().__init__(num_embeddings, embedding_dim, params_dtype, prefix)
-        if bias:
-            self.bias = new_parameter(self.num_embeddings_per_partition, dtype=params_dtype)
-            set_weight_attrs(self.bias, {"weight_loader": self._bias_loader})
-        else:
-            self.register_parameter("bias", None)
-
-    @torch.no_grad()
-    def _bias_loader(self, param: nn.Parameter, loaded_weight: Any, shard_id: Any = None) -> None:
-        self._load_vocab_rows(param, loaded_weight)
-
     def tie_weights(self, embedding: VocabParallelEmbedding) -> ParallelLMHead:
         if embedding.num_embeddings_padded != self.num_embeddings_padded:
             raise ValueError("tied embedding and lm head must have the same vocabulary")
@@ -127,7 +101,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Full-vocab logits [N, num_embeddings] in float32, on every rank."""
-        logits = F.linear(hidden_states, self.weight, self.bias)
+        logits = F.linear(hidden_states, self.weight)
         logits = tp_all_gather(logits, dim=-1)
         if logits.shape[-1] != self.num_embeddings:
             logits = logits[..., : self.num_embeddings]

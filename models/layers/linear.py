@@ -17,93 +17,37 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.layers.utils import (
+    ShardedModule,
     copy_weight,
     default_weight_loader,
     divide,
-    full_weight,
     narrow_weight,
-    new_parameter,
-    set_weight_attrs,
+    register_linear_params,
     weight_shape,
 )
-from models.parallel_state import get_tp_rank, get_tp_size, tp_all_gather, tp_all_reduce
+from models.parallel_state import get_tp_size, tp_all_reduce
 
 
-class ReplicatedLinear(nn.Module):
-    """A plain linear layer with the full weight on every rank."""
-
-    def __init__(
-        self,
-        input_size: int,
-        output_size: int,
-        bias: bool = True,
-        params_dtype: torch.dtype | None = None,
-        prefix: str = "",
-    ) -> None:
-        super().__init__()
-        self.input_size = input_size
-        self.output_size = output_size
-        self.prefix = prefix
-        self.weight = new_parameter(output_size, input_size, dtype=params_dtype)
-        set_weight_attrs(self.weight, {"weight_loader": default_weight_loader})
-        if bias:
-            self.bias = new_parameter(output_size, dtype=params_dtype)
-            set_weight_attrs(self.bias, {"weight_loader": default_weight_loader})
-        else:
-            self.register_parameter("bias", None)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
-
-class ColumnParallelLinear(nn.Module):
-    """y = x A^T + b with A's rows (output features) split across ranks.
-
-    The output is this rank's slice [.., output_size / tp] unless gather_output.
-    """
+class ColumnParallelLinear(ShardedModule):
+    """y = x A^T + b with A's rows (output features) split across ranks: the output is
+    this rank's slice [.., output_size / tp]."""
 
     def __init__(
-        self,
-        input_size: int,
-        output_size: int,
-        bias: bool = True,
-        gather_output: bool = False,
-        params_dtype: torch.dtype | None = None,
-        prefix: str = "",
+        self, input_size: int, output_size: int, bias: bool = True, prefix: str = ""
     ) -> None:
-        super().__init__()
-        self.tp_rank = get_tp_rank()
-        self.tp_size = get_tp_size()
-        self.input_size = input_size
+        super().__init__(prefix)
         self.output_size = output_size
-        self.gather_output = gather_output
-        self.prefix = prefix
-        self.output_size_per_partition = self._partition_size()
-        self.weight = new_parameter(self.output_size_per_partition, input_size, dtype=params_dtype)
-        set_weight_attrs(self.weight, {"weight_loader": self.weight_loader})
-        if bias:
-            self.bias = new_parameter(self.output_size_per_partition, dtype=params_dtype)
-            set_weight_attrs(self.bias, {"weight_loader": self.weight_loader})
-        else:
-            self.register_parameter("bias", None)
+        register_linear_params(self, self._partition_size(), input_size, bias)
 
     def _partition_size(self) -> int:
         return divide(self.output_size, self.tp_size, f"{self.prefix} output size")
 
     @torch.no_grad()
     def weight_loader(self, param: nn.Parameter, loaded_weight: Any, shard_id: Any = None) -> None:
-        if shard_id is not None:
-            raise ValueError(f"{self.prefix}: ColumnParallelLinear takes no shard_id")
-        size = param.shape[0]
-        copy_weight(
-            param.data, narrow_weight(loaded_weight, 0, self.tp_rank * size, size), self.prefix
-        )
+        self.load_rank_slice(param, loaded_weight, shard_id, dim=0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
-        if self.gather_output:
-            out = tp_all_gather(out, dim=-1)
-        return out
+        return F.linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -116,12 +60,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         input_size: int,
         output_sizes: list[int],
         bias: bool = True,
-        gather_output: bool = False,
-        params_dtype: torch.dtype | None = None,
         prefix: str = "",
     ) -> None:
         self.output_sizes = list(output_sizes)
-        super().__init__(input_size, sum(output_sizes), bias, gather_output, params_dtype, prefix)
+        super().__init__(input_size, sum(output_sizes), bias, prefix)
 
     def _partition_size(self) -> int:
         return sum(divide(s, self.tp_size, f"{self.prefix} output size") for s in self.output_sizes)
@@ -166,7 +108,6 @@ class QKVParallelLinear(ColumnParallelLinear):
         total_num_heads: int,
         total_num_kv_heads: int | None = None,
         bias: bool = True,
-        params_dtype: torch.dtype | None = None,
         prefix: str = "",
     ) -> None:
         tp_size = get_tp_size()
@@ -182,7 +123,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.q_size = self.num_heads * head_size
         self.kv_size = self.num_kv_heads * head_size
         output_size = (total_num_heads + 2 * self.num_kv_heads * tp_size) * head_size
-        super().__init__(hidden_size, output_size, bias, False, params_dtype, prefix)
+        super().__init__(hidden_size, output_size, bias, prefix)
 
     def _partition_size(self) -> int:
         return self.q_size + 2 * self.kv_size
@@ -221,66 +162,29 @@ class QKVParallelLinear(ColumnParallelLinear):
         )
 
 
-class RowParallelLinear(nn.Module):
-    """y = x A^T + b with A's columns (input features) split across ranks.
-
-    The input is this rank's slice [.., input_size / tp] (input_is_parallel) or the full
-    input, which is then sliced. Partial outputs are all-reduced (reduce_results) and the
-    bias is added once, after the reduction.
-    """
+class RowParallelLinear(ShardedModule):
+    """y = x A^T + b with A's columns (input features) split across ranks: the input is
+    this rank's slice [.., input_size / tp]. Partial outputs are all-reduced and the
+    bias is added once, after the reduction."""
 
     def __init__(
-        self,
-        input_size: int,
-        output_size: int,
-        bias: bool = True,
-        input_is_parallel: bool = True,
-        reduce_results: bool = True,
-        params_dtype: torch.dtype | None = None,
-        prefix: str = "",
+        self, input_size: int, output_size: int, bias: bool = True, prefix: str = ""
     ) -> None:
-        super().__init__()
-        self.tp_rank = get_tp_rank()
-        self.tp_size = get_tp_size()
-        self.input_size = input_size
-        self.output_size = output_size
-        self.input_is_parallel = input_is_parallel
-        self.reduce_results = reduce_results
-        self.prefix = prefix
-        self.input_size_per_partition = divide(input_size, self.tp_size, f"{prefix} input size")
-        self.weight = new_parameter(output_size, self.input_size_per_partition, dtype=params_dtype)
-        set_weight_attrs(self.weight, {"weight_loader": self.weight_loader})
-        if bias:
-            if not reduce_results and self.tp_size > 1:
-                raise ValueError("RowParallelLinear with bias needs reduce_results")
-            self.bias = new_parameter(output_size, dtype=params_dtype)
-            set_weight_attrs(self.bias, {"weight_loader": default_weight_loader})
-        else:
-            self.register_parameter("bias", None)
+        super().__init__(prefix)
+        input_size_per_partition = divide(input_size, self.tp_size, f"{prefix} input size")
+        register_linear_params(
+            self, output_size, input_size_per_partition, bias, default_weight_loader
+        )
 
     @torch.no_grad()
     def weight_loader(self, param: nn.Parameter, loaded_weight: Any, shard_id: Any = None) -> None:
-        if shard_id is not None:
-            raise ValueError(f"{self.prefix}: RowParallelLinear takes no shard_id")
-        size = param.shape[1]
-        if self.tp_size == 1:
-            copy_weight(param.data, full_weight(loaded_weight), self.prefix)
-            return
-        copy_weight(
-            param.data, narrow_weight(loaded_weight, 1, self.tp_rank * size, size), self.prefix
-        )
+        self.load_rank_slice(param, loaded_weight, shard_id, dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.input_is_parallel and self.tp_size > 1:
-            size = self.input_size_per_partition
-            x = x.narrow(-1, self.tp_rank * size, size)
-        if self.tp_size == 1 or not self.reduce_results:
+        if self.tp_size == 1:
             return F.linear(x, self.weight, self.bias)
-        out = F.linear(x, self.weight)
-        out = tp_all_reduce(out)
-        if self.bias is not None:
-            out = out + self.bias
-        return out
+        out = tp_all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias
 
 
 def kv_heads_per_rank(total_num_kv_heads: int, tp_size: int) -> tuple[int, int]:

@@ -9,13 +9,11 @@ from models.layers.utils import default_weight_loader, new_parameter, set_weight
 
 
 class RMSNorm(nn.Module):
-    def __init__(
-        self, hidden_size: int, eps: float = 1e-6, params_dtype: torch.dtype | None = None
-    ) -> None:
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.hidden_size = hidden_size
         self.variance_epsilon = eps
-        self.weight = new_parameter(hidden_size, dtype=params_dtype)
+        self.weight = new_parameter(hidden_size)
         with torch.no_grad():
             self.weight.fill_(1.0)
         set_weight_attrs(self.weight, {"weight_loader": default_weight_loader})

@@ -22,15 +22,14 @@ def get_head_dim(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def get_rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any]:
+def get_rope_parameters(config: Any) -> dict[str, Any]:
     """The config's rope parameters as a flat dict that has rope_type and rope_theta."""
     params = getattr(config, "rope_parameters", None)
     if params:
         params = dict(params)
         nested = [v for v in params.values() if isinstance(v, dict)]
         if nested:  # per layer type: {"full_attention": {...}, "sliding_attention": {...}}
-            key = layer_type if layer_type in params else "full_attention"
-            params = dict(params[key] if key in params else nested[0])
+            params = dict(params.get("full_attention", nested[0]))
     else:
         params = dict(getattr(config, "rope_scaling", None) or {})
     rope_type = params.get("rope_type") or params.get("type") or "default"
@@ -47,9 +46,9 @@ def get_rope_parameters(config: Any, layer_type: str | None = None) -> dict[str,
     return params
 
 
-def compute_inv_freq(config: Any, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+def compute_inv_freq(config: Any) -> tuple[torch.Tensor, float]:
     """(inv_freq float32 [head_dim // 2], attention scaling applied to cos/sin)."""
-    params = get_rope_parameters(config, layer_type)
+    params = get_rope_parameters(config)
     rope_type = params["rope_type"]
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise NotImplementedError(
@@ -147,9 +146,6 @@ class RotaryEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         assert inv_freq.shape == (head_dim // 2,), "inv_freq must have head_dim // 2 entries"
-        self.head_dim = head_dim
-        self.max_position = max_position
-        self.attention_scaling = attention_scaling
         device = torch.get_default_device()
         inv_freq = inv_freq.to(device=device, dtype=torch.float32)
         positions = torch.arange(max_position, device=device, dtype=torch.int64).float()
@@ -158,8 +154,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_cache", freqs.sin() * attention_scaling, persistent=False)
 
     @classmethod
-    def from_config(cls, config: Any, layer_type: str | None = None) -> RotaryEmbedding:
-        inv_freq, scaling = compute_inv_freq(config, layer_type)
+    def from_config(cls, config: Any) -> RotaryEmbedding:
+        inv_freq, scaling = compute_inv_freq(config)
         return cls(get_head_dim(config), config.max_position_embeddings, inv_freq, scaling)
 
     def get_cos_sin(
@@ -169,12 +165,6 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos_cache.index_select(0, positions).to(dtype).unsqueeze(1)
         sin = self.sin_cache.index_select(0, positions).to(dtype).unsqueeze(1)
         return cos, sin
-
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.get_cos_sin(positions, q.dtype)
-        return apply_rotary(q, cos, sin, self.head_dim), apply_rotary(k, cos, sin, self.head_dim)
 
 
 def apply_rotary(

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from models.parallel_state import get_tp_rank, get_tp_size
+
 WeightLoader = Callable[..., None]
 
 
@@ -22,9 +24,49 @@ def set_weight_attrs(param: nn.Parameter, attrs: dict[str, Any]) -> None:
         setattr(param, key, value)
 
 
-def new_parameter(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
+def new_parameter(*shape: int) -> nn.Parameter:
     """An uninitialised inference parameter (no grad) on the default device/dtype."""
-    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class ShardedModule(nn.Module):
+    """A layer holding this rank's shard of its weights; `prefix` names it in errors."""
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.tp_rank = get_tp_rank()
+        self.tp_size = get_tp_size()
+        self.prefix = prefix
+
+    def load_rank_slice(self, param: nn.Parameter, loaded: Any, shard_id: Any, dim: int) -> None:
+        """Copy this rank's slice along `dim` of the full checkpoint weight (each rank
+        holds param.shape[dim] of it; one rank, the whole weight). No shard_id here."""
+        if shard_id is not None:
+            raise ValueError(f"{self.prefix}: {type(self).__name__} takes no shard_id")
+        size = param.shape[dim]
+        if self.tp_size == 1:
+            shard = full_weight(loaded)
+        else:
+            shard = narrow_weight(loaded, dim, self.tp_rank * size, size)
+        copy_weight(param.data, shard, self.prefix)
+
+
+def register_linear_params(
+    module: nn.Module,
+    out_features: int,
+    in_features: int,
+    bias: bool,
+    bias_loader: WeightLoader | None = None,
+) -> None:
+    """`module.weight` [out_features, in_features], loaded by `module.weight_loader`, and
+    `module.bias` [out_features] (or None), loaded by `bias_loader` (default the same)."""
+    module.weight = new_parameter(out_features, in_features)
+    set_weight_attrs(module.weight, {"weight_loader": module.weight_loader})
+    if bias:
+        module.bias = new_parameter(out_features)
+        set_weight_attrs(module.bias, {"weight_loader": bias_loader or module.weight_loader})
+    else:
+        module.register_parameter("bias", None)
 
 
 def weight_shape(loaded: Any) -> tuple[int, ...]:
@@ -59,6 +101,7 @@ def copy_weight(param: torch.Tensor, value: torch.Tensor, what: str = "") -> Non
     param.copy_(value)
 
 
+@torch.no_grad()
 @torch.no_grad()
 def default_weight_loader(param: nn.Parameter, loaded_weight: Any, shard_id: Any = None) -> None:
     """Copy a replicated (unsharded) weight whole."""

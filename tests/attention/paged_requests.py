@@ -5,6 +5,7 @@ request's whole, unpaged sequence as the independent reference."""
 import torch
 
 from attention import Attention, AttentionBackend, CommonAttentionMetadata, set_forward_context
+from ipc.utils import cdiv
 
 
 def reference_attention(q, k, v, scale: float, sliding_window: int | None) -> torch.Tensor:
@@ -46,7 +47,7 @@ class PagedRequests:
         self.q = [torch.randn(n, num_heads, head_dim, generator=gen).to(dtype) for n in seq_lens]
         self.k = [torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype) for n in seq_lens]
         self.v = [torch.randn(n, num_kv_heads, head_dim, generator=gen).to(dtype) for n in seq_lens]
-        blocks_per_req = -(-max(seq_lens) // block_size) + 1
+        blocks_per_req = cdiv(max(seq_lens), block_size) + 1
         ids = torch.randperm(num_blocks, generator=gen)[: len(seq_lens) * blocks_per_req]
         self.block_table = ids.view(len(seq_lens), blocks_per_req).to(torch.int32)
         shape = (2, num_blocks, block_size, num_kv_heads, head_dim)

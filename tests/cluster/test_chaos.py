@@ -10,7 +10,6 @@ import json
 import os
 import random
 import signal
-import socket
 import threading
 import time
 
@@ -19,6 +18,7 @@ import pytest
 
 from ipc.client import EngineClient, RequestError
 from ipc.messages import ErrorCode, SamplingParams
+from ipc.sockets import free_tcp_port
 from tests.cluster.helpers import child_pids, greedy_reference, start_launch, wait_idle, wait_ready
 
 pytestmark = pytest.mark.slow
@@ -47,12 +47,6 @@ class Tally:
             self.finished += 1
             if failure is not None:
                 self.failures.append(f"{kind}: {failure}")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _zmq_worker(client: EngineClient, seed: int, expected, tally: Tally) -> None:
@@ -122,7 +116,7 @@ def _http_worker(url: str, seed: int, expected, tally: Tally) -> None:
 
 @pytest.mark.gpus(2)
 def test_chaos(tmp_path, qwen3_path):
-    port = _free_port()
+    port = free_tcp_port(count=1)
     args = ("--model", qwen3_path, "--tp", "2", "--dtype", "float32")
     args += ("--kv-cache-memory", "64MiB", "--api-host", "127.0.0.1", "--api-port", str(port))
     process, log, address_file = start_launch(tmp_path, *args)

@@ -81,29 +81,8 @@ class StandInExecutor(Executor):
             self.num_failures += 1
             raise WorkerFailure(f"worker rank 0 died at step {so.step_id}")
         self.outputs.append(so)
-        for request_id in so.finished_req_ids:
-            self.states.pop(request_id, None)
-        for new in so.scheduled_new_reqs:
-            assert new.req_id not in self.states, f"{new.req_id} sent as new twice"
-            self.states[new.req_id] = WorkerRequestState(
-                list(new.prompt_token_ids) + list(new.output_token_ids),
-                list(new.block_ids),
-                new.num_computed_tokens,
-                len(new.prompt_token_ids),
-            )
-        cached = so.scheduled_cached_reqs
-        for i, request_id in enumerate(cached.req_ids):
-            state = self.states[request_id]
-            if cached.resumed_from_preemption[i]:
-                state.token_ids = list(cached.new_token_ids[i])
-                state.block_ids = list(cached.new_block_ids[i])
-            else:
-                assert cached.new_token_ids[i] == []
-                assert cached.num_computed_tokens[i] == state.num_computed_tokens
-                state.block_ids.extend(cached.new_block_ids[i])
-            state.num_computed_tokens = cached.num_computed_tokens[i]
-
-        scheduled = [r.req_id for r in so.scheduled_new_reqs] + cached.req_ids
+        self._update_states(so)
+        scheduled = [r.req_id for r in so.scheduled_new_reqs] + so.scheduled_cached_reqs.req_ids
         assert sorted(scheduled) == sorted(so.num_scheduled_tokens)
         assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
         sampled = []
@@ -129,6 +108,31 @@ class StandInExecutor(Executor):
         for args in attending:
             self._check_context(*args)
         return ModelRunnerOutput(so.step_id, scheduled, sampled)
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        """The workers' view of the requests, as ModelRunner._update_states keeps it
+        (tests/worker/test_stand_in_contract.py holds the two to the same contract)."""
+        for request_id in so.finished_req_ids:
+            self.states.pop(request_id, None)
+        for new in so.scheduled_new_reqs:
+            assert new.req_id not in self.states, f"{new.req_id} sent as new twice"
+            self.states[new.req_id] = WorkerRequestState(
+                list(new.prompt_token_ids) + list(new.output_token_ids),
+                list(new.block_ids),
+                new.num_computed_tokens,
+                len(new.prompt_token_ids),
+            )
+        cached = so.scheduled_cached_reqs
+        for i, request_id in enumerate(cached.req_ids):
+            state = self.states[request_id]
+            if cached.resumed_from_preemption[i]:
+                state.token_ids = list(cached.new_token_ids[i])
+                state.block_ids = list(cached.new_block_ids[i])
+            else:
+                assert cached.new_token_ids[i] == []
+                assert cached.num_computed_tokens[i] == state.num_computed_tokens
+                state.block_ids.extend(cached.new_block_ids[i])
+            state.num_computed_tokens = cached.num_computed_tokens[i]
 
     def _store(self, state: WorkerRequestState, start: int, block_size: int) -> None:
         for position in range(start, state.num_computed_tokens):

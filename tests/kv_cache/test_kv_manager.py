@@ -248,8 +248,7 @@ def test_caching_disabled_never_hashes_or_hits():
 def test_kv_cache_blocks_helpers():
     manager = make_manager()
     blocks = manager.block_pool.blocks
-    joined = KVCacheBlocks([blocks[3]]) + KVCacheBlocks([blocks[1], blocks[2]])
-    assert joined.get_block_ids() == [3, 1, 2]
+    assert KVCacheBlocks([blocks[3], blocks[1]]).get_block_ids() == [3, 1]
     assert KVCacheBlocks.empty().get_block_ids() == []
     assert manager.get_block_ids("unknown") == []
     with pytest.raises(ValueError):
