@@ -90,19 +90,8 @@ def run_transformers(args: argparse.Namespace, workload: Workload) -> float:
 
 
 def _instrument(engine) -> StepProfile:
-    """Time engine.step by phase, as the EngineCore process does; an in-process executor
-    gets the (called, sent, answered) times MultiprocExecutor records itself."""
+    """Time engine.step by phase, as the EngineCore process does."""
     executor = engine.executor
-    if not hasattr(executor, "last_call"):
-        execute_model = executor.execute_model
-
-        def timed_execute_model(scheduler_output):
-            start = time.perf_counter()
-            output = execute_model(scheduler_output)
-            executor.last_call = (start, start, time.perf_counter())
-            return output
-
-        executor.execute_model = timed_execute_model
     profile = StepProfile()
     engine.step = functools.partial(profile.timed_step, engine.step, executor)
     return profile

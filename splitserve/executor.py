@@ -1,4 +1,5 @@
 import gc
+import time
 
 import torch
 
@@ -22,7 +23,10 @@ class InProcessExecutor(Executor):
         return num_blocks
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self._runner().execute_model(scheduler_output)
+        start = time.perf_counter()
+        output = self._runner().execute_model(scheduler_output)
+        self.last_call = (start, start, time.perf_counter())  # nothing is sent: no broadcast
+        return output
 
     def shutdown(self) -> None:
         """Drop the runner: its model, KV cache and CUDA graphs are freed, and on CUDA the
