@@ -7,8 +7,8 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
@@ -18,7 +18,7 @@ from ipc.client import AsyncEngineClient
 from ipc.defaults import generation_defaults
 from ipc.tokenizer import Tokenizer
 from server.app import build_app
-from server.args import DEFAULT_MAX_REQUEST_BODY_BYTES, add_server_args, server_options
+from server.args import add_server_args, server_options
 
 logger = logging.getLogger(__name__)
 
@@ -29,35 +29,18 @@ def run_server(
     host: str = "0.0.0.0",
     port: int = 8000,
     served_model_name: str | None = None,
-    api_keys: str | Sequence[str] | None = None,
-    max_model_len: int | None = None,
-    vocab_size: int | None = None,
-    sampling_defaults: dict | None = None,
-    salt_cache_by_api_key: bool = False,
-    enable_prompt_tokens_details: bool = False,
-    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     credentials: Credentials | str | os.PathLike | None = None,
+    **app_options: Any,
 ) -> None:
     """Serve the API until SIGINT/SIGTERM. The model name defaults to the tokenizer
     folder's name, the sampling defaults to its generation_config.json's; `credentials`
-    (a file or Credentials) are needed on a tcp engine; the other settings are build_app's."""
+    (a file or Credentials) are needed on a tcp engine; `app_options` are build_app's."""
     tokenizer = Tokenizer.from_pretrained(tokenizer_path)
     client = AsyncEngineClient(engine_address, tokenizer=tokenizer, credentials=credentials)
+    if app_options.get("sampling_defaults") is None:
+        app_options["sampling_defaults"] = generation_defaults(tokenizer_path)
     name = served_model_name or Path(tokenizer_path).name
-    app = build_app(
-        client,
-        tokenizer,
-        name,
-        api_keys=api_keys,
-        max_model_len=max_model_len,
-        sampling_defaults=(
-            generation_defaults(tokenizer_path) if sampling_defaults is None else sampling_defaults
-        ),
-        vocab_size=vocab_size,
-        salt_cache_by_api_key=salt_cache_by_api_key,
-        enable_prompt_tokens_details=enable_prompt_tokens_details,
-        max_request_body_bytes=max_request_body_bytes,
-    )
+    app = build_app(client, tokenizer, name, **app_options)
     asyncio.run(_serve(app, client, host, port))
 
 

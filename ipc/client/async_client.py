@@ -18,12 +18,12 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from ipc.auth import Credentials, client_credentials
+from ipc.auth import Credentials
 from ipc.client import steps
+from ipc.client.base import ClientBase
 from ipc.client.core import (
     CLOSE_LINGER_MS,
     MONITOR_EVENTS,
-    ClientCore,
     Prompt,
     RequestState,
     new_identity,
@@ -31,13 +31,14 @@ from ipc.client.core import (
 from ipc.client.steps import Answer, NextItem, Step, Steps
 from ipc.messages import AbortRequests, SamplingParams, SchedulerStats, encode
 from ipc.outputs import RequestOutput
-from ipc.sockets import HELLO, client_sockets, read_address
+from ipc.sockets import HELLO, client_sockets
 from ipc.tokenizer import Message, TokenizerLike
 
 
-class AsyncEngineClient:
+class AsyncEngineClient(ClientBase):
     """Use `await AsyncEngineClient.create(address, ...)`, or construct and
-    `await connect()`. `credentials` and `health_interval` as for EngineClient."""
+    `await connect()`; the arguments are ClientBase's, and `connect_timeout` bounds the
+    wait for the engine's WELCOME."""
 
     def __init__(
         self,
@@ -47,11 +48,8 @@ class AsyncEngineClient:
         health_interval: float = 15.0,
         credentials: Credentials | str | os.PathLike | None = None,
     ) -> None:
-        self.address = read_address(address)
-        self._credentials = client_credentials(address, self.address, credentials)
+        super().__init__(address, tokenizer, health_interval, credentials)
         self.connect_timeout = connect_timeout
-        self.health_interval = health_interval
-        self._core = ClientCore(tokenizer, self.address, self._send)
         self._ctx: zmq.asyncio.Context | None = None
         self._receiver: asyncio.Task | None = None
         self._closed = False
@@ -61,10 +59,6 @@ class AsyncEngineClient:
         client = cls(address, **kwargs)
         await client.connect()
         return client
-
-    @property
-    def tokenizer(self) -> TokenizerLike | None:
-        return self._core.tokenizer
 
     async def connect(self) -> None:
         if self._ctx is not None:

@@ -18,12 +18,12 @@ from typing import Any
 import msgspec
 import zmq
 
-from ipc.auth import Credentials, client_credentials
+from ipc.auth import Credentials
 from ipc.client import steps
+from ipc.client.base import ClientBase
 from ipc.client.core import (
     CLOSE_LINGER_MS,
     MONITOR_EVENTS,
-    ClientCore,
     Prompt,
     RequestState,
     new_identity,
@@ -31,16 +31,13 @@ from ipc.client.core import (
 from ipc.client.steps import Answer, NextItem, Step, Steps
 from ipc.messages import AbortRequests, SamplingParams, SchedulerStats, encode
 from ipc.outputs import RequestOutput
-from ipc.sockets import HELLO, client_sockets, read_address
+from ipc.sockets import HELLO, client_sockets
 from ipc.tokenizer import Message, TokenizerLike
 
 
-class EngineClient:
-    """`address`: an engine address or a file holding one. `credentials` (a file or
-    ipc.auth.Credentials) are needed on tcp; given an address file, the client reads
-    FILE.credentials when it exists. `health_interval`: a request that hears nothing for
-    this long asks the engine for its health, and raises EngineDeadError if that goes
-    unanswered as long."""
+class EngineClient(ClientBase):
+    """A blocking client; the arguments are ClientBase's, and `connect_timeout` bounds
+    the wait for the engine's WELCOME."""
 
     def __init__(
         self,
@@ -50,13 +47,10 @@ class EngineClient:
         health_interval: float = 15.0,
         credentials: Credentials | str | os.PathLike | None = None,
     ) -> None:
-        self.address = read_address(address)
-        keys = client_credentials(address, self.address, credentials)
-        self.health_interval = health_interval
-        self._core = ClientCore(tokenizer, self.address, self._send)
+        super().__init__(address, tokenizer, health_interval, credentials)
         self._ctx = zmq.Context()
         self._input, self._output = client_sockets(
-            self._ctx, self._ctx, self.address, new_identity(), keys, MONITOR_EVENTS
+            self._ctx, self._ctx, self.address, new_identity(), self._credentials, MONITOR_EVENTS
         )
         self._monitor = self._output.get_monitor_socket()
         self._poller = zmq.Poller()
@@ -74,10 +68,6 @@ class EngineClient:
             raise
         self._receiver = threading.Thread(target=self._receive_loop, daemon=True, name="client-rx")
         self._receiver.start()
-
-    @property
-    def tokenizer(self) -> TokenizerLike | None:
-        return self._core.tokenizer
 
     def generate(
         self,

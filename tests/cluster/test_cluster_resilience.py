@@ -89,35 +89,32 @@ def _stop(process) -> int:
 
 
 @pytest.mark.gpus(2)
-def test_killed_worker_is_replaced_and_requests_replayed(tmp_path, qwen3_path):
-    process, log, address = _start(tmp_path, qwen3_path, "--tp", "2")
+@pytest.mark.parametrize(
+    ("rank", "sig", "args", "logged"),
+    [
+        (1, signal.SIGKILL, (), "replacing the workers (restart 1) and replaying"),
+        (0, signal.SIGSTOP, ("--worker-step-timeout", "2"), "did not answer step"),
+    ],
+    ids=["killed", "hung"],
+)
+def test_failed_worker_is_replaced_and_requests_replayed(
+    tmp_path, qwen3_path, rank, sig, args, logged
+):
+    process, log, address = _start(tmp_path, qwen3_path, "--tp", "2", *args)
     old = child_pids(log.read_text())
     try:
-        results = _disturbed_run(address, lambda: os.kill(old["worker rank 1"], signal.SIGKILL))
+        results = _disturbed_run(address, lambda: os.kill(old[f"worker rank {rank}"], sig))
         assert results == _expected(qwen3_path)
         assert process.poll() is None
         new = child_pids(log.read_text())
-        assert new["worker rank 0"] != old["worker rank 0"]
-        assert new["worker rank 1"] != old["worker rank 1"]
-        assert not pid_alive(old["worker rank 0"])
+        assert all(new[f"worker rank {r}"] != old[f"worker rank {r}"] for r in (0, 1))
+        assert not any(pid_alive(old[f"worker rank {r}"]) for r in (0, 1))
         # The new workers serve on.
         with EngineClient(address) as client:
             assert client.generate(PROMPTS[0], GREEDY).outputs[0].token_ids == results[0]
     finally:
         assert _stop(process) == 0, log.read_text()
-    assert "replacing the workers (restart 1) and replaying" in log.read_text()
-
-
-@pytest.mark.gpus(2)
-def test_hung_worker_is_replaced(tmp_path, qwen3_path):
-    process, log, address = _start(tmp_path, qwen3_path, "--tp", "2", "--worker-step-timeout", "2")
-    old = child_pids(log.read_text())
-    try:
-        results = _disturbed_run(address, lambda: os.kill(old["worker rank 0"], signal.SIGSTOP))
-        assert results == _expected(qwen3_path)
-    finally:
-        assert _stop(process) == 0, log.read_text()
-    assert "did not answer step" in log.read_text()
+    assert logged in log.read_text()
 
 
 @pytest.mark.gpus(2)

@@ -88,12 +88,16 @@ def test_requests_that_can_never_run_are_finished_with_an_error(prompt, sampling
     assert all("bad" not in so.finished_req_ids for so in executor.outputs)
 
 
-def test_a_request_the_workers_cannot_take_fails_alone():
+def _scheduled(*request_ids: str):
+    """A scheduler that has scheduled the first step of these 4-token requests."""
     engine, _ = make_engine()
-    engine.add_request(make_request("bad", 4, max_tokens=4))
-    engine.add_request(make_request("good", 4, max_tokens=4))
-    scheduler = engine.scheduler
-    scheduler_output = scheduler.schedule()
+    for request_id in request_ids:
+        engine.add_request(make_request(request_id, 4, max_tokens=8))
+    return engine.scheduler, engine.scheduler.schedule()
+
+
+def test_a_request_the_workers_cannot_take_fails_alone():
+    scheduler, scheduler_output = _scheduled("bad", "good")
     runner_output = ModelRunnerOutput(
         scheduler_output.step_id, ["good"], [[5]], failed_requests={"bad": "no room"}
     )
@@ -130,10 +134,7 @@ def test_a_request_id_in_use_is_refused_and_the_first_request_is_untouched():
 
 
 def test_tokens_after_a_stop_in_one_output_are_dropped():
-    engine, _ = make_engine()
-    engine.add_request(make_request("r", 4, max_tokens=8))
-    scheduler = engine.scheduler
-    scheduler_output = scheduler.schedule()
+    scheduler, scheduler_output = _scheduled("r")
     runner_output = ModelRunnerOutput(scheduler_output.step_id, ["r"], [[5, 2, 9]])
     (output,) = scheduler.update_from_output(scheduler_output, runner_output).outputs
     assert (output.new_token_ids, output.finish_reason) == ([5, 2], FinishReason.STOP)
@@ -142,11 +143,7 @@ def test_tokens_after_a_stop_in_one_output_are_dropped():
 
 
 def test_logprobs_travel_with_their_tokens():
-    engine, _ = make_engine()
-    engine.add_request(make_request("a", 4, max_tokens=8))
-    engine.add_request(make_request("b", 4, max_tokens=8))
-    scheduler = engine.scheduler
-    scheduler_output = scheduler.schedule()
+    scheduler, scheduler_output = _scheduled("a", "b")
     per_token = [TokenLogprobs([t, 1], [-0.5, -1.5]) for t in (5, 2, 9)]
     runner_output = ModelRunnerOutput(
         scheduler_output.step_id, ["a", "b"], [[5, 2, 9], [6]], [per_token, None]
