@@ -1,21 +1,11 @@
 """The EngineCore process: an EngineCore over the worker processes, served on ZMQ.
 
-Three threads, each the only user of its sockets:
-
-* input thread — the input ROUTER. Each client frame is decoded and put on the input
-  queue tagged with the client's identity. A frame that does not decode is logged and
-  answered with UtilityOutput(call_id=-1, error), or, when it is an EngineCoreRequest
-  whose request_id can be read, with an "error" output for that request.
-* output thread — the output ROUTER. Answers HELLO with WELCOME; encodes and sends the
-  (identity, message) pairs of the output queue, never blocking. With ROUTER_MANDATORY a
-  client that is gone, or one whose pipe is full because it stopped reading, is noticed
-  on send: it is dropped (its outputs are discarded until it says HELLO again) and the
-  busy loop aborts its requests.
-* main thread — the busy loop: drain the input queue (blocking while there is no
-  work), step the EngineCore, send each output to the client that sent its request.
-  A worker failure replaces the workers and replays the running requests (see
-  `EngineCore.replace_workers`); past the restart bound every in-flight request fails
-  and the process exits with 1.
+Three threads: the input and output threads own the client sockets (client_io.py);
+the main thread runs the busy loop: drain the input queue (blocking while there is no
+work), step the EngineCore, send each output to the client that sent its request. A
+worker failure replaces the workers and replays the running requests (see
+`EngineCore.replace_workers`); past the restart bound every in-flight request fails and
+the process exits with 1.
 
 The first SIGTERM or SIGINT drains: new requests are refused, the running ones finish
 (for up to `shutdown_timeout` seconds, then they are failed), and the process exits
@@ -29,50 +19,36 @@ from __future__ import annotations
 import logging
 import queue
 import signal
-import threading
 import time
 from collections.abc import Callable
 
-import msgspec
-import zmq
-
+from engine_core.client_io import ClientGone, ClientIO, error_outputs
 from engine_core.core import EngineCore
 from engine_core.executor import WorkerFailure
 from engine_core.multiproc_executor import MultiprocExecutor
 from engine_core.step_profile import StepProfile
-from ipc.auth import CLIENT, Credentials, engine_context
+from ipc.auth import Credentials
 from ipc.config import EngineConfig
 from ipc.messages import (
     AbortRequests,
-    DecodeError,
-    Decoder,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     ErrorCode,
-    FinishReason,
     UtilityOutput,
     UtilityRequest,
-    encode,
 )
-from ipc.sockets import HELLO, HWM, WELCOME, make_socket, remove_ipc_files, socket_address
+from ipc.sockets import remove_ipc_files
 
 logger = logging.getLogger(__name__)
 
 IDLE_CHECK_S = 1.0
 STATS_INTERVAL_S = 5.0
-_POLL_MS = 100
-_WAKE_ADDRESS = "inproc://output-wake"
-_OUTPUT_LINGER_MS = 1000
 _SHUTTING_DOWN = "the engine is shutting down"
 
 
 class EngineShutdown(BaseException):
     """SIGTERM or SIGINT: raised in the main thread wherever it is."""
-
-
-class ClientGone:
-    """Put on the input queue by the output thread: this client can no longer be reached."""
 
 
 class EngineCoreProc:
@@ -98,27 +74,10 @@ class EngineCoreProc:
             raise
         self.profile = StepProfile()
         self.owners: dict[str, bytes] = {}  # request_id -> identity of its client
-        self.input_queue: queue.Queue = queue.Queue()
-        self.output_queue: queue.Queue = queue.Queue()
-        self._stopping = threading.Event()
         self._drain_deadline: float | None = None
         self._stats_window = (time.monotonic(), self.engine.get_stats())
-        self._ctx = engine_context(credentials)
-        secure = {"credentials": credentials, "role": CLIENT}
-        self._input = make_socket(
-            self._ctx, zmq.ROUTER, socket_address(address, "input"), True, **secure
-        )
-        self._output = make_socket(
-            self._ctx, zmq.ROUTER, socket_address(address, "output"), True, **secure
-        )
-        self._output.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._wake = make_socket(self._ctx, zmq.PUSH, _WAKE_ADDRESS, True)
-        self._threads = [
-            threading.Thread(target=self._input_loop, name="engine-input", daemon=True),
-            threading.Thread(target=self._output_loop, name="engine-output", daemon=True),
-        ]
-        for thread in self._threads:
-            thread.start()
+        self.clients = ClientIO(address, credentials)
+        self.input_queue = self.clients.input_queue
 
     def run(self) -> int:
         """The busy loop. Returns the exit code: 0 after a signal, 1 after a failure."""
@@ -165,13 +124,8 @@ class EngineCoreProc:
         return True
 
     def close(self) -> None:
-        self._stopping.set()
-        self._send_many(None)
-        for thread in self._threads:
-            thread.join(timeout=5.0)
+        self.clients.close()
         self.executor.shutdown()
-        self._wake.close()
-        self._ctx.term()
         logger.info("step profile: %s", self.profile.summary())
 
     # busy loop
@@ -199,7 +153,7 @@ class EngineCoreProc:
             own = [i for i in msg.request_ids if self.owners.get(i) == identity]
             self.engine.abort_requests(own)
         elif isinstance(msg, UtilityRequest):
-            self._send(identity, self._call_utility(msg))
+            self.clients.send(identity, self._call_utility(msg))
         elif msg is ClientGone:
             own = [i for i, owner in self.owners.items() if owner == identity]
             for request_id in own:
@@ -208,17 +162,17 @@ class EngineCoreProc:
             if own:
                 logger.warning("aborted %d request(s) of a client that is gone", len(own))
         else:  # an answer the input thread prepared for a bad frame
-            self._send(identity, msg)
+            self.clients.send(identity, msg)
 
     def _add_request(self, identity: bytes, request: EngineCoreRequest) -> None:
         request_id = request.request_id
         if self.draining:
-            refusal = _error_outputs([request_id], _SHUTTING_DOWN, ErrorCode.UNAVAILABLE)
-            self._send(identity, refusal)
+            refusal = error_outputs([request_id], _SHUTTING_DOWN, ErrorCode.UNAVAILABLE)
+            self.clients.send(identity, refusal)
             return
         if request_id in self.owners:
             error = f"request id {request_id!r} is in use"
-            self._send(identity, _error_outputs([request_id], error))
+            self.clients.send(identity, error_outputs([request_id], error))
             return
         self.owners[request_id] = identity
         try:
@@ -226,7 +180,7 @@ class EngineCoreProc:
         except Exception as e:
             del self.owners[request_id]
             logger.warning("refused request %r: %s", request_id, e)
-            self._send(identity, _error_outputs([request_id], f"invalid request: {e}"))
+            self.clients.send(identity, error_outputs([request_id], f"invalid request: {e}"))
 
     def _call_utility(self, call: UtilityRequest) -> UtilityOutput:
         if call.method == "stats":
@@ -253,7 +207,9 @@ class EngineCoreProc:
             if owner is not None:
                 batches.setdefault(owner, []).append(out)
         if batches:
-            self._send_many([(owner, EngineCoreOutputs(outs)) for owner, outs in batches.items()])
+            self.clients.send_many(
+                [(owner, EngineCoreOutputs(outs)) for owner, outs in batches.items()]
+            )
 
     def _fail_all(self, error: str, code: ErrorCode) -> None:
         """Finish every in-flight request, and every request still queued, with the error."""
@@ -261,18 +217,18 @@ class EngineCoreProc:
         for request_id, owner in self.owners.items():
             by_client.setdefault(owner, []).append(request_id)
         self.owners.clear()
-        replies = [(owner, _error_outputs(ids, error, code)) for owner, ids in by_client.items()]
+        replies = [(owner, error_outputs(ids, error, code)) for owner, ids in by_client.items()]
         while True:
             try:
                 identity, msg = self.input_queue.get_nowait()
             except queue.Empty:
                 break
             if isinstance(msg, EngineCoreRequest):
-                replies.append((identity, _error_outputs([msg.request_id], error, code)))
+                replies.append((identity, error_outputs([msg.request_id], error, code)))
             elif isinstance(msg, UtilityRequest):
                 replies.append((identity, UtilityOutput(msg.call_id, error=error)))
         if replies:
-            self._send_many(replies)
+            self.clients.send_many(replies)
 
     def _maybe_log_stats(self) -> None:
         now = time.monotonic()
@@ -294,82 +250,6 @@ class EngineCoreProc:
             100 * hits / queries if queries else 0.0,
         )
         self._stats_window = (now, stats)
-
-    def _send(self, identity: bytes, msg: msgspec.Struct) -> None:
-        self._send_many([(identity, msg)])
-
-    def _send_many(self, items: list[tuple[bytes, msgspec.Struct]] | None) -> None:
-        """Hand messages (None: stop) to the output thread; one wake-up per put."""
-        self.output_queue.put(items)
-        self._wake.send(b"")
-
-    # input thread
-
-    def _input_loop(self) -> None:
-        decoder = Decoder(EngineCoreRequest, AbortRequests, UtilityRequest)
-        sock = self._input
-        while not self._stopping.is_set():
-            if not sock.poll(_POLL_MS):
-                continue
-            identity, *frames = sock.recv_multipart()
-            try:
-                msg = _decode(decoder, identity, frames)
-            except Exception as e:  # never let one frame stop the input thread
-                logger.exception("could not read a frame from client %s", identity.hex())
-                msg = UtilityOutput(-1, error=f"could not read the frame: {e}")
-            self.input_queue.put((identity, msg))
-        sock.close()
-
-    # output thread
-
-    def _output_loop(self) -> None:
-        sock = self._output
-        wake = make_socket(self._ctx, zmq.PULL, _WAKE_ADDRESS, False)
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(wake, zmq.POLLIN)
-        gone: set[bytes] = set()
-        try:
-            while True:
-                events = dict(poller.poll())
-                if sock in events:
-                    identity, *frames = sock.recv_multipart()
-                    if frames == [HELLO]:
-                        gone.discard(identity)
-                        self._deliver(identity, WELCOME, gone)
-                    else:
-                        logger.warning("ignored a frame on the output socket (expected HELLO)")
-                if wake in events:
-                    wake.recv()
-                    items = self.output_queue.get_nowait()
-                    if items is None:
-                        return
-                    for identity, msg in items:
-                        self._deliver(identity, encode(msg), gone)
-        finally:
-            wake.close()
-            sock.close(linger=_OUTPUT_LINGER_MS)
-
-    def _deliver(self, identity: bytes, frame: bytes, gone: set[bytes]) -> None:
-        """Send without blocking. A client that cannot take the frame is dropped: this and
-        its later outputs are discarded, and each discarded output has the busy loop abort
-        the client's requests (those it sent since, too)."""
-        if identity not in gone:
-            try:
-                self._output.send_multipart((identity, frame), zmq.NOBLOCK, copy=False)
-                return
-            except zmq.Again:
-                logger.warning(
-                    "client %s stopped reading its outputs (%d queued); dropped it",
-                    identity.hex(),
-                    HWM,
-                )
-            except zmq.ZMQError as e:
-                if e.errno != zmq.EHOSTUNREACH:
-                    raise
-                logger.warning("client %s is not connected; dropped its output", identity.hex())
-            gone.add(identity)
-        self.input_queue.put((identity, ClientGone))
 
 
 def run_engine_core(
@@ -417,49 +297,3 @@ def run_engine_core(
 def _ignore_signals() -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_IGN)
-
-
-def _decode(decoder: Decoder, identity: bytes, frames: list[bytes]) -> object:
-    """The client's message, or the answer to send back for a frame that is not one."""
-    if len(frames) == 1:
-        try:
-            return decoder.decode(frames[0])
-        except DecodeError as e:
-            error = str(e)
-    else:
-        error = f"expected one frame per message, got {len(frames)}"
-    logger.warning("bad frame from client %s: %s", identity.hex(), error)
-    request_id = _request_id_of(frames[0]) if len(frames) == 1 else None
-    if request_id is None:
-        return UtilityOutput(-1, error=error)
-    return _error_outputs([request_id], error)
-
-
-class _MessageHead(msgspec.Struct, array_like=True):
-    """The first two fields of a tagged message (the rest is skipped)."""
-
-    tag: str
-    request_id: str
-
-
-_head_decoder = Decoder(_MessageHead)
-
-
-def _request_id_of(frame: bytes) -> str | None:
-    """The request_id of a frame shaped like an EngineCoreRequest that failed validation."""
-    try:
-        head = _head_decoder.decode(frame)
-    except DecodeError:
-        return None
-    return head.request_id if head.tag == EngineCoreRequest.__name__ else None
-
-
-def _error_outputs(
-    request_ids: list[str], error: str, code: ErrorCode = ErrorCode.INVALID_REQUEST
-) -> EngineCoreOutputs:
-    return EngineCoreOutputs(
-        [
-            EngineCoreOutput(i, [], FinishReason.ERROR, error=error, error_code=code)
-            for i in request_ids
-        ]
-    )
