@@ -5,7 +5,13 @@ from collections.abc import Sequence
 from tqdm import tqdm
 
 from engine_core import EngineCore
-from ipc.client.core import Prompt, RequestState, chat_token_ids, load_tokenizer, prompt_token_ids
+from ipc.client.request_state import (
+    Prompt,
+    RequestState,
+    chat_token_ids,
+    load_tokenizer,
+    prompt_token_ids,
+)
 from ipc.config import EngineConfig
 from ipc.messages import EngineCoreRequest, SamplingParams
 from ipc.outputs import RequestOutput

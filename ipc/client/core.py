@@ -25,14 +25,20 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Protocol
 
 import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from ipc.auth import CredentialsError
-from ipc.detokenizer import IncrementalDetokenizer
+from ipc.client.request_state import (
+    Prompt,
+    RequestState,
+    Sink,
+    chat_token_ids,
+    load_tokenizer,
+    prompt_token_ids,
+)
 from ipc.messages import (
     AbortRequests,
     DecodeError,
@@ -46,14 +52,12 @@ from ipc.messages import (
     UtilityOutput,
     UtilityRequest,
 )
-from ipc.outputs import CompletionOutput, RequestOutput
 from ipc.sockets import WELCOME
-from ipc.tokenizer import Message, Tokenizer, TokenizerLike
+from ipc.tokenizer import Message, TokenizerLike
 
 logger = logging.getLogger(__name__)
 
 CLOSE_LINGER_MS = 1000  # how long a closing client lets its last aborts leave
-Prompt = str | list[int]
 _REFUSED = {
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the EngineCore at {} refused this client's credentials",
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "the EngineCore at {} refused the security handshake "
@@ -89,16 +93,6 @@ class EngineDeadError(RuntimeError):
 Send = Callable[[msgspec.Struct], bool]
 
 
-class _Sink(Protocol):
-    def put_nowait(self, item: RequestOutput | Exception) -> None: ...
-
-
-def load_tokenizer(tokenizer: str | os.PathLike | TokenizerLike | None) -> TokenizerLike | None:
-    if isinstance(tokenizer, str | os.PathLike):
-        return Tokenizer.from_pretrained(tokenizer)
-    return tokenizer
-
-
 def new_identity() -> bytes:
     """8 random bytes for the client's DEALERs; ZMQ reserves identities starting with 0."""
     identity = os.urandom(8)
@@ -107,84 +101,6 @@ def new_identity() -> bytes:
 
 def full_queue_error(address: str) -> EngineDeadError:
     return EngineDeadError(f"the EngineCore at {address} is not reading (send queue full)")
-
-
-class RequestState:
-    """One live request: its cumulative result and where its deltas go."""
-
-    def __init__(
-        self, request: EngineCoreRequest, tokenizer: TokenizerLike | None, queue: _Sink
-    ) -> None:
-        params = request.sampling_params
-        self.request = request
-        self.queue = queue
-        self.detokenizer = (
-            None
-            if tokenizer is None
-            else IncrementalDetokenizer(
-                tokenizer, request.prompt_token_ids, params.skip_special_tokens, params.stop
-            )
-        )
-        self.stop_hold = max((len(s) for s in params.stop), default=1) - 1
-        self.stopped_by_string = False
-        self.result = RequestOutput(
-            request.request_id, request.prompt_token_ids, [CompletionOutput(0, "", [])]
-        )
-
-    def apply(self, out: EngineCoreOutput) -> RequestOutput:
-        """Fold one engine output into `result` and return the delta (finish reasons as
-        the API names them). The request finishes when the engine says so or when the
-        text reaches a stop string: then `stopped_by_string` is set, and the engine,
-        which goes on, must be told to abort it."""
-        result, completion = self.result, self.result.outputs[0]
-        completion.token_ids.extend(out.new_token_ids)
-        if out.logprobs:
-            completion.logprobs = (completion.logprobs or []) + out.logprobs
-        result.num_cached_tokens = max(result.num_cached_tokens, out.num_cached_tokens)
-        finish_reason = None if out.finish_reason is None else str(out.finish_reason)
-        text = ""
-        if self.detokenizer is not None:
-            self.detokenizer.add_tokens(out.new_token_ids)
-            if finish_reason is None and self.detokenizer.stopped:
-                finish_reason = str(FinishReason.STOP)
-                self.stopped_by_string = True
-            text = self._release_text(finished=finish_reason is not None)
-            completion.text += text
-        if finish_reason is not None:
-            completion.finish_reason = finish_reason
-            result.error = out.error
-            result.finished = True
-        delta = CompletionOutput(0, text, list(out.new_token_ids), finish_reason, out.logprobs)
-        return RequestOutput(
-            result.request_id,
-            result.prompt_token_ids,
-            [delta],
-            result.finished,
-            result.num_cached_tokens,
-            result.error,
-        )
-
-    def _release_text(self, finished: bool) -> str:
-        """The detokenized text not given out yet, but for its last characters while a
-        stop string could still begin there: text once given out is never taken back."""
-        text, sent = self.detokenizer.text, len(self.result.outputs[0].text)
-        end = len(text) if finished else max(len(text) - self.stop_hold, sent)
-        return text[sent:end]
-
-
-def prompt_token_ids(tokenizer: TokenizerLike | None, prompt: Prompt) -> list[int]:
-    if not isinstance(prompt, str):
-        return list(prompt)
-    if tokenizer is None:
-        raise ValueError("a text prompt needs a tokenizer; pass token ids or a tokenizer")
-    return tokenizer.encode(prompt)
-
-
-def chat_token_ids(tokenizer: TokenizerLike | None, messages: list[Message]) -> list[int]:
-    """The chat template applied; message content is text (never special tokens)."""
-    if tokenizer is None:
-        raise ValueError("chat needs a tokenizer")
-    return tokenizer.encode_chat(messages, add_generation_prompt=True)
 
 
 class ClientCore:
@@ -219,7 +135,7 @@ class ClientCore:
         request_id: str | None,
         priority: int,
         cache_salt: str | None,
-        queue: _Sink,
+        queue: Sink,
     ) -> RequestState:
         params = sampling_params or SamplingParams()
         if params.stop and self.tokenizer is None:
@@ -242,7 +158,7 @@ class ClientCore:
 
     def submit(
         self,
-        queue: _Sink,
+        queue: Sink,
         prompt: Prompt,
         sampling_params: SamplingParams | None,
         request_id: str | None,

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ipc.auth import CredentialsError
-from ipc.client.core import ClientCore, EngineDeadError, RequestState
+from ipc.client.core import ClientCore, EngineDeadError
+from ipc.client.request_state import RequestState
 from ipc.outputs import RequestOutput
 
 T = TypeVar("T")

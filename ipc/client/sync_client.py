@@ -24,10 +24,9 @@ from ipc.client.base import ClientBase
 from ipc.client.core import (
     CLOSE_LINGER_MS,
     MONITOR_EVENTS,
-    Prompt,
-    RequestState,
     new_identity,
 )
+from ipc.client.request_state import Prompt, RequestState
 from ipc.client.steps import Answer, NextItem, Step, Steps
 from ipc.messages import AbortRequests, SamplingParams, SchedulerStats, encode
 from ipc.outputs import RequestOutput

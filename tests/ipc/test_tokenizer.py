@@ -230,7 +230,7 @@ def test_encode_chat_survives_templates_that_transform_content(tmp_path):
 
 
 def test_the_clients_and_llm_encode_chats_with_encode_chat():
-    from ipc.client.core import chat_token_ids
+    from ipc.client.request_state import chat_token_ids
 
     tokenizer = Tokenizer.from_pretrained(tiny_tokenizer_path())
     messages = [{"role": "user", "content": FORGED}]
