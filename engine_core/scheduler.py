@@ -33,14 +33,21 @@ _INT64 = 2**63
 def check_token_ids(
     prompt_token_ids: list[int], params: SamplingParams, config: EngineConfig
 ) -> str | None:
-    """Why a request's token ids (prompt, stop ids) or seed cannot run, or None. Every id
-    the workers index a vocabulary-sized tensor with is checked here, at the edge."""
+    """Why a request's token ids (prompt, stop ids, logit_bias, allowed ids) or seed cannot
+    run, or None. Every id the workers index a vocabulary-sized tensor with is checked here,
+    at the edge."""
     vocab_size = config.vocab_size or _INT64
     if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size:
         return f"prompt token ids must be in [0, {vocab_size})"
     bad = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
     if bad:
         return f"stop_token_ids must be in [0, {vocab_size}), got {bad[0]}"
+    bad = [t for t in params.logit_bias if not 0 <= t < vocab_size]
+    if bad:
+        return f"logit_bias token ids must be in [0, {vocab_size}), got {bad[0]}"
+    bad = [t for t in params.allowed_token_ids or () if not 0 <= t < vocab_size]
+    if bad:
+        return f"allowed_token_ids must be in [0, {vocab_size}), got {bad[0]}"
     if params.seed is not None and not -_INT64 <= params.seed < 2 * _INT64:
         return f"seed must be a 64-bit integer, got {params.seed}"
     return None

@@ -58,6 +58,11 @@ class SamplingParams(_Wire):
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = {}
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.n != 1:
@@ -84,6 +89,32 @@ class SamplingParams(_Wire):
             raise ValueError("stop strings must not be empty")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be >= 0")
+        self._check_logits_processing()
+
+    def _check_logits_processing(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if not self.repetition_penalty > 0.0 or self.repetition_penalty == float("inf"):
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if any(t < 0 for t in self.logit_bias):
+            raise ValueError("logit_bias token ids must be >= 0")
+        if any(not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):
+            raise ValueError("logit_bias values must be in [-100, 100]")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty")
+            if any(t < 0 for t in self.allowed_token_ids):
+                raise ValueError("allowed_token_ids must be >= 0")
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
 
     @property
     def greedy(self) -> bool:

@@ -55,8 +55,14 @@ def check_new_request(new: NewRequestData, vocab_size: int) -> str | None:
     token_ids = new.prompt_token_ids + new.output_token_ids
     if not token_ids or min(token_ids) < 0 or max(token_ids) >= vocab_size:
         return f"token ids must be in [0, {vocab_size})"
-    if any(not 0 <= t < vocab_size for t in new.sampling_params.stop_token_ids):
-        return f"stop_token_ids must be in [0, {vocab_size})"
+    params = new.sampling_params
+    for name, ids in (
+        ("stop_token_ids", params.stop_token_ids),
+        ("logit_bias", params.logit_bias),
+        ("allowed_token_ids", params.allowed_token_ids or ()),
+    ):
+        if any(not 0 <= t < vocab_size for t in ids):
+            return f"{name} token ids must be in [0, {vocab_size})"
     return None
 
 

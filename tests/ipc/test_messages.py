@@ -38,6 +38,11 @@ SP = SamplingParams(
     ignore_eos=True,
     logprobs=2,
     skip_special_tokens=False,
+    presence_penalty=0.5,
+    frequency_penalty=-1.25,
+    repetition_penalty=1.3,
+    logit_bias={5: -100.0, 11: 2.5},
+    allowed_token_ids=[5, 11, 12],
 )
 LOGPROBS = TokenLogprobs([5, 6, 7], [-0.1, -2.5, -3.0])
 STATS = SchedulerStats(3, 4, 0.25, 100, 40, 2, 1000, 500)
@@ -115,6 +120,15 @@ def test_nested_structs_round_trip(struct):
         ({"logprobs": 21}, "logprobs"),
         ({"stop": [""]}, "stop"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"presence_penalty": float("nan")}, "presence_penalty"),
+        ({"frequency_penalty": -2.1}, "frequency_penalty"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"logit_bias": {3: 100.5}}, "logit_bias"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"allowed_token_ids": [1, -2]}, "allowed_token_ids"),
     ],
 )
 def test_invalid_sampling_params_name_the_field(kwargs, field):
@@ -145,3 +159,8 @@ def test_invalid_sampling_params_name_the_field(kwargs, field):
 def test_bad_frames_raise_decode_error(frame):
     with pytest.raises(DecodeError, match="bad frame"):
         Decoder(SchedulerOutput, ModelRunnerOutput).decode(frame)
+
+
+def test_logits_processing_settings_round_trip_with_int_token_ids():
+    decoded = Decoder(SamplingParams).decode(encode(SP))
+    assert decoded.logit_bias == {5: -100.0, 11: 2.5} and decoded.allowed_token_ids == [5, 11, 12]
