@@ -7,6 +7,12 @@ import torch
 
 from ipc.messages import NewRequestData, SamplingParams
 from worker.block_table import BlockTable
+from worker.logits_processors import (
+    Penalties,
+    make_allowed_tokens,
+    make_logit_bias,
+    make_penalties,
+)
 from worker.sampler import SAMPLING_EPS, SamplingMetadata, skip_sample_draws
 
 
@@ -100,6 +106,11 @@ class InputBatch:
         self.generators: dict[int, torch.Generator] = {}
         # row -> (min_tokens, stop token ids) of rows that may not stop before min_tokens.
         self.min_tokens: dict[int, tuple[int, list[int]]] = {}
+        # Logits processing of the rows that use it: (presence, frequency, repetition)
+        # penalties, {token id: bias}, allowed token ids.
+        self.penalties: dict[int, tuple[float, float, float]] = {}
+        self.logit_bias: dict[int, dict[int, float]] = {}
+        self.allowed_token_ids: dict[int, list[int]] = {}
 
         self.block_table = BlockTable(max_num_reqs, max_num_blocks_per_req, block_size, device)
         # (row order, metadata) of the last make_sampling_metadata; None once rows change.
@@ -148,6 +159,16 @@ class InputBatch:
         stop_ids = list(params.stop_token_ids) + ([] if params.ignore_eos else self.eos_token_ids)
         if params.min_tokens > 0 and stop_ids:
             self.min_tokens[row] = (params.min_tokens, stop_ids)
+        if params.uses_penalties:
+            self.penalties[row] = (
+                params.presence_penalty,
+                params.frequency_penalty,
+                params.repetition_penalty,
+            )
+        if params.logit_bias:
+            self.logit_bias[row] = dict(params.logit_bias)
+        if params.allowed_token_ids is not None:
+            self.allowed_token_ids[row] = list(params.allowed_token_ids)
 
         self.block_table.add_row(req.block_ids, row)
         self._sampling_metadata = None
@@ -159,8 +180,8 @@ class InputBatch:
         if row is None:
             return None
         self.req_ids[row] = None
-        self.generators.pop(row, None)
-        self.min_tokens.pop(row, None)
+        for per_row in self._per_row_settings:
+            per_row.pop(row, None)
         self.block_table.clear_row(row)
         self._sampling_metadata = None
         return row
@@ -197,12 +218,22 @@ class InputBatch:
             self.num_logprobs,
         ):
             array[tgt] = array[src]
-        for per_row in (self.generators, self.min_tokens):
+        for per_row in self._per_row_settings:
             value = per_row.pop(src, None)
             if value is not None:
                 per_row[tgt] = value
         self.block_table.move_row(src, tgt)
         self.block_table.clear_row(src)
+
+    @property
+    def _per_row_settings(self) -> tuple[dict, ...]:
+        return (
+            self.generators,
+            self.min_tokens,
+            self.penalties,
+            self.logit_bias,
+            self.allowed_token_ids,
+        )
 
     def append_token(self, row: int | np.ndarray, token_id: int | np.ndarray) -> None:
         """Append one token to a row, or one token to each of an array of distinct rows."""
@@ -220,9 +251,13 @@ class InputBatch:
         cached = self._sampling_metadata
         if cached is None or not np.array_equal(cached[0], rows):
             self._sampling_metadata = cached = (rows, self._build_sampling_metadata(rows))
-        if not self.min_tokens:
+        if not self.min_tokens and not self.penalties:
             return cached[1]
-        return replace(cached[1], blocked_token_ids=self._blocked_token_ids(rows))
+        return replace(
+            cached[1],
+            blocked_token_ids=self._blocked_token_ids(rows) if self.min_tokens else {},
+            penalties=self._penalties(rows) if self.penalties else None,
+        )
 
     def _blocked_token_ids(self, rows: np.ndarray) -> dict[int, list[int]]:
         """Stop tokens of the rows that have fewer than min_tokens outputs so far."""
@@ -232,6 +267,21 @@ class InputBatch:
             if entry and self.num_tokens[row] - self.num_prompt_tokens[row] < entry[0]:
                 blocked[i] = entry[1]
         return blocked
+
+    def _penalties(self, rows: np.ndarray) -> Penalties | None:
+        """Penalties of the rows that use them, with their tokens so far."""
+        logits_rows, settings, prompts, outputs = [], [], [], []
+        for i, row in enumerate(rows.tolist()):
+            if row in self.penalties:
+                num_prompt = self.num_prompt_tokens[row]
+                logits_rows.append(i)
+                settings.append(self.penalties[row])
+                prompts.append(self.token_ids[row, :num_prompt])
+                outputs.append(self.token_ids[row, num_prompt : self.num_tokens[row]])
+        settings_array = np.array(settings, dtype=np.float32).reshape(-1, 3)
+        return make_penalties(
+            logits_rows, settings_array, prompts, outputs, self.vocab_size, self.device
+        )
 
     def _build_sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
         temperature = self.temperature[rows]
@@ -251,4 +301,13 @@ class InputBatch:
             all_random=bool(is_random.all()),
             generators={row_of[row]: g for row, g in self.generators.items() if row in row_of},
             max_num_logprobs=int(num_logprobs.max()) if (num_logprobs >= 0).any() else None,
+            allowed_tokens=make_allowed_tokens(
+                {row_of[r]: ids for r, ids in self.allowed_token_ids.items() if r in row_of},
+                self.vocab_size,
+                self.device,
+            ),
+            logit_bias=make_logit_bias(
+                {row_of[r]: bias for r, bias in self.logit_bias.items() if r in row_of},
+                self.device,
+            ),
         )

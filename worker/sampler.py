@@ -5,6 +5,15 @@ from typing import NamedTuple
 
 import torch
 
+from worker.logits_processors import (
+    AllowedTokens,
+    LogitBias,
+    Penalties,
+    apply_allowed_tokens,
+    apply_logit_bias,
+    apply_penalties,
+)
+
 # Temperatures below this are greedy.
 SAMPLING_EPS = 1e-5
 
@@ -24,6 +33,9 @@ class SamplingMetadata:
     max_num_logprobs: int | None
     # logits row -> token ids it may not sample yet (stop tokens before min_tokens).
     blocked_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    allowed_tokens: AllowedTokens | None = None
+    logit_bias: LogitBias | None = None
+    penalties: Penalties | None = None
 
 
 class LogprobsTensors(NamedTuple):
@@ -49,8 +61,7 @@ class Sampler(torch.nn.Module):
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         raw_logits = logits = logits.float()
-        if metadata.blocked_token_ids:
-            logits = _block_tokens(logits, metadata.blocked_token_ids)
+        logits = process_logits(logits, metadata)
         if metadata.all_greedy:
             sampled = logits.argmax(dim=-1)
         else:
@@ -79,11 +90,24 @@ class Sampler(torch.nn.Module):
         return _inverse_cdf_sample(probs, metadata.generators, self.generator)
 
 
-def _block_tokens(logits: torch.Tensor, blocked: dict[int, list[int]]) -> torch.Tensor:
-    rows = [row for row, ids in blocked.items() for _ in ids]
-    cols = [token_id for ids in blocked.values() for token_id in ids]
+def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """vLLM's order: allowed tokens, min_tokens blocking, logit bias, penalties. The
+    logits are copied once, and only when a row uses one of them (logprobs are taken
+    from the raw logits)."""
+    m = metadata
+    if not (m.blocked_token_ids or m.allowed_tokens or m.logit_bias or m.penalties):
+        return logits
     logits = logits.clone()
-    logits[rows, cols] = float("-inf")
+    if m.allowed_tokens is not None:
+        logits = apply_allowed_tokens(logits, m.allowed_tokens)
+    if m.blocked_token_ids:
+        rows = [row for row, ids in m.blocked_token_ids.items() for _ in ids]
+        cols = [token_id for ids in m.blocked_token_ids.values() for token_id in ids]
+        logits[rows, cols] = float("-inf")
+    if m.logit_bias is not None:
+        logits = apply_logit_bias(logits, m.logit_bias)
+    if m.penalties is not None:
+        logits = apply_penalties(logits, m.penalties)
     return logits
 
 

@@ -39,6 +39,8 @@ def _new(req_id: str, block: int, params: SamplingParams, prompt=(5, 6, 7)) -> N
     [
         (SamplingParams(min_tokens=2, stop_token_ids=[VOCAB_SIZE]), (5, 6, 7), "stop_token_ids"),
         (GOOD, (5, VOCAB_SIZE + 3, 7), "token ids must be in"),
+        (SamplingParams(logit_bias={3: 1.0, VOCAB_SIZE: 5.0}), (5, 6, 7), "logit_bias"),
+        (SamplingParams(allowed_token_ids=[VOCAB_SIZE + 1]), (5, 6, 7), "allowed_token_ids"),
     ],
 )
 def test_a_bad_request_fails_alone(runner, params, prompt, error):
