@@ -107,11 +107,9 @@ def sampling_params(
 ) -> SamplingParams:
     """SamplingParams for a request, over `defaults` (the model's generation config); every
     invalid value is an APIError(400) naming the field."""
-    for name in ("presence_penalty", "frequency_penalty"):
+    for name in ("stop_token_ids", "allowed_token_ids"):
         if getattr(request, name):
-            raise APIError(400, f"{name} is not supported", name)
-    if request.stop_token_ids:
-        limits.check_token_ids(request.stop_token_ids, "stop_token_ids")
+            limits.check_token_ids(getattr(request, name), name)
     given = {
         "n": request.n,
         "temperature": request.temperature,
@@ -123,6 +121,11 @@ def sampling_params(
         "stop_token_ids": request.stop_token_ids,
         "ignore_eos": request.ignore_eos,
         "skip_special_tokens": request.skip_special_tokens,
+        "presence_penalty": request.presence_penalty,
+        "frequency_penalty": request.frequency_penalty,
+        "repetition_penalty": request.repetition_penalty,
+        "logit_bias": _logit_bias(request.logit_bias, limits),
+        "allowed_token_ids": request.allowed_token_ids,
     }
     kwargs = {**(defaults or {}), **{k: v for k, v in given.items() if v is not None}}
     try:
@@ -136,6 +139,17 @@ def sampling_params(
         field = str(e).split(" ", 1)[0]
         param = field if field in SamplingParams.__struct_fields__ else None
         raise APIError(400, str(e), param) from None
+
+
+def _logit_bias(bias: dict[str, float] | None, limits: PromptLimits) -> dict[int, float] | None:
+    """OpenAI's {"token id": bias} with int keys; a key that is not a token id is a 400."""
+    if not bias:
+        return None
+    if not all(key.isascii() and key.isdigit() and len(key) <= 18 for key in bias):
+        raise APIError(400, "logit_bias keys must be token ids (decimal integers)", "logit_bias")
+    by_id = {int(key): value for key, value in bias.items()}
+    limits.check_token_ids(list(by_id), "logit_bias")
+    return by_id
 
 
 def _max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int | None):

@@ -2,9 +2,10 @@
 
 Fields are strict (a string where a number belongs is a 400, not a coercion); fields
 OpenAI defines that splitserve does not use are ignored, as OpenAI ignores unknown ones.
-`ignore_eos`, `min_tokens`, `top_k`, `min_p`, `stop_token_ids` and `skip_special_tokens`
-are the extra sampling fields vLLM accepts, and `cache_salt` keeps a request's prefix-cache
-blocks apart from those of requests without the same salt.
+`ignore_eos`, `min_tokens`, `top_k`, `min_p`, `stop_token_ids`, `skip_special_tokens`,
+`repetition_penalty` and `allowed_token_ids` are the extra sampling fields vLLM accepts,
+and `cache_salt` keeps a request's prefix-cache blocks apart from those of requests
+without the same salt.
 
 Every integer fits in an int64, every float is finite (JSON's 1e309 parses as inf) and
 every string is valid Unicode (JSON's "\\ud800" parses as a lone surrogate, which no
@@ -80,6 +81,10 @@ class SamplingFields(_Body):
     skip_special_tokens: bool | None = True
     presence_penalty: Finite | None = None
     frequency_penalty: Finite | None = None
+    repetition_penalty: Finite | None = None
+    # Token ids as strings, as JSON object keys are (inputs.py makes them ints).
+    logit_bias: dict[Text, Finite] | None = None
+    allowed_token_ids: list[Int64] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     cache_salt: Annotated[Text, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = None

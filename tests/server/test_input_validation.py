@@ -111,6 +111,24 @@ def test_token_ids_outside_the_vocabulary_are_400_naming_the_field(http, engine,
     assert http.post("/v1/completions", json=body).status_code == 200
 
 
+@pytest.mark.parametrize(
+    ("field", "bad", "good"),
+    [
+        ("allowed_token_ids", lambda v: [5, v], lambda v: [5, v - 1]),
+        ("logit_bias", lambda v: {"5": 1.0, str(v): 2}, lambda v: {str(v - 1): -2}),
+        ("logit_bias", lambda v: {"-1": 1.0}, lambda v: {"0": 100}),
+        ("logit_bias", lambda v: {" 5": 1.0}, lambda v: {"5": 1.0}),
+        ("logit_bias", lambda v: {str(HUGE): 1.0}, lambda v: {}),
+    ],
+)
+def test_logit_processing_token_ids_must_be_in_the_vocabulary(http, engine, field, bad, good):
+    body = {"model": engine.model_name, "prompt": [5, 6], "max_tokens": 2}
+    body[field] = bad(engine.vocab_size)
+    assert_400_naming(http.post("/v1/completions", json=body), field)
+    body[field] = good(engine.vocab_size)
+    assert http.post("/v1/completions", json=body).status_code == 200
+
+
 @pytest.mark.parametrize("salt", ["", "x" * 257, 7])
 def test_cache_salt_is_a_short_non_empty_string(http, engine, salt):
     body = {"model": engine.model_name, "prompt": "Hi", "max_tokens": 2, "cache_salt": salt}

@@ -229,7 +229,12 @@ def test_sse_wire_format_ends_with_done(http, engine):
         ({"top_p": "high"}, "top_p"),
         ({"max_tokens": 2.5}, "max_tokens"),
         ({"stop": 7}, "stop"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {"five": 1}}, "logit_bias"),
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
         ({"max_tokens": 10**6}, "max_tokens"),
     ],
 )

@@ -20,6 +20,23 @@ def last_request(engine) -> tuple[list[int], SamplingParams]:
     return list(engine.client.requests.values())[-1]
 
 
+def test_logits_processing_fields_reach_the_engine(oai, engine):
+    oai.chat.completions.create(
+        model=engine.model_name,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        presence_penalty=0.5,
+        frequency_penalty=-1.5,
+        logit_bias={"7": -100, "9": 2.5},
+        extra_body={"repetition_penalty": 1.2, "allowed_token_ids": [7, 9, 11]},
+    )
+    _, params = last_request(engine)
+    assert (params.presence_penalty, params.frequency_penalty) == (0.5, -1.5)
+    assert params.repetition_penalty == 1.2
+    assert params.logit_bias == {7: -100.0, 9: 2.5}
+    assert params.allowed_token_ids == [7, 9, 11]
+
+
 def test_completion_fields_reach_the_engine(oai, engine):
     oai.completions.create(
         model=engine.model_name,
