@@ -18,6 +18,9 @@ sampling_params = st.builds(
     min_p=st.sampled_from([0.0, 0.1]),
     seed=st.one_of(st.none(), st.integers(0, 2**32)),
     logprobs=st.one_of(st.none(), st.integers(0, 5)),
+    frequency_penalty=st.sampled_from([0.0, 0.0, 0.5]),
+    logit_bias=st.sampled_from([{}, {}, {3: 1.0}]),
+    allowed_token_ids=st.sampled_from([None, None, [1, 4]]),
 )
 
 
@@ -135,13 +138,17 @@ class InputBatchMachine(RuleBasedStateMachine):
                 assert row not in batch.generators
             else:
                 assert batch.generators[row] is state.generator
+            assert (row in batch.penalties) == params.uses_penalties
+            assert batch.logit_bias.get(row, {}) == params.logit_bias
+            assert batch.allowed_token_ids.get(row) == params.allowed_token_ids
 
     @invariant()
     def sampling_metadata_matches_model(self):
         rows = [r for r, req_id in enumerate(self.batch.req_ids) if req_id is not None]
         params = [self.states[self.batch.req_ids[r]].sampling_params for r in rows]
         metadata = self.batch.make_sampling_metadata()
-        assert self.batch.make_sampling_metadata() is metadata
+        if not self.batch.penalties:  # penalties count each step's tokens afresh
+            assert self.batch.make_sampling_metadata() is metadata
         assert metadata.temperature.tolist() == [np.float32(p.temperature) for p in params]
         random = [p for p in params if p.temperature > 0]
         assert metadata.all_greedy == (not random)
