@@ -3,19 +3,20 @@ from pathlib import Path
 
 from ipc.messages import SamplingParams
 
-_GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p")
+_GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def defaults_from_generation_config(generation_config: dict) -> dict:
     """The sampling settings of a parsed generation_config.json (temperature, top_p,
-    top_k, min_p): defaults under whatever a request sets, as vLLM's
+    top_k, min_p, repetition_penalty): defaults under whatever a request sets, as vLLM's
     `--generation-config auto`. An explicit `"do_sample": false` means greedy, as it does
-    in transformers."""
-    if generation_config.get("do_sample") is False:
-        return {"temperature": 0.0}
-    return {
+    in transformers (where the repetition penalty still applies)."""
+    found = {
         k: generation_config[k] for k in _GENERATION_KEYS if generation_config.get(k) is not None
     }
+    if generation_config.get("do_sample") is False:
+        return {"temperature": 0.0, **{k: v for k, v in found.items() if k == "repetition_penalty"}}
+    return found
 
 
 def generation_defaults(model_folder: str | None) -> dict:

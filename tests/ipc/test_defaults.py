@@ -20,6 +20,15 @@ def test_do_sample_false_means_greedy(tmp_path):
     assert generation_defaults(folder) == {"temperature": 0.0}
 
 
+def test_the_repetition_penalty_of_the_generation_config_applies_greedy_or_not(tmp_path):
+    config = {"temperature": 0.7, "repetition_penalty": 1.05}
+    assert generation_defaults(_folder(tmp_path, config)) == config
+    config["do_sample"] = False
+    expected = {"temperature": 0.0, "repetition_penalty": 1.05}
+    assert generation_defaults(_folder(tmp_path, config)) == expected
+    assert default_sampling_params(str(tmp_path), repetition_penalty=1.0).repetition_penalty == 1.0
+
+
 def test_no_generation_config_means_vllm_defaults(tmp_path):
     assert generation_defaults(str(tmp_path)) == {}
     assert generation_defaults(None) == {}
