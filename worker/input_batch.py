@@ -7,12 +7,7 @@ import torch
 
 from ipc.messages import NewRequestData, SamplingParams
 from worker.block_table import BlockTable
-from worker.logits_processors import (
-    Penalties,
-    make_allowed_tokens,
-    make_logit_bias,
-    make_penalties,
-)
+from worker.logits_processors import make_allowed_tokens, make_logit_bias, make_penalties
 from worker.sampler import SAMPLING_EPS, SamplingMetadata, skip_sample_draws
 
 
@@ -243,7 +238,8 @@ class InputBatch:
     def make_sampling_metadata(self, row_order: np.ndarray | None = None) -> SamplingMetadata:
         """Sampling settings of the rows `row_order` lists, in that order (logits row i is
         batch row row_order[i]); by default of the live rows in row order. Reused until the
-        batch or the row order changes."""
+        batch or the row order changes, but for min_tokens blocking and penalties, which
+        follow the tokens so far."""
         if row_order is None:
             rows = np.flatnonzero([req_id is not None for req_id in self.req_ids])
         else:
@@ -256,7 +252,15 @@ class InputBatch:
         return replace(
             cached[1],
             blocked_token_ids=self._blocked_token_ids(rows) if self.min_tokens else {},
-            penalties=self._penalties(rows) if self.penalties else None,
+            penalties=make_penalties(
+                rows,
+                self.penalties,
+                self.token_ids,
+                self.num_prompt_tokens,
+                self.num_tokens,
+                self.vocab_size,
+                self.device,
+            ),
         )
 
     def _blocked_token_ids(self, rows: np.ndarray) -> dict[int, list[int]]:
@@ -267,21 +271,6 @@ class InputBatch:
             if entry and self.num_tokens[row] - self.num_prompt_tokens[row] < entry[0]:
                 blocked[i] = entry[1]
         return blocked
-
-    def _penalties(self, rows: np.ndarray) -> Penalties | None:
-        """Penalties of the rows that use them, with their tokens so far."""
-        logits_rows, settings, prompts, outputs = [], [], [], []
-        for i, row in enumerate(rows.tolist()):
-            if row in self.penalties:
-                num_prompt = self.num_prompt_tokens[row]
-                logits_rows.append(i)
-                settings.append(self.penalties[row])
-                prompts.append(self.token_ids[row, :num_prompt])
-                outputs.append(self.token_ids[row, num_prompt : self.num_tokens[row]])
-        settings_array = np.array(settings, dtype=np.float32).reshape(-1, 3)
-        return make_penalties(
-            logits_rows, settings_array, prompts, outputs, self.vocab_size, self.device
-        )
 
     def _build_sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
         temperature = self.temperature[rows]

@@ -65,25 +65,35 @@ def make_logit_bias(bias: dict[int, dict[int, float]], device: torch.device) -> 
 
 
 def make_penalties(
-    rows: list[int],
-    settings: np.ndarray,
-    prompt_token_ids: list[np.ndarray],
-    output_token_ids: list[np.ndarray],
+    rows: np.ndarray,
+    settings: dict[int, tuple[float, float, float]],
+    token_ids: np.ndarray,
+    num_prompt_tokens: np.ndarray,
+    num_tokens: np.ndarray,
     vocab_size: int,
     device: torch.device,
 ) -> Penalties | None:
-    """`rows`: the logits rows that use penalties; `settings[i]`: row i's (presence,
-    frequency, repetition) penalties; the token ids are each row's so far."""
-    if not rows:
+    """`rows[i]`: the batch row of logits row i; `settings`: batch row -> (presence,
+    frequency, repetition) penalties of the rows that use them; `token_ids[row,
+    :num_tokens[row]]`: a row's tokens so far, its prompt's first."""
+    logits_rows, per_row, prompts, outputs = [], [], [], []
+    for i, row in enumerate(rows.tolist()):
+        if row in settings:
+            num_prompt = num_prompt_tokens[row]
+            logits_rows.append(i)
+            per_row.append(settings[row])
+            prompts.append(token_ids[row, :num_prompt])
+            outputs.append(token_ids[row, num_prompt : num_tokens[row]])
+    if not logits_rows:
         return None
-    presence, frequency, repetition = torch.from_numpy(settings.T.copy()).to(device)
+    presence, frequency, repetition = torch.tensor(per_row, dtype=torch.float32).T.to(device)
     return Penalties(
-        _long(rows, device),
+        _long(logits_rows, device),
         presence,
         frequency,
         repetition,
-        _padded(prompt_token_ids, vocab_size, device),
-        _padded(output_token_ids, vocab_size, device),
+        _padded(prompts, vocab_size, device),
+        _padded(outputs, vocab_size, device),
     )
 
 
