@@ -63,7 +63,7 @@ def check_new_request(new: NewRequestData, vocab_size: int) -> str | None:
         ("allowed_token_ids", params.allowed_token_ids or ()),
     ):
         if any(not 0 <= t < vocab_size for t in ids):
-            return f"{name} token ids must be in [0, {vocab_size})"
+            return f"{name} must be in [0, {vocab_size})"
     return None
 
 
