@@ -5,24 +5,10 @@ mask and took the whole cluster down.)"""
 
 import pytest
 
-from engine_core import EngineConfig
 from ipc.messages import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
-from tests.models.tiny import make_tiny_checkpoint
-from worker.model_runner import ModelRunner
 
 VOCAB_SIZE = 288  # the tiny checkpoint's
 GOOD = SamplingParams(temperature=0.0, max_tokens=4)
-
-
-@pytest.fixture(scope="module")
-def runner(tmp_path_factory):
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
-    config = EngineConfig(
-        model=path, dtype="float32", max_model_len=64, block_size=8, kv_cache_memory=1 << 20
-    )
-    runner = ModelRunner(config)
-    runner.initialize_kv_cache(32)
-    return runner
 
 
 def _step(step_id: int, new: list[NewRequestData]) -> SchedulerOutput:

@@ -1,27 +1,12 @@
 """Logits processing through the model runner: each request's settings act on its own
 row only, with the token table the runner keeps up to date."""
 
-import pytest
 
-from engine_core import EngineConfig
 from ipc.messages import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
-from tests.models.tiny import make_tiny_checkpoint
-from worker.model_runner import ModelRunner
 
 PROMPT = [5, 6, 7]
 NUM_STEPS = 5
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_STEPS)
-
-
-@pytest.fixture(scope="module")
-def runner(tmp_path_factory):
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
-    config = EngineConfig(
-        model=path, dtype="float32", max_model_len=64, block_size=8, kv_cache_memory=1 << 20
-    )
-    runner = ModelRunner(config)
-    runner.initialize_kv_cache(32)
-    return runner
 
 
 def generate(runner, requests: dict[str, SamplingParams]) -> dict[str, list[int]]:
