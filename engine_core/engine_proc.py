@@ -77,7 +77,6 @@ class EngineCoreProc:
         self._drain_deadline: float | None = None
         self._stats_window = (time.monotonic(), self.engine.get_stats())
         self.clients = ClientIO(address, credentials)
-        self.input_queue = self.clients.input_queue
 
     def run(self) -> int:
         """The busy loop. Returns the exit code: 0 after a signal, 1 after a failure."""
@@ -133,7 +132,7 @@ class EngineCoreProc:
     def _handle_input(self, block: bool) -> None:
         if block:
             try:
-                item = self.input_queue.get(timeout=IDLE_CHECK_S)
+                item = self.clients.input_queue.get(timeout=IDLE_CHECK_S)
             except queue.Empty:
                 self.engine.check_workers()
                 return
@@ -141,7 +140,7 @@ class EngineCoreProc:
             self._handle(*item)
         while True:
             try:
-                item = self.input_queue.get_nowait()
+                item = self.clients.input_queue.get_nowait()
             except queue.Empty:
                 return
             self._handle(*item)
@@ -220,7 +219,7 @@ class EngineCoreProc:
         replies = [(owner, error_outputs(ids, error, code)) for owner, ids in by_client.items()]
         while True:
             try:
-                identity, msg = self.input_queue.get_nowait()
+                identity, msg = self.clients.input_queue.get_nowait()
             except queue.Empty:
                 break
             if isinstance(msg, EngineCoreRequest):

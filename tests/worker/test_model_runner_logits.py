@@ -1,7 +1,6 @@
 """Logits processing through the model runner: each request's settings act on its own
 row only, with the token table the runner keeps up to date."""
 
-
 from ipc.messages import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
 
 PROMPT = [5, 6, 7]
