@@ -75,5 +75,6 @@ def load_cpp_extension(name: str, *sources: Path) -> ModuleType | None:
             verbose=False,
         )
     except Exception as e:  # a compiler error, a missing header: keep serving on torch
-        warnings.warn(f"C++ kernels {name} failed to build ({e}); using the torch fallback", stacklevel=2)
+        message = f"C++ kernels {name} failed to build ({e}); using the torch fallback"
+        warnings.warn(message, stacklevel=2)
         return None
