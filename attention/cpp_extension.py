@@ -46,12 +46,14 @@ def build_root() -> Path:
     return Path(base) / "cpp_extensions" / f"torch-{version}-cpu-{_cpu_flags_digest()}"
 
 
-@cache
 def load_cpp_extension(name: str, *sources: Path) -> ModuleType | None:
     """The compiled module `name` built from `sources`, or None (with one warning) when it
     cannot be had. Concurrent processes wait for one build (torch's file lock)."""
-    if not cpu_kernels_enabled():
-        return None
+    return _load(name, *sources) if cpu_kernels_enabled() else None
+
+
+@cache
+def _load(name: str, *sources: Path) -> ModuleType | None:
     from torch.utils import cpp_extension
 
     build_dir = build_root() / name

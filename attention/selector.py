@@ -3,6 +3,7 @@
 import torch
 
 from attention.backends.base import AttentionBackend
+from attention.backends.cpu_backend import CPUAttentionBackend, load_cpu_attention
 from attention.backends.flash_attn_backend import FlashAttentionBackend
 from attention.backends.torch_backend import TorchAttentionBackend
 from attention.backends.triton_backend import TritonAttentionBackend
@@ -18,7 +19,7 @@ def get_attn_backend(
 ) -> AttentionBackend:
     """A backend instance for this device. "auto": flash_attn on CUDA when it is
     installed and supports block_size and dtype (when given), else triton on CUDA;
-    torch on CPU."""
+    on CPU the C++ kernels (cpu), or torch when they cannot be built."""
     if name not in BACKEND_NAMES:
         raise ValueError(
             f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}"
@@ -26,7 +27,8 @@ def get_attn_backend(
     on_cuda = torch.device(device).type == "cuda"
     if name == "auto":
         if not on_cuda:
-            return TorchAttentionBackend()
+            kernels = load_cpu_attention()
+            return CPUAttentionBackend(kernels) if kernels else TorchAttentionBackend()
         if FlashAttentionBackend.supports(block_size, dtype):
             try:
                 return FlashAttentionBackend()
@@ -50,4 +52,11 @@ def get_attn_backend(
         if not on_cuda:
             raise ValueError("attention backend triton needs a CUDA device")
         return TritonAttentionBackend()
+    if name == "cpu":
+        if on_cuda:
+            raise ValueError("attention backend cpu runs on CPU devices only")
+        kernels = load_cpu_attention()
+        if kernels is None:
+            raise RuntimeError("attention backend cpu: its C++ kernels could not be built")
+        return CPUAttentionBackend(kernels)
     return TorchAttentionBackend()

@@ -31,7 +31,7 @@ class SchedulingPolicy(str, enum.Enum):
 
 
 SCHEDULING_POLICIES = tuple(policy.value for policy in SchedulingPolicy)
-ATTENTION_BACKENDS = ("auto", "flash_attn", "triton", "torch")
+ATTENTION_BACKENDS = ("auto", "flash_attn", "triton", "cpu", "torch")
 DEVICES = ("auto", "cpu", "cuda")
 
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
@@ -144,7 +144,8 @@ class EngineConfig:
     attention_backend: str = field(
         default="auto",
         metadata=option(
-            "auto: flash_attn (else triton) on CUDA, torch on CPU", choices=ATTENTION_BACKENDS
+            "auto: flash_attn (else triton) on CUDA; cpu (C++ kernels, else torch) on CPU",
+            choices=ATTENTION_BACKENDS,
         ),
     )
     seed: int = field(

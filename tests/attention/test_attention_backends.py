@@ -10,6 +10,7 @@ import pytest
 import torch
 from paged_requests import PagedRequests
 
+from attention.backends.cpu_backend import CPUAttentionBackend, load_cpu_attention
 from attention.backends.flash_attn_backend import FlashAttentionBackend
 from attention.backends.torch_backend import TorchAttentionBackend
 from attention.backends.triton_backend import TritonAttentionBackend
@@ -18,8 +19,10 @@ HEAD_DIM = 8
 BLOCK_SIZE = 4
 
 
-@pytest.fixture(params=["torch", "triton", "flash_attn"])
+@pytest.fixture(params=["torch", "cpu", "triton", "flash_attn"])
 def backend(request, monkeypatch):
+    if request.param == "cpu":
+        return CPUAttentionBackend(load_cpu_attention())
     if request.param == "flash_attn":
         monkeypatch.setitem(sys.modules, "flash_attn", fake_flash_attn)
         return FlashAttentionBackend()

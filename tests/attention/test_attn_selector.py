@@ -7,8 +7,10 @@ import torch
 from attention import get_attn_backend
 
 
-def test_auto_is_torch_on_cpu():
-    assert get_attn_backend().name == "torch"
+def test_auto_on_cpu_is_the_cpp_kernels_else_torch(monkeypatch):
+    assert get_attn_backend().name == "cpu"
+    assert get_attn_backend("auto", torch.device("cpu")).name == "cpu"
+    monkeypatch.setenv("SPLITSERVE_CPU_KERNELS", "0")
     assert get_attn_backend("auto", torch.device("cpu")).name == "torch"
 
 
@@ -31,7 +33,10 @@ def test_explicit_names():
     assert get_attn_backend("torch", "cpu").name == "torch"
     assert get_attn_backend("torch", "cuda").name == "torch"
     assert get_attn_backend("triton", "cuda:0").name == "triton"
-    with pytest.raises(ValueError, match="auto, flash_attn, triton, torch"):
+    assert get_attn_backend("cpu", "cpu").name == "cpu"
+    with pytest.raises(ValueError, match="CPU devices only"):
+        get_attn_backend("cpu", "cuda")
+    with pytest.raises(ValueError, match="auto, flash_attn, triton, cpu, torch"):
         get_attn_backend("xformers")
     with pytest.raises(ValueError, match="CUDA"):
         get_attn_backend("flash_attn", "cpu")

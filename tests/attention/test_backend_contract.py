@@ -28,7 +28,7 @@ def test_every_backend_implements_the_contract(monkeypatch):
     backends += [get_attn_backend("auto", device) for device in ("cpu", "cuda")]
     for backend in backends:
         assert isinstance(backend, AttentionBackend)
-        assert backend.name in ("torch", "triton", "flash_attn")
+        assert backend.name in ("torch", "cpu", "triton", "flash_attn")
     assert [b.cudagraph_support for b in backends[:3]] == [False, True, True]
     with pytest.raises(TypeError, match="abstract"):
         AttentionBackend()

@@ -4,7 +4,6 @@ import numpy as np
 import pytest
 import torch
 
-from attention.backends.torch_backend import TorchAttentionBackend
 from engine_core import EngineConfig
 from ipc.messages import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
 from tests.models.tiny import make_tiny_checkpoint
@@ -71,14 +70,15 @@ def test_every_step_writes_the_same_buffers(tmp_path, monkeypatch):
     runner = ModelRunner(config)
     runner.initialize_kv_cache(16)
     seen = []
-    build = TorchAttentionBackend.build_metadata
+    backend_class = type(runner.attn_backend)
+    build = backend_class.build_metadata
 
     def recording(backend, common):
         values = (common.query_start_loc_cpu, common.seq_lens, common.slot_mapping)
         seen.append((common, [t.tolist() for t in values]))
         return build(backend, common)
 
-    monkeypatch.setattr(TorchAttentionBackend, "build_metadata", recording)
+    monkeypatch.setattr(backend_class, "build_metadata", recording)
     params = SamplingParams(temperature=0, max_tokens=4)
     new = [NewRequestData("a", [5, 6, 7], params, [3], 0), NewRequestData("b", [8], params, [5], 0)]
     runner.execute_model(_step(0, new))

@@ -1,0 +1,358 @@
+// Paged decode attention on CPU, reading K and V in place from the paged cache.
+//
+// kv_cache is [2, num_blocks, block_size, num_kv_heads, head_dim]. One work item is a
+// (decode request, KV head) pair: the G query heads that share the KV head are
+// handled together, so each K and V row of the request's context is read once per
+// step. Two passes over the context: scores q.k for every visible position (then an
+// exact softmax over them), then the weighted sum of V rows. Storage stays in the
+// cache's dtype; all arithmetic is fp32. Items are spread over the OpenMP threads
+// dynamically, since contexts differ in length.
+#include <torch/extension.h>
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(double x) { return static_cast<float>(x); }
+inline float to_float(at::Half x) { return static_cast<float>(x); }
+inline float to_float(at::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// e^x for x <= 0 (Cephes' range reduction and polynomial, ~1 ulp), written so that
+// loops over it vectorise; std::exp does not without -ffast-math.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+struct Layout {
+  int64_t block_size, kv_heads, head_dim, group;
+  int64_t q_row_stride, out_row_stride, table_stride;
+  int64_t cache_half;  // elements between kv_cache[0] and kv_cache[1]
+};
+
+// Each of the `rows` rows of n scores becomes its softmax, in place.
+inline void softmax_rows(float* scores, int64_t rows, int64_t n) {
+  for (int64_t g = 0; g < rows; ++g) {
+    float* s = scores + g * n;
+    float max = s[0];
+    for (int64_t i = 1; i < n; ++i) max = std::max(max, s[i]);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < n; ++i) {
+      s[i] = exp_nonpositive(s[i] - max);
+      sum += s[i];
+    }
+    const float inv = 1.0f / sum;
+    for (int64_t i = 0; i < n; ++i) s[i] *= inv;
+  }
+}
+
+// Pages are scattered, so the hardware prefetchers cannot see a context coming: while a
+// block is scored, the K and V rows of the block kPrefetchBlocks ahead are requested (V
+// is read again after the softmax; a whole context of one KV head fits in L2).
+constexpr int64_t kPrefetchBlocks = 4;
+
+// As asm: gcc 12 deletes a loop of __builtin_prefetch calls as having no effect.
+inline void prefetch_line(const char* p) { asm volatile("prefetcht0 %0" : : "m"(*p)); }
+
+template <typename T>
+inline void prefetch_block(const T* cache, const int32_t* blocks, int64_t block_index,
+                           int64_t seq_len, int64_t kv_head, int64_t dim, const Layout& L) {
+  const int64_t start = block_index * L.block_size;
+  if (start >= seq_len) return;
+  const int64_t rows = std::min(L.block_size, seq_len - start);
+  const int64_t row_stride = L.kv_heads * dim, row_bytes = dim * int64_t(sizeof(T));
+  const T* k = cache + blocks[block_index] * L.block_size * row_stride + kv_head * dim;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < row_bytes; b += 64) {
+      const char* line = reinterpret_cast<const char*>(k + r * row_stride) + b;
+      prefetch_line(line);
+      prefetch_line(line + L.cache_half * int64_t(sizeof(T)));
+    }
+}
+
+template <typename T, int D>
+inline float dot(const float* q, const T* k, int64_t dim) {
+  const int64_t n = D > 0 ? D : dim;
+  float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t d = 0; d < n; ++d) acc += q[d] * to_float(k[d]);
+  return acc;
+}
+
+template <typename T, int D>
+inline void axpy(float* acc, float p, const T* v, int64_t dim) {
+  const int64_t n = D > 0 ? D : dim;
+#pragma omp simd
+  for (int64_t d = 0; d < n; ++d) acc[d] += p * to_float(v[d]);
+}
+
+
+// One (request, KV head) item: out rows of the G query heads of kv_head.
+template <typename T, int D>
+void attend_item(const T* q, T* out, const T* cache, const int32_t* blocks, int64_t first,
+                 int64_t seq_len, int64_t kv_head, float scale, const Layout& L,
+                 std::vector<float>& work) {
+  const int64_t dim = L.head_dim, G = L.group, n = seq_len - first;
+  work.resize(G * dim * 2 + G * n);
+  float* qf = work.data();
+  float* acc = qf + G * dim;
+  float* scores = acc + G * dim;
+  for (int64_t g = 0; g < G; ++g) {
+    const T* qrow = q + (kv_head * G + g) * dim;
+    for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = to_float(qrow[d]) * scale;
+  }
+  const int64_t row_stride = L.kv_heads * dim;
+  auto row = [&](int64_t pos) {  // offset of (pos, kv_head) in kv_cache[0]
+    const int64_t block = blocks[pos / L.block_size];
+    return (block * L.block_size + pos % L.block_size) * row_stride + kv_head * dim;
+  };
+  for (int64_t pos = first; pos < seq_len;) {
+    const int64_t end = std::min(seq_len, (pos / L.block_size + 1) * L.block_size);
+    prefetch_block(cache, blocks, pos / L.block_size + kPrefetchBlocks, seq_len, kv_head, dim, L);
+    const T* k = cache + row(pos);
+    for (; pos < end; ++pos, k += row_stride)
+      for (int64_t g = 0; g < G; ++g) scores[g * n + pos - first] = dot<T, D>(qf + g * dim, k, dim);
+  }
+  softmax_rows(scores, G, n);
+  std::fill(acc, acc + G * dim, 0.0f);
+  const T* values = cache + L.cache_half;
+  for (int64_t pos = first; pos < seq_len;) {
+    const int64_t end = std::min(seq_len, (pos / L.block_size + 1) * L.block_size);
+    const T* v = values + row(pos);
+    for (; pos < end; ++pos, v += row_stride)
+      for (int64_t g = 0; g < G; ++g) axpy<T, D>(acc + g * dim, scores[g * n + pos - first], v, dim);
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    T* orow = out + (kv_head * G + g) * dim;
+    for (int64_t d = 0; d < dim; ++d) orow[d] = static_cast<T>(acc[g * dim + d]);
+  }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// bf16 with AVX512-BF16: q.k by VDPBF16PS straight from the bf16 rows (products of two
+// bf16 are exact in fp32), 16 positions at a time, their 16 partial-sum vectors reduced
+// together by a transpose-add tree; V rows widened to fp32 once per position and
+// accumulated for up to 64 / (head_dim / 16) query heads in registers.
+
+inline __m512 widen_bf16(const uint16_t* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// Lane t of the result is the sum of the 16 lanes of v[t].
+inline __m512 sum_lanes_16(__m512* v) {
+  __m512 s[8], w[4];
+  for (int i = 0; i < 8; ++i)
+    s[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    __m512d a = _mm512_castps_pd(s[2 * i]), b = _mm512_castps_pd(s[2 * i + 1]);
+    w[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  __m512 y0 = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88),
+                            _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+  __m512 y1 = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], 0x88),
+                            _mm512_shuffle_f32x4(w[2], w[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(y0, y1, 0x88), _mm512_shuffle_f32x4(y0, y1, 0xDD));
+}
+
+// scores[g * n + offset + t] = scale * q_g . k_t for the `count` (<= 16) rows from k.
+template <int D>
+inline void bf16_scores(const uint16_t* q, const uint16_t* k, int64_t row_stride, int count,
+                        int64_t G, float scale, float* scores, int64_t n, int64_t offset) {
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i qv[D / 32];
+    for (int c = 0; c < D / 32; ++c) qv[c] = _mm512_loadu_si512(q + g * D + 32 * c);
+    __m512 acc[16];
+    for (int t = 0; t < 16; ++t) {
+      acc[t] = _mm512_setzero_ps();
+      if (t >= count) continue;
+      for (int c = 0; c < D / 32; ++c)
+        acc[t] = _mm512_dpbf16_ps(acc[t], (__m512bh)qv[c],
+                                  (__m512bh)_mm512_loadu_si512(k + t * row_stride + 32 * c));
+    }
+    __m512 sums = _mm512_mul_ps(sum_lanes_16(acc), _mm512_set1_ps(scale));
+    _mm512_mask_storeu_ps(scores + g * n + offset, (__mmask16)((1u << count) - 1), sums);
+  }
+}
+
+// acc[gb * D + d] = sum over positions of p[gb * n + i] * v_i[d], for GB query heads.
+template <int D, int GB>
+inline void bf16_values(const float* p, int64_t n, const uint16_t* values,
+                        const int32_t* blocks, int64_t first, int64_t seq_len, int64_t kv_head,
+                        const Layout& L, float* acc) {
+  __m512 a[GB][D / 16];
+  for (int gb = 0; gb < GB; ++gb)
+    for (int c = 0; c < D / 16; ++c) a[gb][c] = _mm512_setzero_ps();
+  const int64_t row_stride = L.kv_heads * D;
+  for (int64_t pos = first; pos < seq_len;) {
+    const int64_t end = std::min(seq_len, (pos / L.block_size + 1) * L.block_size);
+    const int64_t block = blocks[pos / L.block_size];
+    const uint16_t* v =
+        values + (block * L.block_size + pos % L.block_size) * row_stride + kv_head * D;
+    for (; pos < end; ++pos, v += row_stride) {
+      __m512 vf[D / 16];
+      for (int c = 0; c < D / 16; ++c) vf[c] = widen_bf16(v + 16 * c);
+      for (int gb = 0; gb < GB; ++gb) {
+        const __m512 w = _mm512_set1_ps(p[gb * n + pos - first]);
+        for (int c = 0; c < D / 16; ++c) a[gb][c] = _mm512_fmadd_ps(w, vf[c], a[gb][c]);
+      }
+    }
+  }
+  for (int gb = 0; gb < GB; ++gb)
+    for (int c = 0; c < D / 16; ++c) _mm512_storeu_ps(acc + gb * D + 16 * c, a[gb][c]);
+}
+
+template <int D>
+void attend_item_bf16(const at::BFloat16* q_row, at::BFloat16* out, const at::BFloat16* cache_bf16,
+                      const int32_t* blocks, int64_t first, int64_t seq_len, int64_t kv_head,
+                      float scale, const Layout& L, std::vector<float>& work) {
+  constexpr int GB = D <= 64 ? 4 : (D <= 128 ? 2 : 1);
+  const int64_t G = L.group, n = seq_len - first, row_stride = L.kv_heads * D;
+  const auto* q = reinterpret_cast<const uint16_t*>(q_row) + kv_head * G * D;
+  const auto* cache = reinterpret_cast<const uint16_t*>(cache_bf16);
+  work.resize(G * n + G * D);
+  float* scores = work.data();
+  float* acc = scores + G * n;
+  for (int64_t pos = first; pos < seq_len;) {
+    const int64_t end =
+        std::min({seq_len, (pos / L.block_size + 1) * L.block_size, pos + int64_t{16}});
+    const int64_t block = blocks[pos / L.block_size];
+    if (pos % L.block_size == 0 || pos == first)
+      prefetch_block(cache, blocks, pos / L.block_size + kPrefetchBlocks, seq_len, kv_head, D, L);
+    const uint16_t* k = cache + (block * L.block_size + pos % L.block_size) * row_stride + kv_head * D;
+    bf16_scores<D>(q, k, row_stride, static_cast<int>(end - pos), G, scale, scores, n, pos - first);
+    pos = end;
+  }
+  softmax_rows(scores, G, n);
+  const uint16_t* values = cache + L.cache_half;
+  for (int64_t g = 0; g < G; g += GB) {
+    const float* p = scores + g * n;
+    switch (std::min<int64_t>(GB, G - g)) {
+      case 4:
+        bf16_values<D, 4>(p, n, values, blocks, first, seq_len, kv_head, L, acc + g * D);
+        break;
+      case 3:
+        bf16_values<D, 3>(p, n, values, blocks, first, seq_len, kv_head, L, acc + g * D);
+        break;
+      case 2:
+        bf16_values<D, 2>(p, n, values, blocks, first, seq_len, kv_head, L, acc + g * D);
+        break;
+      default:
+        bf16_values<D, 1>(p, n, values, blocks, first, seq_len, kv_head, L, acc + g * D);
+    }
+  }
+  at::BFloat16* o = out + kv_head * G * D;
+  for (int64_t i = 0; i < G * D; ++i) o[i] = static_cast<at::BFloat16>(acc[i]);
+}
+#endif
+
+template <typename T, int D>
+void decode_all(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& kv_cache,
+                const torch::Tensor& block_table, const torch::Tensor& seq_lens,
+                const torch::Tensor& reqs, const torch::Tensor& rows, double scale,
+                int64_t window, const Layout& L) {
+  const int64_t num_items = reqs.size(0) * L.kv_heads;
+  const T* q_ptr = q.data_ptr<T>();
+  T* out_ptr = out.data_ptr<T>();
+  const T* cache = kv_cache.data_ptr<T>();
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t* req_ptr = reqs.data_ptr<int64_t>();
+  const int64_t* row_ptr = rows.data_ptr<int64_t>();
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    std::vector<float> work;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < num_items; ++item) {
+      const int64_t i = item / L.kv_heads, kv_head = item % L.kv_heads;
+      const int64_t req = req_ptr[i], row = row_ptr[i], seq_len = lens[req];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, seq_len - window) : 0;
+      const T* q_row = q_ptr + row * L.q_row_stride;
+      T* out_row = out_ptr + row * L.out_row_stride;
+      const int32_t* blocks = table + req * L.table_stride;
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, at::BFloat16> && D > 0) {
+        attend_item_bf16<D>(q_row, out_row, cache, blocks, first, seq_len, kv_head,
+                            static_cast<float>(scale), L, work);
+        continue;
+      }
+#endif
+      attend_item<T, D>(q_row, out_row, cache, blocks, first, seq_len, kv_head,
+                        static_cast<float>(scale), L, work);
+    }
+  }
+}
+
+}  // namespace
+
+// out, q: [T, num_heads, head_dim] (rows may be strided); kv_cache: [2, num_blocks,
+// block_size, num_kv_heads, head_dim]; block_table [R, max_blocks] int32; seq_lens [R]
+// int32; reqs, rows [N] int64: decode i is request reqs[i], query row rows[i]. window <= 0
+// means none; otherwise the last `window` positions are visible.
+void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache,
+                  torch::Tensor block_table, torch::Tensor seq_lens, torch::Tensor reqs,
+                  torch::Tensor rows, double scale, int64_t window) {
+  TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "paged_decode runs on CPU");
+  TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && kv_cache.dim() == 5, "bad ranks");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q rows must be dense");
+  TORCH_CHECK(out.stride(2) == 1 && out.stride(1) == out.size(2), "out rows must be dense");
+  TORCH_CHECK(kv_cache.is_contiguous() && block_table.is_contiguous(), "cache, table dense");
+  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() && out.scalar_type() == q.scalar_type(),
+              "q, out and kv_cache must share a dtype");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+              "block_table and seq_lens are int32");
+  TORCH_CHECK(reqs.scalar_type() == at::kLong && rows.scalar_type() == at::kLong, "int64 ids");
+  const int64_t kv_heads = kv_cache.size(3), dim = kv_cache.size(4);
+  TORCH_CHECK(q.size(2) == dim && q.size(1) % kv_heads == 0, "head shapes do not match");
+  auto seq = seq_lens.contiguous();
+  auto req = reqs.contiguous();
+  auto row = rows.contiguous();
+  const Layout L{kv_cache.size(2), kv_heads,  dim,
+                 q.size(1) / kv_heads, q.stride(0), out.stride(0),
+                 block_table.stride(0), kv_cache.stride(0)};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
+    switch (dim) {
+      case 64:
+        return decode_all<scalar_t, 64>(out, q, kv_cache, block_table, seq, req, row, scale,
+                                        window, L);
+      case 128:
+        return decode_all<scalar_t, 128>(out, q, kv_cache, block_table, seq, req, row, scale,
+                                         window, L);
+      default:
+        return decode_all<scalar_t, 0>(out, q, kv_cache, block_table, seq, req, row, scale,
+                                       window, L);
+    }
+  });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "Paged decode attention reading K/V in place");
+}

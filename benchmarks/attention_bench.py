@@ -1,0 +1,98 @@
+"""One decode step's attention for one layer: the torch backend (page gather + SDPA)
+against the C++ kernel (cpu backend), in the same process, on SmolLM2's shape by default
+(9 query heads, 3 KV heads, head_dim 64, bf16, block 16), contexts uniform in [lo, hi].
+
+    python -m benchmarks.attention_bench [--decodes 256] [--context 100 512] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from attention import Attention, CommonAttentionMetadata, set_forward_context
+from attention.backends.cpu_backend import CPUAttentionBackend, load_cpu_attention
+from attention.backends.torch_backend import TorchAttentionBackend
+from ipc.utils import cdiv
+
+
+def decode_batch(
+    args: argparse.Namespace,
+) -> tuple[CommonAttentionMetadata, torch.Tensor, Attention]:
+    gen = torch.Generator().manual_seed(0)
+    n, bs = args.decodes, args.block_size
+    seq_lens = torch.randint(args.context[0], args.context[1] + 1, (n,), generator=gen)
+    max_blocks = cdiv(int(seq_lens.max()), bs)
+    num_blocks = n * max_blocks + 1
+    table = (torch.randperm(num_blocks - 1, generator=gen)[: n * max_blocks] + 1).view(
+        n, max_blocks
+    )
+    dtype = getattr(torch, args.dtype)
+    shape = (2, num_blocks, bs, args.kv_heads, args.head_dim)
+    cache = torch.randn(shape, generator=gen).to(dtype)
+    starts = torch.arange(n + 1, dtype=torch.int32)
+    last = seq_lens - 1
+    slots = table.gather(1, (last // bs)[:, None])[:, 0] * bs + last % bs
+    common = CommonAttentionMetadata(
+        num_actual_tokens=n,
+        max_query_len=1,
+        max_seq_len=int(seq_lens.max()),
+        query_start_loc=starts,
+        seq_lens=seq_lens.to(torch.int32),
+        block_table=table.to(torch.int32),
+        slot_mapping=slots,
+        query_start_loc_cpu=starts.clone(),
+        seq_lens_cpu=seq_lens.to(torch.int32),
+    )
+    layer = Attention(args.heads, args.head_dim, args.head_dim**-0.5, args.kv_heads)
+    layer.kv_cache = cache
+    return common, cache, layer
+
+
+def time_backend(backend, common, layer, args) -> float:
+    q = torch.randn(args.decodes, (args.heads + 2 * args.kv_heads) * args.head_dim)
+    q, k, v = q.to(layer.kv_cache.dtype).split(
+        [args.heads * args.head_dim, args.kv_heads * args.head_dim, args.kv_heads * args.head_dim],
+        1,
+    )
+    best = float("inf")
+    for _ in range(args.repeats):
+        md = backend.build_metadata(common)
+        with set_forward_context(md, backend):
+            start = time.perf_counter()
+            layer(q, k, v)
+            best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--decodes", type=int, default=256)
+    p.add_argument("--context", type=int, nargs=2, default=(100, 512))
+    p.add_argument("--heads", type=int, default=9)
+    p.add_argument("--kv-heads", type=int, default=3)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=10)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    kernels = load_cpu_attention()
+    common, cache, layer = decode_batch(args)
+    read = (
+        float(common.seq_lens_cpu.sum()) * 2 * args.kv_heads * args.head_dim * cache.element_size()
+    )
+    results = {}
+    for backend in (TorchAttentionBackend(), CPUAttentionBackend(kernels)):
+        seconds = time_backend(backend, common, layer, args)
+        results[backend.name] = seconds
+        rate = read / seconds / 1e9
+        print(f"{backend.name:>6}: {seconds * 1e3:7.2f} ms per layer, K/V read {rate:5.1f} GB/s")
+    print(f"cpu / torch speed-up: {results['torch'] / results['cpu']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""The C++ paged decode kernel (attention/backends/cpu_attn.cpp) against attention computed
+in float64 over each request's context gathered by hand from random page tables."""
+
+import pytest
+import torch
+
+from attention import get_attn_backend
+from attention.backends.cpu_backend import CPUAttentionBackend, load_cpu_attention
+from attention.backends.torch_backend import TorchAttentionBackend
+from ipc.utils import cdiv
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    module = load_cpu_attention()
+    assert module is not None, "the C++ kernels must build wherever the tests run (g++)"
+    return module
+
+
+def reference(q, cache, table, seq_lens, reqs, rows, scale, window):
+    """out[rows[i]] = softmax(q . k) v over the visible positions of request reqs[i]."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    block_size, group = cache.shape[2], q.shape[1] // cache.shape[3]
+    for req, row in zip(reqs.tolist(), rows.tolist(), strict=True):
+        seq_len = int(seq_lens[req])
+        first = 0 if window is None else max(0, seq_len - window)
+        pos = torch.arange(first, seq_len)
+        slots = table[req, pos // block_size].long(), pos % block_size
+        k = cache[0][slots].double().repeat_interleave(group, dim=1)  # [n, heads, dim]
+        v = cache[1][slots].double().repeat_interleave(group, dim=1)
+        probs = (torch.einsum("hd,nhd->hn", q[row].double(), k) * scale).softmax(-1)
+        out[row] = torch.einsum("hn,nhd->hd", probs, v)
+    return out
+
+
+def decode_case(seq_lens, kv_heads, group, head_dim, block_size, dtype, seed=0, extra_rows=3):
+    """Random pages for each request, and one decode row per request at a scattered row of a
+    strided q (as a view of a fused QKV output)."""
+    gen = torch.Generator().manual_seed(seed)
+    num_reqs = len(seq_lens)
+    max_blocks = cdiv(max(seq_lens), block_size) + 2
+    num_blocks = num_reqs * max_blocks + 5
+    table = torch.randperm(num_blocks, generator=gen)[: num_reqs * max_blocks]
+    table = table.view(num_reqs, max_blocks).to(torch.int32)
+    shape = (2, num_blocks, block_size, kv_heads, head_dim)
+    cache = torch.randn(shape, generator=gen).to(dtype)
+    num_rows = num_reqs + extra_rows
+    heads = kv_heads * group
+    fused = torch.randn(num_rows, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    q = fused[:, : heads * head_dim].view(num_rows, heads, head_dim)
+    reqs = torch.randperm(num_reqs, generator=gen)
+    rows = torch.randperm(num_rows, generator=gen)[:num_reqs]
+    return q, cache, table, torch.tensor(seq_lens, dtype=torch.int32), reqs, rows
+
+
+TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def check(kernels, seq_lens, kv_heads, group, head_dim, block_size, dtype, window=None, seed=0):
+    q, cache, table, seq_lens, reqs, rows = decode_case(
+        seq_lens, kv_heads, group, head_dim, block_size, dtype, seed
+    )
+    scale = head_dim**-0.5
+    out = torch.full_like(q, 7.0)
+    kernels.paged_decode(out, q, cache, table, seq_lens, reqs, rows, scale, window or 0)
+    expected = reference(q, cache, table, seq_lens, reqs, rows, scale, window)
+    torch.testing.assert_close(out[rows].double(), expected[rows], **TOLERANCE[dtype])
+    untouched = torch.ones(q.shape[0], dtype=torch.bool)
+    untouched[rows] = False
+    assert out[untouched].eq(7.0).all(), "rows that are not decodes must not be written"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_decode_matches_reference(kernels, dtype, head_dim, group, block_size):
+    seq_lens = [1, 2, block_size - 1, block_size, block_size + 1, 3 * block_size, 77, 500]
+    check(kernels, seq_lens, 2, group, head_dim, block_size, dtype, seed=group)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_long_contexts(kernels, dtype):
+    check(kernels, [4096, 4095, 2049, 1], 2, 3, 64, 16, dtype)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 100])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_sliding_window(kernels, window, dtype):
+    check(kernels, [1, 4, 5, 17, 33, 99, 100, 101, 300], 2, 4, 64, 16, dtype, window=window)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_other_head_dims_and_block_sizes(kernels, dtype):
+    """Head sizes with no specialised path, and small blocks (runs shorter than 16)."""
+    for head_dim, block_size in [(32, 4), (80, 8), (96, 16), (256, 16)]:
+        check(kernels, [1, 9, 40, 130], 1, 2, head_dim, block_size, dtype)
+
+
+def test_threads_give_the_same_result(kernels):
+    q, cache, table, seq_lens, reqs, rows = decode_case([300] * 16, 3, 3, 64, 16, torch.bfloat16)
+    outs = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        out = torch.zeros_like(q)
+        kernels.paged_decode(out, q, cache, table, seq_lens, reqs, rows, 0.125, 0)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_bad_inputs_are_refused(kernels):
+    q, cache, table, seq_lens, reqs, rows = decode_case([10], 1, 2, 64, 16, torch.float32)
+    out = torch.zeros_like(q)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        kernels.paged_decode(out, q.bfloat16(), cache, table, seq_lens, reqs, rows, 1.0, 0)
+    with pytest.raises(RuntimeError, match="int32"):
+        kernels.paged_decode(out, q, cache, table.long(), seq_lens, reqs, rows, 1.0, 0)
+
+
+def test_auto_picks_the_kernels_and_falls_back_without_them(kernels, monkeypatch):
+    assert isinstance(get_attn_backend("auto", "cpu"), CPUAttentionBackend)
+    assert isinstance(get_attn_backend("cpu", "cpu"), CPUAttentionBackend)
+    monkeypatch.setenv("SPLITSERVE_CPU_KERNELS", "0")
+    assert isinstance(get_attn_backend("auto", "cpu"), TorchAttentionBackend)
+    with pytest.raises(RuntimeError, match="could not be built"):
+        get_attn_backend("cpu", "cpu")
