@@ -16,6 +16,7 @@ from attention import Attention, CommonAttentionMetadata, set_forward_context
 from attention.backends.cpu_backend import CPUAttentionBackend, load_cpu_attention
 from attention.backends.torch_backend import TorchAttentionBackend
 from ipc.utils import cdiv
+from worker.buffers import zeros_on_huge_pages
 
 
 def decode_batch(
@@ -31,7 +32,8 @@ def decode_batch(
     )
     dtype = getattr(torch, args.dtype)
     shape = (2, num_blocks, bs, args.kv_heads, args.head_dim)
-    cache = torch.randn(shape, generator=gen).to(dtype)
+    cache = zeros_on_huge_pages(shape, dtype)  # as the worker allocates it
+    cache.copy_(torch.randn(shape, generator=gen))
     starts = torch.arange(n + 1, dtype=torch.int32)
     last = seq_lens - 1
     slots = table.gather(1, (last // bs)[:, None])[:, 0] * bs + last % bs

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import numpy as np
 import torch
 
@@ -82,3 +85,15 @@ class InputBuffers:
     def record_copies(self) -> None:
         if self._copied is not None:
             self._copied.record()
+
+
+def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed host tensor on transparent huge pages where the kernel allows them. The KV
+    cache is read in scattered pages of a few KB: with 4 KB pages nearly every one costs
+    a TLB miss, with 2 MB pages almost none does."""
+    numel = math.prod(shape)
+    nbytes = max(1, numel * torch.empty((), dtype=dtype).element_size())
+    memory = mmap.mmap(-1, nbytes)  # anonymous: zero-filled as pages are first touched
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        memory.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(memory, dtype=dtype, count=numel).view(shape)

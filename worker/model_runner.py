@@ -10,7 +10,7 @@ from ipc.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput, Tok
 from ipc.utils import cdiv
 from models import kv_cache_shape_info, load_model, resolve_dtype
 from models.parallel_state import get_tp_rank, get_tp_size, tp_broadcast
-from worker.buffers import InputBuffers
+from worker.buffers import InputBuffers, zeros_on_huge_pages
 from worker.cuda_graph import CudaGraphRunner, Mode, capture_sizes, cuda_graphs_off_reason
 from worker.input_batch import CachedRequestState, InputBatch, check_new_request
 from worker.sampler import Sampler
@@ -106,7 +106,10 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         shape = (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         for layer in self.model.attention_layers():
-            layer.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            if self.device.type == "cpu":
+                layer.kv_cache = zeros_on_huge_pages(shape, self.dtype)
+            else:
+                layer.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         logger.info(
             "rank %d: KV cache of %d blocks x %d tokens (%d tokens, %.2f GiB, %s)",
             get_tp_rank(),

@@ -7,7 +7,7 @@ import torch
 from engine_core import EngineConfig
 from ipc.messages import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
 from tests.models.tiny import make_tiny_checkpoint
-from worker.buffers import CpuGpuBuffer, InputBuffers
+from worker.buffers import CpuGpuBuffer, InputBuffers, zeros_on_huge_pages
 from worker.model_runner import ModelRunner
 
 
@@ -95,3 +95,14 @@ def test_every_step_writes_the_same_buffers(tmp_path, monkeypatch):
     assert prefill == [[0, 3, 4], [3, 1], [3 * 4, 3 * 4 + 1, 3 * 4 + 2, 5 * 4]]
     assert decode == [[0, 1, 2], [4, 2], [3 * 4 + 3, 5 * 4 + 1]]
     assert np.array_equal(buffers.positions.np[:2], [3, 1])
+
+
+def test_zeros_on_huge_pages_is_a_plain_zeroed_tensor():
+    import gc
+
+    cache = zeros_on_huge_pages((2, 3, 4, 5), torch.bfloat16)
+    gc.collect()  # the tensor alone keeps its memory alive
+    assert cache.shape == (2, 3, 4, 5) and cache.dtype == torch.bfloat16
+    assert cache.is_contiguous() and cache.eq(0).all()
+    cache[1, 2] = 7
+    assert cache.sum().item() == 7 * 4 * 5
