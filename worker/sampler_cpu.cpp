@@ -29,6 +29,7 @@
 namespace {
 
 constexpr int64_t kChunk = 1024;
+constexpr int64_t kBlock = 64;
 constexpr int kBucketShift = 20;             // 3 mantissa bits: buckets 9% wide
 constexpr int kNumBuckets = (0x3F800000 >> kBucketShift) + 1;  // w in [0, 1]
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -68,12 +69,27 @@ inline float exp_nonpositive(float y) {
   return y < -87.0f ? 0.0f : p * scale;
 }
 
+// A key in the order of the floats (NaN aside), and back.
+inline uint32_t order_key(float f) {
+  uint32_t bits = float_bits(f);
+  return bits ^ (uint32_t(int32_t(bits) >> 31) | 0x80000000u);
+}
+
+inline float key_float(uint32_t key) {
+  uint32_t bits = key & 0x80000000u ? key ^ 0x80000000u : ~key;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// The max of a non-empty range, by keys: gcc vectorises integer max reductions as they
+// are, float ones only under omp simd, which then adds up its lanes one by one (slow
+// for the short ranges of blocks).
 template <typename T>
 float range_max(const T* x, int64_t begin, int64_t end) {
-  float m = kNegInf;
-#pragma omp simd reduction(max : m)
-  for (int64_t i = begin; i < end; ++i) m = std::max(m, load(x, i));
-  return m;
+  uint32_t m = 0;
+  for (int64_t i = begin; i < end; ++i) m = std::max(m, order_key(load(x, i)));
+  return key_float(m);
 }
 
 // First index of the max, like torch.argmax (0 for a row of -inf).
@@ -100,12 +116,6 @@ struct Scratch {
   std::vector<double> chunk_sums;
   std::vector<int32_t> counts;
 };
-
-// A key in the order of the floats (without NaN).
-inline uint32_t order_key(float f) {
-  uint32_t bits = float_bits(f);
-  return bits ^ (uint32_t(int32_t(bits) >> 31) | 0x80000000u);
-}
 
 // The k-th largest logit (k > 0) by radix select: counts per bucket of the top bits of
 // the values' keys find the bucket that holds it, and only that bucket's values are
@@ -143,7 +153,6 @@ float kth_largest(const T* x, int64_t v, int64_t k, float& max, Scratch& s) {
     max = range_max(x, 0, v);
     return kth_largest_by_counts(x, v, k, s);
   }
-  constexpr int64_t kBlock = 64;
   int64_t num_blocks = (v + kBlock - 1) / kBlock;
   s.block_max.resize(num_blocks);
   for (int64_t b = 0; b < num_blocks; ++b)
@@ -200,10 +209,21 @@ int64_t inverse_cdf(int64_t v, float u, Weight weight, std::vector<double>& chun
 
 // The smallest weight top-p keeps; w holds the row's weights, total their sum.
 float top_p_threshold(const std::vector<float>& w, double total, float top_p, Scratch& s) {
+  // The weights under `smallest` weigh less than (1 - p) / 2 of the total together
+  // (total >= 1, the max's weight), so they are never kept, and neither are the others
+  // of their buckets (`smallest` is a bucket's edge): blocks of them are not counted.
+  float smallest = 0.5f * (1.0f - top_p) / float(w.size());
+  uint32_t edge = float_bits(smallest) >> kBucketShift << kBucketShift;
+  std::memcpy(&smallest, &edge, sizeof smallest);
+  int64_t v = w.size();
   // Four interleaved histograms: a bucket's additions do not wait on one another.
   s.hist.assign(4 * kNumBuckets, 0.0f);
-  for (size_t i = 0; i < w.size(); ++i)
-    s.hist[(i & 3) * kNumBuckets + (float_bits(w[i]) >> kBucketShift)] += w[i];
+  for (int64_t b = 0; b < v; b += kBlock) {
+    int64_t end = std::min(v, b + kBlock);
+    if (range_max(w.data(), b, end) < smallest) continue;
+    for (int64_t i = b; i < end; ++i)
+      s.hist[(i & 3) * kNumBuckets + (float_bits(w[i]) >> kBucketShift)] += w[i];
+  }
   double target = double(top_p) * total, above = 0.0;
   int bucket = kNumBuckets - 1;
   for (;; --bucket) {
@@ -217,8 +237,12 @@ float top_p_threshold(const std::vector<float>& w, double total, float top_p, Sc
   if (bucket == 0) return std::numeric_limits<float>::min();
   std::vector<float>& values = s.floats;
   values.clear();
-  for (float wi : w)
-    if (int(float_bits(wi) >> kBucketShift) == bucket) values.push_back(wi);
+  for (int64_t b = 0; b < v; b += kBlock) {
+    int64_t end = std::min(v, b + kBlock);
+    if (range_max(w.data(), b, end) < smallest) continue;
+    for (int64_t i = b; i < end; ++i)
+      if (int(float_bits(w[i]) >> kBucketShift) == bucket) values.push_back(w[i]);
+  }
   std::sort(values.begin(), values.end(), std::greater<float>());
   float threshold = values[0];
   for (size_t j = 0; j < values.size() && above < target;) {

@@ -184,12 +184,24 @@ def test_masked_tokens_are_never_sampled(path, dtype):
     assert torch.equal(sampled[odd], odd * 7)
 
 
-def test_a_model_sized_batch_follows_its_filters():
-    """A 49k vocabulary: top-k takes the kernel's block path there, not the radix one."""
-    rows, vocab = 64, 49152
+def test_a_model_sized_batch():
+    """A 49k vocabulary with a model's shape of logits (a heavy upper tail): top-k takes the
+    kernel's block path there (not the radix one) and top-p skips most blocks."""
+    rows, vocab = 96, 49152
     generator = torch.Generator().manual_seed(16)
-    logits = (torch.randn(rows, vocab, generator=generator) * 2).bfloat16()
-    metadata = make_metadata([0.6] * rows, top_k=[1, 20, 50, 150] * (rows // 4))
-    sampled = make_sampler("kernel")(logits, metadata).sampled_token_ids
+    logits = torch.randn(rows, vocab, generator=generator) * 3
+    tail = torch.randint(0, vocab, (rows, 300), generator=generator)
+    logits.scatter_add_(1, tail, 4 + 12 * torch.rand(rows, 300, generator=generator))
+    metadata = make_metadata(
+        [0.6] * rows,
+        top_p=[1.0, 1.0, 0.9, 0.5, 1.0, 0.95] * (rows // 6),
+        top_k=[20, 150, 0, 0, 0, 50] * (rows // 6),
+        min_p=[0.0, 0.0, 0.0, 0.0, 0.05, 0.02] * (rows // 6),
+    )
+    kernel = make_sampler("kernel", torch.Generator().manual_seed(17))
+    reference = make_sampler("torch", torch.Generator().manual_seed(17))
+    sampled = kernel(logits, metadata).sampled_token_ids
+    assert torch.equal(sampled, reference(logits, metadata).sampled_token_ids)
     ranks = (logits > logits[torch.arange(rows), sampled].unsqueeze(1)).sum(-1)
-    assert (ranks < metadata.top_k).all()
+    top_k = metadata.top_k.masked_fill(metadata.top_k == 0, vocab)
+    assert (ranks < top_k).all()
