@@ -346,5 +346,6 @@ torch::Tensor sample(const torch::Tensor& logits, const torch::Tensor& temperatu
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("sample", &sample, "Greedy / temperature / top-k / top-p / min-p sampling of CPU logits");
+  m.def("sample", &sample, "Greedy / temperature / top-k / top-p / min-p sampling of CPU logits",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
 }
