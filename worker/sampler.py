@@ -1,10 +1,13 @@
 """Greedy and random sampling with temperature, top-k, top-p and min-p, and logprobs."""
 
 from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
 from typing import NamedTuple
 
 import torch
 
+from attention.cpp_extension import load_cpp_extension
 from worker.logits_processors import (
     AllowedTokens,
     LogitBias,
@@ -51,28 +54,59 @@ class SamplerOutput:
     logprobs: LogprobsTensors | None
 
 
+def cpu_kernels() -> ModuleType | None:
+    """The C++ sampling kernel (sampler_cpu.cpp), built on first use; None without one."""
+    return load_cpp_extension("splitserve_sampler", Path(__file__).with_name("sampler_cpu.cpp"))
+
+
 class Sampler(torch.nn.Module):
     """Rows of requests without a seed draw from `generator` (the engine's --seed, the
-    same on every rank), or from torch's global generator when it is None."""
+    same on every rank), or from torch's global generator when it is None. CPU logits
+    are sampled by the C++ kernel when it builds (and `use_cpu_kernel`), else by the
+    torch path, which is also the CUDA path and the reference; both consume the same
+    uniform draws and pick the same tokens but at rounding-level boundaries."""
 
-    def __init__(self, generator: torch.Generator | None = None) -> None:
+    def __init__(
+        self, generator: torch.Generator | None = None, use_cpu_kernel: bool = True
+    ) -> None:
         super().__init__()
         self.generator = generator
+        self.use_cpu_kernel = use_cpu_kernel
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        raw_logits = logits = logits.float()
-        logits = process_logits(logits, metadata)
-        if metadata.all_greedy:
-            sampled = logits.argmax(dim=-1)
+        processed = process_logits(logits, metadata)
+        kernels = None
+        if self.use_cpu_kernel and logits.device.type == "cpu":
+            kernels = cpu_kernels()
+        if kernels is not None:
+            sampled = self._sample_cpu_kernel(kernels, processed, metadata)
         else:
-            sampled = self._sample_random(logits, metadata)
-            if not metadata.all_random:
-                greedy = metadata.temperature < SAMPLING_EPS
-                sampled = torch.where(greedy, logits.argmax(dim=-1), sampled)
+            sampled = self._sample_torch(processed.float(), metadata)
         logprobs = None
         if metadata.max_num_logprobs is not None:
-            logprobs = _gather_logprobs(raw_logits, sampled, metadata.max_num_logprobs)
+            logprobs = _gather_logprobs(logits, sampled, metadata.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    def _sample_cpu_kernel(
+        self, kernels: ModuleType, logits: torch.Tensor, metadata: SamplingMetadata
+    ) -> torch.Tensor:
+        if logits.dtype not in (torch.float32, torch.bfloat16) or logits.stride(-1) != 1:
+            logits = logits.float().contiguous()
+        if metadata.all_greedy:
+            u = torch.zeros(logits.shape[0])
+        else:
+            u = _draw_uniforms(logits.shape[0], metadata.generators, self.generator, logits.device)
+        m = metadata
+        return kernels.sample(logits, m.temperature, m.top_k, m.top_p, m.min_p, u, SAMPLING_EPS)
+
+    def _sample_torch(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        if metadata.all_greedy:
+            return logits.argmax(dim=-1)
+        sampled = self._sample_random(logits, metadata)
+        if not metadata.all_random:
+            greedy = metadata.temperature < SAMPLING_EPS
+            sampled = torch.where(greedy, logits.argmax(dim=-1), sampled)
+        return sampled
 
     def _sample_random(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         temperature = metadata.temperature
@@ -87,17 +121,18 @@ class Sampler(torch.nn.Module):
         if metadata.min_p is not None:
             threshold = probs.amax(dim=-1, keepdim=True) * metadata.min_p.unsqueeze(1)
             probs = probs.masked_fill(probs < threshold, 0.0)
-        return _inverse_cdf_sample(probs, metadata.generators, self.generator)
+        u = _draw_uniforms(probs.shape[0], metadata.generators, self.generator, probs.device)
+        return _inverse_cdf_sample(probs, u)
 
 
 def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """vLLM's order: allowed tokens, min_tokens blocking, logit bias, penalties. The
-    logits are copied once, and only when a row uses one of them (logprobs are taken
-    from the raw logits)."""
+    logits are copied once, to float32, and only when a row uses one of them (logprobs
+    are taken from the raw logits)."""
     m = metadata
     if not (m.blocked_token_ids or m.allowed_tokens or m.logit_bias or m.penalties):
         return logits
-    logits = logits.clone()
+    logits = logits.to(torch.float32, copy=True)
     if m.allowed_tokens is not None:
         logits = apply_allowed_tokens(logits, m.allowed_tokens)
     if m.blocked_token_ids:
@@ -139,36 +174,42 @@ def _apply_top_k_top_p(
     return torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)
 
 
-def _inverse_cdf_sample(
-    probs: torch.Tensor,
+def _draw_uniforms(
+    num_rows: int,
     generators: dict[int, torch.Generator],
     default_generator: torch.Generator | None,
+    device: torch.device,
 ) -> torch.Tensor:
-    """One uniform draw per row, looked up in the row's cumulative distribution: the first
-    token whose cumulative probability exceeds u x total (zero-probability tokens can never
-    be that token). A seeded row draws from its own generator, so its tokens depend on
-    nothing else in the batch. One draw per row instead of one per vocabulary entry:
-    ~13x cheaper than an exponential race on CPU for a 49k vocabulary."""
-    u = torch.empty(probs.shape[0], 1, dtype=probs.dtype, device=probs.device)
-    if len(generators) != probs.shape[0]:
+    """One float32 uniform draw per row. A seeded row draws from its own generator, so its
+    tokens depend on nothing else in the batch; the other rows share one draw of
+    `num_rows` values from the default generator."""
+    u = torch.empty(num_rows, 1, device=device)
+    if len(generators) != num_rows:
         u.uniform_(generator=default_generator)
     for row, generator in generators.items():
         u[row].uniform_(generator=generator)
+    return u.squeeze(1)
+
+
+def _inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The first token whose cumulative probability exceeds u x total (zero-probability
+    tokens can never be that token). One draw per row instead of one per vocabulary entry:
+    ~13x cheaper than an exponential race on CPU for a 49k vocabulary."""
     cdf = probs.cumsum(dim=-1)
-    sampled = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
+    sampled = torch.searchsorted(cdf, u.unsqueeze(1) * cdf[:, -1:], right=True)
     return sampled.squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
 def skip_sample_draws(generator: torch.Generator, num_samples: int) -> None:
-    """Advance a request's generator as `num_samples` samples of `_inverse_cdf_sample`
-    would (one uniform draw each), so a replayed request continues its random stream."""
+    """Advance a request's generator as `num_samples` samples would (one uniform draw each,
+    see `_draw_uniforms`), so a replayed request continues its random stream."""
     u = torch.empty(1, device=generator.device)
     for _ in range(num_samples):
         u.uniform_(generator=generator)
 
 
 def _gather_logprobs(logits: torch.Tensor, sampled: torch.Tensor, k: int) -> LogprobsTensors:
-    logprobs = logits.log_softmax(dim=-1)
+    logprobs = logits.log_softmax(dim=-1, dtype=torch.float32)
     sampled = sampled.unsqueeze(1)
     sampled_logprobs = logprobs.gather(1, sampled)
     top_logprobs, top_ids = logprobs.topk(k, dim=-1)

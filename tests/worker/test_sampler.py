@@ -2,9 +2,23 @@ import numpy as np
 import pytest
 import torch
 
-from worker.sampler import SAMPLING_EPS, Sampler, SamplingMetadata
+from attention.cpp_extension import cpu_kernels_enabled
+from worker.sampler import SAMPLING_EPS, Sampler, SamplingMetadata, cpu_kernels
 
-sampler = Sampler()
+
+def make_sampler(path: str, generator: torch.Generator | None = None) -> Sampler:
+    """path "kernel": the C++ kernel, which must build (g++ is there in CI), unless
+    SPLITSERVE_CPU_KERNELS=0 turns it off; "torch": the torch path, the reference."""
+    if path == "kernel":
+        if not cpu_kernels_enabled():
+            pytest.skip("SPLITSERVE_CPU_KERNELS=0")
+        assert cpu_kernels() is not None, "the C++ sampling kernel did not build"
+    return Sampler(generator, use_cpu_kernel=path == "kernel")
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def sampler(request) -> Sampler:
+    return make_sampler(request.param)
 
 
 def make_metadata(temperature, top_p=None, top_k=None, min_p=None, generators=None, logprobs=None):
@@ -40,7 +54,7 @@ def allowed_tokens(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, tol=1
     return allowed
 
 
-def test_temperature_zero_is_argmax():
+def test_temperature_zero_is_argmax(sampler):
     logits = torch.randn(8, 100, generator=torch.Generator().manual_seed(0))
     assert torch.equal(
         sampler(logits, make_metadata([0.0] * 8)).sampled_token_ids, logits.argmax(-1)
@@ -52,7 +66,7 @@ def test_temperature_zero_is_argmax():
     assert sampled.dtype == torch.int64 and sampled.shape == (8,)
 
 
-def test_sampler_does_not_modify_logits():
+def test_sampler_does_not_modify_logits(sampler):
     logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(1))
     before = logits.clone()
     sampler(
@@ -68,7 +82,7 @@ def test_sampler_does_not_modify_logits():
     assert torch.equal(logits, before)
 
 
-def run_seeded(steps_logits, batch_size, target_row, seed, all_seeded):
+def run_seeded(sampler, steps_logits, batch_size, target_row, seed, all_seeded):
     """Sample a seeded request (temperature 0.8, top_p 0.9) at `target_row` of a batch whose
     other rows are a mix of unseeded, other-seeded, greedy and top-k requests."""
     generators = {target_row: torch.Generator().manual_seed(seed)}
@@ -91,14 +105,14 @@ def run_seeded(steps_logits, batch_size, target_row, seed, all_seeded):
     return tokens
 
 
-def test_seed_gives_same_tokens_whatever_the_batch():
+def test_seed_gives_same_tokens_whatever_the_batch(sampler):
     torch.manual_seed(0)
     steps = [torch.randn(500) * 0.5 for _ in range(6)]
-    alone = run_seeded(steps, batch_size=1, target_row=0, seed=7, all_seeded=False)
-    assert run_seeded(steps, 5, 3, 7, all_seeded=False) == alone
-    assert run_seeded(steps, 6, 0, 7, all_seeded=True) == alone
-    assert run_seeded(steps, 4, 2, 7, all_seeded=False) == alone
-    assert run_seeded(steps, 4, 2, 8, all_seeded=False) != alone
+    alone = run_seeded(sampler, steps, batch_size=1, target_row=0, seed=7, all_seeded=False)
+    assert run_seeded(sampler, steps, 5, 3, 7, all_seeded=False) == alone
+    assert run_seeded(sampler, steps, 6, 0, 7, all_seeded=True) == alone
+    assert run_seeded(sampler, steps, 4, 2, 7, all_seeded=False) == alone
+    assert run_seeded(sampler, steps, 4, 2, 8, all_seeded=False) != alone
 
 
 @pytest.mark.parametrize(
@@ -112,7 +126,7 @@ def test_seed_gives_same_tokens_whatever_the_batch():
         dict(temperature=2.0, top_k=12, top_p=0.95, min_p=0.2),
     ],
 )
-def test_filters_never_sample_outside_allowed_set(params):
+def test_filters_never_sample_outside_allowed_set(sampler, params):
     vocab, draws = 64, 512
     torch.manual_seed(1)
     logits = torch.randn(vocab) * 2
@@ -134,7 +148,7 @@ def test_filters_never_sample_outside_allowed_set(params):
     assert 1 < allowed.sum() < vocab
 
 
-def test_mixed_batch():
+def test_mixed_batch(sampler):
     vocab, steps = 64, 150
     torch.manual_seed(2)
     logits = torch.randn(6, vocab) * 2
@@ -160,7 +174,7 @@ def test_mixed_batch():
     assert all(len(s) > 1 for s in seen[1:])
 
 
-def test_sampling_frequencies_follow_the_distribution():
+def test_sampling_frequencies_follow_the_distribution(sampler):
     probs = np.array([0.1, 0.2, 0.3, 0.4])
     n = 8000
     logits = torch.tensor(np.log(probs), dtype=torch.float32).expand(3 * n, 4)
@@ -172,7 +186,7 @@ def test_sampling_frequencies_follow_the_distribution():
         np.testing.assert_allclose(np.bincount(group, minlength=4) / n, p, atol=0.02)
 
 
-def test_logprobs_are_raw_log_softmax():
+def test_logprobs_are_raw_log_softmax(sampler):
     torch.manual_seed(4)
     logits = torch.randn(6, 40) * 3
     reference = torch.log_softmax(logits.double(), dim=-1).numpy()
