@@ -14,6 +14,7 @@ from worker.buffers import InputBuffers, zeros_on_huge_pages
 from worker.cuda_graph import CudaGraphRunner, Mode, capture_sizes, cuda_graphs_off_reason
 from worker.input_batch import CachedRequestState, InputBatch, check_new_request
 from worker.sampler import Sampler
+from worker.sampler import cpu_kernels as sampler_cpu_kernels
 from worker.step_inputs import prepare_inputs
 
 _CPU_KV_CACHE_BYTES = 4 << 30
@@ -60,6 +61,8 @@ class ModelRunner:
         )
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
+        if self.device.type == "cpu":
+            sampler_cpu_kernels()  # built now, before READY, not inside the first step
         self.inputs = InputBuffers(config.max_num_seqs, self.max_num_tokens, self.device)
         self.is_driver = get_tp_rank() == 0
         self.cuda_graphs: CudaGraphRunner | None = None
