@@ -60,8 +60,9 @@ def test_engine_refusal_is_400_with_its_message(http, engine, stream):
     assert response.json()["error"]["message"] == FAIL_MESSAGE
 
 
-def test_metrics_carry_the_engine_stats(http):
-    assert _metrics(http)[("splitserve:num_requests_running", ())] == 0
+def test_metrics_carry_the_engine_stats(http, engine):
+    key = ("splitserve:num_requests_running", (("model_name", engine.model_name),))
+    assert _metrics(http)[key] == 0
 
 
 def test_refused_requests_leave_nothing_registered_in_the_engine_client(http, engine):
