@@ -183,7 +183,7 @@ class ContentPart(RequestBody):
     @classmethod
     def _text_only(cls, data: Any) -> Any:
         if isinstance(data, dict) and data.get("type") != "text":
-            message = "only text content parts are supported (not `{kind}`)"
+            message = "content parts of type `{kind}` are not supported (text only)"
             raise PydanticCustomError(UNSUPPORTED, message, {"kind": str(data.get("type"))})
         return data
 
