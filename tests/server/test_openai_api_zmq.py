@@ -10,6 +10,18 @@ from ipc.client import AsyncEngineClient
 from ipc.tokenizer import Tokenizer
 from tests.ipc.client_fakes import FAIL_MESSAGE, FAIL_TOKEN, FakeEngine, tiny_tokenizer_path
 from tests.server.conftest import EngineHarness
+from tests.server.test_api_features import (  # noqa: F401  (collected again with this engine)
+    test_a_request_id_already_running_is_400,
+    test_echo_puts_the_prompt_before_the_completion,
+    test_length_has_no_stop_reason,
+    test_stop_strings_give_stop_reason_and_may_stay_in_the_text,
+    test_tokenize_and_detokenize_in_vllm_shapes,
+    test_x_request_id_is_echoed_and_names_the_response,
+)
+from tests.server.test_api_refusals import (  # noqa: F401  (collected again with this engine)
+    test_no_op_values_are_accepted,
+    test_unknown_fields_are_400_naming_them,
+)
 from tests.server.test_input_validation import (  # noqa: F401  (collected again with this engine)
     COMPLETION_FIELDS,
     test_cache_salt_is_a_short_non_empty_string,
