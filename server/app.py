@@ -94,6 +94,16 @@ def build_app(
             message = f"The model `{name}` does not exist (this server has `{served_model_name}`)."
             raise APIError(404, message, "model", "model_not_found")
 
+    def check_request(request: SamplingFields) -> None:
+        """What the body alone cannot tell: the model is this one, a priority can be kept."""
+        check_model(request.model)
+        if request.priority and scheduling_policy == "fcfs":
+            message = (
+                "`priority` is not supported: the engine schedules first come, first served "
+                "(start it with --scheduling-policy priority)"
+            )
+            raise APIError(400, message, "priority")
+
     async def off_loop(work: Callable[..., T], *args) -> T:
         """Tokenizing (a long prompt takes seconds) never holds up the event loop."""
         loop = asyncio.get_running_loop()
@@ -107,12 +117,6 @@ def build_app(
     def responses_for(
         kind: type[ResponseBuilder], prefix: str, raw: Request, request: SamplingFields
     ) -> ResponseBuilder:
-        if request.priority and scheduling_policy == "fcfs":
-            message = (
-                "`priority` is not supported: the engine schedules first come, first served "
-                "(start it with --scheduling-policy priority)"
-            )
-            raise APIError(400, message, "priority")
         response_id = f"{prefix}-{request_id(raw, request.request_id)}"
         return kind(response_id, served_model_name, tokenizer, enable_prompt_tokens_details)
 
@@ -148,7 +152,7 @@ def build_app(
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest, raw: Request) -> Response:
         arrival = time.perf_counter()
-        check_model(request.model)
+        check_request(request)
         if request.echo and request.logprobs is not None:
             message = "`echo` with `logprobs` is not supported (no prompt logprobs)"
             raise APIError(400, message, "echo")
@@ -172,7 +176,7 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, raw: Request) -> Response:
         arrival = time.perf_counter()
-        check_model(request.model)
+        check_request(request)
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         prompt_token_ids = await off_loop(chat_prompt_ids, request, tokenizer, limits)
