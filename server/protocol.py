@@ -12,7 +12,7 @@ requests without the same salt. `user`, `metadata`, `safety_identifier` and
 Refused unless given the value that asks for nothing (null always does; see NO_OP_VALUES):
 both endpoints: `n`/`best_of` other than 1, beam search (`use_beam_search`,
 `length_penalty`), `prompt_logprobs`, `bad_words`, structured output (`response_format`
-other than text, `guided_*`, `structured_outputs`), `logits_processors`,
+other than text, `guided_*`, `structured_outputs`, `structural_tag`), `logits_processors`,
 `spaces_between_special_tokens: false`, `truncate_prompt_tokens`,
 `return_tokens_as_token_ids`, `return_token_ids`, `kv_transfer_params`, `vllm_xargs`,
 `stream_options.continuous_usage_stats`; completions: `suffix`, `prompt_embeds`, `echo`
@@ -21,7 +21,8 @@ none/auto, `functions`, `function_call`, a message's `tool_calls`), `echo`,
 `add_special_tokens`, `continue_final_message`, `chat_template`, `chat_template_kwargs`,
 `documents`, multimodal input (`modalities` other than text, `audio`, non-text content
 parts, `mm_processor_kwargs`, `media_io_kwargs`), `reasoning_effort`, `verbosity`,
-`prediction`, `web_search_options`, `store`, `service_tier` other than auto/default.
+`include_reasoning: false`, `prediction`, `web_search_options`, `store`, `service_tier`
+other than auto/default.
 
 Every integer fits in an int64, every float is finite (JSON's 1e309 parses as inf) and
 every string is valid Unicode (JSON's "\\ud800" parses as a lone surrogate, which no
@@ -122,6 +123,7 @@ class SamplingFields(RequestBody):
         "bad_words": ([],),
         "response_format": ({"type": "text"},),
         "structured_outputs": (),
+        "structural_tag": (),
         **dict.fromkeys(("guided_json", "guided_regex", "guided_choice", "guided_grammar"), ()),
         "guided_decoding_backend": (),
         "guided_whitespace_pattern": (),
@@ -214,6 +216,7 @@ class ChatCompletionRequest(SamplingFields):
         "mm_processor_kwargs": (),
         "media_io_kwargs": (),
         "reasoning_effort": (),
+        "include_reasoning": (True,),  # no reasoning parser: the text is all there is
         "verbosity": (),
         "prediction": (),
         "web_search_options": (),
