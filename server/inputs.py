@@ -110,7 +110,9 @@ def _message(message: ChatMessage) -> dict:
     return {"role": message.role, "content": text, **named}
 
 
-def echo_text(request: CompletionRequest, prompt_token_ids: list[int], tokenizer: TokenizerLike):
+def echo_text(
+    request: CompletionRequest, prompt_token_ids: list[int], tokenizer: TokenizerLike
+) -> str:
     """The prompt as `echo` puts it before the completion: as sent, or decoded."""
     prompt = request.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
