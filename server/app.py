@@ -145,7 +145,13 @@ def build_app(
         # The first output is awaited here so a request the engine rejects is an HTTP error.
         first = await cancel_on_disconnect(raw, anext(outputs, None))
         events = event_stream(
-            first, outputs, builder, num_prompt_tokens, want_logprobs, request.include_usage
+            first,
+            outputs,
+            builder,
+            num_prompt_tokens,
+            want_logprobs,
+            request.include_usage,
+            request.continuous_usage,
         )
         return StreamingResponse(events, media_type="text/event-stream")
 

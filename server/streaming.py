@@ -123,10 +123,12 @@ async def event_stream(
     num_prompt_tokens: int,
     want_logprobs: bool,
     include_usage: bool,
+    continuous_usage: bool = False,
 ) -> AsyncIterator[str]:
     """Server-sent events of OpenAI chunks, `first` (already taken from `outputs`) first,
-    then an optional usage chunk, then `data: [DONE]`. An error after the first chunk
-    ends the chunks with an error event (then `data: [DONE]`)."""
+    then an optional usage chunk, then `data: [DONE]`; with `continuous_usage` (vLLM's)
+    every chunk carries the usage so far. An error after the first chunk ends the chunks
+    with an error event (then `data: [DONE]`)."""
     num_tokens = 0
     num_cached_tokens = 0
     async with aclosing(outputs):
@@ -141,7 +143,11 @@ async def event_stream(
                 logprobs = delta.logprobs if want_logprobs else None
                 if delta.text or logprobs or out.finished:
                     end = (delta.finish_reason, delta.stop_reason) if out.finished else ()
-                    yield _event(builder.chunk(delta.text, logprobs, *end))
+                    chunk = builder.chunk(delta.text, logprobs, *end)
+                    if continuous_usage:
+                        usage = builder.usage(num_prompt_tokens, num_tokens, num_cached_tokens)
+                        chunk["usage"] = usage
+                    yield _event(chunk)
                 out = await anext(outputs, None)
         except APIError as e:
             yield _event(e.body())

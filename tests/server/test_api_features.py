@@ -182,3 +182,20 @@ def test_metrics_have_vllm_names_with_the_model_name(oai, http, engine):
         assert (f"splitserve:{name}", label) in metrics, name
     success = ("splitserve:request_success_total", (("finished_reason", "length"), *label))
     assert metrics[success] >= 1
+
+
+def test_continuous_usage_stats_put_the_usage_in_every_chunk(http, engine):
+    body = {
+        "model": engine.model_name,
+        "prompt": [5, 6],
+        "max_tokens": 3,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    response = http.post("/v1/completions", json=body)
+    events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+    chunks = [json.loads(event) for event in events[:-1]]
+    counts = [chunk["usage"]["completion_tokens"] for chunk in chunks]
+    assert counts == sorted(counts) and counts[-1] == 3
+    assert all(chunk["usage"]["prompt_tokens"] == 2 for chunk in chunks)

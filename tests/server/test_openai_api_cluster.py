@@ -18,6 +18,7 @@ from tests.server.test_api_features import (  # noqa: F401  (collected again wit
     test_a_request_id_already_running_is_400,
     test_a_stop_token_is_the_stop_reason_and_not_text,
     test_chat_choices_carry_stop_reason,
+    test_continuous_usage_stats_put_the_usage_in_every_chunk,
     test_echo_puts_the_prompt_before_the_completion,
     test_length_has_no_stop_reason,
     test_metrics_have_vllm_names_with_the_model_name,

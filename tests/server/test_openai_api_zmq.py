@@ -12,6 +12,7 @@ from tests.ipc.client_fakes import FAIL_MESSAGE, FAIL_TOKEN, FakeEngine, tiny_to
 from tests.server.conftest import EngineHarness
 from tests.server.test_api_features import (  # noqa: F401  (collected again with this engine)
     test_a_request_id_already_running_is_400,
+    test_continuous_usage_stats_put_the_usage_in_every_chunk,
     test_echo_puts_the_prompt_before_the_completion,
     test_length_has_no_stop_reason,
     test_stop_strings_give_stop_reason_and_may_stay_in_the_text,
