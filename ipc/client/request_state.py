@@ -12,6 +12,7 @@ from ipc.outputs import CompletionOutput, RequestOutput
 from ipc.tokenizer import Message, Tokenizer, TokenizerLike
 
 Prompt = str | list[int]
+_STOP_STRING_WINS = (None, FinishReason.STOP, FinishReason.LENGTH)
 
 
 class Sink(Protocol):
@@ -69,11 +70,10 @@ class RequestState:
             if out.finish_reason == FinishReason.STOP and not self.include_stop:
                 new_token_ids = new_token_ids[:-1]  # the stop token (or EOS) is no text
             self.detokenizer.add_tokens(new_token_ids)
-            if self.detokenizer.stopped:
-                stop_reason = self.detokenizer.stop_reason
-            if finish_reason is None and self.detokenizer.stopped:
-                finish_reason = str(FinishReason.STOP)
-                self.stopped_by_string = True
+            if self.detokenizer.stopped and out.finish_reason in _STOP_STRING_WINS:
+                # The text reached a stop string before whatever the engine stopped at.
+                finish_reason, stop_reason = str(FinishReason.STOP), self.detokenizer.stop_reason
+                self.stopped_by_string = out.finish_reason is None
             text = self._release_text(finished=finish_reason is not None)
             completion.text += text
         if finish_reason is not None:

@@ -59,3 +59,11 @@ def test_eos_and_length_have_no_stop_reason():
     assert text == "ab" and (last.finish_reason, last.stop_reason) == ("stop", None)
     _, last = run(ids("ab"), FinishReason.LENGTH, stop_token_ids=[ids("b")[0]])
     assert (last.finish_reason, last.stop_reason) == ("length", None)
+
+
+def test_a_stop_string_in_the_last_output_beats_length():
+    request = EngineCoreRequest("r", [7], SamplingParams(stop=["ll"]), 0.0)
+    state = RequestState(request, TOKENIZER, None)
+    last = state.apply(EngineCoreOutput("r", ids("hello"), FinishReason.LENGTH)).outputs[0]
+    assert (last.text, last.finish_reason, last.stop_reason) == ("he", "stop", "ll")
+    assert not state.stopped_by_string  # the engine has finished it already
