@@ -60,11 +60,14 @@ def completion_prompt_ids(
         if len(prompt) != 1:
             raise APIError(400, "batched prompts are not supported: send one per request", "prompt")
         prompt = prompt[0]
+    keep = _truncation(request, limits)
     if isinstance(prompt, str):
-        limits.check_text(prompt, "prompt")
+        if keep is None:
+            limits.check_text(prompt, "prompt")
         token_ids = tokenizer.encode(prompt, add_special_tokens=request.add_special_tokens)
     else:
         token_ids = prompt
+    token_ids = token_ids if keep is None else token_ids[-keep:]
     if not token_ids:
         raise APIError(400, "the prompt is empty", "prompt")
     limits.check_token_ids(token_ids, "prompt")
@@ -74,7 +77,25 @@ def completion_prompt_ids(
 def chat_prompt_ids(
     request: ChatCompletionRequest, tokenizer: TokenizerLike, limits: PromptLimits
 ) -> list[int]:
-    return chat_ids(request.messages, request.add_generation_prompt, tokenizer, limits)
+    keep = _truncation(request, limits)
+    if keep is None:
+        return chat_ids(request.messages, request.add_generation_prompt, tokenizer, limits)
+    unbounded = PromptLimits()  # the prompt is cut to fit instead
+    return chat_ids(request.messages, request.add_generation_prompt, tokenizer, unbounded)[-keep:]
+
+
+def _truncation(request: CompletionRequest | ChatCompletionRequest, limits: PromptLimits):
+    """How many prompt tokens `truncate_prompt_tokens` keeps (the last ones; -1: the
+    context length), or None."""
+    keep = request.truncate_prompt_tokens
+    if keep == -1:
+        keep = limits.max_model_len
+    if keep is None:
+        return None
+    if keep < 1 or (limits.max_model_len is not None and keep > limits.max_model_len):
+        message = f"truncate_prompt_tokens must be -1 or in [1, max_model_len], got {keep}"
+        raise APIError(400, message, "truncate_prompt_tokens")
+    return keep
 
 
 def chat_ids(
@@ -113,11 +134,12 @@ def _message(message: ChatMessage) -> dict:
 def echo_text(
     request: CompletionRequest, prompt_token_ids: list[int], tokenizer: TokenizerLike
 ) -> str:
-    """The prompt as `echo` puts it before the completion: as sent, or decoded."""
+    """The prompt as `echo` puts it before the completion: as sent, or decoded (token
+    ids, or a truncated prompt)."""
     prompt = request.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         prompt = prompt[0]
-    if isinstance(prompt, str):
+    if isinstance(prompt, str) and request.truncate_prompt_tokens is None:
         return prompt
     return tokenizer.decode(prompt_token_ids, skip_special_tokens=False)
 

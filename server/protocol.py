@@ -5,24 +5,24 @@ Every field of OpenAI's and vLLM's request schemas is either honoured or refused
 number belongs is a 400, not a coercion). vLLM's extra fields are honoured: `ignore_eos`,
 `min_tokens`, `top_k`, `min_p`, `stop_token_ids`, `skip_special_tokens`,
 `repetition_penalty`, `allowed_token_ids`, `include_stop_str_in_output`, `priority`,
-`request_id`, `stream_options.continuous_usage_stats`; `cache_salt` keeps a request's
-prefix-cache blocks apart from those of requests without the same salt. `user`,
-`metadata`, `safety_identifier` and `prompt_cache_key` are accepted: they describe the
-request and change nothing in it.
+`request_id`, `truncate_prompt_tokens`, `stream_options.continuous_usage_stats`;
+`cache_salt` keeps a request's prefix-cache blocks apart from those of requests without
+the same salt. `user`, `metadata`, `safety_identifier` and `prompt_cache_key` are
+accepted: they describe the request and change nothing in it.
 
 Refused unless given the value that asks for nothing (null always does; see NO_OP_VALUES):
 both endpoints: `n`/`best_of` other than 1, beam search (`use_beam_search`,
 `length_penalty`), `prompt_logprobs`, `bad_words`, structured output (`response_format`
 other than text, `guided_*`, `structured_outputs`, `structural_tag`), `logits_processors`,
-`spaces_between_special_tokens: false`, `truncate_prompt_tokens`,
-`return_tokens_as_token_ids`, `return_token_ids`, `kv_transfer_params`, `vllm_xargs`;
-completions: `suffix`, `prompt_embeds`, `echo` with `logprobs` (in the app); chat: tools
-and functions (`tools`, `tool_choice` other than none/auto, `functions`, `function_call`,
-a message's `tool_calls`), `echo`, `add_special_tokens`, `continue_final_message`,
-`chat_template`, `chat_template_kwargs`, `documents`, multimodal input (`modalities` other
-than text, `audio`, non-text content parts, `mm_processor_kwargs`, `media_io_kwargs`),
-`reasoning_effort`, `verbosity`, `include_reasoning: false`, `prediction`,
-`web_search_options`, `store`, `service_tier` other than auto/default.
+`spaces_between_special_tokens: false`, `return_tokens_as_token_ids`, `return_token_ids`,
+`kv_transfer_params`, `vllm_xargs`; completions: `suffix`, `prompt_embeds`, `echo` with
+`logprobs` (in the app); chat: tools and functions (`tools`, `tool_choice` other than
+none/auto, `functions`, `function_call`, a message's `tool_calls`), `echo`,
+`add_special_tokens`, `continue_final_message`, `chat_template`, `chat_template_kwargs`,
+`documents`, multimodal input (`modalities` other than text, `audio`, non-text content
+parts, `mm_processor_kwargs`, `media_io_kwargs`), `reasoning_effort`, `verbosity`,
+`include_reasoning: false`, `prediction`, `web_search_options`, `store`, `service_tier`
+other than auto/default.
 
 Every integer fits in an int64, every float is finite (JSON's 1e309 parses as inf) and
 every string is valid Unicode (JSON's "\\ud800" parses as a lone surrogate, which no
@@ -128,7 +128,6 @@ class SamplingFields(RequestBody):
         "guided_whitespace_pattern": (),
         "logits_processors": ([],),
         "spaces_between_special_tokens": (True,),
-        "truncate_prompt_tokens": (),
         "return_tokens_as_token_ids": (False,),
         "return_token_ids": (False,),
         "kv_transfer_params": (),
@@ -157,6 +156,7 @@ class SamplingFields(RequestBody):
     logit_bias: dict[Text, Finite] | None = None
     allowed_token_ids: list[Int64] | None = None
     priority: Int64 | None = 0
+    truncate_prompt_tokens: Int64 | None = None  # keep the last ones; -1: max_model_len
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     cache_salt: Annotated[Text, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = None

@@ -199,3 +199,26 @@ def test_continuous_usage_stats_put_the_usage_in_every_chunk(http, engine):
     counts = [chunk["usage"]["completion_tokens"] for chunk in chunks]
     assert counts == sorted(counts) and counts[-1] == 3
     assert all(chunk["usage"]["prompt_tokens"] == 2 for chunk in chunks)
+
+
+def test_truncate_prompt_tokens_keeps_the_last_ones(oai, http, live_server, engine):
+    prompt = "The quick brown fox jumps"
+    ids = engine.tokenizer.encode(prompt)
+    want = engine_answer(live_server, engine, ids[-3:], max_tokens=4).text
+    fields = {"model": engine.model_name, "max_tokens": 4, "temperature": 0}
+    got = oai.completions.create(prompt=prompt, **fields, extra_body={"truncate_prompt_tokens": 3})
+    assert got.choices[0].text == want and got.usage.prompt_tokens == 3
+
+    keep = engine.max_model_len - 4
+    too_long = "word " * engine.max_model_len * 2
+    got = oai.completions.create(
+        prompt=too_long, **fields, extra_body={"truncate_prompt_tokens": keep}
+    )
+    assert got.usage.prompt_tokens == keep
+    chat = {"model": engine.model_name, "max_tokens": 2, "truncate_prompt_tokens": keep}
+    chat["messages"] = [{"role": "user", "content": too_long}]
+    assert http.post("/v1/chat/completions", json=chat).json()["usage"]["prompt_tokens"] == keep
+    for bad in (0, -2, engine.max_model_len + 1):
+        body = {"model": engine.model_name, "prompt": prompt, "truncate_prompt_tokens": bad}
+        error = http.post("/v1/completions", json=body).json()["error"]
+        assert error["param"] == "truncate_prompt_tokens"

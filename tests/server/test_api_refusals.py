@@ -31,7 +31,6 @@ REFUSED_BOTH = [
     ("guided_whitespace_pattern", " "),
     ("logits_processors", ["p"]),
     ("spaces_between_special_tokens", False),
-    ("truncate_prompt_tokens", 5),
     ("return_tokens_as_token_ids", True),
     ("return_token_ids", True),
     ("kv_transfer_params", {"a": 1}),

@@ -17,6 +17,7 @@ from tests.server.test_api_features import (  # noqa: F401  (collected again wit
     test_length_has_no_stop_reason,
     test_stop_strings_give_stop_reason_and_may_stay_in_the_text,
     test_tokenize_and_detokenize_in_vllm_shapes,
+    test_truncate_prompt_tokens_keeps_the_last_ones,
     test_x_request_id_is_echoed_and_names_the_response,
 )
 from tests.server.test_api_refusals import (  # noqa: F401  (collected again with this engine)
