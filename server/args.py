@@ -51,14 +51,17 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help=f"origins allowed {cors}, e.g. '[\"https://example.com\"]' or '[\"*\"]' "
         "(default: none, no CORS headers; vLLM's default is any origin)",
     )
+    for what in ("methods", "headers"):
+        group.add_argument(
+            f"--allowed-{what}",
+            type=_json_list,
+            default=["*"],
+            help=f"{what} allowed {cors} (default: '[\"*\"]')",
+        )
     group.add_argument(
-        "--allowed-methods", type=_json_list, default=["*"], help=f"methods allowed {cors}"
-    )
-    group.add_argument(
-        "--allowed-headers", type=_json_list, default=["*"], help=f"headers allowed {cors}"
-    )
-    group.add_argument(
-        "--allow-credentials", action="store_true", help="allow credentials, for CORS"
+        "--allow-credentials",
+        action="store_true",
+        help="allow credentials, for CORS (default: off)",
     )
     return parser
 
