@@ -63,6 +63,8 @@ class SamplingParams(_Wire):
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = {}
     allowed_token_ids: list[int] | None = None
+    # Keep the stop string (or stop token) that ended the request in its text.
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         if self.n != 1:

@@ -10,6 +10,8 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None
     logprobs: list[TokenLogprobs] | None = None
+    # What ended a "stop": the stop string or stop token id (None for EOS, as in vLLM).
+    stop_reason: int | str | None = None
 
 
 @dataclass

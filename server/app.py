@@ -6,12 +6,12 @@ import asyncio
 import contextlib
 import functools
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -24,13 +24,22 @@ from server.inputs import (
     PromptLimits,
     chat_prompt_ids,
     completion_prompt_ids,
+    echo_text,
     sampling_params,
 )
 from server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, BodyLimit
 from server.metrics import ServerMetrics
 from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields
+from server.request_ids import RequestIdHeader, request_id
 from server.responses import ChatResponses, CompletionResponses, ResponseBuilder
-from server.streaming import cancel_on_disconnect, complete, engine_outputs, event_stream
+from server.streaming import (
+    Submission,
+    cancel_on_disconnect,
+    complete,
+    engine_outputs,
+    event_stream,
+)
+from server.tokenizer_routes import add_tokenizer_routes
 
 T = TypeVar("T")
 TOKENIZER_THREADS = 4
@@ -47,12 +56,17 @@ def build_app(
     salt_cache_by_api_key: bool = False,
     enable_prompt_tokens_details: bool = False,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    scheduling_policy: str | None = None,
+    cors: dict | None = None,
 ) -> FastAPI:
     """`client` is a connected AsyncEngineClient (or anything with its generate/stream/abort/
     stats/health methods); the app never connects or closes it. `sampling_defaults` (the
     model's generation config) apply under what each request sets. `api_keys` (one or
     several) guard /v1; with `salt_cache_by_api_key` each key's requests share prefix-cache
-    blocks only among themselves. `vocab_size` bounds the token ids a request may send."""
+    blocks only among themselves. `vocab_size` bounds the token ids a request may send.
+    `scheduling_policy` is the engine's: under "fcfs" a request's `priority` must be 0
+    (None: unknown, any priority is passed on). `cors`: CORSMiddleware's keyword arguments
+    (None: no CORS headers)."""
     keys = [api_keys] if isinstance(api_keys, str) else list(api_keys or ())
     if salt_cache_by_api_key and not keys:
         raise ValueError("salt_cache_by_api_key needs API keys")
@@ -64,18 +78,31 @@ def build_app(
         tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="splitserve", lifespan=lifespan)
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(served_model_name, max_model_len)
     created = int(time.time())
     limits = PromptLimits(max_model_len, vocab_size, tokenizer.min_num_tokens)
     app.add_middleware(BodyLimit, max_bytes=max_request_body_bytes)
     if keys:
         app.add_middleware(BearerAuth, api_keys=keys)
+    app.add_middleware(RequestIdHeader)
+    if cors is not None:  # outermost: a preflight carries no API key
+        app.add_middleware(CORSMiddleware, **cors)
     add_error_handlers(app)
 
     def check_model(name: str | None) -> None:
         if name is not None and name != served_model_name:
             message = f"The model `{name}` does not exist (this server has `{served_model_name}`)."
             raise APIError(404, message, "model", "model_not_found")
+
+    def check_request(request: SamplingFields) -> None:
+        """What the body alone cannot tell: the model is this one, a priority can be kept."""
+        check_model(request.model)
+        if request.priority and scheduling_policy == "fcfs":
+            message = (
+                "`priority` is not supported: the engine schedules first come, first served "
+                "(start it with --scheduling-policy priority)"
+            )
+            raise APIError(400, message, "priority")
 
     async def off_loop(work: Callable[..., T], *args) -> T:
         """Tokenizing (a long prompt takes seconds) never holds up the event loop."""
@@ -87,9 +114,11 @@ def build_app(
             return request.cache_salt
         return tenant_cache_salt(authenticated_key(raw), request.cache_salt)
 
-    def responses_for(kind: type[ResponseBuilder], prefix: str) -> ResponseBuilder:
-        request_id = f"{prefix}-{uuid.uuid4().hex}"
-        return kind(request_id, served_model_name, tokenizer, enable_prompt_tokens_details)
+    def responses_for(
+        kind: type[ResponseBuilder], prefix: str, raw: Request, request: SamplingFields
+    ) -> ResponseBuilder:
+        response_id = f"{prefix}-{request_id(raw, request.request_id)}"
+        return kind(response_id, served_model_name, tokenizer, enable_prompt_tokens_details)
 
     async def answer(
         raw: Request,
@@ -100,15 +129,15 @@ def build_app(
         params: SamplingParams,
         arrival: float,
     ) -> Response:
-        outputs = engine_outputs(
-            client,
+        submission = Submission(
             prompt_token_ids,
             params,
             builder.request_id,
-            metrics,
             arrival,
             cache_salt(raw, request),
+            request.priority or 0,
         )
+        outputs = engine_outputs(client, submission, metrics)
         num_prompt_tokens = len(prompt_token_ids)
         if not request.stream:
             work = complete(outputs, builder, num_prompt_tokens, want_logprobs)
@@ -116,14 +145,23 @@ def build_app(
         # The first output is awaited here so a request the engine rejects is an HTTP error.
         first = await cancel_on_disconnect(raw, anext(outputs, None))
         events = event_stream(
-            first, outputs, builder, num_prompt_tokens, want_logprobs, request.include_usage
+            first,
+            outputs,
+            builder,
+            num_prompt_tokens,
+            want_logprobs,
+            request.include_usage,
+            request.continuous_usage,
         )
         return StreamingResponse(events, media_type="text/event-stream")
 
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest, raw: Request) -> Response:
         arrival = time.perf_counter()
-        check_model(request.model)
+        check_request(request)
+        if request.echo and request.logprobs is not None:
+            message = "`echo` with `logprobs` is not supported (no prompt logprobs)"
+            raise APIError(400, message, "echo")
         prompt_token_ids = await off_loop(completion_prompt_ids, request, tokenizer, limits)
         params = sampling_params(
             request,
@@ -133,7 +171,9 @@ def build_app(
             limits,
             sampling_defaults,
         )
-        responses = responses_for(CompletionResponses, "cmpl")
+        responses = responses_for(CompletionResponses, "cmpl", raw, request)
+        if request.echo:
+            responses.echo = await off_loop(echo_text, request, prompt_token_ids, tokenizer)
         want_logprobs = request.logprobs is not None
         return await answer(
             raw, request, responses, prompt_token_ids, want_logprobs, params, arrival
@@ -142,7 +182,7 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, raw: Request) -> Response:
         arrival = time.perf_counter()
-        check_model(request.model)
+        check_request(request)
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         prompt_token_ids = await off_loop(chat_prompt_ids, request, tokenizer, limits)
@@ -154,7 +194,7 @@ def build_app(
         params = sampling_params(
             request, num_prompt_tokens, max_tokens, logprobs, limits, sampling_defaults
         )
-        responses = responses_for(ChatResponses, "chatcmpl")
+        responses = responses_for(ChatResponses, "chatcmpl", raw, request)
         want_logprobs = bool(request.logprobs)
         return await answer(
             raw, request, responses, prompt_token_ids, want_logprobs, params, arrival
@@ -170,6 +210,8 @@ def build_app(
             "max_model_len": max_model_len,
         }
         return {"object": "list", "data": [card]}
+
+    add_tokenizer_routes(app, tokenizer, limits, check_model, off_loop)
 
     @app.get("/health")
     async def health() -> Response:

@@ -5,6 +5,7 @@ without loading fastapi."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from typing import Any
 
@@ -43,7 +44,36 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=DEFAULT_MAX_REQUEST_BODY_BYTES,
         help="refuse larger request bodies with a 413 (default: %(default)s, 8 MiB)",
     )
+    cors = "for CORS, a JSON list (as vLLM's)"
+    group.add_argument(
+        "--allowed-origins",
+        type=_json_list,
+        help=f"origins allowed {cors}, e.g. '[\"https://example.com\"]' or '[\"*\"]' "
+        "(default: none, no CORS headers; vLLM's default is any origin)",
+    )
+    for what in ("methods", "headers"):
+        group.add_argument(
+            f"--allowed-{what}",
+            type=_json_list,
+            default=["*"],
+            help=f"{what} allowed {cors} (default: '[\"*\"]')",
+        )
+    group.add_argument(
+        "--allow-credentials",
+        action="store_true",
+        help="allow credentials, for CORS (default: off)",
+    )
     return parser
+
+
+def _json_list(text: str) -> list[str]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise argparse.ArgumentTypeError(f"not a JSON list of strings: {text!r}")
+    return value
 
 
 def server_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -59,6 +89,19 @@ def server_options(args: argparse.Namespace) -> dict[str, Any]:
         "salt_cache_by_api_key": given["salt_cache_by_api_key"],
         "enable_prompt_tokens_details": given["enable_prompt_tokens_details"],
         "max_request_body_bytes": given["max_request_body_bytes"],
+        "cors": _cors(given),
+    }
+
+
+def _cors(given: dict[str, Any]) -> dict[str, Any] | None:
+    """CORSMiddleware's keyword arguments; None without --allowed-origins."""
+    if not given["allowed_origins"]:
+        return None
+    return {
+        "allow_origins": given["allowed_origins"],
+        "allow_methods": given["allowed_methods"],
+        "allow_headers": given["allowed_headers"],
+        "allow_credentials": given["allow_credentials"],
     }
 
 
@@ -74,6 +117,12 @@ def server_child_args(args: argparse.Namespace) -> tuple[list[str], dict[str, st
         if options[flag]:
             argv.append("--" + flag.replace("_", "-"))
     argv += ["--max-request-body-bytes", str(options["max_request_body_bytes"])]
+    cors = options["cors"]
+    if cors is not None:
+        for flag in ("origins", "methods", "headers"):
+            argv += [f"--allowed-{flag}", json.dumps(cors[f"allow_{flag}"])]
+        if cors["allow_credentials"]:
+            argv.append("--allow-credentials")
     return argv, {API_KEY_ENV: ",".join(options["api_keys"])}
 
 

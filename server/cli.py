@@ -69,6 +69,12 @@ def main(argv: list[str] | None = None) -> None:
         "--vocab-size", type=int, help="the model's; token ids must be below it (default: any)"
     )
     parser.add_argument("--credentials", help="client credentials of a tcp engine address")
+    parser.add_argument(
+        "--scheduling-policy",
+        choices=("fcfs", "priority"),
+        help="the engine's: under fcfs a request's non-zero priority is a 400 (default: "
+        "unknown, priorities are passed on)",
+    )
     args = add_server_args(parser).parse_args(argv)
     options = server_options(args)
     if options["salt_cache_by_api_key"] and not options["api_keys"]:
@@ -80,5 +86,6 @@ def main(argv: list[str] | None = None) -> None:
             max_model_len=args.max_model_len,
             vocab_size=args.vocab_size,
             credentials=args.credentials,
+            scheduling_policy=args.scheduling_policy,
             **options,
         )

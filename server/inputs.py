@@ -60,11 +60,14 @@ def completion_prompt_ids(
         if len(prompt) != 1:
             raise APIError(400, "batched prompts are not supported: send one per request", "prompt")
         prompt = prompt[0]
+    keep = _truncation(request, limits)
     if isinstance(prompt, str):
-        limits.check_text(prompt, "prompt")
-        token_ids = tokenizer.encode(prompt)
+        if keep is None:
+            limits.check_text(prompt, "prompt")
+        token_ids = tokenizer.encode(prompt, add_special_tokens=request.add_special_tokens)
     else:
         token_ids = prompt
+    token_ids = token_ids if keep is None else token_ids[-keep:]
     if not token_ids:
         raise APIError(400, "the prompt is empty", "prompt")
     limits.check_token_ids(token_ids, "prompt")
@@ -74,12 +77,41 @@ def completion_prompt_ids(
 def chat_prompt_ids(
     request: ChatCompletionRequest, tokenizer: TokenizerLike, limits: PromptLimits
 ) -> list[int]:
-    messages = [{"role": m.role, "content": _message_text(m)} for m in request.messages]
+    keep = _truncation(request, limits)
+    if keep is None:
+        return chat_ids(request.messages, request.add_generation_prompt, tokenizer, limits)
+    unbounded = PromptLimits()  # the prompt is cut to fit instead
+    return chat_ids(request.messages, request.add_generation_prompt, tokenizer, unbounded)[-keep:]
+
+
+def _truncation(request: CompletionRequest | ChatCompletionRequest, limits: PromptLimits):
+    """How many prompt tokens `truncate_prompt_tokens` keeps (the last ones; -1: the
+    context length), or None."""
+    keep = request.truncate_prompt_tokens
+    if keep == -1:
+        keep = limits.max_model_len
+    if keep is None:
+        return None
+    if keep < 1 or (limits.max_model_len is not None and keep > limits.max_model_len):
+        message = f"truncate_prompt_tokens must be -1 or in [1, max_model_len], got {keep}"
+        raise APIError(400, message, "truncate_prompt_tokens")
+    return keep
+
+
+def chat_ids(
+    chat: list[ChatMessage],
+    add_generation_prompt: bool | None,
+    tokenizer: TokenizerLike,
+    limits: PromptLimits,
+) -> list[int]:
+    """The chat template applied to `chat` (a message's `name`, when given, goes to it)."""
+    messages = [_message(m) for m in chat]
+    generation_prompt = add_generation_prompt is not False
     if limits.too_long("".join(m["content"] for m in messages)):
         # A template may leave messages out: the prompt it renders is what must fit.
-        text = _by_template(lambda: tokenizer.apply_chat_template(messages))
+        text = _by_template(lambda: tokenizer.apply_chat_template(messages, generation_prompt))
         limits.check_text(text, "messages")
-    return _by_template(lambda: tokenizer.encode_chat(messages, add_generation_prompt=True))
+    return _by_template(lambda: tokenizer.encode_chat(messages, generation_prompt))
 
 
 def _by_template(render: Callable[[], T]) -> T:
@@ -89,12 +121,27 @@ def _by_template(render: Callable[[], T]) -> T:
         raise APIError(400, f"the chat template rejected the messages: {e}", "messages") from e
 
 
-def _message_text(message: ChatMessage) -> str:
-    if message.content is None or isinstance(message.content, str):
-        return message.content or ""
-    if any(part.type != "text" for part in message.content):
-        raise APIError(400, "only text content parts are supported", "messages")
-    return "".join(part.text or "" for part in message.content)
+def _message(message: ChatMessage) -> dict:
+    content = message.content
+    if content is None or isinstance(content, str):
+        text = content or ""
+    else:  # the protocol takes text parts only
+        text = "".join(part.text or "" for part in content)
+    named = {} if message.name is None else {"name": message.name}
+    return {"role": message.role, "content": text, **named}
+
+
+def echo_text(
+    request: CompletionRequest, prompt_token_ids: list[int], tokenizer: TokenizerLike
+) -> str:
+    """The prompt as `echo` puts it before the completion: as sent, or decoded (token
+    ids, or a truncated prompt)."""
+    prompt = request.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str) and request.truncate_prompt_tokens is None:
+        return prompt
+    return tokenizer.decode(prompt_token_ids, skip_special_tokens=False)
 
 
 def sampling_params(
@@ -111,7 +158,6 @@ def sampling_params(
         if getattr(request, name):
             limits.check_token_ids(getattr(request, name), name)
     given = {
-        "n": request.n,
         "temperature": request.temperature,
         "top_p": request.top_p,
         "top_k": request.top_k,
@@ -126,6 +172,7 @@ def sampling_params(
         "repetition_penalty": request.repetition_penalty,
         "logit_bias": _logit_bias(request.logit_bias, limits),
         "allowed_token_ids": request.allowed_token_ids,
+        "include_stop_str_in_output": request.include_stop_str_in_output,
     }
     kwargs = {**(defaults or {}), **{k: v for k, v in given.items() if v is not None}}
     try:

@@ -1,6 +1,8 @@
 """Prometheus metrics: latencies measured in the server, engine counters from SchedulerStats.
 
-Each app has its own registry, so several apps (tests) can live in one process.
+Names are vLLM's after the prefix (`splitserve:` for `vllm:`), each with a `model_name`
+label, so a vLLM dashboard works once the prefix is swapped. Each app has its own
+registry, so several apps (tests) can live in one process.
 """
 
 from __future__ import annotations
@@ -19,76 +21,102 @@ ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
 E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                50.0, 60.0, 120.0, 240.0, 480.0, 960.0)
 # fmt: on
+LABEL = "model_name"
+
+
+def token_buckets(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's build_1_2_5_buckets)."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return tuple(buckets)
+            buckets.append(mantissa * scale)
+        scale *= 10
 
 
 class EngineStatsCollector:
     """Exposes the latest SchedulerStats; nothing while the engine has not answered."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
         self.stats: SchedulerStats | None = None
 
     def collect(self):
         s = self.stats
         if s is None:
             return
+        hit_rate = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
         gauges = [
             ("num_requests_running", "Requests in the running batch.", s.num_running),
             ("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
-            (
-                "kv_cache_usage_perc",
-                "Fraction of KV cache blocks in use (0 to 1).",
-                s.kv_cache_usage,
-            ),
-            (
-                "prefix_cache_hit_rate",
-                "Prefix cache hits / queries, in tokens, since start.",
-                s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0,
-            ),
-        ]
+            ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1).",
+             s.kv_cache_usage),
+            ("prefix_cache_hit_rate", "Prefix cache hits / queries, in tokens.", hit_rate),
+        ]  # fmt: skip
         counters = [
-            (
-                "prefix_cache_queries",
-                "Prompt tokens looked up in the prefix cache.",
-                s.prefix_cache_queries,
-            ),
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+             s.prefix_cache_queries),
             ("prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
             ("num_preemptions", "Requests preempted by the scheduler.", s.num_preemptions),
-            (
-                "prompt_tokens",
-                "Prompt tokens of requests that started generating.",
-                s.num_prompt_tokens,
-            ),
+            ("prompt_tokens", "Prompt tokens of requests that started generating.",
+             s.num_prompt_tokens),
             ("generation_tokens", "Tokens generated.", s.num_generation_tokens),
-        ]
-        for name, doc, value in gauges:
-            yield GaugeMetricFamily(PREFIX + name, doc, value=value)
-        for name, doc, value in counters:
-            yield CounterMetricFamily(PREFIX + name, doc, value=value)
+        ]  # fmt: skip
+        for kinds, family in ((gauges, GaugeMetricFamily), (counters, CounterMetricFamily)):
+            for name, doc, value in kinds:
+                metric = family(PREFIX + name, doc, labels=[LABEL])
+                metric.add_metric([self.model_name], value)
+                yield metric
 
 
 class ServerMetrics:
-    def __init__(self) -> None:
+    """The server's own metrics, each already labelled with the model's name."""
+
+    def __init__(self, model_name: str, max_model_len: int | None = None) -> None:
         self.registry = CollectorRegistry()
-        self.engine = EngineStatsCollector()
+        self.engine = EngineStatsCollector(model_name)
         self.registry.register(self.engine)
-        self.time_to_first_token = self._histogram(
-            "time_to_first_token_seconds", "Time from request arrival to first token.", TTFT_BUCKETS
-        )
-        self.inter_token_latency = self._histogram(
-            "inter_token_latency_seconds", "Time between successive token deliveries.", ITL_BUCKETS
-        )
-        self.e2e_request_latency = self._histogram(
-            "e2e_request_latency_seconds", "Time from request arrival to its end.", E2E_BUCKETS
-        )
-        self.request_success = Counter(
+        self.model_name = model_name
+        tokens = token_buckets(max_model_len or 1_000_000)
+        histograms = {
+            "time_to_first_token_seconds": ("Time from arrival to first token.", TTFT_BUCKETS),
+            "inter_token_latency_seconds": ("Time between token deliveries.", ITL_BUCKETS),
+            "time_per_output_token_seconds": (
+                "Time between token deliveries (vLLM's older name).",
+                ITL_BUCKETS,
+            ),
+            "e2e_request_latency_seconds": ("Time from arrival to the request's end.", E2E_BUCKETS),
+            "request_prompt_tokens": ("Prompt tokens of each finished request.", tokens),
+            "request_generation_tokens": ("Tokens generated for each finished request.", tokens),
+        }
+        self._histograms = {
+            name: Histogram(
+                PREFIX + name, doc, [LABEL], buckets=buckets, registry=self.registry
+            ).labels(model_name)
+            for name, (doc, buckets) in histograms.items()
+        }
+        self._success = Counter(
             PREFIX + "request_success",
             "Finished requests, by finish reason.",
-            ["finished_reason"],
+            [LABEL, "finished_reason"],
             registry=self.registry,
         )
 
-    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-        return Histogram(PREFIX + name, doc, buckets=buckets, registry=self.registry)
+    def observe_first_token(self, seconds: float) -> None:
+        self._histograms["time_to_first_token_seconds"].observe(seconds)
+
+    def observe_inter_token(self, seconds: float) -> None:
+        self._histograms["inter_token_latency_seconds"].observe(seconds)
+        self._histograms["time_per_output_token_seconds"].observe(seconds)
+
+    def observe_finished(
+        self, finish_reason: str, seconds: float, num_prompt_tokens: int, num_tokens: int
+    ) -> None:
+        self._histograms["e2e_request_latency_seconds"].observe(seconds)
+        self._histograms["request_prompt_tokens"].observe(num_prompt_tokens)
+        self._histograms["request_generation_tokens"].observe(num_tokens)
+        self._success.labels(self.model_name, finish_reason).inc()
 
     def render(self, stats: SchedulerStats | None) -> bytes:
         self.engine.stats = stats

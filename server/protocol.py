@@ -1,11 +1,28 @@
 """The OpenAI request bodies the server accepts, and its error type.
 
-Fields are strict (a string where a number belongs is a 400, not a coercion); fields
-OpenAI defines that splitserve does not use are ignored, as OpenAI ignores unknown ones.
-`ignore_eos`, `min_tokens`, `top_k`, `min_p`, `stop_token_ids`, `skip_special_tokens`,
-`repetition_penalty` and `allowed_token_ids` are the extra sampling fields vLLM accepts,
-and `cache_salt` keeps a request's prefix-cache blocks apart from those of requests
-without the same salt.
+Every field of OpenAI's and vLLM's request schemas is either honoured or refused with a
+400 naming it; unknown fields are refused too. Fields are strict (a string where a
+number belongs is a 400, not a coercion). vLLM's extra fields are honoured: `ignore_eos`,
+`min_tokens`, `top_k`, `min_p`, `stop_token_ids`, `skip_special_tokens`,
+`repetition_penalty`, `allowed_token_ids`, `include_stop_str_in_output`, `priority`,
+`request_id`, `truncate_prompt_tokens`, `stream_options.continuous_usage_stats`;
+`cache_salt` keeps a request's prefix-cache blocks apart from those of requests without
+the same salt. `user`, `metadata`, `safety_identifier` and `prompt_cache_key` are
+accepted: they describe the request and change nothing in it.
+
+Refused unless given the value that asks for nothing (null always does; see NO_OP_VALUES):
+both endpoints: `n`/`best_of` other than 1, beam search (`use_beam_search`,
+`length_penalty`), `prompt_logprobs`, `bad_words`, structured output (`response_format`
+other than text, `guided_*`, `structured_outputs`, `structural_tag`), `logits_processors`,
+`spaces_between_special_tokens: false`, `return_tokens_as_token_ids`, `return_token_ids`,
+`kv_transfer_params`, `vllm_xargs`; completions: `suffix`, `prompt_embeds`, `echo` with
+`logprobs` (in the app); chat: tools and functions (`tools`, `tool_choice` other than
+none/auto, `functions`, `function_call`, a message's `tool_calls`), `echo`,
+`add_special_tokens`, `continue_final_message`, `chat_template`, `chat_template_kwargs`,
+`documents`, multimodal input (`modalities` other than text, `audio`, non-text content
+parts, `mm_processor_kwargs`, `media_io_kwargs`), `reasoning_effort`, `verbosity`,
+`include_reasoning: false`, `prediction`, `web_search_options`, `store`, `service_tier`
+other than auto/default.
 
 Every integer fits in an int64, every float is finite (JSON's 1e309 parses as inf) and
 every string is valid Unicode (JSON's "\\ud800" parses as a lone surrogate, which no
@@ -14,11 +31,13 @@ tokenizer or encoder takes): anything else is a 400 naming the field.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 MAX_CACHE_SALT_CHARS = 256
+UNSUPPORTED = "unsupported"  # the pydantic error type of a refused field
 
 
 def _valid_unicode(text: str) -> str:
@@ -56,19 +75,69 @@ class APIError(Exception):
         return {"error": error}
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+def _same(value: Any, no_op: Any) -> bool:
+    """Equal and of the same type (JSON's true is not 1)."""
+    return type(value) is type(no_op) and value == no_op
 
 
-class StreamOptions(_Body):
+class RequestBody(BaseModel):
+    """Unknown fields are refused; a field of NO_OP_VALUES is dropped when its value asks
+    for nothing (None, or one of the values listed), and refused otherwise."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    NO_OP_VALUES: ClassVar[dict[str, tuple]] = {}
+    MESSAGES: ClassVar[dict[str, str]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        for name in cls.NO_OP_VALUES.keys() & data.keys():
+            value = data[name]
+            if value is not None and not any(_same(value, ok) for ok in cls.NO_OP_VALUES[name]):
+                message = cls.MESSAGES.get(name, "`{field}` is not supported by this server")
+                raise PydanticCustomError(UNSUPPORTED, message, {"field": name})
+        return {key: value for key, value in data.items() if key not in cls.NO_OP_VALUES}
+
+
+class StreamOptions(RequestBody):
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM's: usage in every chunk
+    include_obfuscation: bool | None = None  # nothing is obfuscated
 
 
-class SamplingFields(_Body):
+_NEEDS_ONE = "`{field}` other than 1 is not supported yet (one completion per request)"
+
+
+class SamplingFields(RequestBody):
     """Fields common to both endpoints. None means "the default"."""
 
+    NO_OP_VALUES = {
+        "n": (1,),
+        "best_of": (1,),
+        "use_beam_search": (False,),
+        "length_penalty": (1.0, 1),
+        "prompt_logprobs": (),
+        "bad_words": ([],),
+        "response_format": ({"type": "text"},),
+        "structured_outputs": (),
+        "structural_tag": (),
+        **dict.fromkeys(("guided_json", "guided_regex", "guided_choice", "guided_grammar"), ()),
+        "guided_decoding_backend": (),
+        "guided_whitespace_pattern": (),
+        "logits_processors": ([],),
+        "spaces_between_special_tokens": (True,),
+        "return_tokens_as_token_ids": (False,),
+        "return_token_ids": (False,),
+        "kv_transfer_params": (),
+        "vllm_xargs": (),
+    }
+    MESSAGES = {"n": _NEEDS_ONE, "best_of": _NEEDS_ONE}
+
     model: Text | None = None
-    n: Int64 | None = 1
+    user: Text | None = None
+    request_id: Annotated[Text, Field(min_length=1, max_length=256)] | None = None
     temperature: Finite | None = None
     top_p: Finite | None = None
     top_k: Int64 | None = None
@@ -76,6 +145,7 @@ class SamplingFields(_Body):
     seed: Int64 | None = None
     stop: Text | list[Text] | None = None
     stop_token_ids: list[Int64] | None = None
+    include_stop_str_in_output: bool | None = False
     ignore_eos: bool | None = False
     min_tokens: Int64 | None = 0
     skip_special_tokens: bool | None = True
@@ -85,6 +155,8 @@ class SamplingFields(_Body):
     # Token ids as strings, as JSON object keys are (inputs.py makes them ints).
     logit_bias: dict[Text, Finite] | None = None
     allowed_token_ids: list[Int64] | None = None
+    priority: Int64 | None = 0
+    truncate_prompt_tokens: Int64 | None = None  # keep the last ones; -1: max_model_len
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     cache_salt: Annotated[Text, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = None
@@ -93,26 +165,75 @@ class SamplingFields(_Body):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
+
 
 class CompletionRequest(SamplingFields):
+    NO_OP_VALUES = {**SamplingFields.NO_OP_VALUES, "suffix": ("",), "prompt_embeds": ()}
+
     prompt: Text | list[Int64] | list[Text] | list[list[Int64]]
     max_tokens: Int64 | None = 16
     logprobs: Int64 | None = None
+    echo: bool | None = False
+    add_special_tokens: bool | None = True
 
 
-class ContentPart(_Body):
+class ContentPart(RequestBody):
     type: Text
     text: Text | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("type") != "text":
+            message = "content parts of type `{kind}` are not supported (text only)"
+            raise PydanticCustomError(UNSUPPORTED, message, {"kind": str(data.get("type"))})
+        return data
 
-class ChatMessage(_Body):
+
+class ChatMessage(RequestBody):
+    NO_OP_VALUES = {"tool_calls": ([],), "function_call": (), "audio": (), "refusal": ()}
+
     role: Role
     content: Text | list[ContentPart] | None = None
+    name: Text | None = None  # passed to the chat template
 
 
 class ChatCompletionRequest(SamplingFields):
+    NO_OP_VALUES = {
+        **SamplingFields.NO_OP_VALUES,
+        "tools": ([],),
+        "tool_choice": ("none", "auto"),
+        "functions": ([],),
+        "function_call": ("none", "auto"),
+        "echo": (False,),
+        "add_special_tokens": (False,),
+        "continue_final_message": (False,),
+        "chat_template": (),
+        "chat_template_kwargs": ({},),
+        "documents": (),
+        "modalities": (["text"],),
+        "audio": (),
+        "mm_processor_kwargs": (),
+        "media_io_kwargs": (),
+        "reasoning_effort": (),
+        "include_reasoning": (True,),  # no reasoning parser: the text is all there is
+        "verbosity": (),
+        "prediction": (),
+        "web_search_options": (),
+        "store": (False,),
+        "service_tier": ("auto", "default"),
+    }
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Int64 | None = None
     max_completion_tokens: Int64 | None = None
     logprobs: bool | None = False
     top_logprobs: Int64 | None = None
+    add_generation_prompt: bool | None = True
+    parallel_tool_calls: bool | None = None  # no tools, so no parallel calls either
+    metadata: dict[Text, Text] | None = None
+    safety_identifier: Text | None = None
+    prompt_cache_key: Text | None = None

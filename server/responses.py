@@ -39,15 +39,20 @@ class ResponseBuilder:
         text: str,
         logprobs: list[TokenLogprobs] | None,
         finish_reason: str | None,
+        stop_reason: int | str | None,
         usage: dict,
     ) -> dict:
-        choice = self._choice(text, logprobs, finish_reason)
+        choice = self._choice(text, logprobs, finish_reason, stop_reason)
         return {**self._envelope(self.object_name, [choice]), "usage": usage}
 
     def chunk(
-        self, text: str, logprobs: list[TokenLogprobs] | None, finish_reason: str | None
+        self,
+        text: str,
+        logprobs: list[TokenLogprobs] | None,
+        finish_reason: str | None = None,
+        stop_reason: int | str | None = None,
     ) -> dict:
-        choice = self._chunk_choice(text, logprobs, finish_reason)
+        choice = self._chunk_choice(text, logprobs, finish_reason, stop_reason)
         return self._envelope(self.chunk_object_name, [choice])
 
     def first_chunks(self) -> list[dict]:
@@ -73,27 +78,32 @@ class ResponseBuilder:
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _choice(self, text, logprobs, finish_reason) -> dict:
+    def _choice(self, text, logprobs, finish_reason, stop_reason) -> dict:
         raise NotImplementedError
 
-    def _chunk_choice(self, text, logprobs, finish_reason) -> dict:
+    def _chunk_choice(self, text, logprobs, finish_reason, stop_reason) -> dict:
         raise NotImplementedError
 
 
 class CompletionResponses(ResponseBuilder):
+    """`echo`: the prompt text, put before the completion (the first chunk's, streaming)."""
+
     object_name = "text_completion"
     chunk_object_name = "text_completion"
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.text_offset = 0
+        self.echo = ""
 
-    def _choice(self, text, logprobs, finish_reason) -> dict:
+    def _choice(self, text, logprobs, finish_reason, stop_reason) -> dict:
+        text, self.echo = self.echo + text, ""
         return {
             "index": 0,
             "text": text,
             "logprobs": None if logprobs is None else self._logprobs(logprobs),
             "finish_reason": finish_reason,
+            "stop_reason": stop_reason,
         }
 
     _chunk_choice = _choice
@@ -123,20 +133,22 @@ class ChatResponses(ResponseBuilder):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
-    def _choice(self, text, logprobs, finish_reason) -> dict:
+    def _choice(self, text, logprobs, finish_reason, stop_reason) -> dict:
         return {
             "index": 0,
             "message": {"role": "assistant", "content": text},
             "logprobs": None if logprobs is None else self._logprobs(logprobs),
             "finish_reason": finish_reason,
+            "stop_reason": stop_reason,
         }
 
-    def _chunk_choice(self, text, logprobs, finish_reason) -> dict:
+    def _chunk_choice(self, text, logprobs, finish_reason, stop_reason) -> dict:
         return {
             "index": 0,
             "delta": {"content": text} if text else {},
             "logprobs": None if logprobs is None else self._logprobs(logprobs),
             "finish_reason": finish_reason,
+            "stop_reason": stop_reason,
         }
 
     def first_chunks(self) -> list[dict]:

@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import TypeVar
 
 from fastapi import Request
@@ -33,32 +34,45 @@ logger = logging.getLogger(__name__)
 _LINE_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\u0085": "\\u0085"})
 
 
+@dataclass(frozen=True)
+class Submission:
+    """One request as the engine client takes it, with its arrival time."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    request_id: str
+    arrival: float
+    cache_salt: str | None = None
+    priority: int = 0
+
+
 async def engine_outputs(
-    client,
-    prompt_token_ids: list[int],
-    params: SamplingParams,
-    request_id: str,
-    metrics: ServerMetrics,
-    arrival: float,
-    cache_salt: str | None,
+    client, submission: Submission, metrics: ServerMetrics
 ) -> AsyncIterator[RequestOutput]:
-    """The engine client's stream of deltas, timed into the latency histograms; its
-    errors become APIErrors."""
+    """The engine client's stream of deltas, timed into the metrics; its errors become
+    APIErrors."""
+    s = submission
     last_token_time = None
     finish_reason = "abort"
     started = False
+    num_tokens = 0
     try:
         stream = client.stream(
-            prompt_token_ids, params, request_id=request_id, cache_salt=cache_salt
+            s.prompt_token_ids,
+            s.params,
+            request_id=s.request_id,
+            priority=s.priority,
+            cache_salt=s.cache_salt,
         )
         async with aclosing(stream):
             async for out in stream:
                 now = time.perf_counter()
                 if out.outputs[0].token_ids:
+                    num_tokens += len(out.outputs[0].token_ids)
                     if last_token_time is None:
-                        metrics.time_to_first_token.observe(now - arrival)
+                        metrics.observe_first_token(now - s.arrival)
                     else:
-                        metrics.inter_token_latency.observe(now - last_token_time)
+                        metrics.observe_inter_token(now - last_token_time)
                     last_token_time = now
                 if out.finished:
                     finish_reason = out.outputs[0].finish_reason or "abort"
@@ -66,11 +80,14 @@ async def engine_outputs(
                 yield out
     except (RequestError, EngineDeadError) as e:
         finish_reason = "error" if started else None
-        raise engine_error(e, request_id) from e
+        raise engine_error(e, s.request_id) from e
+    except ValueError as e:  # the engine client refused it: a request id already running
+        finish_reason = None
+        raise APIError(400, str(e)) from e
     finally:
         if finish_reason is not None:
-            metrics.e2e_request_latency.observe(time.perf_counter() - arrival)
-            metrics.request_success.labels(finish_reason).inc()
+            seconds = time.perf_counter() - s.arrival
+            metrics.observe_finished(finish_reason, seconds, len(s.prompt_token_ids), num_tokens)
 
 
 async def complete(
@@ -94,6 +111,7 @@ async def complete(
         "".join(texts),
         logprobs if want_logprobs else None,
         last.outputs[0].finish_reason,
+        last.outputs[0].stop_reason,
         builder.usage(num_prompt_tokens, num_tokens, last.num_cached_tokens),
     )
 
@@ -105,10 +123,12 @@ async def event_stream(
     num_prompt_tokens: int,
     want_logprobs: bool,
     include_usage: bool,
+    continuous_usage: bool = False,
 ) -> AsyncIterator[str]:
     """Server-sent events of OpenAI chunks, `first` (already taken from `outputs`) first,
-    then an optional usage chunk, then `data: [DONE]`. An error after the first chunk
-    ends the chunks with an error event (then `data: [DONE]`)."""
+    then an optional usage chunk, then `data: [DONE]`; with `continuous_usage` (vLLM's)
+    every chunk carries the usage so far. An error after the first chunk ends the chunks
+    with an error event (then `data: [DONE]`)."""
     num_tokens = 0
     num_cached_tokens = 0
     async with aclosing(outputs):
@@ -122,8 +142,12 @@ async def event_stream(
                 num_cached_tokens = out.num_cached_tokens
                 logprobs = delta.logprobs if want_logprobs else None
                 if delta.text or logprobs or out.finished:
-                    finish_reason = delta.finish_reason if out.finished else None
-                    yield _event(builder.chunk(delta.text, logprobs, finish_reason))
+                    end = (delta.finish_reason, delta.stop_reason) if out.finished else ()
+                    chunk = builder.chunk(delta.text, logprobs, *end)
+                    if continuous_usage:
+                        usage = builder.usage(num_prompt_tokens, num_tokens, num_cached_tokens)
+                        chunk["usage"] = usage
+                    yield _event(chunk)
                 out = await anext(outputs, None)
         except APIError as e:
             yield _event(e.body())

@@ -96,6 +96,7 @@ def _run_api(args: argparse.Namespace, config: EngineConfig) -> int:
         max_model_len=config.max_model_len,
         vocab_size=config.vocab_size,
         sampling_defaults=config.sampling_defaults,
+        scheduling_policy=config.scheduling_policy.value,
         credentials=_role_credentials(args, CLIENT),
         **server_options(args),
     )

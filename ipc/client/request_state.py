@@ -12,6 +12,7 @@ from ipc.outputs import CompletionOutput, RequestOutput
 from ipc.tokenizer import Message, Tokenizer, TokenizerLike
 
 Prompt = str | list[int]
+_STOP_STRING_WINS = (None, FinishReason.STOP, FinishReason.LENGTH)
 
 
 class Sink(Protocol):
@@ -37,11 +38,16 @@ class RequestState:
             None
             if tokenizer is None
             else IncrementalDetokenizer(
-                tokenizer, request.prompt_token_ids, params.skip_special_tokens, params.stop
+                tokenizer,
+                request.prompt_token_ids,
+                params.skip_special_tokens,
+                params.stop,
+                params.include_stop_str_in_output,
             )
         )
         self.stop_hold = max((len(s) for s in params.stop), default=1) - 1
         self.stopped_by_string = False
+        self.include_stop = params.include_stop_str_in_output
         self.result = RequestOutput(
             request.request_id, request.prompt_token_ids, [CompletionOutput(0, "", [])]
         )
@@ -57,19 +63,27 @@ class RequestState:
             completion.logprobs = (completion.logprobs or []) + out.logprobs
         result.num_cached_tokens = max(result.num_cached_tokens, out.num_cached_tokens)
         finish_reason = None if out.finish_reason is None else str(out.finish_reason)
+        stop_reason = self._stop_token(out)
         text = ""
         if self.detokenizer is not None:
-            self.detokenizer.add_tokens(out.new_token_ids)
-            if finish_reason is None and self.detokenizer.stopped:
-                finish_reason = str(FinishReason.STOP)
-                self.stopped_by_string = True
+            new_token_ids = out.new_token_ids
+            if out.finish_reason == FinishReason.STOP and not self.include_stop:
+                new_token_ids = new_token_ids[:-1]  # the stop token (or EOS) is no text
+            self.detokenizer.add_tokens(new_token_ids)
+            if self.detokenizer.stopped and out.finish_reason in _STOP_STRING_WINS:
+                # The text reached a stop string before whatever the engine stopped at.
+                finish_reason, stop_reason = str(FinishReason.STOP), self.detokenizer.stop_reason
+                self.stopped_by_string = out.finish_reason is None
             text = self._release_text(finished=finish_reason is not None)
             completion.text += text
         if finish_reason is not None:
             completion.finish_reason = finish_reason
+            completion.stop_reason = stop_reason
             result.error = out.error
             result.finished = True
-        delta = CompletionOutput(0, text, list(out.new_token_ids), finish_reason, out.logprobs)
+        delta = CompletionOutput(
+            0, text, list(out.new_token_ids), finish_reason, out.logprobs, stop_reason
+        )
         return RequestOutput(
             result.request_id,
             result.prompt_token_ids,
@@ -78,6 +92,13 @@ class RequestState:
             result.num_cached_tokens,
             result.error,
         )
+
+    def _stop_token(self, out: EngineCoreOutput) -> int | None:
+        """The stop token id that ended the request (None for EOS or no stop token)."""
+        if out.finish_reason != FinishReason.STOP or not out.new_token_ids:
+            return None
+        last = out.new_token_ids[-1]
+        return last if last in self.request.sampling_params.stop_token_ids else None
 
     def _release_text(self, finished: bool) -> str:
         """The detokenized text not given out yet, but for its last characters while a

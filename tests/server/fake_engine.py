@@ -4,12 +4,21 @@ AsyncEngineClient (same methods, same errors, same stream semantics as ipc.clien
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator
 
 from ipc.client import EngineDeadError, RequestError
-from ipc.messages import SamplingParams, SchedulerStats, TokenLogprobs
-from ipc.outputs import CompletionOutput, RequestOutput
+from ipc.client.request_state import RequestState
+from ipc.messages import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    FinishReason,
+    SamplingParams,
+    SchedulerStats,
+    TokenLogprobs,
+)
+from ipc.outputs import RequestOutput
 
 BOS, EOS, OFFSET = 1, 2, 3
 VOCAB_SIZE = 0x110000 + OFFSET
@@ -46,8 +55,9 @@ class CharTokenizer:
 class FakeEngineClient:
     """Answers every prompt with REPLY then EOS, one token per `token_delay`; with
     ignore_eos it repeats REPLY up to max_tokens. Records each request's prompt and
-    SamplingParams, its cache salt, and the ids of streams stopped before they finished
-    (aborts). `failure = (n, error)` makes every request raise `error` after n tokens."""
+    SamplingParams, its cache salt and priority, and the ids of streams stopped before
+    they finished (aborts). `failure = (n, error)` makes every request raise `error` after
+    n tokens."""
 
     def __init__(
         self, max_model_len: int | None = None, token_delay: float = 0.005, reply: str = REPLY
@@ -59,6 +69,9 @@ class FakeEngineClient:
         self.requests: dict[str, tuple[list[int], SamplingParams]] = {}
         self.aborted: list[str] = []
         self.salts: dict[str, str | None] = {}
+        self.priorities: dict[str, int] = {}
+        self.live: set[str] = set()
+        self.results: dict[str, RequestOutput] = {}
         self.failure: tuple[int, Exception] | None = None
         self.alive = True
         self._stats = SchedulerStats()
@@ -84,29 +97,24 @@ class FakeEngineClient:
         prompt: str | list[int],
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
+        priority: int = 0,
         cache_salt: str | None = None,
     ) -> RequestOutput:
-        result = None
-        async for delta in self.stream(prompt, sampling_params, request_id, cache_salt):
-            if result is None:
-                result = delta
-                continue
-            done, new = result.outputs[0], delta.outputs[0]
-            done.text += new.text
-            done.token_ids += new.token_ids
-            done.finish_reason = new.finish_reason
-            if new.logprobs is not None:
-                done.logprobs = (done.logprobs or []) + new.logprobs
-            result.finished = delta.finished
-        return result
+        async for delta in self.stream(prompt, sampling_params, request_id, priority, cache_salt):
+            if delta.finished:
+                return self.results.pop(delta.request_id)
+        raise AssertionError("the fake stream ended unfinished")
 
     async def stream(
         self,
         prompt: str | list[int],
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
+        priority: int = 0,
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
+        """The engine's tokens go through the engine client's own RequestState
+        (detokenization, stop strings, stop reasons)."""
         self._check_alive()
         params = sampling_params or SamplingParams()
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -115,11 +123,16 @@ class FakeEngineClient:
                 f"prompt of {len(prompt_ids)} tokens exceeds max_model_len {self.max_model_len}"
             )
         request_id = request_id or uuid.uuid4().hex
+        if request_id in self.live:
+            raise ValueError(f"request id {request_id!r} is already running")
         self.requests[request_id] = (prompt_ids, params)
         self.salts[request_id] = cache_salt
+        self.priorities[request_id] = priority
         self._stats.num_prompt_tokens += len(prompt_ids)
-        text = sent = ""
+        request = EngineCoreRequest(request_id, prompt_ids, params, time.time(), priority)
+        state = RequestState(request, self.tokenizer, None)
         finished = False
+        self.live.add(request_id)
         try:
             for step in range(params.max_tokens or 10_000):
                 await asyncio.sleep(self.token_delay)
@@ -128,28 +141,26 @@ class FakeEngineClient:
                     raise self.failure[1]
                 token = self.script[step % len(self.script)]
                 self._stats.num_generation_tokens += 1
-                text += self.tokenizer.decode([token], params.skip_special_tokens)
-                visible, stopped = _cut_at_stop(text, params.stop)
-                reason = self._finish_reason(params, step + 1, token, stopped)
-                finished = reason is not None
-                if not finished:  # hold back what may be the start of a stop string
-                    held = max(map(len, params.stop), default=1) - 1
-                    visible = visible[: max(len(visible) - held, 0)]
-                text_delta, sent = visible[len(sent) :], visible
                 logprobs = None if params.logprobs is None else [self._logprobs(token, params)]
-                delta = CompletionOutput(0, text_delta, [token], reason, logprobs)
-                yield RequestOutput(request_id, prompt_ids, [delta], finished)
+                reason = self._finish_reason(params, step + 1, token)
+                delta = state.apply(EngineCoreOutput(request_id, [token], reason, 0, logprobs))
+                finished = delta.finished
+                if finished:
+                    self.results[request_id] = state.result
+                yield delta
                 if finished:
                     return
         finally:
+            self.live.discard(request_id)
             if not finished:
                 self.aborted.append(request_id)
 
     @staticmethod
-    def _finish_reason(params: SamplingParams, num_tokens: int, token: int, stopped: bool):
-        if stopped or (token == EOS and not params.ignore_eos and num_tokens > params.min_tokens):
-            return "stop"
-        return "length" if num_tokens == params.max_tokens else None
+    def _finish_reason(params: SamplingParams, num_tokens: int, token: int) -> FinishReason | None:
+        stops = params.stop_token_ids + ([] if params.ignore_eos else [EOS])
+        if token in stops and num_tokens > params.min_tokens:
+            return FinishReason.STOP
+        return FinishReason.LENGTH if num_tokens == params.max_tokens else None
 
     @staticmethod
     def _logprobs(token: int, params: SamplingParams) -> TokenLogprobs:
@@ -160,9 +171,3 @@ class FakeEngineClient:
     def _check_alive(self) -> None:
         if not self.alive:
             raise EngineDeadError("the fake engine is down")
-
-
-def _cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
-    """The text before the first stop string, and whether there was one."""
-    cut = min((i for s in stop if (i := text.find(s)) >= 0), default=-1)
-    return (text, False) if cut < 0 else (text[:cut], True)

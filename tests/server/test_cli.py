@@ -28,6 +28,7 @@ def test_python_m_server_serves_until_sigterm():
             sys.executable, "-m", "server", "--engine-address", engine.address,
             "--tokenizer", tiny_tokenizer_path(), "--api-host", "127.0.0.1",
             "--api-port", str(port), "--served-model-name", "tiny", "--api-key", "k",
+            "--scheduling-policy", "fcfs", "--allowed-origins", '["https://ui.example"]',
         ]  # fmt: skip
         process = subprocess.Popen(command, cwd=Path(__file__).parents[2])
         try:
@@ -43,6 +44,12 @@ def test_python_m_server_serves_until_sigterm():
             headers = {"Authorization": "Bearer k"}
             answer = httpx.post(url + "/v1/completions", json=body, headers=headers).json()
             assert answer["choices"][0]["text"] == "abcab"  # the engine echoes the prompt
+            urgent = httpx.post(
+                url + "/v1/completions", json={**body, "priority": 1}, headers=headers
+            )
+            assert urgent.status_code == 400 and urgent.json()["error"]["param"] == "priority"
+            cors = httpx.get(url + "/version", headers={"Origin": "https://ui.example"})
+            assert cors.headers["access-control-allow-origin"] == "https://ui.example"
             process.send_signal(signal.SIGTERM)
             assert process.wait(10) in (0, -signal.SIGTERM)
         finally:

@@ -249,7 +249,7 @@ def test_invalid_parameters_are_400_in_openai_shape(http, engine, extra, param):
 
 
 def test_invalid_parameters_raise_bad_request_in_the_openai_client(oai, engine):
-    with pytest.raises(openai.BadRequestError, match="n must be 1"):
+    with pytest.raises(openai.BadRequestError, match="`n` other than 1 is not supported"):
         oai.completions.create(model=engine.model_name, prompt="Hi", n=2)
     with pytest.raises(openai.BadRequestError, match="temperature"):
         oai.chat.completions.create(model=engine.model_name, messages=MESSAGES, temperature=-1)
@@ -320,6 +320,7 @@ def test_metrics_parse_and_move_after_a_request(oai, http, engine):
     after = _metrics(http)
 
     def moved(name: str, **labels) -> float:
+        labels["model_name"] = engine.model_name
         key = (f"splitserve:{name}", tuple(sorted(labels.items())))
         return after[key] - before.get(key, 0.0)
 
@@ -336,7 +337,7 @@ def test_metrics_parse_and_move_after_a_request(oai, http, engine):
         "prefix_cache_hit_rate",
         "num_preemptions_total",
     ):
-        assert (f"splitserve:{gauge}", ()) in after
+        assert (f"splitserve:{gauge}", (("model_name", engine.model_name),)) in after
 
 
 def test_disconnect_mid_stream_aborts_the_request(http, engine):

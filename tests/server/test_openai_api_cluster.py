@@ -14,6 +14,26 @@ from ipc.tokenizer import Tokenizer
 from tests.cluster.helpers import launch_cluster
 from tests.models.tiny import make_tiny_checkpoint
 from tests.server.conftest import EngineHarness
+from tests.server.test_api_features import (  # noqa: F401  (collected again with this engine)
+    test_a_request_id_already_running_is_400,
+    test_a_stop_token_is_the_stop_reason_and_not_text,
+    test_chat_choices_carry_stop_reason,
+    test_continuous_usage_stats_put_the_usage_in_every_chunk,
+    test_echo_puts_the_prompt_before_the_completion,
+    test_length_has_no_stop_reason,
+    test_metrics_have_vllm_names_with_the_model_name,
+    test_priority_reaches_the_engine,
+    test_stop_strings_give_stop_reason_and_may_stay_in_the_text,
+    test_tokenize_and_detokenize_in_vllm_shapes,
+    test_truncate_prompt_tokens_keeps_the_last_ones,
+    test_version,
+    test_x_request_id_is_echoed_and_names_the_response,
+)
+from tests.server.test_api_refusals import (  # noqa: F401  (collected again with this engine)
+    test_no_op_values_are_accepted,
+    test_the_openai_client_sees_refusals_as_bad_requests,
+    test_unknown_fields_are_400_naming_them,
+)
 from tests.server.test_openai_api import (  # noqa: F401  (collected again with this engine)
     _metrics,
     test_chat_logprobs_in_openai_shape,

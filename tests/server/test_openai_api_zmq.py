@@ -10,6 +10,20 @@ from ipc.client import AsyncEngineClient
 from ipc.tokenizer import Tokenizer
 from tests.ipc.client_fakes import FAIL_MESSAGE, FAIL_TOKEN, FakeEngine, tiny_tokenizer_path
 from tests.server.conftest import EngineHarness
+from tests.server.test_api_features import (  # noqa: F401  (collected again with this engine)
+    test_a_request_id_already_running_is_400,
+    test_continuous_usage_stats_put_the_usage_in_every_chunk,
+    test_echo_puts_the_prompt_before_the_completion,
+    test_length_has_no_stop_reason,
+    test_stop_strings_give_stop_reason_and_may_stay_in_the_text,
+    test_tokenize_and_detokenize_in_vllm_shapes,
+    test_truncate_prompt_tokens_keeps_the_last_ones,
+    test_x_request_id_is_echoed_and_names_the_response,
+)
+from tests.server.test_api_refusals import (  # noqa: F401  (collected again with this engine)
+    test_no_op_values_are_accepted,
+    test_unknown_fields_are_400_naming_them,
+)
 from tests.server.test_input_validation import (  # noqa: F401  (collected again with this engine)
     COMPLETION_FIELDS,
     test_cache_salt_is_a_short_non_empty_string,
@@ -60,8 +74,9 @@ def test_engine_refusal_is_400_with_its_message(http, engine, stream):
     assert response.json()["error"]["message"] == FAIL_MESSAGE
 
 
-def test_metrics_carry_the_engine_stats(http):
-    assert _metrics(http)[("splitserve:num_requests_running", ())] == 0
+def test_metrics_carry_the_engine_stats(http, engine):
+    key = ("splitserve:num_requests_running", (("model_name", engine.model_name),))
+    assert _metrics(http)[key] == 0
 
 
 def test_refused_requests_leave_nothing_registered_in_the_engine_client(http, engine):

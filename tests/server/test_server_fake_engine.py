@@ -54,7 +54,6 @@ def test_completion_fields_reach_the_engine(oai, engine):
             "ignore_eos": True,
             "min_tokens": 3,
             "skip_special_tokens": False,
-            "unknown_field": 1,
         },
     )
     prompt_ids, params = last_request(engine)

@@ -120,6 +120,7 @@ def test_server_flags_and_their_defaults(monkeypatch):
         "salt_cache_by_api_key": False,
         "enable_prompt_tokens_details": False,
         "max_request_body_bytes": 8 * 1024 * 1024,
+        "cors": None,
     }
     monkeypatch.setenv("SPLITSERVE_API_KEY", "a, b")
     assert server_options(parse([]))["api_keys"] == ["a", "b"]
@@ -131,6 +132,8 @@ def test_a_launcher_hands_the_server_flags_on_to_its_child(monkeypatch):
     monkeypatch.delenv("SPLITSERVE_API_KEY", raising=False)
     argv = ["--api-key", "k1", "--api-key", "k2", "--salt-cache-by-api-key", "--api-port", "9"]
     argv += ["--enable-prompt-tokens-details", "--max-request-body-bytes", "1000"]
+    argv += ["--allowed-origins", '["https://a.example"]', "--allowed-methods", '["GET"]']
+    argv += ["--allow-credentials"]
     parent = parse(argv + ["--served-model-name", "m"])
     child_argv, child_env = server_child_args(parent)
     assert not any("k1" in arg for arg in child_argv)  # keys stay out of `ps`
