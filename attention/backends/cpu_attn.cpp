@@ -82,11 +82,12 @@ inline void prefetch_line(const char* p) { asm volatile("prefetcht0 %0" : : "m"(
 
 template <typename T>
 inline void prefetch_block(const T* cache, const int32_t* blocks, int64_t block_index,
-                           int64_t seq_len, int64_t kv_head, int64_t dim, const Layout& L) {
+                           int64_t seq_len, int64_t kv_head, int64_t dim, const Layout& L,
+                           int64_t heads = 1) {
   const int64_t start = block_index * L.block_size;
   if (start >= seq_len) return;
   const int64_t rows = std::min(L.block_size, seq_len - start);
-  const int64_t row_stride = L.kv_heads * dim, row_bytes = dim * int64_t(sizeof(T));
+  const int64_t row_stride = L.kv_heads * dim, row_bytes = heads * dim * int64_t(sizeof(T));
   const T* k = cache + blocks[block_index] * L.block_size * row_stride + kv_head * dim;
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t b = 0; b < row_bytes; b += 64) {
@@ -153,6 +154,13 @@ void attend_item(const T* q, T* out, const T* cache, const int32_t* blocks, int6
     for (int64_t d = 0; d < dim; ++d) orow[d] = static_cast<T>(acc[g * dim + d]);
   }
 }
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+constexpr bool kHaveBf16Path = true;
+#else
+constexpr bool kHaveBf16Path = false;
+#endif
+constexpr int64_t kWholeRequestsPerThread = 8;
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 // bf16 with AVX512-BF16: q.k by VDPBF16PS straight from the bf16 rows (products of two
@@ -230,47 +238,53 @@ inline void bf16_values(const float* p, int64_t n, const uint16_t* values,
     for (int c = 0; c < D / 16; ++c) _mm512_storeu_ps(acc + gb * D + 16 * c, a[gb][c]);
 }
 
+// KV heads kv_head .. kv_head + heads - 1 of one request. With all of a request's heads
+// in one item, each block's K and V rows are read as one contiguous run.
 template <int D>
 void attend_item_bf16(const at::BFloat16* q_row, at::BFloat16* out, const at::BFloat16* cache_bf16,
                       const int32_t* blocks, int64_t first, int64_t seq_len, int64_t kv_head,
-                      float scale, const Layout& L, std::vector<float>& work) {
+                      int64_t heads, float scale, const Layout& L, std::vector<float>& work) {
   constexpr int GB = D <= 64 ? 4 : (D <= 128 ? 2 : 1);
   const int64_t G = L.group, n = seq_len - first, row_stride = L.kv_heads * D;
   const auto* q = reinterpret_cast<const uint16_t*>(q_row) + kv_head * G * D;
-  const auto* cache = reinterpret_cast<const uint16_t*>(cache_bf16);
-  work.resize(G * n + G * D);
+  const auto* cache = reinterpret_cast<const uint16_t*>(cache_bf16) + kv_head * D;
+  work.resize(heads * G * (n + D));
   float* scores = work.data();
-  float* acc = scores + G * n;
+  float* acc = scores + heads * G * n;
   for (int64_t pos = first; pos < seq_len;) {
     const int64_t end =
         std::min({seq_len, (pos / L.block_size + 1) * L.block_size, pos + int64_t{16}});
     const int64_t block = blocks[pos / L.block_size];
     if (pos % L.block_size == 0 || pos == first)
-      prefetch_block(cache, blocks, pos / L.block_size + kPrefetchBlocks, seq_len, kv_head, D, L);
-    const uint16_t* k = cache + (block * L.block_size + pos % L.block_size) * row_stride + kv_head * D;
-    bf16_scores<D>(q, k, row_stride, static_cast<int>(end - pos), G, scale, scores, n, pos - first);
+      prefetch_block(cache, blocks, pos / L.block_size + kPrefetchBlocks, seq_len, 0, D, L, heads);
+    const uint16_t* k = cache + (block * L.block_size + pos % L.block_size) * row_stride;
+    for (int64_t h = 0; h < heads; ++h)
+      bf16_scores<D>(q + h * G * D, k + h * D, row_stride, static_cast<int>(end - pos), G, scale,
+                     scores + h * G * n, n, pos - first);
     pos = end;
   }
-  softmax_rows(scores, G, n);
+  softmax_rows(scores, heads * G, n);
   const uint16_t* values = cache + L.cache_half;
-  for (int64_t g = 0; g < G; g += GB) {
-    const float* p = scores + g * n;
-    switch (std::min<int64_t>(GB, G - g)) {
-      case 4:
-        bf16_values<D, 4>(p, n, values, blocks, first, seq_len, kv_head, L, acc + g * D);
-        break;
-      case 3:
-        bf16_values<D, 3>(p, n, values, blocks, first, seq_len, kv_head, L, acc + g * D);
-        break;
-      case 2:
-        bf16_values<D, 2>(p, n, values, blocks, first, seq_len, kv_head, L, acc + g * D);
-        break;
-      default:
-        bf16_values<D, 1>(p, n, values, blocks, first, seq_len, kv_head, L, acc + g * D);
+  for (int64_t h = 0; h < heads; ++h)
+    for (int64_t g = 0; g < G; g += GB) {
+      const float* p = scores + (h * G + g) * n;
+      float* a = acc + (h * G + g) * D;
+      switch (std::min<int64_t>(GB, G - g)) {
+        case 4:
+          bf16_values<D, 4>(p, n, values, blocks, first, seq_len, h, L, a);
+          break;
+        case 3:
+          bf16_values<D, 3>(p, n, values, blocks, first, seq_len, h, L, a);
+          break;
+        case 2:
+          bf16_values<D, 2>(p, n, values, blocks, first, seq_len, h, L, a);
+          break;
+        default:
+          bf16_values<D, 1>(p, n, values, blocks, first, seq_len, h, L, a);
+      }
     }
-  }
   at::BFloat16* o = out + kv_head * G * D;
-  for (int64_t i = 0; i < G * D; ++i) o[i] = static_cast<at::BFloat16>(acc[i]);
+  for (int64_t i = 0; i < heads * G * D; ++i) o[i] = static_cast<at::BFloat16>(acc[i]);
 }
 #endif
 
@@ -279,7 +293,11 @@ void decode_all(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor&
                 const torch::Tensor& block_table, const torch::Tensor& seq_lens,
                 const torch::Tensor& reqs, const torch::Tensor& rows, double scale,
                 int64_t window, const Layout& L) {
-  const int64_t num_items = reqs.size(0) * L.kv_heads;
+  // Whole requests per item when there are enough of them to keep every thread busy.
+  constexpr bool kBf16Path = std::is_same_v<T, at::BFloat16> && D > 0 && kHaveBf16Path;
+  const bool whole = kBf16Path && reqs.size(0) >= kWholeRequestsPerThread * at::get_num_threads();
+  const int64_t heads = whole ? L.kv_heads : 1, items_per_req = L.kv_heads / heads;
+  const int64_t num_items = reqs.size(0) * items_per_req;
   const T* q_ptr = q.data_ptr<T>();
   T* out_ptr = out.data_ptr<T>();
   const T* cache = kv_cache.data_ptr<T>();
@@ -292,15 +310,15 @@ void decode_all(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor&
     std::vector<float> work;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_items; ++item) {
-      const int64_t i = item / L.kv_heads, kv_head = item % L.kv_heads;
+      const int64_t i = item / items_per_req, kv_head = (item % items_per_req) * heads;
       const int64_t req = req_ptr[i], row = row_ptr[i], seq_len = lens[req];
       const int64_t first = window > 0 ? std::max<int64_t>(0, seq_len - window) : 0;
       const T* q_row = q_ptr + row * L.q_row_stride;
       T* out_row = out_ptr + row * L.out_row_stride;
       const int32_t* blocks = table + req * L.table_stride;
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-      if constexpr (std::is_same_v<T, at::BFloat16> && D > 0) {
-        attend_item_bf16<D>(q_row, out_row, cache, blocks, first, seq_len, kv_head,
+      if constexpr (kBf16Path) {
+        attend_item_bf16<D>(q_row, out_row, cache, blocks, first, seq_len, kv_head, heads,
                             static_cast<float>(scale), L, work);
         continue;
       }
