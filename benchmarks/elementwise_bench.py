@@ -1,0 +1,133 @@
+"""The fused CPU kernels of models/layers (cpu_ops.cpp) against their torch code.
+
+    python benchmarks/elementwise_bench.py [--threads 2] [--tokens 256 8192] [--model PATH]
+
+Times each op at SmolLM2-135M's shapes (hidden 576, 9 heads, 3 kv heads, head_dim 64,
+intermediate 1536, bf16), torch path and kernel in the same process, best of several
+runs; then, with --model, a whole forward pass (a prefill of T tokens, no KV cache) with
+the kernels off (SPLITSERVE_CPU_KERNELS=0) and on.
+"""
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from models.layers.activation import SiluAndMul  # noqa: E402
+from models.layers.cpu_ops import cpu_kernels  # noqa: E402
+from models.layers.norm import RMSNorm  # noqa: E402
+from models.layers.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 576, 9, 3, 64, 1536
+DTYPE = torch.bfloat16
+
+
+def best_time(fn: Callable[[], object], runs: int, min_run_s: float = 0.05) -> float:
+    """Seconds per call: the best of `runs` runs of enough calls to last min_run_s."""
+    fn()
+    calls, start = 0, time.perf_counter()
+    while time.perf_counter() - start < min_run_s / 5:
+        fn()
+        calls += 1
+    best = float("inf")
+    for _ in range(runs):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best
+
+
+def op_cases(tokens: int) -> dict[str, tuple[Callable[[], object], Callable[[], object]]]:
+    """name -> (torch path, kernel path) at `tokens` tokens."""
+    ops = cpu_kernels(torch.device("cpu"), DTYPE)
+    norm, head_norm = RMSNorm(HIDDEN, eps=1e-5), RMSNorm(HEAD_DIM, eps=1e-5)
+    for layer in (norm, head_norm):
+        layer.weight.data = torch.randn(layer.hidden_size).to(DTYPE)
+    x, residual = torch.randn(tokens, HIDDEN, dtype=DTYPE), torch.randn(tokens, HIDDEN, dtype=DTYPE)
+    q_size, kv_size = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    qkv = torch.randn(tokens, q_size + 2 * kv_size, dtype=DTYPE)
+    q, k, _ = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    heads = q.reshape(tokens, HEADS, HEAD_DIM)  # a strided view, as Qwen3's q_norm gets it
+    inv_freq = 1.0 / (100000.0 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM))
+    rope = RotaryEmbedding(HEAD_DIM, 8192, inv_freq)
+    positions = torch.arange(tokens)
+    cos, sin = rope.get_cos_sin(positions, DTYPE)
+    gate_up = torch.randn(tokens, 2 * INTERMEDIATE, dtype=DTYPE)
+    act = SiluAndMul()
+    out, total = torch.empty_like(x), torch.empty_like(x)
+    eps = norm.variance_epsilon
+    return {
+        "rms_norm": (lambda: norm.forward_torch(x), lambda: norm(x)),
+        "add_rms_norm": (lambda: norm.forward_torch(x, residual), lambda: norm(x, residual)),
+        "add_rms_norm (into given outputs)": (
+            lambda: norm.forward_torch(x, residual),
+            lambda: ops.add_rms_norm(x, residual, norm.weight, eps, out, total),
+        ),
+        "q_norm per head (Qwen3)": (
+            lambda: head_norm.forward_torch(heads),
+            lambda: head_norm(heads),
+        ),
+        "rotary q+k": (
+            lambda: (apply_rotary(q, cos, sin, HEAD_DIM), apply_rotary(k, cos, sin, HEAD_DIM)),
+            lambda: ops.rotary_embedding(positions, q, k, rope.cos_cache, rope.sin_cache, HEAD_DIM),
+        ),
+        "silu_and_mul": (lambda: act.forward_torch(gate_up), lambda: act(gate_up)),
+    }
+
+
+def bench_ops(tokens_list: list[int], runs: int) -> None:
+    print(f"{'op':<36}{'T':>6}{'torch us':>12}{'kernel us':>12}{'speedup':>9}")
+    for tokens in tokens_list:
+        for name, (torch_fn, kernel_fn) in op_cases(tokens).items():
+            t_torch, t_kernel = best_time(torch_fn, runs), best_time(kernel_fn, runs)
+            print(
+                f"{name:<36}{tokens:>6}{t_torch * 1e6:>12.1f}{t_kernel * 1e6:>12.1f}"
+                f"{t_torch / t_kernel:>8.2f}x"
+            )
+
+
+@torch.inference_mode()
+def bench_model(model_path: str, tokens_list: list[int], runs: int) -> None:
+    from models import load_model
+
+    model = load_model(model_path, DTYPE)
+    print(f"\nwhole forward, {Path(model_path).name}, bf16 (a prefill of T tokens, no KV cache)")
+    print(f"{'T':>6}{'torch s':>10}{'kernels s':>11}{'speedup':>9}")
+    for tokens in tokens_list:
+        input_ids = torch.randint(0, model.config.vocab_size, (tokens,))
+        forward = partial(model, input_ids, torch.arange(tokens))
+        times = {}
+        for enabled in ("0", "1"):
+            os.environ["SPLITSERVE_CPU_KERNELS"] = enabled
+            times[enabled] = best_time(forward, runs, min_run_s=0)
+        os.environ.pop("SPLITSERVE_CPU_KERNELS")
+        print(f"{tokens:>6}{times['0']:>10.3f}{times['1']:>11.3f}{times['0'] / times['1']:>8.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[256, 8192])
+    parser.add_argument("--runs", type=int, default=7, help="best of this many runs")
+    parser.add_argument("--model", help="also time whole forward passes of this HF folder")
+    parser.add_argument("--model-runs", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if cpu_kernels(torch.device("cpu"), DTYPE) is None:
+        sys.exit("the C++ kernels could not be built or are disabled (SPLITSERVE_CPU_KERNELS)")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {DTYPE}")
+    bench_ops(args.tokens, args.runs)
+    if args.model:
+        bench_model(args.model, args.tokens, args.model_runs)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,370 @@
+// Fused elementwise CPU kernels of models/layers: RMSNorm (with the residual add), neox
+// rotary embedding of q and k in place, SiLU-and-mul. One pass per row, parallel over
+// rows, math in float32. Results are rounded to the tensor dtype exactly where the torch
+// code (models/layers/*.py, as transformers) stores a tensor, so both paths agree
+// bitwise: see `round_to` and `sum_of_squares`.
+//
+// Tensors are 1-3 dimensional with a contiguous last dimension (rows may be strided).
+
+// ATen's vector types take their instruction set from CPU_CAPABILITY_*. The build is
+// -march=native, so pick the one torch's runtime dispatch picks on this CPU: the same
+// vector width (hence the same summation order) and the same exp.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512DQ__)
+#define CPU_CAPABILITY_AVX512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define CPU_CAPABILITY_AVX2
+#endif
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+
+namespace {
+
+using fVec = at::vec::Vectorized<float>;
+constexpr int64_t W = fVec::size();
+
+// Rows of about this many elements or more go to separate threads.
+int64_t grain(int64_t row_elements) {
+  return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_elements));
+}
+
+template <typename T>
+fVec vload(const T* p, int64_t count = W) {
+  if constexpr (std::is_same_v<T, float>) {
+    return fVec::loadu(p, count);
+  } else {
+    return std::get<0>(at::vec::convert_to_float<T>(at::vec::Vectorized<T>::loadu(p, count)));
+  }
+}
+
+template <typename T>
+void vstore(T* p, const fVec& v, int64_t count = W) {
+  if constexpr (std::is_same_v<T, float>) {
+    v.store(p, count);
+  } else {
+    at::vec::convert_from_float<T>(v, v).store(p, count);
+  }
+}
+
+// v as computed so far, never fused with what follows: the compiler may otherwise
+// contract a product and a sum into one FMA, skipping a rounding that torch performs.
+template <typename V>
+V fence(V v) {
+  asm volatile("" : "+m"(v));
+  return v;
+}
+
+// v as torch would hold it in a tensor of dtype T (rounded to nearest even).
+template <typename T>
+fVec round_to(const fVec& v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return fence(v);
+  } else {
+    return std::get<0>(at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(v, v)));
+  }
+}
+
+// The element `i` of `count` rows [rows0, rows1, n], each row at base + i0 * s0 + i1 * s1.
+template <typename T>
+struct Rows {
+  T* base;
+  int64_t rows1, s0, s1;
+
+  explicit Rows(const torch::Tensor& t)
+      : base(static_cast<T*>(t.data_ptr())),
+        rows1(t.dim() == 3 ? t.size(1) : 1),
+        s0(t.dim() >= 2 ? t.stride(0) : 0),
+        s1(t.dim() == 3 ? t.stride(1) : 0) {}
+
+  T* operator[](int64_t row) const { return base + (row / rows1) * s0 + (row % rows1) * s1; }
+};
+
+void check_rows(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.dim() >= 1 && t.dim() <= 3, name, " must have 1 to 3 dimensions");
+  TORCH_CHECK(t.stride(-1) == 1 || t.size(-1) <= 1, name, ": last dimension not contiguous");
+}
+
+template <typename F>
+void dispatch(const torch::Tensor& t, const F& f) {
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return f(float{});
+    case at::kBFloat16:
+      return f(at::BFloat16{});
+    case at::kHalf:
+      return f(at::Half{});
+    default:
+      TORCH_CHECK(false, "cpu_ops: unsupported dtype ", t.scalar_type());
+  }
+}
+
+// The sum of load(i), i < size, in the order of torch's row_sum (ATen SumKernel.cpp): four
+// interleaved accumulators, each a cascade of levels of 2^power terms.
+template <typename Acc, typename Load>
+Acc row_sum(int64_t size, const Load& load) {
+  constexpr int64_t ilp = 4, levels = 4;
+  const int64_t rows = size / ilp;
+  const int64_t ceil_log2 = rows <= 2 ? 1 : 64 - __builtin_clzll(uint64_t(rows - 1));
+  const int64_t power = std::max<int64_t>(4, ceil_log2 / levels);
+  const int64_t step = int64_t(1) << power, mask = step - 1;
+  Acc acc[levels][ilp] = {};
+  int64_t i = 0;
+  while (i + step <= rows) {
+    for (int64_t j = 0; j < step; ++j, ++i) {
+      for (int64_t k = 0; k < ilp; ++k) {
+        acc[0][k] = acc[0][k] + load(i * ilp + k);
+      }
+    }
+    for (int64_t j = 1; j < levels; ++j) {
+      for (int64_t k = 0; k < ilp; ++k) {
+        acc[j][k] = acc[j][k] + acc[j - 1][k];
+        acc[j - 1][k] = Acc{};
+      }
+      if ((i & (mask << (j * power))) != 0) {
+        break;
+      }
+    }
+  }
+  for (; i < rows; ++i) {
+    for (int64_t k = 0; k < ilp; ++k) {
+      acc[0][k] = acc[0][k] + load(i * ilp + k);
+    }
+  }
+  for (int64_t j = 1; j < levels; ++j) {
+    for (int64_t k = 0; k < ilp; ++k) {
+      acc[0][k] = acc[0][k] + acc[j][k];
+    }
+  }
+  for (int64_t r = rows * ilp; r < size; ++r) {
+    acc[0][0] = acc[0][0] + load(r);
+  }
+  for (int64_t k = 1; k < ilp; ++k) {
+    acc[0][0] = acc[0][0] + acc[0][k];
+  }
+  return acc[0][0];
+}
+
+// torch sums a float32 row with vectors of 8 lanes: its AVX2 reduction kernel (which it
+// runs on AVX512 CPUs too) and its default one have that width.
+constexpr int64_t kSumLanes = 8;
+
+struct Lanes {
+  float v[kSumLanes] = {};
+  Lanes operator+(const Lanes& other) const {
+    Lanes sum;
+    for (int64_t l = 0; l < kSumLanes; ++l) {
+      sum.v[l] = v[l] + other.v[l];
+    }
+    return sum;
+  }
+};
+
+// sum(x^2) as `x.float().pow(2).sum(-1)` computes it, so that the variance, and the norm,
+// agree bitwise with the torch code. The squares are fenced as torch stores them: else an
+// FMA could fuse a float32 square into the sum.
+template <typename T>
+float sum_of_squares(const T* x, int64_t n) {
+  auto square = [](float v) { return v * v; };
+  if (n < kSumLanes) {
+    return row_sum<float>(n, [&](int64_t i) { return fence(square(float(x[i]))); });
+  }
+  const int64_t vecs = n / kSumLanes;
+  const Lanes partial = row_sum<Lanes>(vecs, [&](int64_t i) {
+    Lanes squares;
+    for (int64_t l = 0; l < kSumLanes; ++l) {
+      squares.v[l] = square(float(x[i * kSumLanes + l]));
+    }
+    return fence(squares);
+  });
+  float total = 0;
+  for (int64_t i = vecs * kSumLanes; i < n; ++i) {
+    total = total + fence(square(float(x[i])));
+  }
+  for (float lane : partial.v) {
+    total = total + lane;
+  }
+  return total;
+}
+
+// out = weight * T(x * rsqrt(mean(x^2) + eps)), as RMSNorm's torch code rounds it.
+template <typename T>
+void norm_row(const T* x, const T* weight, T* out, int64_t n, float eps) {
+  const float variance = sum_of_squares(x, n) / float(n);
+  const fVec scale(1.0f / std::sqrt(variance + eps));
+  for (int64_t i = 0; i < n; i += W) {
+    const int64_t count = std::min(W, n - i);
+    const fVec normed = round_to<T>(vload(x + i, count) * scale);
+    vstore(out + i, vload(weight + i, count) * normed, count);
+  }
+}
+
+void check_weight(const torch::Tensor& x, const torch::Tensor& weight) {
+  check_rows(x, "x");
+  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(-1),
+              "weight must be contiguous [hidden]");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "weight and x differ in dtype");
+}
+
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  check_weight(x, weight);
+  auto out = torch::empty(x.sizes(), x.options());
+  const int64_t n = x.size(-1);
+  const int64_t rows = n == 0 ? 0 : x.numel() / n;
+  dispatch(x, [&](auto tag) {
+    using T = decltype(tag);
+    const Rows<T> in(x), result(out);
+    const T* w = weight.data_ptr<T>();
+    at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        norm_row(in[r], w, result[r], n, float(eps));
+      }
+    });
+  });
+  return out;
+}
+
+// sum = x + residual, out = norm(sum). out may be x and sum may be residual (in place, as
+// vLLM's fused_add_rms_norm): each row is read before it is written.
+void add_rms_norm(const torch::Tensor& x, const torch::Tensor& residual,
+                  const torch::Tensor& weight, double eps, const torch::Tensor& out,
+                  const torch::Tensor& sum) {
+  check_weight(x, weight);
+  for (const auto* t : {&residual, &out, &sum}) {
+    check_rows(*t, "residual and outputs");
+    TORCH_CHECK(t->sizes() == x.sizes() && t->scalar_type() == x.scalar_type(),
+                "residual and outputs must match x in shape and dtype");
+  }
+  const int64_t n = x.size(-1);
+  const int64_t rows = n == 0 ? 0 : x.numel() / n;
+  dispatch(x, [&](auto tag) {
+    using T = decltype(tag);
+    const Rows<T> xs(x), res(residual), outs(out), sums(sum);
+    const T* w = weight.data_ptr<T>();
+    at::parallel_for(0, rows, grain(n), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const T *a = xs[r], *b = res[r];
+        T* s = sums[r];
+        for (int64_t i = 0; i < n; i += W) {
+          const int64_t count = std::min(W, n - i);
+          vstore(s + i, vload(a + i, count) + vload(b + i, count), count);
+        }
+        norm_row(s, w, outs[r], n, float(eps));
+      }
+    });
+  });
+}
+
+// Neox rotation of each head of one token: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
+// over lanes [j, j + count) of each half, every product and sum rounded to T as torch does.
+template <typename T>
+void rotate_heads(T* x, int64_t heads, int64_t head_dim, int64_t j, int64_t count,
+                  const fVec& cos, const fVec& sin) {
+  const int64_t half = head_dim / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    T* x1 = x + h * head_dim + j;
+    T* x2 = x1 + half;
+    const fVec a = vload(x1, count), b = vload(x2, count);
+    vstore(x1, round_to<T>(a * cos) - round_to<T>(b * sin), count);
+    vstore(x2, round_to<T>(b * cos) + round_to<T>(a * sin), count);
+  }
+}
+
+// Rotates q [T, heads * head_dim] and k [T, kv_heads * head_dim] in place by the float32
+// cos/sin caches [max_position, head_dim / 2] at positions [T] (cos/sin rounded to T first).
+void rotary_embedding(const torch::Tensor& positions, const torch::Tensor& q, const torch::Tensor& k,
+                      const torch::Tensor& cos_cache, const torch::Tensor& sin_cache,
+                      int64_t head_dim) {
+  TORCH_CHECK(positions.device().is_cpu() && positions.dim() == 1 &&
+                  positions.scalar_type() == at::kLong && positions.is_contiguous(),
+              "positions must be a contiguous int64 CPU vector");
+  const int64_t tokens = positions.size(0), half = head_dim / 2;
+  for (const auto* t : {&q, &k}) {
+    check_rows(*t, "q and k");
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == tokens && t->size(1) % head_dim == 0,
+                "q and k must be [T, heads * head_dim]");
+    TORCH_CHECK(t->stride(1) == 1, "q and k: last dimension not contiguous");
+    TORCH_CHECK(t->scalar_type() == q.scalar_type(), "q and k differ in dtype");
+  }
+  for (const auto* t : {&cos_cache, &sin_cache}) {
+    TORCH_CHECK(head_dim % 2 == 0 && t->device().is_cpu() && t->scalar_type() == at::kFloat &&
+                    t->is_contiguous() && t->dim() == 2 && t->size(1) == half,
+                "cos/sin caches must be contiguous float32 [max_position, head_dim / 2]");
+  }
+  const int64_t max_position = cos_cache.size(0);
+  const int64_t q_heads = q.size(1) / head_dim, k_heads = k.size(1) / head_dim;
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const float *cos_base = cos_cache.data_ptr<float>(), *sin_base = sin_cache.data_ptr<float>();
+  dispatch(q, [&](auto tag) {
+    using T = decltype(tag);
+    T *qp = q.data_ptr<T>(), *kp = k.data_ptr<T>();
+    const int64_t q_stride = q.stride(0), k_stride = k.stride(0);
+    at::parallel_for(0, tokens, grain((q_heads + k_heads) * head_dim), [&](int64_t b, int64_t e) {
+      for (int64_t t = b; t < e; ++t) {
+        TORCH_CHECK(pos[t] >= 0 && pos[t] < max_position, "position ", pos[t], " out of range");
+        for (int64_t j = 0; j < half; j += W) {
+          const int64_t count = std::min(W, half - j);
+          const fVec cos = round_to<T>(fVec::loadu(cos_base + pos[t] * half + j, count));
+          const fVec sin = round_to<T>(fVec::loadu(sin_base + pos[t] * half + j, count));
+          rotate_heads(qp + t * q_stride, q_heads, head_dim, j, count, cos, sin);
+          rotate_heads(kp + t * k_stride, k_heads, head_dim, j, count, cos, sin);
+        }
+      }
+    });
+  });
+}
+
+// x = [gate; up] along the last dimension -> T(T(silu(gate)) * up). Like torch's silu, the
+// vector exp covers whole blocks of two vectors of T and std::exp the rest of a row.
+torch::Tensor silu_and_mul(const torch::Tensor& x) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.size(-1) % 2 == 0, "x must have an even last dimension");
+  const int64_t d = x.size(-1) / 2;
+  auto sizes = x.sizes().vec();
+  sizes.back() = d;
+  auto out = torch::empty(sizes, x.options());
+  const int64_t rows = d == 0 ? 0 : out.numel() / d;
+  dispatch(x, [&](auto tag) {
+    using T = decltype(tag);
+    const Rows<T> in(x), result(out);
+    const int64_t vector_end = d - d % (2 * at::vec::Vectorized<T>::size());
+    at::parallel_for(0, rows, grain(2 * d), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const T *gate = in[r], *up = gate + d;
+        T* o = result[r];
+        for (int64_t i = 0; i < vector_end; i += W) {
+          const fVec g = vload(gate + i);
+          const fVec silu = round_to<T>(g / (fVec(1.0f) + g.neg().exp()));
+          vstore(o + i, silu * vload(up + i));
+        }
+        for (int64_t i = vector_end; i < d; ++i) {
+          const float g = float(gate[i]);
+          const T silu = T(g / (1.0f + std::exp(-g)));
+          o[i] = T(float(silu) * float(up[i]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm, "weight * norm(x) in a new tensor", py::arg("x"),
+        py::arg("weight"), py::arg("eps"));
+  m.def("add_rms_norm", &add_rms_norm, "sum = x + residual; out = weight * norm(sum)",
+        py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"), py::arg("out"),
+        py::arg("sum"));
+  m.def("rotary_embedding", &rotary_embedding, "neox rotary of q and k, in place",
+        py::arg("positions"), py::arg("q"), py::arg("k"), py::arg("cos_cache"),
+        py::arg("sin_cache"), py::arg("head_dim"));
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for x = [gate; up]", py::arg("x"));
+}
