@@ -29,19 +29,24 @@ HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 576, 9, 3, 64, 1536
 DTYPE = torch.bfloat16
 
 
-def best_time(fn: Callable[[], object], runs: int, min_run_s: float = 0.05) -> float:
-    """Seconds per call: the best of `runs` runs of enough calls to last min_run_s."""
-    fn()
-    calls, start = 0, time.perf_counter()
-    while time.perf_counter() - start < min_run_s / 5:
+def best_times(fns: list[Callable[[], object]], runs: int, min_run_s: float) -> list[float]:
+    """Seconds per call of each fn: the best of `runs` runs of enough calls to last about
+    min_run_s, the fns taking turns (so that a busy spell on a shared box hits them alike)."""
+    calls = []
+    for fn in fns:
         fn()
-        calls += 1
-    best = float("inf")
-    for _ in range(runs):
-        start = time.perf_counter()
-        for _ in range(calls):
+        count, start = 0, time.perf_counter()
+        while count == 0 or time.perf_counter() - start < min_run_s:
             fn()
-        best = min(best, (time.perf_counter() - start) / calls)
+            count += 1
+        calls.append(count)
+    best = [float("inf")] * len(fns)
+    for _ in range(runs):
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            for _ in range(calls[i]):
+                fn()
+            best[i] = min(best[i], (time.perf_counter() - start) / calls[i])
     return best
 
 
@@ -87,11 +92,16 @@ def bench_ops(tokens_list: list[int], runs: int) -> None:
     print(f"{'op':<36}{'T':>6}{'torch us':>12}{'kernel us':>12}{'speedup':>9}")
     for tokens in tokens_list:
         for name, (torch_fn, kernel_fn) in op_cases(tokens).items():
-            t_torch, t_kernel = best_time(torch_fn, runs), best_time(kernel_fn, runs)
+            t_torch, t_kernel = best_times([torch_fn, kernel_fn], runs, min_run_s=0.02)
             print(
                 f"{name:<36}{tokens:>6}{t_torch * 1e6:>12.1f}{t_kernel * 1e6:>12.1f}"
                 f"{t_torch / t_kernel:>8.2f}x"
             )
+
+
+def with_kernels(enabled: str, fn: Callable[[], object]) -> object:
+    os.environ["SPLITSERVE_CPU_KERNELS"] = enabled  # read on every call of the layers
+    return fn()
 
 
 @torch.inference_mode()
@@ -104,21 +114,19 @@ def bench_model(model_path: str, tokens_list: list[int], runs: int) -> None:
     for tokens in tokens_list:
         input_ids = torch.randint(0, model.config.vocab_size, (tokens,))
         forward = partial(model, input_ids, torch.arange(tokens))
-        times = {}
-        for enabled in ("0", "1"):
-            os.environ["SPLITSERVE_CPU_KERNELS"] = enabled
-            times[enabled] = best_time(forward, runs, min_run_s=0)
+        runs_of = [partial(with_kernels, enabled, forward) for enabled in ("0", "1")]
+        t_torch, t_kernels = best_times(runs_of, runs, min_run_s=0)
         os.environ.pop("SPLITSERVE_CPU_KERNELS")
-        print(f"{tokens:>6}{times['0']:>10.3f}{times['1']:>11.3f}{times['0'] / times['1']:>8.2f}x")
+        print(f"{tokens:>6}{t_torch:>10.3f}{t_kernels:>11.3f}{t_torch / t_kernels:>8.2f}x")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokens", type=int, nargs="+", default=[256, 8192])
-    parser.add_argument("--runs", type=int, default=7, help="best of this many runs")
+    parser.add_argument("--runs", type=int, default=15, help="best of this many runs")
     parser.add_argument("--model", help="also time whole forward passes of this HF folder")
-    parser.add_argument("--model-runs", type=int, default=2)
+    parser.add_argument("--model-runs", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if cpu_kernels(torch.device("cpu"), DTYPE) is None:

@@ -7,8 +7,8 @@
 // Tensors are 1-3 dimensional with a contiguous last dimension (rows may be strided).
 
 // ATen's vector types take their instruction set from CPU_CAPABILITY_*. The build is
-// -march=native, so pick the one torch's runtime dispatch picks on this CPU: the same
-// vector width (hence the same summation order) and the same exp.
+// -march=native, so pick the one torch's runtime dispatch picks on this CPU for SiLU: the
+// same vector width (where its vector part ends) and the same exp.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
     defined(__AVX512DQ__)
 #define CPU_CAPABILITY_AVX512
@@ -71,7 +71,7 @@ fVec round_to(const fVec& v) {
   }
 }
 
-// The element `i` of `count` rows [rows0, rows1, n], each row at base + i0 * s0 + i1 * s1.
+// Row r of a tensor [n], [rows0, n] or [rows0, rows1, n] whose rows may be strided.
 template <typename T>
 struct Rows {
   T* base;
@@ -106,90 +106,91 @@ void dispatch(const torch::Tensor& t, const F& f) {
   }
 }
 
-// The sum of load(i), i < size, in the order of torch's row_sum (ATen SumKernel.cpp): four
-// interleaved accumulators, each a cascade of levels of 2^power terms.
-template <typename Acc, typename Load>
-Acc row_sum(int64_t size, const Load& load) {
-  constexpr int64_t ilp = 4, levels = 4;
-  const int64_t rows = size / ilp;
-  const int64_t ceil_log2 = rows <= 2 ? 1 : 64 - __builtin_clzll(uint64_t(rows - 1));
-  const int64_t power = std::max<int64_t>(4, ceil_log2 / levels);
-  const int64_t step = int64_t(1) << power, mask = step - 1;
-  Acc acc[levels][ilp] = {};
-  int64_t i = 0;
-  while (i + step <= rows) {
-    for (int64_t j = 0; j < step; ++j, ++i) {
-      for (int64_t k = 0; k < ilp; ++k) {
-        acc[0][k] = acc[0][k] + load(i * ilp + k);
-      }
-    }
-    for (int64_t j = 1; j < levels; ++j) {
-      for (int64_t k = 0; k < ilp; ++k) {
-        acc[j][k] = acc[j][k] + acc[j - 1][k];
-        acc[j - 1][k] = Acc{};
-      }
-      if ((i & (mask << (j * power))) != 0) {
-        break;
-      }
-    }
-  }
-  for (; i < rows; ++i) {
-    for (int64_t k = 0; k < ilp; ++k) {
-      acc[0][k] = acc[0][k] + load(i * ilp + k);
-    }
-  }
-  for (int64_t j = 1; j < levels; ++j) {
-    for (int64_t k = 0; k < ilp; ++k) {
-      acc[0][k] = acc[0][k] + acc[j][k];
-    }
-  }
-  for (int64_t r = rows * ilp; r < size; ++r) {
-    acc[0][0] = acc[0][0] + load(r);
-  }
-  for (int64_t k = 1; k < ilp; ++k) {
-    acc[0][0] = acc[0][0] + acc[0][k];
-  }
-  return acc[0][0];
-}
+// sum(x^2) as torch computes `x.float().pow(2).sum(-1)` (ATen SumKernel.cpp), so that the
+// variance, and the norm, agree bitwise with the torch code. torch reads the row as vectors
+// of 8 lanes (the width of its AVX2 kernel, which it runs on AVX512 CPUs too, and of its
+// default one), four at a time into four accumulators; here those four are one Block of
+// 32 lanes. Accumulators cascade over levels of 2^power blocks; the vectors left over go
+// into the first accumulator, the elements left over and then the 8 lanes into the total.
+// A float32 square is fenced, as torch stores it: else an FMA could fuse it into the sum
+// (the square of a bf16 or fp16 value is exact, so fusing would not change that sum).
+constexpr int64_t kLanes = 8, kBlock = 4 * kLanes;
 
-// torch sums a float32 row with vectors of 8 lanes: its AVX2 reduction kernel (which it
-// runs on AVX512 CPUs too) and its default one have that width.
-constexpr int64_t kSumLanes = 8;
-
-struct Lanes {
-  float v[kSumLanes] = {};
-  Lanes operator+(const Lanes& other) const {
-    Lanes sum;
-    for (int64_t l = 0; l < kSumLanes; ++l) {
-      sum.v[l] = v[l] + other.v[l];
+struct Block {
+  fVec v[kBlock / W];
+  Block operator+(const Block& other) const {
+    Block sum;
+    for (int64_t i = 0; i < kBlock / W; ++i) {
+      sum.v[i] = v[i] + other.v[i];
     }
     return sum;
   }
 };
 
-// sum(x^2) as `x.float().pow(2).sum(-1)` computes it, so that the variance, and the norm,
-// agree bitwise with the torch code. The squares are fenced as torch stores them: else an
-// FMA could fuse a float32 square into the sum.
 template <typename T>
 float sum_of_squares(const T* x, int64_t n) {
-  auto square = [](float v) { return v * v; };
-  if (n < kSumLanes) {
-    return row_sum<float>(n, [&](int64_t i) { return fence(square(float(x[i]))); });
-  }
-  const int64_t vecs = n / kSumLanes;
-  const Lanes partial = row_sum<Lanes>(vecs, [&](int64_t i) {
-    Lanes squares;
-    for (int64_t l = 0; l < kSumLanes; ++l) {
-      squares.v[l] = square(float(x[i * kSumLanes + l]));
-    }
-    return fence(squares);
-  });
+  auto square = [](float v) { return fence(v * v); };
   float total = 0;
-  for (int64_t i = vecs * kSumLanes; i < n; ++i) {
-    total = total + fence(square(float(x[i])));
+  if (n < kLanes) {  // torch's scalar path: four accumulators, then the rest into the first
+    float acc[4] = {};
+    const int64_t full = n / 4 * 4;
+    for (int64_t i = 0; i < full; ++i) {
+      acc[i % 4] = acc[i % 4] + square(float(x[i]));
+    }
+    for (int64_t i = full; i < n; ++i) {
+      acc[0] = acc[0] + square(float(x[i]));
+    }
+    return ((acc[0] + acc[1]) + acc[2]) + acc[3];
   }
-  for (float lane : partial.v) {
-    total = total + lane;
+  const int64_t vectors = n / kLanes, blocks = vectors / 4;
+  const int64_t ceil_log2 = blocks <= 2 ? 1 : 64 - __builtin_clzll(uint64_t(blocks - 1));
+  const int64_t power = std::max<int64_t>(4, ceil_log2 / 4);
+  const int64_t step = int64_t(1) << power, mask = step - 1;
+  auto load = [&](int64_t block) {
+    Block squares;
+    for (int64_t i = 0; i < kBlock / W; ++i) {
+      const fVec v = vload(x + block * kBlock + i * W);
+      squares.v[i] = std::is_same_v<T, float> ? fence(v * v) : v * v;
+    }
+    return squares;
+  };
+  Block acc[4] = {};  // the levels
+  int64_t b = 0;
+  while (b + step <= blocks) {
+    for (int64_t j = 0; j < step; ++j, ++b) {
+      acc[0] = acc[0] + load(b);
+    }
+    for (int64_t level = 1; level < 4; ++level) {
+      acc[level] = acc[level] + acc[level - 1];
+      acc[level - 1] = Block{};
+      if ((b & (mask << (level * power))) != 0) {
+        break;
+      }
+    }
+  }
+  for (; b < blocks; ++b) {
+    acc[0] = acc[0] + load(b);
+  }
+  for (int64_t level = 1; level < 4; ++level) {
+    acc[0] = acc[0] + acc[level];
+  }
+  float lanes[kBlock];
+  for (int64_t i = 0; i < kBlock / W; ++i) {
+    acc[0].v[i].store(lanes + i * W);
+  }
+  for (int64_t i = blocks * kBlock; i < vectors * kLanes; ++i) {
+    lanes[i % kLanes] = lanes[i % kLanes] + square(float(x[i]));
+  }
+  for (int64_t k = 1; k < 4; ++k) {
+    for (int64_t l = 0; l < kLanes; ++l) {
+      lanes[l] = lanes[l] + lanes[k * kLanes + l];
+    }
+  }
+  for (int64_t i = vectors * kLanes; i < n; ++i) {
+    total = total + square(float(x[i]));
+  }
+  for (int64_t l = 0; l < kLanes; ++l) {
+    total = total + lanes[l];
   }
   return total;
 }
@@ -208,8 +209,9 @@ void norm_row(const T* x, const T* weight, T* out, int64_t n, float eps) {
 
 void check_weight(const torch::Tensor& x, const torch::Tensor& weight) {
   check_rows(x, "x");
-  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.size(0) == x.size(-1),
-              "weight must be contiguous [hidden]");
+  TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 1 && weight.is_contiguous() &&
+                  weight.size(0) == x.size(-1),
+              "weight must be a contiguous CPU tensor [hidden]");
   TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "weight and x differ in dtype");
 }
 
@@ -279,12 +281,13 @@ void rotate_heads(T* x, int64_t heads, int64_t head_dim, int64_t j, int64_t coun
 
 // Rotates q [T, heads * head_dim] and k [T, kv_heads * head_dim] in place by the float32
 // cos/sin caches [max_position, head_dim / 2] at positions [T] (cos/sin rounded to T first).
-void rotary_embedding(const torch::Tensor& positions, const torch::Tensor& q, const torch::Tensor& k,
-                      const torch::Tensor& cos_cache, const torch::Tensor& sin_cache,
-                      int64_t head_dim) {
+void rotary_embedding(const torch::Tensor& positions, const torch::Tensor& q,
+                      const torch::Tensor& k, const torch::Tensor& cos_cache,
+                      const torch::Tensor& sin_cache, int64_t head_dim) {
   TORCH_CHECK(positions.device().is_cpu() && positions.dim() == 1 &&
                   positions.scalar_type() == at::kLong && positions.is_contiguous(),
               "positions must be a contiguous int64 CPU vector");
+  TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0, "head_dim must be even");
   const int64_t tokens = positions.size(0), half = head_dim / 2;
   for (const auto* t : {&q, &k}) {
     check_rows(*t, "q and k");
@@ -294,8 +297,8 @@ void rotary_embedding(const torch::Tensor& positions, const torch::Tensor& q, co
     TORCH_CHECK(t->scalar_type() == q.scalar_type(), "q and k differ in dtype");
   }
   for (const auto* t : {&cos_cache, &sin_cache}) {
-    TORCH_CHECK(head_dim % 2 == 0 && t->device().is_cpu() && t->scalar_type() == at::kFloat &&
-                    t->is_contiguous() && t->dim() == 2 && t->size(1) == half,
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous() &&
+                    t->dim() == 2 && t->size(1) == half,
                 "cos/sin caches must be contiguous float32 [max_position, head_dim / 2]");
   }
   const int64_t max_position = cos_cache.size(0);
