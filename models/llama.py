@@ -145,9 +145,11 @@ class LlamaDecoderLayer(nn.Module):
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+            hidden_states, residual = self.input_layernorm(hidden_states, residual, in_place=True)
         hidden_states = self.self_attn(hidden_states, rotate)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        hidden_states, residual = self.post_attention_layernorm(
+            hidden_states, residual, in_place=True
+        )
         return self.mlp(hidden_states), residual
 
 
@@ -171,7 +173,7 @@ class LlamaModel(nn.Module):
         residual = None
         for layer in self.layers:
             hidden_states, residual = layer(hidden_states, residual, rotate)
-        hidden_states, _ = self.norm(hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual, in_place=True)
         return hidden_states
 
 

@@ -29,27 +29,44 @@ namespace {
 
 using fVec = at::vec::Vectorized<float>;
 constexpr int64_t W = fVec::size();
+// Elements per step: one whole vector of bf16/fp16 (partial vector stores cannot forward
+// to the loads that follow them, which costs a stall), two of float32.
+constexpr int64_t kStep = 2 * W;
 
 // Rows of about this many elements or more go to separate threads.
 int64_t grain(int64_t row_elements) {
   return std::max<int64_t>(1, 16384 / std::max<int64_t>(1, row_elements));
 }
 
+// kStep values in float32.
+struct Floats {
+  fVec lo, hi;
+  Floats(float v = 0.0f) : lo(v), hi(v) {}
+  Floats(const fVec& lo, const fVec& hi) : lo(lo), hi(hi) {}
+};
+
+Floats operator+(const Floats& a, const Floats& b) { return {a.lo + b.lo, a.hi + b.hi}; }
+Floats operator-(const Floats& a, const Floats& b) { return {a.lo - b.lo, a.hi - b.hi}; }
+Floats operator*(const Floats& a, const Floats& b) { return {a.lo * b.lo, a.hi * b.hi}; }
+
 template <typename T>
-fVec vload(const T* p, int64_t count = W) {
+Floats vload(const T* p, int64_t count = kStep) {
   if constexpr (std::is_same_v<T, float>) {
-    return fVec::loadu(p, count);
+    const int64_t rest = std::max<int64_t>(count - W, 0);
+    return {fVec::loadu(p, std::min(count, W)), fVec::loadu(p + W, rest)};
   } else {
-    return std::get<0>(at::vec::convert_to_float<T>(at::vec::Vectorized<T>::loadu(p, count)));
+    auto [lo, hi] = at::vec::convert_to_float<T>(at::vec::Vectorized<T>::loadu(p, count));
+    return {lo, hi};
   }
 }
 
 template <typename T>
-void vstore(T* p, const fVec& v, int64_t count = W) {
+void vstore(T* p, const Floats& v, int64_t count = kStep) {
   if constexpr (std::is_same_v<T, float>) {
-    v.store(p, count);
+    v.lo.store(p, std::min(count, W));
+    v.hi.store(p + W, std::max<int64_t>(count - W, 0));
   } else {
-    at::vec::convert_from_float<T>(v, v).store(p, count);
+    at::vec::convert_from_float<T>(v.lo, v.hi).store(p, count);
   }
 }
 
@@ -63,11 +80,12 @@ V fence(V v) {
 
 // v as torch would hold it in a tensor of dtype T (rounded to nearest even).
 template <typename T>
-fVec round_to(const fVec& v) {
+Floats round_to(const Floats& v) {
   if constexpr (std::is_same_v<T, float>) {
     return fence(v);
   } else {
-    return std::get<0>(at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(v, v)));
+    auto [lo, hi] = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(v.lo, v.hi));
+    return {lo, hi};
   }
 }
 
@@ -116,11 +134,13 @@ void dispatch(const torch::Tensor& t, const F& f) {
 // (the square of a bf16 or fp16 value is exact, so fusing would not change that sum).
 constexpr int64_t kLanes = 8, kBlock = 4 * kLanes;
 
+static_assert(kBlock % kStep == 0, "a block is whole steps");
+
 struct Block {
-  fVec v[kBlock / W];
+  Floats v[kBlock / kStep];
   Block operator+(const Block& other) const {
     Block sum;
-    for (int64_t i = 0; i < kBlock / W; ++i) {
+    for (int64_t i = 0; i < kBlock / kStep; ++i) {
       sum.v[i] = v[i] + other.v[i];
     }
     return sum;
@@ -148,8 +168,8 @@ float sum_of_squares(const T* x, int64_t n) {
   const int64_t step = int64_t(1) << power, mask = step - 1;
   auto load = [&](int64_t block) {
     Block squares;
-    for (int64_t i = 0; i < kBlock / W; ++i) {
-      const fVec v = vload(x + block * kBlock + i * W);
+    for (int64_t i = 0; i < kBlock / kStep; ++i) {
+      const Floats v = vload(x + block * kBlock + i * kStep);
       squares.v[i] = std::is_same_v<T, float> ? fence(v * v) : v * v;
     }
     return squares;
@@ -175,8 +195,8 @@ float sum_of_squares(const T* x, int64_t n) {
     acc[0] = acc[0] + acc[level];
   }
   float lanes[kBlock];
-  for (int64_t i = 0; i < kBlock / W; ++i) {
-    acc[0].v[i].store(lanes + i * W);
+  for (int64_t i = 0; i < kBlock / kStep; ++i) {
+    vstore(lanes + i * kStep, acc[0].v[i]);
   }
   for (int64_t i = blocks * kBlock; i < vectors * kLanes; ++i) {
     lanes[i % kLanes] = lanes[i % kLanes] + square(float(x[i]));
@@ -199,10 +219,10 @@ float sum_of_squares(const T* x, int64_t n) {
 template <typename T>
 void norm_row(const T* x, const T* weight, T* out, int64_t n, float eps) {
   const float variance = sum_of_squares(x, n) / float(n);
-  const fVec scale(1.0f / std::sqrt(variance + eps));
-  for (int64_t i = 0; i < n; i += W) {
-    const int64_t count = std::min(W, n - i);
-    const fVec normed = round_to<T>(vload(x + i, count) * scale);
+  const Floats scale(1.0f / std::sqrt(variance + eps));
+  for (int64_t i = 0; i < n; i += kStep) {
+    const int64_t count = std::min(kStep, n - i);
+    const Floats normed = round_to<T>(vload(x + i, count) * scale);
     vstore(out + i, vload(weight + i, count) * normed, count);
   }
 }
@@ -254,8 +274,8 @@ void add_rms_norm(const torch::Tensor& x, const torch::Tensor& residual,
       for (int64_t r = begin; r < end; ++r) {
         const T *a = xs[r], *b = res[r];
         T* s = sums[r];
-        for (int64_t i = 0; i < n; i += W) {
-          const int64_t count = std::min(W, n - i);
+        for (int64_t i = 0; i < n; i += kStep) {
+          const int64_t count = std::min(kStep, n - i);
           vstore(s + i, vload(a + i, count) + vload(b + i, count), count);
         }
         norm_row(s, w, outs[r], n, float(eps));
@@ -268,12 +288,12 @@ void add_rms_norm(const torch::Tensor& x, const torch::Tensor& residual,
 // over lanes [j, j + count) of each half, every product and sum rounded to T as torch does.
 template <typename T>
 void rotate_heads(T* x, int64_t heads, int64_t head_dim, int64_t j, int64_t count,
-                  const fVec& cos, const fVec& sin) {
+                  const Floats& cos, const Floats& sin) {
   const int64_t half = head_dim / 2;
   for (int64_t h = 0; h < heads; ++h) {
     T* x1 = x + h * head_dim + j;
     T* x2 = x1 + half;
-    const fVec a = vload(x1, count), b = vload(x2, count);
+    const Floats a = vload(x1, count), b = vload(x2, count);
     vstore(x1, round_to<T>(a * cos) - round_to<T>(b * sin), count);
     vstore(x2, round_to<T>(b * cos) + round_to<T>(a * sin), count);
   }
@@ -312,10 +332,10 @@ void rotary_embedding(const torch::Tensor& positions, const torch::Tensor& q,
     at::parallel_for(0, tokens, grain((q_heads + k_heads) * head_dim), [&](int64_t b, int64_t e) {
       for (int64_t t = b; t < e; ++t) {
         TORCH_CHECK(pos[t] >= 0 && pos[t] < max_position, "position ", pos[t], " out of range");
-        for (int64_t j = 0; j < half; j += W) {
-          const int64_t count = std::min(W, half - j);
-          const fVec cos = round_to<T>(fVec::loadu(cos_base + pos[t] * half + j, count));
-          const fVec sin = round_to<T>(fVec::loadu(sin_base + pos[t] * half + j, count));
+        for (int64_t j = 0; j < half; j += kStep) {
+          const int64_t count = std::min(kStep, half - j);
+          const Floats cos = round_to<T>(vload(cos_base + pos[t] * half + j, count));
+          const Floats sin = round_to<T>(vload(sin_base + pos[t] * half + j, count));
           rotate_heads(qp + t * q_stride, q_heads, head_dim, j, count, cos, sin);
           rotate_heads(kp + t * k_stride, k_heads, head_dim, j, count, cos, sin);
         }
@@ -326,6 +346,8 @@ void rotary_embedding(const torch::Tensor& positions, const torch::Tensor& q,
 
 // x = [gate; up] along the last dimension -> T(T(silu(gate)) * up). Like torch's silu, the
 // vector exp covers whole blocks of two vectors of T and std::exp the rest of a row.
+fVec silu_of(const fVec& g) { return g / (fVec(1.0f) + g.neg().exp()); }
+
 torch::Tensor silu_and_mul(const torch::Tensor& x) {
   check_rows(x, "x");
   TORCH_CHECK(x.size(-1) % 2 == 0, "x must have an even last dimension");
@@ -342,9 +364,9 @@ torch::Tensor silu_and_mul(const torch::Tensor& x) {
       for (int64_t r = begin; r < end; ++r) {
         const T *gate = in[r], *up = gate + d;
         T* o = result[r];
-        for (int64_t i = 0; i < vector_end; i += W) {
-          const fVec g = vload(gate + i);
-          const fVec silu = round_to<T>(g / (fVec(1.0f) + g.neg().exp()));
+        for (int64_t i = 0; i < vector_end; i += kStep) {
+          const Floats g = vload(gate + i);
+          const Floats silu = round_to<T>({silu_of(g.lo), silu_of(g.hi)});
           vstore(o + i, silu * vload(up + i));
         }
         for (int64_t i = vector_end; i < d; ++i) {

@@ -26,16 +26,21 @@ class RMSNorm(nn.Module):
         set_weight_attrs(self.weight, {"weight_loader": default_weight_loader})
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, *, in_place: bool = False
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """norm(x), or with `residual`: (norm(x + residual), x + residual)."""
+        """norm(x), or with `residual`: (norm(x + residual), x + residual). With in_place,
+        the kernel writes these two into x and residual and returns them (as vLLM's
+        fused_add_rms_norm): the caller gives both up."""
         ops = self._kernels(x) if residual is None else self._kernels(x, residual)
         if ops is None:
             return self.forward_torch(x, residual)
         if residual is None:
             return ops.rms_norm(x, self.weight, self.variance_epsilon)
-        out = torch.empty_like(x, memory_format=torch.contiguous_format)
-        total = torch.empty_like(out)
+        if in_place:
+            out, total = x, residual
+        else:
+            out = torch.empty_like(x, memory_format=torch.contiguous_format)
+            total = torch.empty_like(out)
         ops.add_rms_norm(x, residual, self.weight, self.variance_epsilon, out, total)
         return out, total
 

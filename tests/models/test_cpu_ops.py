@@ -175,6 +175,17 @@ def test_layers_use_the_kernels_and_fall_back(spy, monkeypatch, disable):
         assert_same(a, b)
 
 
+def test_rms_norm_in_place_writes_into_its_inputs(spy):
+    norm = make_norm(576, torch.bfloat16)
+    x, residual = torch.randn(333, 576, dtype=torch.bfloat16), torch.randn(333, 576).bfloat16()
+    expected_out, expected_sum = norm.forward_torch(x, residual)
+    out, total = norm(x, residual, in_place=True)
+    assert spy == ["add_rms_norm"]
+    assert out is x and total is residual
+    assert_same(out, expected_out)
+    assert_same(total, expected_sum)
+
+
 def test_layers_fall_back_on_tensors_the_kernels_do_not_take(spy):
     norm = make_norm(8, torch.float32)
     x = torch.randn(8, 6).t()  # last dim not contiguous
