@@ -4,12 +4,14 @@
 
 Times each op at SmolLM2-135M's shapes (hidden 576, 9 heads, 3 kv heads, head_dim 64,
 intermediate 1536, bf16), torch path and kernel in the same process, best of several
-runs; then, with --model, a whole forward pass (a prefill of T tokens, no KV cache) with
-the kernels off (SPLITSERVE_CPU_KERNELS=0) and on.
+runs; then, with --model, steps of the in-process engine (a prefill step of 8,192 tokens,
+decode steps with 256 requests running) with the kernels off (SPLITSERVE_CPU_KERNELS=0)
+and on, taking turns.
 """
 
 import argparse
 import os
+import random
 import sys
 import time
 from collections.abc import Callable
@@ -67,14 +69,13 @@ def op_cases(tokens: int) -> dict[str, tuple[Callable[[], object], Callable[[], 
     cos, sin = rope.get_cos_sin(positions, DTYPE)
     gate_up = torch.randn(tokens, 2 * INTERMEDIATE, dtype=DTYPE)
     act = SiluAndMul()
-    out, total = torch.empty_like(x), torch.empty_like(x)
-    eps = norm.variance_epsilon
+    x_own, residual_own = x.clone(), residual.clone()  # for the in-place kernel to overwrite
     return {
         "rms_norm": (lambda: norm.forward_torch(x), lambda: norm(x)),
         "add_rms_norm": (lambda: norm.forward_torch(x, residual), lambda: norm(x, residual)),
-        "add_rms_norm (into given outputs)": (
+        "add_rms_norm, in place": (
             lambda: norm.forward_torch(x, residual),
-            lambda: ops.add_rms_norm(x, residual, norm.weight, eps, out, total),
+            lambda: norm(x_own, residual_own, in_place=True),
         ),
         "q_norm per head (Qwen3)": (
             lambda: head_norm.forward_torch(heads),
@@ -88,15 +89,16 @@ def op_cases(tokens: int) -> dict[str, tuple[Callable[[], object], Callable[[], 
     }
 
 
+def report(name: str, t_torch: float, t_kernel: float) -> None:
+    print(f"{name}{t_torch:>12.3f}{t_kernel:>12.3f}{t_torch / t_kernel:>8.2f}x")
+
+
 def bench_ops(tokens_list: list[int], runs: int) -> None:
     print(f"{'op':<36}{'T':>6}{'torch us':>12}{'kernel us':>12}{'speedup':>9}")
     for tokens in tokens_list:
         for name, (torch_fn, kernel_fn) in op_cases(tokens).items():
             t_torch, t_kernel = best_times([torch_fn, kernel_fn], runs, min_run_s=0.02)
-            print(
-                f"{name:<36}{tokens:>6}{t_torch * 1e6:>12.1f}{t_kernel * 1e6:>12.1f}"
-                f"{t_torch / t_kernel:>8.2f}x"
-            )
+            report(f"{name:<36}{tokens:>6}", t_torch * 1e6, t_kernel * 1e6)
 
 
 def with_kernels(enabled: str, fn: Callable[[], object]) -> object:
@@ -104,20 +106,45 @@ def with_kernels(enabled: str, fn: Callable[[], object]) -> object:
     return fn()
 
 
-@torch.inference_mode()
-def bench_model(model_path: str, tokens_list: list[int], runs: int) -> None:
-    from models import load_model
+def bench_engine(model_path: str, runs: int) -> None:
+    """Steps of the in-process engine (bf16, prefix caching off), the kernels off and on
+    taking turns: a prefill step of 8 prompts of 1024 tokens, and decode steps with 256
+    requests running."""
+    from ipc.messages import EngineCoreRequest, SamplingParams
+    from splitserve import LLM
 
-    model = load_model(model_path, DTYPE)
-    print(f"\nwhole forward, {Path(model_path).name}, bf16 (a prefill of T tokens, no KV cache)")
-    print(f"{'T':>6}{'torch s':>10}{'kernels s':>11}{'speedup':>9}")
-    for tokens in tokens_list:
-        input_ids = torch.randint(0, model.config.vocab_size, (tokens,))
-        forward = partial(model, input_ids, torch.arange(tokens))
-        runs_of = [partial(with_kernels, enabled, forward) for enabled in ("0", "1")]
-        t_torch, t_kernels = best_times(runs_of, runs, min_run_s=0)
-        os.environ.pop("SPLITSERVE_CPU_KERNELS")
-        print(f"{tokens:>6}{t_torch:>10.3f}{t_kernels:>11.3f}{t_torch / t_kernels:>8.2f}x")
+    engine = LLM(
+        model_path,
+        dtype="bfloat16",
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        max_model_len=2048,
+        enable_prefix_caching=False,
+        kv_cache_memory=2 << 30,
+    ).engine
+    rng, ids = random.Random(0), iter(range(1 << 30))
+
+    def add(num_prompts: int, length: int, max_tokens: int) -> None:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        for _ in range(num_prompts):
+            prompt = [rng.randrange(10_000) for _ in range(length)]
+            engine.add_request(EngineCoreRequest(str(next(ids)), prompt, params, time.time()))
+
+    def prefill() -> None:
+        add(8, 1024, 1)
+        while engine.has_unfinished_requests():
+            engine.step()
+
+    print(f"\nengine steps, {Path(model_path).name}, bf16, in process")
+    print(f"{'step':<42}{'torch s':>12}{'kernels s':>12}{'speedup':>9}")
+    times = best_times([partial(with_kernels, enabled, prefill) for enabled in "01"], runs, 0)
+    report(f"{'prefill, 8 x 1024 tokens':<42}", *times)
+    add(256, 32, 8 + 4 * runs)
+    engine.step()  # their prefill
+    steps = [partial(with_kernels, enabled, engine.step) for enabled in "01"]
+    report(f"{'decode, 256 running':<42}", *best_times(steps, 2 * runs, 0))
+    os.environ.pop("SPLITSERVE_CPU_KERNELS")
+    engine.shutdown()
 
 
 def main() -> None:
@@ -125,7 +152,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokens", type=int, nargs="+", default=[256, 8192])
     parser.add_argument("--runs", type=int, default=15, help="best of this many runs")
-    parser.add_argument("--model", help="also time whole forward passes of this HF folder")
+    parser.add_argument("--model", help="also time engine steps of this HF folder")
     parser.add_argument("--model-runs", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -134,7 +161,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {DTYPE}")
     bench_ops(args.tokens, args.runs)
     if args.model:
-        bench_model(args.model, args.tokens, args.model_runs)
+        bench_engine(args.model, args.model_runs)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ constexpr int64_t W = fVec::size();
 // Elements per step: one whole vector of bf16/fp16 (partial vector stores cannot forward
 // to the loads that follow them, which costs a stall), two of float32.
 constexpr int64_t kStep = 2 * W;
+static_assert(at::vec::Vectorized<at::BFloat16>::size() == kStep, "a bf16 vector is a step");
 
 // Rows of about this many elements or more go to separate threads.
 int64_t grain(int64_t row_elements) {
@@ -150,7 +151,6 @@ struct Block {
 template <typename T>
 float sum_of_squares(const T* x, int64_t n) {
   auto square = [](float v) { return fence(v * v); };
-  float total = 0;
   if (n < kLanes) {  // torch's scalar path: four accumulators, then the rest into the first
     float acc[4] = {};
     const int64_t full = n / 4 * 4;
@@ -206,6 +206,7 @@ float sum_of_squares(const T* x, int64_t n) {
       lanes[l] = lanes[l] + lanes[k * kLanes + l];
     }
   }
+  float total = 0;
   for (int64_t i = vectors * kLanes; i < n; ++i) {
     total = total + square(float(x[i]));
   }
