@@ -18,7 +18,7 @@ from models.layers.activation import get_act_and_mul
 from models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from models.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from models.layers.norm import RMSNorm
-from models.layers.rotary import RotaryEmbedding, apply_rotary, get_head_dim
+from models.layers.rotary import RotaryEmbedding, Rotator, get_head_dim
 from models.layers.utils import default_weight_loader
 
 
@@ -108,17 +108,14 @@ class LlamaAttention(nn.Module):
             prefix=f"{prefix}.attn",
         )
 
-    def forward(
-        self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, rotate: Rotator) -> torch.Tensor:
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm:
             n = q.shape[0]
             q = self.q_norm(q.reshape(n, self.num_heads, self.head_dim)).reshape(n, self.q_size)
             k = self.k_norm(k.reshape(n, self.num_kv_heads, self.head_dim)).reshape(n, self.kv_size)
-        q = apply_rotary(q, cos, sin, self.head_dim)
-        k = apply_rotary(k, cos, sin, self.head_dim)
+        q, k = rotate(q, k)
         return self.o_proj(self.attn(q, k, v))
 
 
@@ -142,16 +139,17 @@ class LlamaDecoderLayer(nn.Module):
         self,
         hidden_states: torch.Tensor,
         residual: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rotate: Rotator,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(hidden_states, cos, sin)
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+            hidden_states, residual = self.input_layernorm(hidden_states, residual, in_place=True)
+        hidden_states = self.self_attn(hidden_states, rotate)
+        hidden_states, residual = self.post_attention_layernorm(
+            hidden_states, residual, in_place=True
+        )
         return self.mlp(hidden_states), residual
 
 
@@ -171,11 +169,11 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb.get_cos_sin(positions, hidden_states.dtype)
+        rotate = self.rotary_emb.rotator(positions, hidden_states.dtype)
         residual = None
         for layer in self.layers:
-            hidden_states, residual = layer(hidden_states, residual, cos, sin)
-        hidden_states, _ = self.norm(hidden_states, residual)
+            hidden_states, residual = layer(hidden_states, residual, rotate)
+        hidden_states, _ = self.norm(hidden_states, residual, in_place=True)
         return hidden_states
 
 

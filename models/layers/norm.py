@@ -1,10 +1,17 @@
-"""RMSNorm, computed in float32 as transformers does, with a fused residual add."""
+"""RMSNorm, computed in float32 as transformers does, with a fused residual add.
+
+On CPU tensors the fused C++ kernel (cpu_ops.cpp) does it in one pass per row; the torch
+code is the fallback and the reference it matches bitwise.
+"""
 
 from __future__ import annotations
+
+from types import ModuleType
 
 import torch
 from torch import nn
 
+from models.layers.cpu_ops import cpu_kernels, fits_rows
 from models.layers.utils import default_weight_loader, new_parameter, set_weight_attrs
 
 
@@ -18,6 +25,33 @@ class RMSNorm(nn.Module):
             self.weight.fill_(1.0)
         set_weight_attrs(self.weight, {"weight_loader": default_weight_loader})
 
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, *, in_place: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x), or with `residual`: (norm(x + residual), x + residual). With in_place,
+        the kernel writes these two into x and residual and returns them (as vLLM's
+        fused_add_rms_norm): the caller gives both up."""
+        ops = self._kernels(x) if residual is None else self._kernels(x, residual)
+        if ops is None:
+            return self.forward_torch(x, residual)
+        if residual is None:
+            return ops.rms_norm(x, self.weight, self.variance_epsilon)
+        if in_place:
+            out, total = x, residual
+        else:
+            out = torch.empty_like(x, memory_format=torch.contiguous_format)
+            total = torch.empty_like(out)
+        ops.add_rms_norm(x, residual, self.weight, self.variance_epsilon, out, total)
+        return out, total
+
+    def forward_torch(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.to(torch.float32)
@@ -25,11 +59,11 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(variance + self.variance_epsilon)
         return self.weight * x.to(dtype)
 
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """norm(x), or with `residual`: (norm(x + residual), x + residual)."""
-        if residual is None:
-            return self._norm(x)
-        x = x + residual
-        return self._norm(x), x
+    def _kernels(self, x: torch.Tensor, *others: torch.Tensor) -> ModuleType | None:
+        """The CPU kernels when they take these tensors, else None."""
+        ops = cpu_kernels(x.device, x.dtype)
+        if ops is None or self.weight.dtype != x.dtype or not fits_rows(x):
+            return None
+        if any(t.shape != x.shape or t.dtype != x.dtype or not fits_rows(t) for t in others):
+            return None
+        return ops

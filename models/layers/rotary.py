@@ -3,19 +3,27 @@
 The inverse frequencies are computed as transformers computes them, for the rope types
 default, linear, llama3 and yarn, from `config.rope_parameters` (transformers 5) or
 `config.rope_scaling` + `config.rope_theta` (transformers 4). cos/sin for every position
-up to max_position_embeddings are cached in float32; a forward pass looks them up once
-(`get_cos_sin(positions)`) and every layer applies them with `apply_rotary`.
+up to max_position_embeddings are cached in float32. A forward pass asks once for
+`rotary_emb.rotator(positions, dtype)`, the function every layer applies to its q and k:
+the C++ kernel on CPU (cpu_ops.cpp, in place, both in one pass), else `apply_rotary` with
+cos/sin looked up once (`get_cos_sin`), the reference the kernel matches bitwise.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from models.layers.cpu_ops import cpu_kernels
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+# (q, k) -> (q, k) rotated; q [T, heads * head_dim], k [T, kv_heads * head_dim].
+Rotator = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def get_head_dim(config: Any) -> int:
@@ -146,6 +154,7 @@ class RotaryEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         assert inv_freq.shape == (head_dim // 2,), "inv_freq must have head_dim // 2 entries"
+        self.head_dim = head_dim
         device = torch.get_default_device()
         inv_freq = inv_freq.to(device=device, dtype=torch.float32)
         positions = torch.arange(max_position, device=device, dtype=torch.int64).float()
@@ -165,6 +174,26 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos_cache.index_select(0, positions).to(dtype).unsqueeze(1)
         sin = self.sin_cache.index_select(0, positions).to(dtype).unsqueeze(1)
         return cos, sin
+
+    def rotator(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotator:
+        """The rotation of q and k (of `dtype`) at positions [T], for every layer of a pass;
+        it may rotate them in place."""
+        head_dim = self.head_dim
+        ops = cpu_kernels(positions.device, dtype)
+        if ops is not None:
+            positions = positions.long()
+
+            def rotate(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                ops.rotary_embedding(positions, q, k, self.cos_cache, self.sin_cache, head_dim)
+                return q, k
+
+        else:
+            cos, sin = self.get_cos_sin(positions, dtype)
+
+            def rotate(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                return apply_rotary(q, cos, sin, head_dim), apply_rotary(k, cos, sin, head_dim)
+
+        return rotate
 
 
 def apply_rotary(
