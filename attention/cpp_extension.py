@@ -2,10 +2,11 @@
 
 Each kernel file lives beside the Python that calls it and is compiled the first time a
 process asks for it, with -O3 -march=native and OpenMP, into a folder under the user
-cache keyed by torch version and CPU flags (a native build never runs on another CPU);
-later processes load the cached library. When there is no compiler, the build fails, or
-SPLITSERVE_CPU_KERNELS=0, `load_cpp_extension` returns None after one warning and the
-caller falls back to its torch path.
+cache keyed by torch version, CPU flags (a native build never runs on another CPU) and
+the sources; later processes load the cached library. Kernels may include cpu_math.h.
+When there is no compiler, the build fails, or SPLITSERVE_CPU_KERNELS=0,
+`load_cpp_extension` returns None after one warning and the caller falls back to its
+torch path.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+SHARED_HEADER = Path(__file__).with_name("cpu_math.h")
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
 
 
@@ -52,11 +54,22 @@ def load_cpp_extension(name: str, *sources: Path) -> ModuleType | None:
     return _load(name, *sources) if cpu_kernels_enabled() else None
 
 
+def _sources_digest(sources: tuple[Path, ...]) -> str:
+    """Names a build by its sources' paths and contents (and the shared header's): ninja
+    rebuilds whenever a source path changes, so two checkouts sharing one folder would
+    rebuild each other's kernels on every switch."""
+    digest = hashlib.sha1()
+    for path in (*sources, SHARED_HEADER):
+        digest.update(str(Path(path).resolve()).encode())
+        digest.update(Path(path).read_bytes())
+    return digest.hexdigest()[:12]
+
+
 @cache
 def _load(name: str, *sources: Path) -> ModuleType | None:
     from torch.utils import cpp_extension
 
-    build_dir = build_root() / name
+    build_dir = build_root() / name / _sources_digest(sources)
     build_dir.mkdir(parents=True, exist_ok=True)
     # ninja may come from the venv's `ninja` wheel, whose bin folder need not be on PATH.
     venv_bin = str(Path(sys.executable).parent)
@@ -72,6 +85,7 @@ def _load(name: str, *sources: Path) -> ModuleType | None:
             name=name,
             sources=[str(s) for s in sources],
             extra_cflags=CFLAGS,
+            extra_include_paths=[str(SHARED_HEADER.parent)],
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
             verbose=False,

@@ -18,6 +18,8 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include "cpu_math.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -36,12 +38,7 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 inline float load(const float* p, int64_t i) { return p[i]; }
 
-inline float load(const uint16_t* p, int64_t i) {  // bfloat16: the top half of a float
-  uint32_t bits = uint32_t(p[i]) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+inline float load(const uint16_t* p, int64_t i) { return splitserve::bf16_to_float(p[i]); }
 
 inline uint32_t float_bits(float f) {
   uint32_t bits;
@@ -49,25 +46,7 @@ inline uint32_t float_bits(float f) {
   return bits;
 }
 
-// exp(y) for y <= 0, Cephes' expf (relative error ~1e-7), 0 below -87 and for -inf.
-// Branch-free, so the loops that call it vectorise (std::exp does not without
-// -ffast-math).
-inline float exp_nonpositive(float y) {
-  float yc = y < -87.0f ? -87.0f : y;
-  float n = std::floor(yc * 1.44269504088896341f + 0.5f);
-  float r = yc - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  uint32_t bits = uint32_t(int32_t(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return y < -87.0f ? 0.0f : p * scale;
-}
+using splitserve::exp_nonpositive;
 
 // A key in the order of the floats (NaN aside), and back.
 inline uint32_t order_key(float f) {

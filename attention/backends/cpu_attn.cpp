@@ -9,6 +9,8 @@
 // dynamically, since contexts differ in length.
 #include <torch/extension.h>
 
+#include "cpu_math.h"
+
 #include <immintrin.h>
 #include <omp.h>
 
@@ -23,31 +25,9 @@ namespace {
 inline float to_float(float x) { return x; }
 inline float to_float(double x) { return static_cast<float>(x); }
 inline float to_float(at::Half x) { return static_cast<float>(x); }
-inline float to_float(at::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
+inline float to_float(at::BFloat16 x) { return splitserve::bf16_to_float(x.x); }
 
-// e^x for x <= 0 (Cephes' range reduction and polynomial, ~1 ulp), written so that
-// loops over it vectorise; std::exp does not without -ffast-math.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
+using splitserve::exp_nonpositive;
 
 struct Layout {
   int64_t block_size, kv_heads, head_dim, group;
