@@ -9,6 +9,7 @@ from ipc.config import EngineConfig
 from ipc.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput, TokenLogprobs
 from ipc.utils import cdiv
 from models import kv_cache_shape_info, load_model, resolve_dtype
+from models.layers.cpu_ops import cpu_kernels as layer_cpu_kernels
 from models.parallel_state import get_tp_rank, get_tp_size, tp_broadcast
 from worker.buffers import InputBuffers, zeros_on_huge_pages
 from worker.cuda_graph import CudaGraphRunner, Mode, capture_sizes, cuda_graphs_off_reason
@@ -61,8 +62,9 @@ class ModelRunner:
         )
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
-        if self.device.type == "cpu":
-            sampler_cpu_kernels()  # built now, before READY, not inside the first step
+        if self.device.type == "cpu":  # built now, before READY, not inside the first step
+            sampler_cpu_kernels()
+            layer_cpu_kernels(self.device, self.dtype)
         self.inputs = InputBuffers(config.max_num_seqs, self.max_num_tokens, self.device)
         self.is_driver = get_tp_rank() == 0
         self.cuda_graphs: CudaGraphRunner | None = None
