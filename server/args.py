@@ -63,6 +63,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="store_true",
         help="allow credentials, for CORS (default: off)",
     )
+    group.add_argument(
+        "--enable-request-id-headers",
+        action="store_true",
+        help="accepted for vLLM's command lines: X-Request-Id is always answered here "
+        "(default: on)",
+    )
     return parser
 
 

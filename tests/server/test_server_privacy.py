@@ -126,6 +126,8 @@ def test_server_flags_and_their_defaults(monkeypatch):
     assert server_options(parse([]))["api_keys"] == ["a", "b"]
     flags = server_options(parse(["--api-key", "c", "--api-key", "d"]))
     assert flags["api_keys"] == ["c", "d"]  # the flags win over the environment
+    # vLLM's flag for what is always on here: accepted, changing nothing.
+    assert server_options(parse(["--enable-request-id-headers"])) == server_options(parse([]))
 
 
 def test_a_launcher_hands_the_server_flags_on_to_its_child(monkeypatch):
