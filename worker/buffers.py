@@ -92,7 +92,7 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     cache is read in scattered pages of a few KB: with 4 KB pages nearly every one costs
     a TLB miss, with 2 MB pages almost none does."""
     numel = math.prod(shape)
-    nbytes = max(1, numel * torch.empty((), dtype=dtype).element_size())
+    nbytes = max(1, numel * dtype.itemsize)
     memory = mmap.mmap(-1, nbytes)  # anonymous: zero-filled as pages are first touched
     if hasattr(mmap, "MADV_HUGEPAGE"):
         memory.madvise(mmap.MADV_HUGEPAGE)

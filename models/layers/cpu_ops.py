@@ -14,14 +14,14 @@ from types import ModuleType
 
 import torch
 
-from attention.cpp_extension import cpu_kernels_enabled, load_cpp_extension
+from attention.cpp_extension import load_cpp_extension
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 
 
 def cpu_kernels(device: torch.device, dtype: torch.dtype) -> ModuleType | None:
-    if device.type != "cpu" or dtype not in DTYPES or not cpu_kernels_enabled():
+    if device.type != "cpu" or dtype not in DTYPES:
         return None
     return load_cpp_extension("splitserve_cpu_ops", _SOURCE)
 
