@@ -33,9 +33,9 @@ _INT64 = 2**63
 def check_token_ids(
     prompt_token_ids: list[int], params: SamplingParams, config: EngineConfig
 ) -> str | None:
-    """Why a request's token ids (prompt, stop ids, logit_bias, allowed ids) or seed cannot
-    run, or None. Every id the workers index a vocabulary-sized tensor with is checked here,
-    at the edge."""
+    """Why a request's token ids (prompt, stop ids, logit_bias, allowed ids, bad words) or
+    seed cannot run, or None. Every id the workers index a vocabulary-sized tensor with is
+    checked here, at the edge."""
     vocab_size = config.vocab_size or _INT64
     if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size:
         return f"prompt token ids must be in [0, {vocab_size})"
@@ -48,6 +48,9 @@ def check_token_ids(
     bad = [t for t in params.allowed_token_ids or () if not 0 <= t < vocab_size]
     if bad:
         return f"allowed_token_ids must be in [0, {vocab_size}), got {bad[0]}"
+    bad = [t for ids in params.bad_words_token_ids for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        return f"bad_words_token_ids must be in [0, {vocab_size}), got {bad[0]}"
     if params.seed is not None and not -_INT64 <= params.seed < 2 * _INT64:
         return f"seed must be a 64-bit integer, got {params.seed}"
     return None

@@ -65,6 +65,13 @@ class SamplingParams(_Wire):
     allowed_token_ids: list[int] | None = None
     # Keep the stop string (or stop token) that ended the request in its text.
     include_stop_str_in_output: bool = False
+    # Words never to generate. The side that has the tokenizer (ipc/bad_words.py) turns
+    # them into bad_words_token_ids, which is what the workers use.
+    bad_words: list[str] = []
+    bad_words_token_ids: list[list[int]] = []
+    # Logprobs of each prompt token (but the first) given the tokens before it, and the
+    # top-k at its position.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.n != 1:
@@ -87,6 +94,8 @@ class SamplingParams(_Wire):
             )
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
         if any(t < 0 for t in self.stop_token_ids):
@@ -109,6 +118,10 @@ class SamplingParams(_Wire):
                 raise ValueError("allowed_token_ids must not be empty")
             if any(t < 0 for t in self.allowed_token_ids):
                 raise ValueError("allowed_token_ids must be >= 0")
+        if any(not word for word in self.bad_words):
+            raise ValueError("bad_words must not be empty strings")
+        if any(not ids or min(ids) < 0 for ids in self.bad_words_token_ids):
+            raise ValueError("bad_words_token_ids must be non-empty lists of ids >= 0")
 
     @property
     def uses_penalties(self) -> bool:
@@ -124,10 +137,21 @@ class SamplingParams(_Wire):
 
 
 class TokenLogprobs(_Wire):
-    """Logprobs at one position: index 0 is the sampled token, then the top-k."""
+    """Logprobs at one position: index 0 is the sampled token (for prompt logprobs, the
+    prompt's token), then the top-k. `rank`: token 0's rank in the vocabulary (1 = most
+    likely), where known (prompt logprobs)."""
 
     token_ids: list[int]
     logprobs: list[float]
+    rank: int | None = None
+
+
+class PromptLogprobs(_Wire):
+    """Prompt logprobs of one step's chunk of a prompt: `logprobs[i]` is that of prompt
+    token `start + i` (start >= 1)."""
+
+    start: int
+    logprobs: list[TokenLogprobs]
 
 
 # Client -> EngineCore
@@ -164,6 +188,8 @@ class EngineCoreOutput(_Wire):
     logprobs: list[TokenLogprobs] | None = None
     error: str | None = None
     error_code: ErrorCode = ErrorCode.INVALID_REQUEST
+    # The prompt logprobs not sent before, in prompt order from prompt token 1.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class SchedulerStats(_Wire):
@@ -247,6 +273,7 @@ class ModelRunnerOutput(_Tagged):
     sampled_token_ids: list[list[int]]
     logprobs: list[list[TokenLogprobs] | None] | None = None
     failed_requests: dict[str, str] = {}
+    prompt_logprobs: dict[str, PromptLogprobs] = {}
 
 
 class WorkerError(_Tagged):

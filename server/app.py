@@ -15,6 +15,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from ipc.bad_words import with_bad_words_token_ids
 from ipc.client import EngineDeadError
 from ipc.messages import SamplingParams
 from ipc.tokenizer import TokenizerLike
@@ -171,6 +172,7 @@ def build_app(
             limits,
             sampling_defaults,
         )
+        params = with_bad_words_token_ids(params, tokenizer)
         responses = responses_for(CompletionResponses, "cmpl", raw, request)
         if request.echo:
             responses.echo = await off_loop(echo_text, request, prompt_token_ids, tokenizer)
@@ -194,6 +196,7 @@ def build_app(
         params = sampling_params(
             request, num_prompt_tokens, max_tokens, logprobs, limits, sampling_defaults
         )
+        params = with_bad_words_token_ids(params, tokenizer)
         responses = responses_for(ChatResponses, "chatcmpl", raw, request)
         want_logprobs = bool(request.logprobs)
         return await answer(

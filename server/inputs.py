@@ -172,6 +172,7 @@ def sampling_params(
         "repetition_penalty": request.repetition_penalty,
         "logit_bias": _logit_bias(request.logit_bias, limits),
         "allowed_token_ids": request.allowed_token_ids,
+        "bad_words": request.bad_words,
         "include_stop_str_in_output": request.include_stop_str_in_output,
     }
     kwargs = {**(defaults or {}), **{k: v for k, v in given.items() if v is not None}}

@@ -5,6 +5,7 @@ from collections.abc import Sequence
 from tqdm import tqdm
 
 from engine_core import EngineCore
+from ipc.bad_words import with_bad_words_token_ids
 from ipc.client.request_state import (
     Prompt,
     RequestState,
@@ -72,6 +73,7 @@ class LLM:
         self, token_ids: list[list[int]], params: Sequence[SamplingParams], use_tqdm: bool
     ) -> list[RequestOutput]:
         states: dict[str, RequestState] = {}
+        params = [with_bad_words_token_ids(sp, self.tokenizer) for sp in params]
         for ids, sp in zip(token_ids, params, strict=True):
             request = EngineCoreRequest(str(next(self._ids)), ids, sp, time.time())
             states[request.request_id] = RequestState(request, self.tokenizer, queue=None)

@@ -7,7 +7,13 @@ import torch
 
 from ipc.messages import NewRequestData, SamplingParams
 from worker.block_table import BlockTable
-from worker.logits_processors import make_allowed_tokens, make_logit_bias, make_penalties
+from worker.logits_processors import (
+    bad_words_table,
+    make_allowed_tokens,
+    make_bad_words,
+    make_logit_bias,
+    make_penalties,
+)
 from worker.sampler import SAMPLING_EPS, SamplingMetadata, skip_sample_draws
 
 
@@ -61,6 +67,7 @@ def check_new_request(new: NewRequestData, vocab_size: int) -> str | None:
         ("stop_token_ids", params.stop_token_ids),
         ("logit_bias", params.logit_bias),
         ("allowed_token_ids", params.allowed_token_ids or ()),
+        ("bad_words_token_ids", [t for word in params.bad_words_token_ids for t in word]),
     ):
         if any(not 0 <= t < vocab_size for t in ids):
             return f"{name} must be in [0, {vocab_size})"
@@ -106,6 +113,8 @@ class InputBatch:
         self.penalties: dict[int, tuple[float, float, float]] = {}
         self.logit_bias: dict[int, dict[int, float]] = {}
         self.allowed_token_ids: dict[int, list[int]] = {}
+        # row -> bad_words_table of the rows with bad words.
+        self.bad_words: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
         self.block_table = BlockTable(max_num_reqs, max_num_blocks_per_req, block_size, device)
         # (row order, metadata) of the last make_sampling_metadata; None once rows change.
@@ -164,6 +173,8 @@ class InputBatch:
             self.logit_bias[row] = dict(params.logit_bias)
         if params.allowed_token_ids is not None:
             self.allowed_token_ids[row] = list(params.allowed_token_ids)
+        if params.bad_words_token_ids:
+            self.bad_words[row] = bad_words_table(params.bad_words_token_ids)
 
         self.block_table.add_row(req.block_ids, row)
         self._sampling_metadata = None
@@ -228,6 +239,7 @@ class InputBatch:
             self.penalties,
             self.logit_bias,
             self.allowed_token_ids,
+            self.bad_words,
         )
 
     def append_token(self, row: int | np.ndarray, token_id: int | np.ndarray) -> None:
@@ -238,8 +250,8 @@ class InputBatch:
     def make_sampling_metadata(self, row_order: np.ndarray | None = None) -> SamplingMetadata:
         """Sampling settings of the rows `row_order` lists, in that order (logits row i is
         batch row row_order[i]); by default of the live rows in row order. Reused until the
-        batch or the row order changes, but for min_tokens blocking and penalties, which
-        follow the tokens so far."""
+        batch or the row order changes, but for min_tokens blocking, penalties and bad words,
+        which follow the tokens so far."""
         if row_order is None:
             rows = np.flatnonzero([req_id is not None for req_id in self.req_ids])
         else:
@@ -247,20 +259,16 @@ class InputBatch:
         cached = self._sampling_metadata
         if cached is None or not np.array_equal(cached[0], rows):
             self._sampling_metadata = cached = (rows, self._build_sampling_metadata(rows))
-        if not self.min_tokens and not self.penalties:
+        if not self.min_tokens and not self.penalties and not self.bad_words:
             return cached[1]
+        tokens = (self.token_ids, self.num_prompt_tokens, self.num_tokens)
         return replace(
             cached[1],
             blocked_token_ids=self._blocked_token_ids(rows) if self.min_tokens else {},
-            penalties=make_penalties(
-                rows,
-                self.penalties,
-                self.token_ids,
-                self.num_prompt_tokens,
-                self.num_tokens,
-                self.vocab_size,
-                self.device,
-            ),
+            penalties=make_penalties(rows, self.penalties, *tokens, self.vocab_size, self.device),
+            bad_words=make_bad_words(rows, self.bad_words, *tokens, self.device)
+            if self.bad_words
+            else None,
         )
 
     def _blocked_token_ids(self, rows: np.ndarray) -> dict[int, list[int]]:

@@ -1,5 +1,5 @@
-"""Batched logits processing before sampling: allowed token ids, logit bias, and
-presence / frequency / repetition penalties (vLLM's semantics). Each transform touches
+"""Batched logits processing before sampling: allowed token ids, bad words, logit bias,
+and presence / frequency / repetition penalties (vLLM's semantics). Each transform touches
 only the logits rows that use it; a batch where no row does builds nothing here."""
 
 from dataclasses import dataclass
@@ -14,6 +14,14 @@ class AllowedTokens:
 
     rows: torch.Tensor
     allowed: torch.Tensor
+
+
+@dataclass
+class BadWords:
+    """One entry per (logits row, token id it may not sample now)."""
+
+    rows: torch.Tensor
+    token_ids: torch.Tensor
 
 
 @dataclass
@@ -48,6 +56,47 @@ def make_allowed_tokens(
     for i, token_ids in enumerate(allowed.values()):
         mask[i, token_ids] = True
     return AllowedTokens(_long(rows, device), torch.from_numpy(mask).to(device))
+
+
+def bad_words_table(words: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """A row's bad words as (prefixes, last tokens): each word's tokens but its last,
+    right-aligned in a row padded with -1, and its last token."""
+    width = max(len(word) for word in words) - 1
+    prefixes = np.full((len(words), width), -1, dtype=np.int64)
+    for i, word in enumerate(words):
+        prefixes[i, width - len(word) + 1 :] = word[:-1]
+    return prefixes, np.array([word[-1] for word in words], dtype=np.int64)
+
+
+def make_bad_words(
+    rows: np.ndarray,
+    tables: dict[int, tuple[np.ndarray, np.ndarray]],
+    token_ids: np.ndarray,
+    num_prompt_tokens: np.ndarray,
+    num_tokens: np.ndarray,
+    device: torch.device,
+) -> BadWords | None:
+    """A word's last token is banned when the output so far ends with the word's other
+    tokens (always, for a one-token word). `tables`: batch row -> bad_words_table of the
+    rows that have bad words; the other arguments as in make_penalties."""
+    logits_rows, banned = [], []
+    for i, row in enumerate(rows.tolist()):
+        table = tables.get(row)
+        if table is None:
+            continue
+        prefixes, last = table
+        width = prefixes.shape[1]
+        end = int(num_tokens[row])
+        start = max(int(num_prompt_tokens[row]), end - width)
+        tail = np.full(width, -2, dtype=np.int64)  # -2: no output token here
+        tail[width - (end - start) :] = token_ids[row, start:end]
+        ended = ((prefixes == tail) | (prefixes == -1)).all(axis=1)
+        ids = np.unique(last[ended]).tolist()
+        logits_rows += [i] * len(ids)
+        banned += ids
+    if not logits_rows:
+        return None
+    return BadWords(_long(logits_rows, device), _long(banned, device))
 
 
 def make_logit_bias(bias: dict[int, dict[int, float]], device: torch.device) -> LogitBias | None:
@@ -100,6 +149,11 @@ def make_penalties(
 def apply_allowed_tokens(logits: torch.Tensor, allowed: AllowedTokens) -> torch.Tensor:
     logits[allowed.rows] = logits[allowed.rows].masked_fill(~allowed.allowed, float("-inf"))
     return logits
+
+
+def apply_bad_words(logits: torch.Tensor, bad_words: BadWords) -> torch.Tensor:
+    inf = torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
+    return logits.index_put_((bad_words.rows, bad_words.token_ids), inf)
 
 
 def apply_logit_bias(logits: torch.Tensor, bias: LogitBias) -> torch.Tensor:

@@ -10,9 +10,11 @@ import torch
 from attention.cpp_extension import load_cpp_extension
 from worker.logits_processors import (
     AllowedTokens,
+    BadWords,
     LogitBias,
     Penalties,
     apply_allowed_tokens,
+    apply_bad_words,
     apply_logit_bias,
     apply_penalties,
 )
@@ -37,6 +39,7 @@ class SamplingMetadata:
     # logits row -> token ids it may not sample yet (stop tokens before min_tokens).
     blocked_token_ids: dict[int, list[int]] = field(default_factory=dict)
     allowed_tokens: AllowedTokens | None = None
+    bad_words: BadWords | None = None
     logit_bias: LogitBias | None = None
     penalties: Penalties | None = None
 
@@ -126,15 +129,17 @@ class Sampler(torch.nn.Module):
 
 
 def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """vLLM's order: allowed tokens, min_tokens blocking, logit bias, penalties. The
+    """vLLM's order: allowed tokens, bad words, min_tokens blocking, logit bias, penalties. The
     logits are copied once, to float32, and only when a row uses one of them (logprobs
     are taken from the raw logits)."""
     m = metadata
-    if not (m.blocked_token_ids or m.allowed_tokens or m.logit_bias or m.penalties):
+    if not (m.blocked_token_ids or m.allowed_tokens or m.bad_words or m.logit_bias or m.penalties):
         return logits
     logits = logits.to(torch.float32, copy=True)
     if m.allowed_tokens is not None:
         logits = apply_allowed_tokens(logits, m.allowed_tokens)
+    if m.bad_words is not None:
+        logits = apply_bad_words(logits, m.bad_words)
     if m.blocked_token_ids:
         rows = [row for row, ids in m.blocked_token_ids.items() for _ in ids]
         cols = [token_id for ids in m.blocked_token_ids.values() for token_id in ids]

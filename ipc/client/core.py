@@ -31,6 +31,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from ipc.auth import CredentialsError
+from ipc.bad_words import with_bad_words_token_ids
 from ipc.client.request_state import (
     Prompt,
     RequestState,
@@ -137,7 +138,7 @@ class ClientCore:
         cache_salt: str | None,
         queue: Sink,
     ) -> RequestState:
-        params = sampling_params or SamplingParams()
+        params = with_bad_words_token_ids(sampling_params or SamplingParams(), self.tokenizer)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
         request = EngineCoreRequest(

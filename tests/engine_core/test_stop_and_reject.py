@@ -72,6 +72,7 @@ def test_tokens_of_a_partial_prefill_step_produce_no_output():
         ([1, 2], {"seed": 2**64}, "seed must be a 64-bit integer"),
         ([1, 2], {"logit_bias": {3: 1.0, 50000: 2.0}}, "logit_bias token ids must be in"),
         ([1, 2], {"allowed_token_ids": [3, 50000]}, "allowed_token_ids must be in"),
+        ([1, 2], {"bad_words_token_ids": [[3], [4, 50000]]}, "bad_words_token_ids must be in"),
     ],
 )
 def test_requests_that_can_never_run_are_finished_with_an_error(prompt, sampling, message):

@@ -18,7 +18,6 @@ REFUSED_BOTH = [
     ("use_beam_search", True),
     ("length_penalty", 0.5),
     ("prompt_logprobs", 1),
-    ("bad_words", ["x"]),
     ("response_format", {"type": "json_object"}),
     ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
     ("structured_outputs", {"json": {}}),

@@ -37,6 +37,23 @@ def test_logits_processing_fields_reach_the_engine(oai, engine):
     assert params.allowed_token_ids == [7, 9, 11]
 
 
+def test_bad_words_reach_the_engine_tokenized_as_is_and_mid_text(oai, engine):
+    encode = engine.tokenizer.encode
+    oai.completions.create(
+        model=engine.model_name, prompt="Hi", max_tokens=2, extra_body={"bad_words": ["ab"]}
+    )
+    _, params = last_request(engine)
+    assert params.bad_words == ["ab"]
+    assert params.bad_words_token_ids == [encode("ab", False), encode(" ab", False)]
+    oai.chat.completions.create(
+        model=engine.model_name,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=2,
+        extra_body={"bad_words": [" c"]},
+    )
+    assert last_request(engine)[1].bad_words_token_ids == [encode("c", False), encode(" c", False)]
+
+
 def test_completion_fields_reach_the_engine(oai, engine):
     oai.completions.create(
         model=engine.model_name,
