@@ -6,7 +6,13 @@ import enum
 import time
 from collections.abc import Iterable
 
-from ipc.messages import EngineCoreRequest, FinishReason, SamplingParams
+from ipc.messages import (
+    EngineCoreRequest,
+    FinishReason,
+    PromptLogprobs,
+    SamplingParams,
+    TokenLogprobs,
+)
 from kv_cache import extend_block_hashes
 
 
@@ -71,6 +77,9 @@ class Request:
         # Prompt tokens found in the prefix cache when the request was first scheduled.
         self.num_cached_tokens = 0
         self.num_preemptions = 0
+        # Prompt tokens whose logprobs were sent (tokens 1..n): a recomputed prompt
+        # sends only those after them.
+        self.num_prompt_logprobs_sent = 0
         # False until the workers have the request's state (again, after they were replaced).
         self.on_workers = False
         self.block_hashes: list[bytes] = []
@@ -105,6 +114,22 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs are asked for and not all sent: cached positions would have none."""
+        return (
+            self.sampling_params.prompt_logprobs is not None
+            and self.num_prompt_logprobs_sent < self.num_prompt_tokens - 1
+        )
+
+    def take_prompt_logprobs(self, chunk: PromptLogprobs) -> list[TokenLogprobs]:
+        """The entries of `chunk` not sent before."""
+        entries = chunk.logprobs[max(0, self.num_prompt_logprobs_sent + 1 - chunk.start) :]
+        self.num_prompt_logprobs_sent = max(
+            self.num_prompt_logprobs_sent, chunk.start + len(chunk.logprobs) - 1
+        )
+        return entries
 
     def enable_block_hashing(self, block_size: int) -> None:
         """Hash the full blocks so far, and from now on each block as it fills."""

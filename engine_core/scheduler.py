@@ -25,7 +25,7 @@ from ipc.messages import (
     SchedulerStats,
 )
 from ipc.utils import cdiv
-from kv_cache import KVCacheManager
+from kv_cache import KVCacheBlocks, KVCacheManager
 
 _INT64 = 2**63
 
@@ -203,7 +203,10 @@ class Scheduler:
         resumed: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
-            hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+            if request.wants_prompt_logprobs:  # cached positions give no logits
+                hit_blocks, num_hit_tokens = KVCacheBlocks.empty(), 0
+            else:
+                hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
@@ -282,6 +285,11 @@ class Scheduler:
                 outputs.append(EngineCoreOutput(request_id, [], FinishReason.ERROR, error=error))
         num_generated = 0
         logprobs = model_runner_output.logprobs  # None, or one entry per request
+        prompt_logprobs = {
+            request_id: requests[request_id].take_prompt_logprobs(chunk)
+            for request_id, chunk in model_runner_output.prompt_logprobs.items()
+            if request_id in requests
+        }
         for i, (request_id, token_ids) in enumerate(
             zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=True)
         ):
@@ -309,8 +317,19 @@ class Scheduler:
                     None if status is None else status.finish_reason,
                     request.num_cached_tokens,
                     logprobs[i][: len(new_token_ids)] if logprobs and logprobs[i] else None,
+                    prompt_logprobs=prompt_logprobs.pop(request_id, None) or None,
                 )
             )
+        for request_id, entries in prompt_logprobs.items():  # chunks that sampled nothing
+            if entries:
+                outputs.append(
+                    EngineCoreOutput(
+                        request_id,
+                        [],
+                        num_cached_tokens=requests[request_id].num_cached_tokens,
+                        prompt_logprobs=entries,
+                    )
+                )
         self.num_generation_tokens += num_generated
         if finished:
             self.running = [r for r in self.running if not r.is_finished]

@@ -17,7 +17,12 @@ class CompletionOutput:
 @dataclass
 class RequestOutput:
     """One request's result so far. In a stream, `outputs[0]` holds the delta since the
-    previous RequestOutput; from a blocking call it holds everything."""
+    previous RequestOutput; from a blocking call it holds everything.
+
+    `prompt_logprobs` (when asked for): one entry per prompt token, None for the first,
+    then TokenLogprobs whose index 0 is the prompt token (with its `rank`), then the
+    top-k at its position. In a stream each delta holds the entries that arrived with
+    it (the first delta starts with the None), so the deltas' lists add up to the whole."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -25,3 +30,4 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     error: str | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

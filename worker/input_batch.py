@@ -115,6 +115,8 @@ class InputBatch:
         self.allowed_token_ids: dict[int, list[int]] = {}
         # row -> bad_words_table of the rows with bad words.
         self.bad_words: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        # row -> top-k of the rows that want prompt logprobs.
+        self.num_prompt_logprobs: dict[int, int] = {}
 
         self.block_table = BlockTable(max_num_reqs, max_num_blocks_per_req, block_size, device)
         # (row order, metadata) of the last make_sampling_metadata; None once rows change.
@@ -175,6 +177,8 @@ class InputBatch:
             self.allowed_token_ids[row] = list(params.allowed_token_ids)
         if params.bad_words_token_ids:
             self.bad_words[row] = bad_words_table(params.bad_words_token_ids)
+        if params.prompt_logprobs is not None:
+            self.num_prompt_logprobs[row] = params.prompt_logprobs
 
         self.block_table.add_row(req.block_ids, row)
         self._sampling_metadata = None
@@ -240,6 +244,7 @@ class InputBatch:
             self.logit_bias,
             self.allowed_token_ids,
             self.bad_words,
+            self.num_prompt_logprobs,
         )
 
     def append_token(self, row: int | np.ndarray, token_id: int | np.ndarray) -> None:

@@ -14,6 +14,7 @@ from models.parallel_state import get_tp_rank, get_tp_size, tp_broadcast
 from worker.buffers import InputBuffers, zeros_on_huge_pages
 from worker.cuda_graph import CudaGraphRunner, Mode, capture_sizes, cuda_graphs_off_reason
 from worker.input_batch import CachedRequestState, InputBatch, check_new_request
+from worker.prompt_logprobs import compute_prompt_logprobs, plan_prompt_logprobs
 from worker.sampler import Sampler
 from worker.sampler import cpu_kernels as sampler_cpu_kernels
 from worker.step_inputs import prepare_inputs
@@ -176,8 +177,26 @@ class ModelRunner:
             with set_forward_context(step.attn_metadata, self.attn_backend):
                 hidden = self.model(step.input_ids, step.positions)
         logits = self.model.compute_logits(hidden[step.logits_indices])
+        prompt_logprobs = (
+            self._prompt_logprobs(hidden) if self.input_batch.num_prompt_logprobs else {}
+        )
         sampled, logprobs = self._sample(logits, step.sample_rows)
-        return self._finish_step(scheduler_output.step_id, step.sample_rows, sampled, logprobs)
+        out = self._finish_step(scheduler_output.step_id, step.sample_rows, sampled, logprobs)
+        out.prompt_logprobs = prompt_logprobs
+        return out
+
+    def _prompt_logprobs(self, hidden: torch.Tensor):
+        num_reqs = self.input_batch.num_reqs
+        plan = plan_prompt_logprobs(
+            self.input_batch,
+            self.inputs.query_start_loc.np[: num_reqs + 1],
+            self.inputs.seq_lens.np[:num_reqs],
+        )
+        if plan is None:
+            return {}
+        return compute_prompt_logprobs(
+            self.model.compute_logits, hidden, plan, self.input_batch.vocab_size, self.is_driver
+        )
 
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.input_batch

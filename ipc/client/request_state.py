@@ -51,6 +51,8 @@ class RequestState:
         self.result = RequestOutput(
             request.request_id, request.prompt_token_ids, [CompletionOutput(0, "", [])]
         )
+        if params.prompt_logprobs is not None:
+            self.result.prompt_logprobs = []
 
     def apply(self, out: EngineCoreOutput) -> RequestOutput:
         """Fold one engine output into `result` and return the delta (finish reasons as
@@ -62,6 +64,7 @@ class RequestState:
         if out.logprobs:
             completion.logprobs = (completion.logprobs or []) + out.logprobs
         result.num_cached_tokens = max(result.num_cached_tokens, out.num_cached_tokens)
+        prompt_logprobs = self._add_prompt_logprobs(out)
         finish_reason = None if out.finish_reason is None else str(out.finish_reason)
         stop_reason = self._stop_token(out)
         text = ""
@@ -91,7 +94,17 @@ class RequestState:
             result.finished,
             result.num_cached_tokens,
             result.error,
+            prompt_logprobs,
         )
+
+    def _add_prompt_logprobs(self, out: EngineCoreOutput) -> list | None:
+        """Append the output's prompt logprobs to the result's (None first); return them."""
+        so_far = self.result.prompt_logprobs
+        if so_far is None:
+            return None
+        new = ([] if so_far else [None]) + (out.prompt_logprobs or [])
+        so_far.extend(new)
+        return new or None
 
     def _stop_token(self, out: EngineCoreOutput) -> int | None:
         """The stop token id that ended the request (None for EOS or no stop token)."""
