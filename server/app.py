@@ -104,6 +104,9 @@ def build_app(
                 "(start it with --scheduling-policy priority)"
             )
             raise APIError(400, message, "priority")
+        if request.prompt_logprobs is not None and request.stream:
+            message = "`prompt_logprobs` is not available with `stream` (as in vLLM)"
+            raise APIError(400, message, "prompt_logprobs")
 
     async def off_loop(work: Callable[..., T], *args) -> T:
         """Tokenizing (a long prompt takes seconds) never holds up the event loop."""
@@ -119,7 +122,9 @@ def build_app(
         kind: type[ResponseBuilder], prefix: str, raw: Request, request: SamplingFields
     ) -> ResponseBuilder:
         response_id = f"{prefix}-{request_id(raw, request.request_id)}"
-        return kind(response_id, served_model_name, tokenizer, enable_prompt_tokens_details)
+        builder = kind(response_id, served_model_name, tokenizer, enable_prompt_tokens_details)
+        builder.show_prompt_logprobs = request.prompt_logprobs is not None
+        return builder
 
     async def answer(
         raw: Request,
@@ -160,9 +165,6 @@ def build_app(
     async def completions(request: CompletionRequest, raw: Request) -> Response:
         arrival = time.perf_counter()
         check_request(request)
-        if request.echo and request.logprobs is not None:
-            message = "`echo` with `logprobs` is not supported (no prompt logprobs)"
-            raise APIError(400, message, "echo")
         prompt_token_ids = await off_loop(completion_prompt_ids, request, tokenizer, limits)
         params = sampling_params(
             request,
@@ -176,6 +178,8 @@ def build_app(
         responses = responses_for(CompletionResponses, "cmpl", raw, request)
         if request.echo:
             responses.echo = await off_loop(echo_text, request, prompt_token_ids, tokenizer)
+            responses.echo_logprobs = request.logprobs is not None
+            responses.prompt_token_ids = prompt_token_ids
         want_logprobs = request.logprobs is not None
         return await answer(
             raw, request, responses, prompt_token_ids, want_logprobs, params, arrival

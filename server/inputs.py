@@ -173,6 +173,7 @@ def sampling_params(
         "logit_bias": _logit_bias(request.logit_bias, limits),
         "allowed_token_ids": request.allowed_token_ids,
         "bad_words": request.bad_words,
+        "prompt_logprobs": _prompt_logprobs(request, logprobs),
         "include_stop_str_in_output": request.include_stop_str_in_output,
     }
     kwargs = {**(defaults or {}), **{k: v for k, v in given.items() if v is not None}}
@@ -187,6 +188,13 @@ def sampling_params(
         field = str(e).split(" ", 1)[0]
         param = field if field in SamplingParams.__struct_fields__ else None
         raise APIError(400, str(e), param) from None
+
+
+def _prompt_logprobs(request: CompletionRequest | ChatCompletionRequest, logprobs: int | None):
+    """As asked; `echo` with `logprobs` asks for the echoed prompt's logprobs too (vLLM)."""
+    if request.prompt_logprobs is None and getattr(request, "echo", False):
+        return logprobs
+    return request.prompt_logprobs
 
 
 def _logit_bias(bias: dict[str, float] | None, limits: PromptLimits) -> dict[int, float] | None:

@@ -4,25 +4,25 @@ Every field of OpenAI's and vLLM's request schemas is either honoured or refused
 400 naming it; unknown fields are refused too. Fields are strict (a string where a
 number belongs is a 400, not a coercion). vLLM's extra fields are honoured: `ignore_eos`,
 `min_tokens`, `top_k`, `min_p`, `stop_token_ids`, `skip_special_tokens`,
-`repetition_penalty`, `allowed_token_ids`, `bad_words`, `include_stop_str_in_output`,
-`priority`, `request_id`, `truncate_prompt_tokens`, `stream_options.continuous_usage_stats`;
+`repetition_penalty`, `allowed_token_ids`, `bad_words`, `prompt_logprobs` (not with
+`stream`: a 400), `include_stop_str_in_output`, `priority`, `request_id`,
+`truncate_prompt_tokens`, `stream_options.continuous_usage_stats`;
 `cache_salt` keeps a request's prefix-cache blocks apart from those of requests without
 the same salt. `user`, `metadata`, `safety_identifier` and `prompt_cache_key` are
 accepted: they describe the request and change nothing in it.
 
 Refused unless given the value that asks for nothing (null always does; see NO_OP_VALUES):
 both endpoints: `n`/`best_of` other than 1, beam search (`use_beam_search`,
-`length_penalty`), `prompt_logprobs`, structured output (`response_format`
-other than text, `guided_*`, `structured_outputs`, `structural_tag`), `logits_processors`,
+`length_penalty`), structured output (`response_format` other than text, `guided_*`,
+`structured_outputs`, `structural_tag`), `logits_processors`,
 `spaces_between_special_tokens: false`, `return_tokens_as_token_ids`, `return_token_ids`,
-`kv_transfer_params`, `vllm_xargs`; completions: `suffix`, `prompt_embeds`, `echo` with
-`logprobs` (in the app); chat: tools and functions (`tools`, `tool_choice` other than
-none/auto, `functions`, `function_call`, a message's `tool_calls`), `echo`,
-`add_special_tokens`, `continue_final_message`, `chat_template`, `chat_template_kwargs`,
-`documents`, multimodal input (`modalities` other than text, `audio`, non-text content
-parts, `mm_processor_kwargs`, `media_io_kwargs`), `reasoning_effort`, `verbosity`,
-`include_reasoning: false`, `prediction`, `web_search_options`, `store`, `service_tier`
-other than auto/default.
+`kv_transfer_params`, `vllm_xargs`; completions: `suffix`, `prompt_embeds`; chat: tools
+and functions (`tools`, `tool_choice` other than none/auto, `functions`, `function_call`,
+a message's `tool_calls`), `echo`, `add_special_tokens`, `continue_final_message`,
+`chat_template`, `chat_template_kwargs`, `documents`, multimodal input (`modalities` other
+than text, `audio`, non-text content parts, `mm_processor_kwargs`, `media_io_kwargs`),
+`reasoning_effort`, `verbosity`, `include_reasoning: false`, `prediction`,
+`web_search_options`, `store`, `service_tier` other than auto/default.
 
 Every integer fits in an int64, every float is finite (JSON's 1e309 parses as inf) and
 every string is valid Unicode (JSON's "\\ud800" parses as a lone surrogate, which no
@@ -118,7 +118,6 @@ class SamplingFields(RequestBody):
         "best_of": (1,),
         "use_beam_search": (False,),
         "length_penalty": (1.0, 1),
-        "prompt_logprobs": (),
         "response_format": ({"type": "text"},),
         "structured_outputs": (),
         "structural_tag": (),
@@ -155,6 +154,7 @@ class SamplingFields(RequestBody):
     logit_bias: dict[Text, Finite] | None = None
     allowed_token_ids: list[Int64] | None = None
     bad_words: list[Text] | None = None
+    prompt_logprobs: Int64 | None = None  # not with stream (as vLLM)
     priority: Int64 | None = 0
     truncate_prompt_tokens: Int64 | None = None  # keep the last ones; -1: max_model_len
     stream: bool | None = False

@@ -1,7 +1,12 @@
 """OpenAI response objects for one request: the whole response, or its stream chunks.
 
 A builder holds what every object of a request repeats (id, creation time, model) and
-the state that runs across chunks (the completion's text offset for logprobs).
+the state that runs across chunks (the completion's text offset for logprobs, the prompt
+logprobs that arrived and are not answered yet).
+
+Prompt logprobs take vLLM's shape: a list with null for the first prompt token, then for
+each token {"<token id>": {"logprob", "rank", "decoded_token"}} of the prompt's token and
+the top-k at its position; in the completion's choice, at the top of a chat response.
 """
 
 from __future__ import annotations
@@ -24,6 +29,28 @@ class ResponseBuilder:
         self.tokenizer = tokenizer
         self.prompt_tokens_details = prompt_tokens_details
         self.created = int(time.time())
+        self.prompt_token_ids: list[int] = []
+        self.show_prompt_logprobs = False  # the request's `prompt_logprobs`
+        self._prompt_logprobs: list[TokenLogprobs | None] = []
+
+    def add_prompt_logprobs(self, entries: list[TokenLogprobs | None] | None) -> None:
+        """Prompt logprobs that arrived; the next response or chunk answers them."""
+        self._prompt_logprobs.extend(entries or ())
+
+    def _take_prompt_logprobs(self) -> list[TokenLogprobs | None]:
+        entries, self._prompt_logprobs = self._prompt_logprobs, []
+        return entries
+
+    def _prompt_logprobs_field(self, entries: list[TokenLogprobs | None]) -> list[dict | None]:
+        return [None if entry is None else self._ranked(entry) for entry in entries]
+
+    def _ranked(self, entry: TokenLogprobs) -> dict:
+        """The prompt's token with its rank, then the top-k ranked 1..k."""
+        ranks = [entry.rank, *range(1, len(entry.token_ids))]
+        return {
+            str(t): {"logprob": lp, "rank": rank, "decoded_token": self._token_text(t)}
+            for t, lp, rank in zip(entry.token_ids, entry.logprobs, ranks, strict=True)
+        }
 
     def _envelope(self, object_name: str, choices: list[dict]) -> dict:
         return {
@@ -86,7 +113,8 @@ class ResponseBuilder:
 
 
 class CompletionResponses(ResponseBuilder):
-    """`echo`: the prompt text, put before the completion (the first chunk's, streaming)."""
+    """`echo`: the prompt text, put before the completion (the first chunk's, streaming);
+    with `echo_logprobs` the prompt tokens' logprobs lead the choice's logprobs."""
 
     object_name = "text_completion"
     chunk_object_name = "text_completion"
@@ -95,35 +123,47 @@ class CompletionResponses(ResponseBuilder):
         super().__init__(*args, **kwargs)
         self.text_offset = 0
         self.echo = ""
+        self.echo_logprobs = False
 
     def _choice(self, text, logprobs, finish_reason, stop_reason) -> dict:
         text, self.echo = self.echo + text, ""
-        return {
+        prompt = self._take_prompt_logprobs()
+        if self.echo_logprobs and prompt:
+            logprobs = prompt + (logprobs or [])
+        choice = {
             "index": 0,
             "text": text,
             "logprobs": None if logprobs is None else self._logprobs(logprobs),
             "finish_reason": finish_reason,
             "stop_reason": stop_reason,
         }
+        if self.show_prompt_logprobs and prompt:
+            choice["prompt_logprobs"] = self._prompt_logprobs_field(prompt)
+        return choice
 
     _chunk_choice = _choice
 
-    def _logprobs(self, entries: list[TokenLogprobs]) -> dict:
+    def _logprobs(self, entries: list[TokenLogprobs | None]) -> dict:
         """OpenAI's legacy shape; each top_logprobs dict holds the sampled token and the
-        top-k, so it has up to k + 1 entries."""
-        tokens, offsets = [], []
+        top-k, so it has up to k + 1 entries. A None entry is the echoed first prompt
+        token, which has no logprob."""
+        tokens, offsets, token_logprobs, top = [], [], [], []
         for entry in entries:
-            token = self._token_text(entry.token_ids[0])
+            token_id = self.prompt_token_ids[0] if entry is None else entry.token_ids[0]
+            token = self._token_text(token_id)
             tokens.append(token)
             offsets.append(self.text_offset)
             self.text_offset += len(token)
-        top = [
-            {self._token_text(t): lp for t, lp in zip(e.token_ids, e.logprobs, strict=True)}
-            for e in entries
-        ]
+            if entry is None:
+                token_logprobs.append(None)
+                top.append(None)
+                continue
+            token_logprobs.append(entry.logprobs[0])
+            pairs = zip(entry.token_ids, entry.logprobs, strict=True)
+            top.append({self._token_text(t): lp for t, lp in pairs})
         return {
             "tokens": tokens,
-            "token_logprobs": [entry.logprobs[0] for entry in entries],
+            "token_logprobs": token_logprobs,
             "top_logprobs": top,
             "text_offset": offsets,
         }
@@ -132,6 +172,12 @@ class CompletionResponses(ResponseBuilder):
 class ChatResponses(ResponseBuilder):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
+
+    def response(self, *args, **kwargs) -> dict:
+        body = super().response(*args, **kwargs)
+        if self.show_prompt_logprobs:
+            body["prompt_logprobs"] = self._prompt_logprobs_field(self._take_prompt_logprobs())
+        return body
 
     def _choice(self, text, logprobs, finish_reason, stop_reason) -> dict:
         return {

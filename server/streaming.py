@@ -103,6 +103,7 @@ async def complete(
     async with aclosing(outputs):
         async for out in outputs:
             delta = out.outputs[0]
+            builder.add_prompt_logprobs(out.prompt_logprobs)
             texts.append(delta.text)
             num_tokens += len(delta.token_ids)
             logprobs.extend(delta.logprobs or ())
@@ -138,6 +139,7 @@ async def event_stream(
                 yield _event(chunk)
             while out is not None:
                 delta = out.outputs[0]
+                builder.add_prompt_logprobs(out.prompt_logprobs)
                 num_tokens += len(delta.token_ids)
                 num_cached_tokens = out.num_cached_tokens
                 logprobs = delta.logprobs if want_logprobs else None

@@ -143,7 +143,10 @@ class FakeEngineClient:
                 self._stats.num_generation_tokens += 1
                 logprobs = None if params.logprobs is None else [self._logprobs(token, params)]
                 reason = self._finish_reason(params, step + 1, token)
-                delta = state.apply(EngineCoreOutput(request_id, [token], reason, 0, logprobs))
+                out = EngineCoreOutput(request_id, [token], reason, 0, logprobs)
+                if step == 0 and params.prompt_logprobs is not None:
+                    out.prompt_logprobs = self.prompt_logprobs(prompt_ids, params.prompt_logprobs)
+                delta = state.apply(out)
                 finished = delta.finished
                 if finished:
                     self.results[request_id] = state.result
@@ -167,6 +170,15 @@ class FakeEngineClient:
         """The sampled token at -0.25, then top-k tokens token+1.. at -1, -2, ..."""
         top = list(range(1, params.logprobs + 1))
         return TokenLogprobs([token] + [token + k for k in top], [-0.25] + [-float(k) for k in top])
+
+    @staticmethod
+    def prompt_logprobs(prompt_ids: list[int], k: int) -> list[TokenLogprobs]:
+        """Prompt token p at -p / 8 with rank p, then top-k tokens BOS + 1.. at -1, -2, ..."""
+        top = list(range(1, k + 1))
+        return [
+            TokenLogprobs([t] + [BOS + i for i in top], [-p / 8] + [-float(i) for i in top], p)
+            for p, t in enumerate(prompt_ids[1:], 1)
+        ]
 
     def _check_alive(self) -> None:
         if not self.alive:

@@ -17,7 +17,6 @@ REFUSED_BOTH = [
     ("best_of", 3),
     ("use_beam_search", True),
     ("length_penalty", 0.5),
-    ("prompt_logprobs", 1),
     ("response_format", {"type": "json_object"}),
     ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
     ("structured_outputs", {"json": {}}),
@@ -170,6 +169,10 @@ def test_the_openai_client_sees_refusals_as_bad_requests(oai, engine):
         )
 
 
-def test_echo_with_logprobs_is_refused(http, engine):
-    body = completion(engine, echo=True, logprobs=1)
-    assert_refused(http.post("/v1/completions", json=body), "echo")
+def test_prompt_logprobs_with_stream_are_refused_as_in_vllm(http, engine):
+    body = completion(engine, prompt_logprobs=1, stream=True)
+    assert_400_naming(http.post("/v1/completions", json=body), "prompt_logprobs")
+    body = chat(engine, prompt_logprobs=0, stream=True)
+    assert_400_naming(http.post("/v1/chat/completions", json=body), "prompt_logprobs")
+    body = completion(engine, prompt_logprobs=21)
+    assert_400_naming(http.post("/v1/completions", json=body), "prompt_logprobs")

@@ -13,7 +13,7 @@ import pytest
 
 from ipc.messages import SamplingParams
 from server import build_app
-from tests.server.fake_engine import FakeEngineClient
+from tests.server.fake_engine import BOS, FakeEngineClient
 
 
 def last_request(engine) -> tuple[list[int], SamplingParams]:
@@ -215,3 +215,58 @@ def test_generation_config_defaults_apply_under_the_request():
     asyncio.run(post({"prompt": "Hi", "max_tokens": 2, "temperature": 1.0}))
     _, params = list(fake.requests.values())[-1]
     assert (params.temperature, params.top_p) == (1.0, 0.9)
+
+
+def _prompt_entry(tokenizer, token_id: int, p: int, k: int) -> dict:
+    """What the fake engine's prompt logprobs for prompt token p look like on the wire."""
+    entry = {str(token_id): {"logprob": -p / 8, "rank": p, "decoded_token": None}}
+    entry.update({str(BOS + i): {"logprob": -float(i), "rank": i} for i in range(1, k + 1)})
+    for t, value in entry.items():
+        value["decoded_token"] = tokenizer.decode([int(t)], skip_special_tokens=False)
+    return entry
+
+
+def test_prompt_logprobs_in_vllm_shape(http, engine):
+    tokenizer = engine.tokenizer
+    prompt_ids = tokenizer.encode("Hi!")
+    body = {"model": engine.model_name, "prompt": "Hi!", "max_tokens": 2, "prompt_logprobs": 2}
+    choice = http.post("/v1/completions", json=body).json()["choices"][0]
+    expected = [None] + [_prompt_entry(tokenizer, t, p, 2) for p, t in enumerate(prompt_ids[1:], 1)]
+    assert choice["prompt_logprobs"] == expected
+    assert choice["logprobs"] is None
+    assert last_request(engine)[1].prompt_logprobs == 2
+    chat = {
+        "model": engine.model_name,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 2,
+        "prompt_logprobs": 0,
+    }
+    answer = http.post("/v1/chat/completions", json=chat).json()
+    chat_ids = last_request(engine)[0]
+    assert answer["prompt_logprobs"][0] is None
+    assert answer["prompt_logprobs"][1:] == [
+        _prompt_entry(tokenizer, t, p, 0) for p, t in enumerate(chat_ids[1:], 1)
+    ]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_logprobs_puts_the_prompt_tokens_first(oai, engine, stream):
+    tokenizer = engine.tokenizer
+    prompt_ids = tokenizer.encode("Hi!")
+    texts = [tokenizer.decode([t], skip_special_tokens=False) for t in prompt_ids]
+    answer = oai.completions.create(
+        model=engine.model_name, prompt="Hi!", max_tokens=2, echo=True, logprobs=1, stream=stream
+    )
+    choice = next(iter(answer)).choices[0] if stream else answer.choices[0]
+    assert choice.text.startswith("Hi!")
+    logprobs = choice.logprobs
+    n = len(prompt_ids)
+    assert logprobs.tokens[:n] == texts
+    assert logprobs.token_logprobs[:n] == [None] + [-p / 8 for p in range(1, n)]
+    assert logprobs.top_logprobs[0] is None
+    eos = tokenizer.decode([BOS + 1], skip_special_tokens=False)
+    assert logprobs.top_logprobs[1] == {texts[1]: -1 / 8, eos: -1.0}
+    lengths = [len(t) for t in logprobs.tokens]
+    assert logprobs.text_offset == [sum(lengths[:i]) for i in range(len(lengths))]
+    assert logprobs.token_logprobs[n] == -0.25  # then the completion's tokens
+    assert last_request(engine)[1].prompt_logprobs == 1
