@@ -8,11 +8,12 @@ import json
 import time
 
 import pytest
+import torch
 
 from ipc.client import AsyncEngineClient, EngineClient
 from ipc.tokenizer import Tokenizer
 from tests.cluster.helpers import launch_cluster
-from tests.models.tiny import make_tiny_checkpoint
+from tests.models.tiny import load_reference, make_tiny_checkpoint
 from tests.server.conftest import EngineHarness
 from tests.server.test_api_features import (  # noqa: F401  (collected again with this engine)
     test_a_request_id_already_running_is_400,
@@ -106,3 +107,35 @@ def test_disconnect_mid_stream_frees_the_engine(http, engine, stats_client):
         time.sleep(0.02)
     assert stats_client.stats().num_generation_tokens - before < max_tokens
     assert stats_client.stats().kv_cache_usage == 0.0
+
+
+def test_echo_logprobs_and_prompt_logprobs_match_transformers(oai, cluster, engine):
+    prompt = [40, 7, 99, 200, 13, 65, 66, 67, 120]
+    out = oai.completions.create(
+        model=engine.model_name,
+        prompt=prompt,
+        max_tokens=3,
+        temperature=0,
+        echo=True,
+        logprobs=2,
+        extra_body={"prompt_logprobs": 3, "bad_words": ["x"]},
+    )
+    with torch.no_grad():
+        logits = load_reference(cluster.model)(torch.tensor([prompt])).logits[0, :-1]
+    reference = logits.log_softmax(dim=-1)
+    n = len(prompt)
+    expected = reference[torch.arange(n - 1), prompt[1:]].tolist()
+    choice = out.choices[0]
+    assert choice.logprobs.token_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1:n] == pytest.approx(expected, abs=1e-4)
+    assert choice.logprobs.top_logprobs[0] is None
+    assert all(len(top) in (2, 3) for top in choice.logprobs.top_logprobs[1:n])
+    prompt_logprobs = choice.model_extra["prompt_logprobs"]
+    assert len(prompt_logprobs) == n and prompt_logprobs[0] is None
+    for p in range(1, n):
+        entry = prompt_logprobs[p]
+        assert entry[str(prompt[p])]["logprob"] == pytest.approx(expected[p - 1], abs=1e-4)
+        top = reference[p - 1].topk(3)
+        for rank, (token_id, logprob) in enumerate(zip(top.indices, top.values, strict=True), 1):
+            assert entry[str(int(token_id))]["rank"] == rank
+            assert entry[str(int(token_id))]["logprob"] == pytest.approx(float(logprob), abs=1e-4)
