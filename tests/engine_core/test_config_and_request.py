@@ -12,6 +12,8 @@ from ipc.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
+    PromptLogprobs,
+    TokenLogprobs,
     encode,
 )
 from kv_cache import block_hashes
@@ -134,3 +136,23 @@ def test_block_hashes_stay_empty_without_prefix_caching():
     request = Request("r", list(range(10)), SamplingParams())
     request.append_output_token_id(5)
     assert request.block_hashes == []
+
+
+def test_prompt_logprobs_recomputed_after_preemption_are_not_sent_twice():
+    request = Request("r", [1, 2, 3, 4, 5, 6], SamplingParams(prompt_logprobs=0))
+    entry = {p: TokenLogprobs([p], [-float(p)], 1) for p in range(1, 6)}
+    assert request.wants_prompt_logprobs
+    assert request.take_prompt_logprobs(PromptLogprobs(1, [entry[1], entry[2]])) == [
+        entry[1],
+        entry[2],
+    ]
+    # Recomputed from the start: positions 1 and 2 again, then on.
+    assert request.take_prompt_logprobs(PromptLogprobs(1, [entry[1]])) == []
+    assert request.take_prompt_logprobs(PromptLogprobs(2, [entry[2], entry[3]])) == [entry[3]]
+    assert request.wants_prompt_logprobs
+    assert request.take_prompt_logprobs(PromptLogprobs(4, [entry[4], entry[5]])) == [
+        entry[4],
+        entry[5],
+    ]
+    assert not request.wants_prompt_logprobs  # all sent: a prefix-cache hit is fine now
+    assert not Request("p", [1, 2], SamplingParams()).wants_prompt_logprobs

@@ -7,7 +7,13 @@ from __future__ import annotations
 import pytest
 
 from ipc.client.request_state import RequestState
-from ipc.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, SamplingParams
+from ipc.messages import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    FinishReason,
+    SamplingParams,
+    TokenLogprobs,
+)
 from tests.server.fake_engine import EOS, CharTokenizer
 
 TOKENIZER = CharTokenizer()
@@ -67,3 +73,20 @@ def test_a_stop_string_in_the_last_output_beats_length():
     last = state.apply(EngineCoreOutput("r", ids("hello"), FinishReason.LENGTH)).outputs[0]
     assert (last.text, last.finish_reason, last.stop_reason) == ("he", "stop", "ll")
     assert not state.stopped_by_string  # the engine has finished it already
+
+
+def test_prompt_logprobs_add_up_over_deltas_with_none_first():
+    request = EngineCoreRequest("r", [7, 8, 9, 10], SamplingParams(prompt_logprobs=1), 0.0)
+    state = RequestState(request, TOKENIZER, None)
+    chunks = [
+        [TokenLogprobs([8, 3], [-1.0, -0.5], 2)],
+        [TokenLogprobs([9, 3], [-2.0, -0.5], 3), TokenLogprobs([10, 10], [-0.1, -0.1], 1)],
+    ]
+    first = state.apply(EngineCoreOutput("r", [], prompt_logprobs=chunks[0]))
+    second = state.apply(EngineCoreOutput("r", [5], prompt_logprobs=chunks[1]))
+    last = state.apply(EngineCoreOutput("r", [6], FinishReason.LENGTH))
+    assert first.prompt_logprobs == [None, *chunks[0]]
+    assert second.prompt_logprobs == chunks[1] and last.prompt_logprobs is None
+    assert state.result.prompt_logprobs == [None, *chunks[0], *chunks[1]]
+    plain = RequestState(EngineCoreRequest("p", [7], SamplingParams(), 0.0), TOKENIZER, None)
+    assert plain.apply(EngineCoreOutput("p", [5], FinishReason.LENGTH)).prompt_logprobs is None
