@@ -307,3 +307,14 @@ def test_cli_without_a_tokenizer_says_what_to_pass(monkeypatch):
     result = _cli("--address", "ipc:///nowhere/engine", "hi")
     assert result.returncode == 2
     assert "--tokenizer" in result.stderr and "SPLITSERVE_MODEL" in result.stderr
+
+
+def test_bad_words_leave_tokenized_and_need_a_tokenizer(engine, client):
+    client.generate("hi", SamplingParams(max_tokens=2, bad_words=["ab"]))
+    sent = engine.requests[-1].sampling_params
+    assert sent.bad_words_token_ids == [list(b"ab"), list(b" ab")]
+    with (
+        EngineClient(engine.address) as bare,
+        pytest.raises(ValueError, match="bad_words need a tokenizer"),
+    ):
+        bare.generate([1, 2], SamplingParams(bad_words=["ab"]))
