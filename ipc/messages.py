@@ -266,7 +266,8 @@ class SchedulerOutput(_Tagged):
 
 class ModelRunnerOutput(_Tagged):
     """`failed_requests`: request id -> why the workers could not take it (that request
-    fails, the rest of the batch runs)."""
+    fails, the rest of the batch runs). `prompt_logprobs`: request id -> the prompt
+    logprobs of its tokens computed this step (only requests that asked)."""
 
     step_id: int
     req_ids: list[str]
