@@ -1,7 +1,8 @@
 """OpenAI response objects for one request: the whole response, or its stream chunks.
 
 A builder holds what every object of a request repeats (id, creation time, model) and
-the state that runs across chunks (the completion's text offset for logprobs).
+the state that runs across chunks (each choice's text offset for logprobs). A request
+with n > 1 has choices 0..n-1; each chunk carries one choice's delta, with its index.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import time
 
 from ipc.messages import TokenLogprobs
+from ipc.outputs import CompletionOutput
 from ipc.tokenizer import TokenizerLike
 
 
@@ -24,6 +26,7 @@ class ResponseBuilder:
         self.tokenizer = tokenizer
         self.prompt_tokens_details = prompt_tokens_details
         self.created = int(time.time())
+        self.num_choices = 1
 
     def _envelope(self, object_name: str, choices: list[dict]) -> dict:
         return {
@@ -34,25 +37,23 @@ class ResponseBuilder:
             "choices": choices,
         }
 
-    def response(
-        self,
-        text: str,
-        logprobs: list[TokenLogprobs] | None,
-        finish_reason: str | None,
-        stop_reason: int | str | None,
-        usage: dict,
-    ) -> dict:
-        choice = self._choice(text, logprobs, finish_reason, stop_reason)
-        return {**self._envelope(self.object_name, [choice]), "usage": usage}
+    def response(self, choices: list[CompletionOutput], usage: dict) -> dict:
+        """The whole response; each choice's logprobs None unless asked for."""
+        body = [
+            self._choice(c.index, c.text, c.logprobs, c.finish_reason, c.stop_reason)
+            for c in choices
+        ]
+        return {**self._envelope(self.object_name, body), "usage": usage}
 
     def chunk(
         self,
+        index: int,
         text: str,
         logprobs: list[TokenLogprobs] | None,
         finish_reason: str | None = None,
         stop_reason: int | str | None = None,
     ) -> dict:
-        choice = self._chunk_choice(text, logprobs, finish_reason, stop_reason)
+        choice = self._chunk_choice(index, text, logprobs, finish_reason, stop_reason)
         return self._envelope(self.chunk_object_name, [choice])
 
     def first_chunks(self) -> list[dict]:
@@ -78,45 +79,51 @@ class ResponseBuilder:
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _choice(self, text, logprobs, finish_reason, stop_reason) -> dict:
+    def _choice(self, index, text, logprobs, finish_reason, stop_reason) -> dict:
         raise NotImplementedError
 
-    def _chunk_choice(self, text, logprobs, finish_reason, stop_reason) -> dict:
+    def _chunk_choice(self, index, text, logprobs, finish_reason, stop_reason) -> dict:
         raise NotImplementedError
 
 
 class CompletionResponses(ResponseBuilder):
-    """`echo`: the prompt text, put before the completion (the first chunk's, streaming)."""
+    """`echo`: the prompt text, put before each choice's completion (its first chunk's,
+    streaming)."""
 
     object_name = "text_completion"
     chunk_object_name = "text_completion"
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.text_offset = 0
+        self.text_offsets: dict[int, int] = {}
         self.echo = ""
+        self._echoed: set[int] = set()
 
-    def _choice(self, text, logprobs, finish_reason, stop_reason) -> dict:
-        text, self.echo = self.echo + text, ""
+    def _choice(self, index, text, logprobs, finish_reason, stop_reason) -> dict:
+        if self.echo and index not in self._echoed:
+            self._echoed.add(index)
+            text = self.echo + text
         return {
-            "index": 0,
+            "index": index,
             "text": text,
-            "logprobs": None if logprobs is None else self._logprobs(logprobs),
+            "logprobs": None if logprobs is None else self._logprobs(index, logprobs),
             "finish_reason": finish_reason,
             "stop_reason": stop_reason,
         }
 
     _chunk_choice = _choice
 
-    def _logprobs(self, entries: list[TokenLogprobs]) -> dict:
+    def _logprobs(self, index: int, entries: list[TokenLogprobs]) -> dict:
         """OpenAI's legacy shape; each top_logprobs dict holds the sampled token and the
         top-k, so it has up to k + 1 entries."""
         tokens, offsets = [], []
+        offset = self.text_offsets.get(index, 0)
         for entry in entries:
             token = self._token_text(entry.token_ids[0])
             tokens.append(token)
-            offsets.append(self.text_offset)
-            self.text_offset += len(token)
+            offsets.append(offset)
+            offset += len(token)
+        self.text_offsets[index] = offset
         top = [
             {self._token_text(t): lp for t, lp in zip(e.token_ids, e.logprobs, strict=True)}
             for e in entries
@@ -133,18 +140,18 @@ class ChatResponses(ResponseBuilder):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
-    def _choice(self, text, logprobs, finish_reason, stop_reason) -> dict:
+    def _choice(self, index, text, logprobs, finish_reason, stop_reason) -> dict:
         return {
-            "index": 0,
+            "index": index,
             "message": {"role": "assistant", "content": text},
             "logprobs": None if logprobs is None else self._logprobs(logprobs),
             "finish_reason": finish_reason,
             "stop_reason": stop_reason,
         }
 
-    def _chunk_choice(self, text, logprobs, finish_reason, stop_reason) -> dict:
+    def _chunk_choice(self, index, text, logprobs, finish_reason, stop_reason) -> dict:
         return {
-            "index": 0,
+            "index": index,
             "delta": {"content": text} if text else {},
             "logprobs": None if logprobs is None else self._logprobs(logprobs),
             "finish_reason": finish_reason,
@@ -152,13 +159,20 @@ class ChatResponses(ResponseBuilder):
         }
 
     def first_chunks(self) -> list[dict]:
-        choice = {
-            "index": 0,
-            "delta": {"role": "assistant", "content": ""},
-            "logprobs": None,
-            "finish_reason": None,
-        }
-        return [self._envelope(self.chunk_object_name, [choice])]
+        return [
+            self._envelope(
+                self.chunk_object_name,
+                [
+                    {
+                        "index": index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ],
+            )
+            for index in range(self.num_choices)
+        ]
 
     def _logprobs(self, entries: list[TokenLogprobs]) -> dict:
         content = []
