@@ -50,7 +50,6 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
-        parent_request_id: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -67,8 +66,6 @@ class Request:
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
-        # Set on a child of a request with n or best_of > 1 (its siblings share the prompt).
-        self.parent_request_id = parent_request_id
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         # Prompt tokens found in the prefix cache when the request was first scheduled.
@@ -91,7 +88,6 @@ class Request:
             request.arrival_time,
             request.priority,
             request.cache_salt,
-            request.parent_request_id,
         )
 
     @property
@@ -121,19 +117,3 @@ class Request:
         block_size = self._hash_block_size
         if block_size and len(self.all_token_ids) // block_size > len(self.block_hashes):
             extend_block_hashes(self.block_hashes, self.all_token_ids, block_size, self.cache_salt)
-
-
-def sibling_prefilling(
-    request: Request, running: list[Request], num_scheduled_tokens: dict[str, int]
-) -> bool:
-    """Whether a running sibling of the child `request` (same parent) has prompt tokens not
-    yet scheduled. The child then waits: admitted once the sibling's whole prompt is
-    scheduled (this step or earlier), it finds the prompt's full blocks in the prefix
-    cache, which caches blocks when they are allocated, instead of computing them again.
-    A sibling that is preempted, aborted or finished leaves `running` and holds nothing."""
-    parent = request.parent_request_id
-    return any(
-        r.parent_request_id == parent
-        and r.num_computed_tokens + num_scheduled_tokens.get(r.request_id, 0) < r.num_prompt_tokens
-        for r in running
-    )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from engine_core.request import Request, RequestStatus, sibling_prefilling
+from engine_core.request import Request, RequestStatus
 from engine_core.request_queue import make_request_queue
 from ipc.config import EngineConfig, SchedulingPolicy
 from ipc.messages import (
@@ -198,16 +198,8 @@ class Scheduler:
         budget = self.max_num_batched_tokens - sum(num_scheduled_tokens.values())
         new_reqs: list[NewRequestData] = []
         resumed: list[Request] = []
-        held: list[Request] = []  # children of n > 1 waiting for a sibling's prefill
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
-            if (
-                request.parent_request_id is not None
-                and kv.enable_caching
-                and sibling_prefilling(request, self.running, num_scheduled_tokens)
-            ):
-                held.append(self.waiting.pop())
-                continue
             hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
             if num_new > budget and not self.config.enable_chunked_prefill:
@@ -239,8 +231,6 @@ class Scheduler:
                 )
                 request.on_workers = True
             request.status = RequestStatus.RUNNING
-        for request in reversed(held):
-            self.waiting.prepend(request)
         return new_reqs, resumed
 
     def _select_victim(self) -> Request:

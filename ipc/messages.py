@@ -148,8 +148,6 @@ class EngineCoreRequest(_Tagged):
     arrival_time: float
     priority: int = 0
     cache_salt: str | None = None
-    # Set on the child requests a request with n or best_of > 1 fans out into.
-    parent_request_id: str | None = None
 
 
 class AbortRequests(_Tagged):

@@ -2,8 +2,11 @@
 child request per candidate, and its children's outputs fold back into one
 RequestOutput whose `outputs` hold a choice per index.
 
-The children share the prompt, so the engine computes it once (the prefix cache; the
-scheduler admits a child once a sibling's prompt is scheduled). Each child draws its own
+The children share the prompt, and the engine computes it once: the prefix cache caches
+a block when it is allocated, and the scheduler admits a waiting request only once every
+running one has its whole prompt scheduled (a partial prefill chunk takes the rest of
+the step's budget), so a child admitted after its sibling finds the prompt's full blocks
+cached, in the same step or a later one. Each child draws its own
 random stream: seed + index when the request has a seed, else the engine's generator for
 unseeded rows, which gives every row its own draws. Stop strings, logprobs and
 detokenization are each child's own (a RequestState each). With best_of > n the children
@@ -57,7 +60,6 @@ def child_requests(request: EngineCoreRequest) -> list[EngineCoreRequest]:
                 seed=None if params.seed is None else params.seed + index,
                 logprobs=logprobs,
             ),
-            parent_request_id=request.request_id,
         )
         for index in range(num_candidates(params))
     ]
