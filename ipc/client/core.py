@@ -163,7 +163,7 @@ class ClientCore:
         children = engine_states(state)
         with self._lock:
             self.check_connected()
-            for request_id in [request.request_id] + [c.request.request_id for c in children]:
+            for request_id in {request.request_id, *(c.request.request_id for c in children)}:
                 if request_id in self._requests or request_id in self._parents:
                     raise ValueError(f"request id {request_id!r} is already running")
             for child in children:
@@ -203,14 +203,18 @@ class ClientCore:
             self._send(AbortRequests([c.request.request_id for c in engine_states(state)]))
 
     def pop(self, request_id: str) -> RequestState | ParentRequest | None:
-        """Forget a live request, with its children (None if it is not live)."""
+        """Forget a live request, with its children (None if it is not live; a child goes
+        only with its parent)."""
         with self._lock:
             parent = self._parents.pop(request_id, None)
-            if parent is None:
-                return self._requests.pop(request_id, None)
-            for child in parent.children:
-                self._requests.pop(child.request.request_id, None)
-            return parent
+            if parent is not None:
+                for child in parent.children:
+                    self._requests.pop(child.request.request_id, None)
+                return parent
+            state = self._requests.get(request_id)
+            if state is None or state.parent is not None:
+                return None
+            return self._requests.pop(request_id)
 
     def abort(self, request_id: str) -> bool:
         """Finish a live request with finish_reason "abort", waking its consumer, and abort

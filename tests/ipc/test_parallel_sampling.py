@@ -101,6 +101,13 @@ def test_aborting_the_parent_aborts_every_child(core):
     assert not core.abort("p")
 
 
+def test_a_child_cannot_be_aborted_apart_from_its_parent(core):
+    core.submit(queue.SimpleQueue(), PROMPT, SamplingParams(n=2), "p", 0, None)
+    assert not core.abort("0_p")
+    core.release("1_p")
+    assert not any(isinstance(m, AbortRequests) for m in core.sent)
+
+
 def test_releasing_the_parent_aborts_its_children(core):
     core.submit(queue.SimpleQueue(), PROMPT, SamplingParams(n=2), "p", 0, None)
     core.release("p")
