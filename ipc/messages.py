@@ -34,6 +34,10 @@ class ErrorCode(enum.IntEnum):
     UNAVAILABLE = 503
 
 
+# The most choices (`n`) or candidates (`best_of`) one request may ask for.
+MAX_N = 128
+
+
 class _Wire(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     pass
 
@@ -46,6 +50,8 @@ class SamplingParams(_Wire):
     """How to sample one request. Validated at construction and when decoded."""
 
     n: int = 1
+    # Sample this many and return the n with the highest cumulative logprob (None: n).
+    best_of: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -74,8 +80,10 @@ class SamplingParams(_Wire):
     prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if self.n != 1:
-            raise ValueError(f"n must be 1 (got {self.n}); parallel sampling is not supported")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
+        if self.best_of is not None and not self.n <= self.best_of <= MAX_N:
+            raise ValueError(f"best_of must be in [n, {MAX_N}] (n is {self.n}), got {self.best_of}")
         if not self.temperature >= 0.0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

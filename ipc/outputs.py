@@ -12,12 +12,15 @@ class CompletionOutput:
     logprobs: list[TokenLogprobs] | None = None
     # What ended a "stop": the stop string or stop token id (None for EOS, as in vLLM).
     stop_reason: int | str | None = None
+    # The sum of the sampled tokens' logprobs (None without logprobs).
+    cumulative_logprob: float | None = None
 
 
 @dataclass
 class RequestOutput:
-    """One request's result so far. In a stream, `outputs[0]` holds the delta since the
-    previous RequestOutput; from a blocking call it holds everything.
+    """One request's result so far: a CompletionOutput per choice (`index` 0..n-1). In a
+    stream, `outputs` holds the delta since the previous RequestOutput (of the choices
+    that changed); from a blocking call it holds everything.
 
     `prompt_logprobs` (when asked for): one entry per prompt token, None for the first,
     then TokenLogprobs whose index 0 is the prompt token (with its `rank`), then the

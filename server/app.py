@@ -135,6 +135,7 @@ def build_app(
         params: SamplingParams,
         arrival: float,
     ) -> Response:
+        builder.num_choices = params.n
         submission = Submission(
             prompt_token_ids,
             params,

@@ -177,8 +177,13 @@ def sampling_params(
         "include_stop_str_in_output": request.include_stop_str_in_output,
     }
     kwargs = {**(defaults or {}), **{k: v for k, v in given.items() if v is not None}}
+    if request.stream and (request.best_of or 1) > (request.n or 1):
+        message = "best_of must equal n when streaming (the n best are known only at the end)"
+        raise APIError(400, message, "best_of")
     try:
         return SamplingParams(
+            n=1 if request.n is None else request.n,
+            best_of=request.best_of,
             seed=request.seed,
             logprobs=logprobs,
             max_tokens=_max_tokens(max_tokens, num_prompt_tokens, limits.max_model_len),

@@ -8,11 +8,13 @@ number belongs is a 400, not a coercion). vLLM's extra fields are honoured: `ign
 `stream`: a 400), `include_stop_str_in_output`, `priority`, `request_id`,
 `truncate_prompt_tokens`, `stream_options.continuous_usage_stats`;
 `cache_salt` keeps a request's prefix-cache blocks apart from those of requests without
-the same salt. `user`, `metadata`, `safety_identifier` and `prompt_cache_key` are
+the same salt. `n` (up to ipc.messages.MAX_N choices) and `best_of` (the n of best_of
+candidates with the highest cumulative logprob; not with `stream`) are honoured on both
+endpoints. `user`, `metadata`, `safety_identifier` and `prompt_cache_key` are
 accepted: they describe the request and change nothing in it.
 
 Refused unless given the value that asks for nothing (null always does; see NO_OP_VALUES):
-both endpoints: `n`/`best_of` other than 1, beam search (`use_beam_search`,
+both endpoints: beam search (`use_beam_search`,
 `length_penalty`), structured output (`response_format` other than text, `guided_*`,
 `structured_outputs`, `structural_tag`), `logits_processors`,
 `spaces_between_special_tokens: false`, `return_tokens_as_token_ids`, `return_token_ids`,
@@ -107,15 +109,10 @@ class StreamOptions(RequestBody):
     include_obfuscation: bool | None = None  # nothing is obfuscated
 
 
-_NEEDS_ONE = "`{field}` other than 1 is not supported yet (one completion per request)"
-
-
 class SamplingFields(RequestBody):
     """Fields common to both endpoints. None means "the default"."""
 
     NO_OP_VALUES = {
-        "n": (1,),
-        "best_of": (1,),
         "use_beam_search": (False,),
         "length_penalty": (1.0, 1),
         "response_format": ({"type": "text"},),
@@ -131,11 +128,11 @@ class SamplingFields(RequestBody):
         "kv_transfer_params": (),
         "vllm_xargs": (),
     }
-    MESSAGES = {"n": _NEEDS_ONE, "best_of": _NEEDS_ONE}
-
     model: Text | None = None
     user: Text | None = None
     request_id: Annotated[Text, Field(min_length=1, max_length=256)] | None = None
+    n: Int64 | None = None
+    best_of: Int64 | None = None
     temperature: Finite | None = None
     top_p: Finite | None = None
     top_k: Int64 | None = None

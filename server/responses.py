@@ -1,12 +1,13 @@
 """OpenAI response objects for one request: the whole response, or its stream chunks.
 
 A builder holds what every object of a request repeats (id, creation time, model) and
-the state that runs across chunks (the completion's text offset for logprobs, the prompt
-logprobs that arrived and are not answered yet).
+the state that runs across chunks (each choice's text offset for logprobs, the prompt
+logprobs that arrived and which choices answered them). A request with n > 1 has choices
+0..n-1; each chunk carries one choice's delta, with its index.
 
 Prompt logprobs take vLLM's shape: a list with null for the first prompt token, then for
 each token {"<token id>": {"logprob", "rank", "decoded_token"}} of the prompt's token and
-the top-k at its position; in the completion's choice, at the top of a chat response.
+the top-k at its position; in each completion choice, at the top of a chat response.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import time
 
 from ipc.messages import TokenLogprobs
+from ipc.outputs import CompletionOutput
 from ipc.tokenizer import TokenizerLike
 
 
@@ -29,17 +31,21 @@ class ResponseBuilder:
         self.tokenizer = tokenizer
         self.prompt_tokens_details = prompt_tokens_details
         self.created = int(time.time())
+        self.num_choices = 1
         self.prompt_token_ids: list[int] = []
         self.show_prompt_logprobs = False  # the request's `prompt_logprobs`
         self._prompt_logprobs: list[TokenLogprobs | None] = []
+        self._prompt_logprobs_sent: dict[int, int] = {}  # choice index -> entries answered
 
     def add_prompt_logprobs(self, entries: list[TokenLogprobs | None] | None) -> None:
-        """Prompt logprobs that arrived; the next response or chunk answers them."""
+        """Prompt logprobs that arrived; each choice's next response or chunk answers them."""
         self._prompt_logprobs.extend(entries or ())
 
-    def _take_prompt_logprobs(self) -> list[TokenLogprobs | None]:
-        entries, self._prompt_logprobs = self._prompt_logprobs, []
-        return entries
+    def _take_prompt_logprobs(self, index: int) -> list[TokenLogprobs | None]:
+        """The prompt logprobs choice `index` has not answered yet."""
+        sent = self._prompt_logprobs_sent.get(index, 0)
+        self._prompt_logprobs_sent[index] = len(self._prompt_logprobs)
+        return self._prompt_logprobs[sent:]
 
     def _prompt_logprobs_field(self, entries: list[TokenLogprobs | None]) -> list[dict | None]:
         return [None if entry is None else self._ranked(entry) for entry in entries]
@@ -61,25 +67,23 @@ class ResponseBuilder:
             "choices": choices,
         }
 
-    def response(
-        self,
-        text: str,
-        logprobs: list[TokenLogprobs] | None,
-        finish_reason: str | None,
-        stop_reason: int | str | None,
-        usage: dict,
-    ) -> dict:
-        choice = self._choice(text, logprobs, finish_reason, stop_reason)
-        return {**self._envelope(self.object_name, [choice]), "usage": usage}
+    def response(self, choices: list[CompletionOutput], usage: dict) -> dict:
+        """The whole response; each choice's logprobs None unless asked for."""
+        body = [
+            self._choice(c.index, c.text, c.logprobs, c.finish_reason, c.stop_reason)
+            for c in choices
+        ]
+        return {**self._envelope(self.object_name, body), "usage": usage}
 
     def chunk(
         self,
+        index: int,
         text: str,
         logprobs: list[TokenLogprobs] | None,
         finish_reason: str | None = None,
         stop_reason: int | str | None = None,
     ) -> dict:
-        choice = self._chunk_choice(text, logprobs, finish_reason, stop_reason)
+        choice = self._chunk_choice(index, text, logprobs, finish_reason, stop_reason)
         return self._envelope(self.chunk_object_name, [choice])
 
     def first_chunks(self) -> list[dict]:
@@ -105,35 +109,39 @@ class ResponseBuilder:
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _choice(self, text, logprobs, finish_reason, stop_reason) -> dict:
+    def _choice(self, index, text, logprobs, finish_reason, stop_reason) -> dict:
         raise NotImplementedError
 
-    def _chunk_choice(self, text, logprobs, finish_reason, stop_reason) -> dict:
+    def _chunk_choice(self, index, text, logprobs, finish_reason, stop_reason) -> dict:
         raise NotImplementedError
 
 
 class CompletionResponses(ResponseBuilder):
-    """`echo`: the prompt text, put before the completion (the first chunk's, streaming);
-    with `echo_logprobs` the prompt tokens' logprobs lead the choice's logprobs."""
+    """`echo`: the prompt text, put before each choice's completion (its first chunk's,
+    streaming); with `echo_logprobs` the prompt tokens' logprobs lead each choice's
+    logprobs."""
 
     object_name = "text_completion"
     chunk_object_name = "text_completion"
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.text_offset = 0
+        self.text_offsets: dict[int, int] = {}
         self.echo = ""
         self.echo_logprobs = False
+        self._echoed: set[int] = set()
 
-    def _choice(self, text, logprobs, finish_reason, stop_reason) -> dict:
-        text, self.echo = self.echo + text, ""
-        prompt = self._take_prompt_logprobs()
+    def _choice(self, index, text, logprobs, finish_reason, stop_reason) -> dict:
+        if self.echo and index not in self._echoed:
+            self._echoed.add(index)
+            text = self.echo + text
+        prompt = self._take_prompt_logprobs(index)
         if self.echo_logprobs and prompt:
             logprobs = prompt + (logprobs or [])
         choice = {
-            "index": 0,
+            "index": index,
             "text": text,
-            "logprobs": None if logprobs is None else self._logprobs(logprobs),
+            "logprobs": None if logprobs is None else self._logprobs(index, logprobs),
             "finish_reason": finish_reason,
             "stop_reason": stop_reason,
         }
@@ -143,17 +151,18 @@ class CompletionResponses(ResponseBuilder):
 
     _chunk_choice = _choice
 
-    def _logprobs(self, entries: list[TokenLogprobs | None]) -> dict:
+    def _logprobs(self, index: int, entries: list[TokenLogprobs | None]) -> dict:
         """OpenAI's legacy shape; each top_logprobs dict holds the sampled token and the
         top-k, so it has up to k + 1 entries. A None entry is the echoed first prompt
         token, which has no logprob."""
         tokens, offsets, token_logprobs, top = [], [], [], []
+        offset = self.text_offsets.get(index, 0)
         for entry in entries:
             token_id = self.prompt_token_ids[0] if entry is None else entry.token_ids[0]
             token = self._token_text(token_id)
             tokens.append(token)
-            offsets.append(self.text_offset)
-            self.text_offset += len(token)
+            offsets.append(offset)
+            offset += len(token)
             if entry is None:
                 token_logprobs.append(None)
                 top.append(None)
@@ -161,6 +170,7 @@ class CompletionResponses(ResponseBuilder):
             token_logprobs.append(entry.logprobs[0])
             pairs = zip(entry.token_ids, entry.logprobs, strict=True)
             top.append({self._token_text(t): lp for t, lp in pairs})
+        self.text_offsets[index] = offset
         return {
             "tokens": tokens,
             "token_logprobs": token_logprobs,
@@ -173,24 +183,24 @@ class ChatResponses(ResponseBuilder):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
-    def response(self, *args, **kwargs) -> dict:
-        body = super().response(*args, **kwargs)
+    def response(self, choices: list[CompletionOutput], usage: dict) -> dict:
+        body = super().response(choices, usage)
         if self.show_prompt_logprobs:
-            body["prompt_logprobs"] = self._prompt_logprobs_field(self._take_prompt_logprobs())
+            body["prompt_logprobs"] = self._prompt_logprobs_field(self._take_prompt_logprobs(0))
         return body
 
-    def _choice(self, text, logprobs, finish_reason, stop_reason) -> dict:
+    def _choice(self, index, text, logprobs, finish_reason, stop_reason) -> dict:
         return {
-            "index": 0,
+            "index": index,
             "message": {"role": "assistant", "content": text},
             "logprobs": None if logprobs is None else self._logprobs(logprobs),
             "finish_reason": finish_reason,
             "stop_reason": stop_reason,
         }
 
-    def _chunk_choice(self, text, logprobs, finish_reason, stop_reason) -> dict:
+    def _chunk_choice(self, index, text, logprobs, finish_reason, stop_reason) -> dict:
         return {
-            "index": 0,
+            "index": index,
             "delta": {"content": text} if text else {},
             "logprobs": None if logprobs is None else self._logprobs(logprobs),
             "finish_reason": finish_reason,
@@ -198,13 +208,20 @@ class ChatResponses(ResponseBuilder):
         }
 
     def first_chunks(self) -> list[dict]:
-        choice = {
-            "index": 0,
-            "delta": {"role": "assistant", "content": ""},
-            "logprobs": None,
-            "finish_reason": None,
-        }
-        return [self._envelope(self.chunk_object_name, [choice])]
+        return [
+            self._envelope(
+                self.chunk_object_name,
+                [
+                    {
+                        "index": index,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ],
+            )
+            for index in range(self.num_choices)
+        ]
 
     def _logprobs(self, entries: list[TokenLogprobs]) -> dict:
         content = []

@@ -9,9 +9,11 @@ disconnects, at any point, aborts its request.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
+from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -20,8 +22,9 @@ from typing import TypeVar
 from fastapi import Request
 
 from ipc.client import EngineDeadError, RequestError
+from ipc.client.parallel_sampling import num_candidates
 from ipc.messages import SamplingParams, TokenLogprobs
-from ipc.outputs import RequestOutput
+from ipc.outputs import CompletionOutput, RequestOutput
 from server.errors import UNEXPECTED, ClientDisconnected, engine_error
 from server.metrics import ServerMetrics
 from server.protocol import APIError
@@ -50,14 +53,17 @@ async def engine_outputs(
     client, submission: Submission, metrics: ServerMetrics
 ) -> AsyncIterator[RequestOutput]:
     """The engine client's stream of deltas, timed into the metrics; its errors become
-    APIErrors."""
+    APIErrors. A request with best_of > n cannot stream: its one output is the answer."""
     s = submission
     last_token_time = None
     finish_reason = "abort"
     started = False
     num_tokens = 0
     try:
-        stream = client.stream(
+        run = client.stream
+        if num_candidates(s.params) > s.params.n:
+            run = functools.partial(_whole, client)
+        stream = run(
             s.prompt_token_ids,
             s.params,
             request_id=s.request_id,
@@ -67,15 +73,16 @@ async def engine_outputs(
         async with aclosing(stream):
             async for out in stream:
                 now = time.perf_counter()
-                if out.outputs[0].token_ids:
-                    num_tokens += len(out.outputs[0].token_ids)
+                num_new = sum(len(choice.token_ids) for choice in out.outputs)
+                if num_new:
+                    num_tokens += num_new
                     if last_token_time is None:
                         metrics.observe_first_token(now - s.arrival)
                     else:
                         metrics.observe_inter_token(now - last_token_time)
                     last_token_time = now
                 if out.finished:
-                    finish_reason = out.outputs[0].finish_reason or "abort"
+                    finish_reason = next((c.finish_reason for c in out.outputs), None) or "abort"
                 started = True
                 yield out
     except (RequestError, EngineDeadError) as e:
@@ -90,31 +97,44 @@ async def engine_outputs(
             metrics.observe_finished(finish_reason, seconds, len(s.prompt_token_ids), num_tokens)
 
 
+async def _whole(client, *args, **kwargs) -> AsyncIterator[RequestOutput]:
+    """client.generate's answer as a stream of one output."""
+    yield await client.generate(*args, **kwargs)
+
+
 async def complete(
     outputs: AsyncIterator[RequestOutput],
     builder: ResponseBuilder,
     num_prompt_tokens: int,
     want_logprobs: bool,
 ) -> dict:
-    """The whole response of a non-streaming request."""
-    texts: list[str] = []
-    logprobs: list[TokenLogprobs] = []
+    """The whole response of a non-streaming request: its choices' deltas joined."""
+    texts: dict[int, list[str]] = defaultdict(list)
+    logprobs: dict[int, list[TokenLogprobs]] = defaultdict(list)
+    ends: dict[int, CompletionOutput] = {}  # each choice's last delta
     num_tokens = 0
     async with aclosing(outputs):
         async for out in outputs:
-            delta = out.outputs[0]
             builder.add_prompt_logprobs(out.prompt_logprobs)
-            texts.append(delta.text)
-            num_tokens += len(delta.token_ids)
-            logprobs.extend(delta.logprobs or ())
+            for delta in out.outputs:
+                texts[delta.index].append(delta.text)
+                num_tokens += len(delta.token_ids)
+                logprobs[delta.index].extend(delta.logprobs or ())
+                ends[delta.index] = delta
             last = out
-    return builder.response(
-        "".join(texts),
-        logprobs if want_logprobs else None,
-        last.outputs[0].finish_reason,
-        last.outputs[0].stop_reason,
-        builder.usage(num_prompt_tokens, num_tokens, last.num_cached_tokens),
-    )
+    choices = [
+        CompletionOutput(
+            index,
+            "".join(texts[index]),
+            [],
+            ends[index].finish_reason,
+            logprobs[index] if want_logprobs else None,
+            ends[index].stop_reason,
+        )
+        for index in sorted(ends)
+    ]
+    usage = builder.usage(num_prompt_tokens, num_tokens, last.num_cached_tokens)
+    return builder.response(choices, usage)
 
 
 async def event_stream(
@@ -138,18 +158,19 @@ async def event_stream(
             for chunk in builder.first_chunks():
                 yield _event(chunk)
             while out is not None:
-                delta = out.outputs[0]
-                builder.add_prompt_logprobs(out.prompt_logprobs)
-                num_tokens += len(delta.token_ids)
                 num_cached_tokens = out.num_cached_tokens
-                logprobs = delta.logprobs if want_logprobs else None
-                if delta.text or logprobs or out.finished:
-                    end = (delta.finish_reason, delta.stop_reason) if out.finished else ()
-                    chunk = builder.chunk(delta.text, logprobs, *end)
-                    if continuous_usage:
-                        usage = builder.usage(num_prompt_tokens, num_tokens, num_cached_tokens)
-                        chunk["usage"] = usage
-                    yield _event(chunk)
+                builder.add_prompt_logprobs(out.prompt_logprobs)
+                for delta in out.outputs:
+                    num_tokens += len(delta.token_ids)
+                    logprobs = delta.logprobs if want_logprobs else None
+                    finished = delta.finish_reason is not None
+                    if delta.text or logprobs or finished:
+                        end = (delta.finish_reason, delta.stop_reason) if finished else ()
+                        chunk = builder.chunk(delta.index, delta.text, logprobs, *end)
+                        if continuous_usage:
+                            usage = builder.usage(num_prompt_tokens, num_tokens, num_cached_tokens)
+                            chunk["usage"] = usage
+                        yield _event(chunk)
                 out = await anext(outputs, None)
         except APIError as e:
             yield _event(e.body())

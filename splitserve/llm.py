@@ -6,6 +6,7 @@ from tqdm import tqdm
 
 from engine_core import EngineCore
 from ipc.bad_words import with_bad_words_token_ids
+from ipc.client.parallel_sampling import ParentRequest, engine_states, is_parallel
 from ipc.client.request_state import (
     Prompt,
     RequestState,
@@ -14,7 +15,7 @@ from ipc.client.request_state import (
     prompt_token_ids,
 )
 from ipc.config import EngineConfig
-from ipc.messages import EngineCoreRequest, SamplingParams
+from ipc.messages import EngineCoreRequest, FinishReason, SamplingParams
 from ipc.outputs import RequestOutput
 from ipc.tokenizer import Message
 
@@ -24,7 +25,8 @@ class LLM:
 
     With tensor_parallel_size 1 the model runs in this process; otherwise in worker
     processes, exactly as under launch.py. Requests are folded into RequestOutputs by
-    the same RequestState the clients use (detokenization, stop strings).
+    the same RequestState the clients use (detokenization, stop strings); a request with
+    n or best_of > 1 runs as child requests, as the clients run it (parallel_sampling.py).
     """
 
     def __init__(self, model: str | None = None, **engine_args) -> None:
@@ -72,24 +74,37 @@ class LLM:
     def _run(
         self, token_ids: list[list[int]], params: Sequence[SamplingParams], use_tqdm: bool
     ) -> list[RequestOutput]:
-        states: dict[str, RequestState] = {}
         params = [with_bad_words_token_ids(sp, self.tokenizer) for sp in params]
+        results: list[RequestState | ParentRequest] = []
+        states: dict[str, RequestState] = {}  # by the engine's request ids
         for ids, sp in zip(token_ids, params, strict=True):
             request = EngineCoreRequest(str(next(self._ids)), ids, sp, time.time())
-            states[request.request_id] = RequestState(request, self.tokenizer, queue=None)
-            self.engine.add_request(request)
-        with tqdm(total=len(states), disable=not use_tqdm, desc="Generating") as bar:
+            if is_parallel(sp):
+                results.append(ParentRequest(request, self.tokenizer, queue=None))
+            else:
+                results.append(RequestState(request, self.tokenizer, queue=None))
+            for state in engine_states(results[-1]):
+                states[state.request.request_id] = state
+                self.engine.add_request(state.request)
+        with tqdm(total=len(results), disable=not use_tqdm, desc="Generating") as bar:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step().outputs:
                     state = states[out.request_id]
                     if state.result.finished:
                         continue
-                    state.apply(out)
+                    parent = state.parent
+                    if parent is None:
+                        state.apply(out)
+                    else:
+                        parent.apply(state, out)
                     if state.result.finished:
                         if state.stopped_by_string:  # the engine goes on
                             self.engine.abort_requests([out.request_id])
-                        bar.update(1)
-        return [state.result for state in states.values()]
+                        if parent is not None and out.finish_reason == FinishReason.ERROR:
+                            self.engine.abort_requests(parent.live_request_ids())
+                        if parent is None or parent.result.finished:
+                            bar.update(1)
+        return [state.result for state in results]
 
 
 def _make_executor(config: EngineConfig):

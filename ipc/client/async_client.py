@@ -26,9 +26,10 @@ from ipc.client.core import (
     MONITOR_EVENTS,
     new_identity,
 )
+from ipc.client.parallel_sampling import ParentRequest, check_streamable
 from ipc.client.request_state import Prompt, RequestState
 from ipc.client.steps import Answer, NextItem, Step, Steps
-from ipc.messages import AbortRequests, SamplingParams, SchedulerStats, encode
+from ipc.messages import SamplingParams, SchedulerStats, encode
 from ipc.outputs import RequestOutput
 from ipc.sockets import HELLO, client_sockets
 from ipc.tokenizer import Message, TokenizerLike
@@ -108,7 +109,9 @@ class AsyncEngineClient(ClientBase):
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield one RequestOutput per engine output, holding only the new tokens and
-        text. Cancelling the consumer or closing the iterator early aborts the request."""
+        text (of the choices that changed, with n > 1). Cancelling the consumer or closing
+        the iterator early aborts the request. best_of > n cannot stream."""
+        check_streamable(sampling_params)
         state = self._submit(prompt, sampling_params, request_id, priority, cache_salt)
         async for delta in self._deltas(state):
             yield delta
@@ -120,8 +123,7 @@ class AsyncEngineClient(ClientBase):
 
     async def abort(self, request_id: str) -> None:
         """Stop a request; its generate returns (and its stream ends) with "abort"."""
-        if self._core.abort(request_id):
-            self._send(AbortRequests([request_id]))
+        self._core.abort(request_id)
 
     async def stats(self, timeout: float = 30.0) -> SchedulerStats:
         return await self._call(steps.call(self._core, "stats", timeout))
@@ -150,13 +152,15 @@ class AsyncEngineClient(ClientBase):
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
-    def _submit(self, prompt, sampling_params, request_id, priority, cache_salt) -> RequestState:
+    def _submit(
+        self, prompt, sampling_params, request_id, priority, cache_salt
+    ) -> RequestState | ParentRequest:
         self._check_open()
         return self._core.submit(
             asyncio.Queue(), prompt, sampling_params, request_id, priority, cache_salt
         )
 
-    async def _deltas(self, state: RequestState) -> AsyncIterator[RequestOutput]:
+    async def _deltas(self, state: RequestState | ParentRequest) -> AsyncIterator[RequestOutput]:
         try:
             while True:
                 delta = await steps.run_async(

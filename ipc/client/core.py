@@ -32,6 +32,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from ipc.auth import CredentialsError
 from ipc.bad_words import with_bad_words_token_ids
+from ipc.client.parallel_sampling import ParentRequest, engine_states, is_parallel
 from ipc.client.request_state import (
     Prompt,
     RequestState,
@@ -100,6 +101,10 @@ def new_identity() -> bytes:
     return bytes([identity[0] | 1]) + identity[1:]
 
 
+def _request_error(out: EngineCoreOutput) -> RequestError:
+    return RequestError(out.error or "the EngineCore failed", out.error_code)
+
+
 def full_queue_error(address: str) -> EngineDeadError:
     return EngineDeadError(f"the EngineCore at {address} is not reading (send queue full)")
 
@@ -115,7 +120,10 @@ class ClientCore:
         self._down: Exception | None = EngineDeadError(
             f"not connected to the EngineCore at {address} yet"
         )
+        # Live requests by the id the engine knows them by (children of parallel ones too).
         self._requests: dict[str, RequestState] = {}
+        # Requests with n or best_of > 1, by their own id.
+        self._parents: dict[str, ParentRequest] = {}
         self._calls: dict[int, Future] = {}
         self._call_ids = itertools.count()
         # Reentrant: a stream garbage-collected while this thread holds the lock
@@ -137,7 +145,7 @@ class ClientCore:
         priority: int,
         cache_salt: str | None,
         queue: Sink,
-    ) -> RequestState:
+    ) -> RequestState | ParentRequest:
         params = with_bad_words_token_ids(sampling_params or SamplingParams(), self.tokenizer)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
@@ -149,12 +157,20 @@ class ClientCore:
             priority,
             cache_salt,
         )
-        state = RequestState(request, self.tokenizer, queue)
+        if is_parallel(params):
+            state = ParentRequest(request, self.tokenizer, queue)
+        else:
+            state = RequestState(request, self.tokenizer, queue)
+        children = engine_states(state)
         with self._lock:
             self.check_connected()
-            if request.request_id in self._requests:
-                raise ValueError(f"request id {request.request_id!r} is already running")
-            self._requests[request.request_id] = state
+            for request_id in {request.request_id, *(c.request.request_id for c in children)}:
+                if request_id in self._requests or request_id in self._parents:
+                    raise ValueError(f"request id {request_id!r} is already running")
+            for child in children:
+                self._requests[child.request.request_id] = child
+            if state is not children[0]:
+                self._parents[request.request_id] = state
         return state
 
     def submit(
@@ -165,38 +181,56 @@ class ClientCore:
         request_id: str | None,
         priority: int,
         cache_salt: str | None,
-    ) -> RequestState:
-        """add_request, then send it; a request that cannot leave (a full queue, or a
-        message the encoder refuses) is forgotten."""
+    ) -> RequestState | ParentRequest:
+        """add_request, then send it (each child of a parallel request); a request that
+        cannot leave (a full queue, or a message the encoder refuses) is forgotten, and
+        the children that left are aborted."""
         state = self.add_request(prompt, sampling_params, request_id, priority, cache_salt, queue)
+        forget = self.release if isinstance(state, ParentRequest) else self.pop
         try:
-            sent = self._send(state.request)
+            sent = all(self._send(child.request) for child in engine_states(state))
         except BaseException:
-            self.pop(state.request.request_id)
+            forget(state.request.request_id)
             raise
         if not sent:
-            self.pop(state.request.request_id)
+            forget(state.request.request_id)
             raise full_queue_error(self.address)
         return state
 
     def release(self, request_id: str) -> None:
         """Its consumer is done with a request: abort it in the engine if it is still live."""
-        if self.pop(request_id) is not None:
-            self._send(AbortRequests([request_id]))
-
-    def pop(self, request_id: str) -> RequestState | None:
-        """Forget a live request (None if it is not live)."""
-        with self._lock:
-            return self._requests.pop(request_id, None)
-
-    def abort(self, request_id: str) -> bool:
-        """Finish a live request with finish_reason "abort", waking its consumer."""
         state = self.pop(request_id)
         if state is not None:
+            self._send(AbortRequests([c.request.request_id for c in engine_states(state)]))
+
+    def pop(self, request_id: str) -> RequestState | ParentRequest | None:
+        """Forget a live request, with its children (None if it is not live; a child goes
+        only with its parent)."""
+        with self._lock:
+            parent = self._parents.pop(request_id, None)
+            if parent is not None:
+                for child in parent.children:
+                    self._requests.pop(child.request.request_id, None)
+                return parent
+            state = self._requests.get(request_id)
+            if state is None or state.parent is not None:
+                return None
+            return self._requests.pop(request_id)
+
+    def abort(self, request_id: str) -> bool:
+        """Finish a live request with finish_reason "abort", waking its consumer, and abort
+        it in the engine."""
+        state = self.pop(request_id)
+        if state is None:
+            return False
+        if isinstance(state, ParentRequest):
+            state.queue.put_nowait(state.abort())
+        else:
             state.queue.put_nowait(
                 state.apply(EngineCoreOutput(request_id, [], FinishReason.ABORT))
             )
-        return state is not None
+        self._send(AbortRequests([c.request.request_id for c in engine_states(state)]))
+        return True
 
     @property
     def connected(self) -> bool:
@@ -251,27 +285,47 @@ class ClientCore:
             self._send(AbortRequests(stopped))
 
     def process_outputs(self, outputs: EngineCoreOutputs) -> list[str]:
-        """Deliver the engine's outputs; return the requests that hit a stop string,
-        which the caller must abort in the engine."""
+        """Deliver the engine's outputs; return the requests the caller must abort in the
+        engine: those that hit a stop string, and the siblings of a failed child."""
         stopped = []
         with self._lock:
             for out in outputs.outputs:
                 state = self._requests.get(out.request_id)
                 if state is None:
                     continue  # finished or aborted here; the engine has not caught up yet
+                if state.parent is not None:
+                    stopped += self._apply_child(state, out)
+                    continue
                 delta = state.apply(out)
                 if not delta.finished:
                     state.queue.put_nowait(delta)
                     continue
                 del self._requests[out.request_id]
                 if out.finish_reason == FinishReason.ERROR:
-                    error = RequestError(out.error or "the EngineCore failed", out.error_code)
-                    state.queue.put_nowait(error)
+                    state.queue.put_nowait(_request_error(out))
                     continue
                 state.queue.put_nowait(delta)
                 if state.stopped_by_string:
                     stopped.append(out.request_id)
         return stopped
+
+    def _apply_child(self, child: RequestState, out: EngineCoreOutput) -> list[str]:
+        """process_outputs for a child of a parallel request (the lock held): one failed
+        child fails the parent, whose live children are then to be aborted."""
+        parent = child.parent
+        delta = parent.apply(child, out)
+        if not child.result.finished:
+            parent.queue.put_nowait(delta)
+            return []
+        del self._requests[out.request_id]
+        if out.finish_reason == FinishReason.ERROR:
+            self.pop(parent.request.request_id)
+            parent.queue.put_nowait(_request_error(out))
+            return parent.live_request_ids()
+        if delta.finished:
+            del self._parents[parent.request.request_id]
+        parent.queue.put_nowait(delta)
+        return [out.request_id] if child.stopped_by_string else []
 
     def abort_all(self, error: Exception) -> None:
         """The client is closing: fail every live request and call with `error`, and
@@ -285,9 +339,10 @@ class ClientCore:
         live."""
         with self._lock:
             states, self._requests = self._requests, {}
+            self._parents = {}
             calls, self._calls = self._calls, {}
-        for state in states.values():
-            state.queue.put_nowait(error)
+        for queue in {id(state.queue): state.queue for state in states.values()}.values():
+            queue.put_nowait(error)
         for future in calls.values():
             if not future.done():
                 future.set_exception(error)

@@ -4,12 +4,15 @@ into a RequestOutput (incremental detokenization, stop strings)."""
 from __future__ import annotations
 
 import os
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ipc.detokenizer import IncrementalDetokenizer
 from ipc.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 from ipc.outputs import CompletionOutput, RequestOutput
 from ipc.tokenizer import Message, Tokenizer, TokenizerLike
+
+if TYPE_CHECKING:
+    from ipc.client.parallel_sampling import ParentRequest
 
 Prompt = str | list[int]
 _STOP_STRING_WINS = (None, FinishReason.STOP, FinishReason.LENGTH)
@@ -53,6 +56,8 @@ class RequestState:
         )
         if params.prompt_logprobs is not None:
             self.result.prompt_logprobs = []
+        # Set on a child of a request with n or best_of > 1 (parallel_sampling.py).
+        self.parent: ParentRequest | None = None
 
     def apply(self, out: EngineCoreOutput) -> RequestOutput:
         """Fold one engine output into `result` and return the delta (finish reasons as
@@ -63,6 +68,9 @@ class RequestState:
         completion.token_ids.extend(out.new_token_ids)
         if out.logprobs:
             completion.logprobs = (completion.logprobs or []) + out.logprobs
+            completion.cumulative_logprob = (completion.cumulative_logprob or 0.0) + sum(
+                entry.logprobs[0] for entry in out.logprobs
+            )
         result.num_cached_tokens = max(result.num_cached_tokens, out.num_cached_tokens)
         prompt_logprobs = self._add_prompt_logprobs(out)
         finish_reason = None if out.finish_reason is None else str(out.finish_reason)

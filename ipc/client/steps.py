@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 from ipc.auth import CredentialsError
 from ipc.client.core import ClientCore, EngineDeadError
+from ipc.client.parallel_sampling import ParentRequest
 from ipc.client.request_state import RequestState
 from ipc.outputs import RequestOutput
 
@@ -53,7 +54,7 @@ Steps = Generator[Step, Any, T]
 
 
 def next_delta(
-    core: ClientCore, state: RequestState, health_interval: float
+    core: ClientCore, state: RequestState | ParentRequest, health_interval: float
 ) -> Steps[RequestOutput]:
     """The request's next delta; raises what failed the request. Each time the engine
     stays silent for `health_interval`, ask for its health (EngineDeadError when that

@@ -26,9 +26,10 @@ from ipc.client.core import (
     MONITOR_EVENTS,
     new_identity,
 )
+from ipc.client.parallel_sampling import ParentRequest, check_streamable
 from ipc.client.request_state import Prompt, RequestState
 from ipc.client.steps import Answer, NextItem, Step, Steps
-from ipc.messages import AbortRequests, SamplingParams, SchedulerStats, encode
+from ipc.messages import SamplingParams, SchedulerStats, encode
 from ipc.outputs import RequestOutput
 from ipc.sockets import HELLO, client_sockets
 from ipc.tokenizer import Message, TokenizerLike
@@ -91,8 +92,9 @@ class EngineClient(ClientBase):
         cache_salt: str | None = None,
     ) -> Iterator[RequestOutput]:
         """Yield one RequestOutput per engine output, holding only the new tokens and
-        text. The request starts at the first next(); closing the iterator early
-        aborts it."""
+        text (of the choices that changed, with n > 1). The request starts at the first
+        next(); closing the iterator early aborts it. best_of > n cannot stream."""
+        check_streamable(sampling_params)
         yield from self._deltas(
             self._submit(prompt, sampling_params, request_id, priority, cache_salt)
         )
@@ -104,8 +106,7 @@ class EngineClient(ClientBase):
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its generate returns (and its stream ends) with "abort"."""
-        if self._core.abort(request_id):
-            self._send(AbortRequests([request_id]))
+        self._core.abort(request_id)
 
     def stats(self, timeout: float = 30.0) -> SchedulerStats:
         return self._call(steps.call(self._core, "stats", timeout))
@@ -133,13 +134,15 @@ class EngineClient(ClientBase):
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _submit(self, prompt, sampling_params, request_id, priority, cache_salt) -> RequestState:
+    def _submit(
+        self, prompt, sampling_params, request_id, priority, cache_salt
+    ) -> RequestState | ParentRequest:
         self._check_open()
         return self._core.submit(
             queue.SimpleQueue(), prompt, sampling_params, request_id, priority, cache_salt
         )
 
-    def _deltas(self, state: RequestState) -> Iterator[RequestOutput]:
+    def _deltas(self, state: RequestState | ParentRequest) -> Iterator[RequestOutput]:
         try:
             while True:
                 delta = steps.run(

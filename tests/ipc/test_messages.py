@@ -108,7 +108,10 @@ def test_nested_structs_round_trip(struct):
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": 129}, "n"),
+        ({"n": 3, "best_of": 2}, "best_of"),
+        ({"best_of": 129}, "best_of"),
         ({"temperature": -0.5}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),

@@ -13,8 +13,6 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 
 # (field, a value this server cannot honour)
 REFUSED_BOTH = [
-    ("n", 2),
-    ("best_of", 3),
     ("use_beam_search", True),
     ("length_penalty", 0.5),
     ("response_format", {"type": "json_object"}),

@@ -224,7 +224,9 @@ def test_sse_wire_format_ends_with_done(http, engine):
     [
         ({"temperature": -1}, "temperature"),
         ({"top_p": 0}, "top_p"),
-        ({"n": 2}, "n"),
+        ({"n": 129}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": 2, "best_of": 1}, "best_of"),
         ({"min_tokens": 9, "max_tokens": 3}, "min_tokens"),
         ({"top_p": "high"}, "top_p"),
         ({"max_tokens": 2.5}, "max_tokens"),
@@ -249,8 +251,8 @@ def test_invalid_parameters_are_400_in_openai_shape(http, engine, extra, param):
 
 
 def test_invalid_parameters_raise_bad_request_in_the_openai_client(oai, engine):
-    with pytest.raises(openai.BadRequestError, match="`n` other than 1 is not supported"):
-        oai.completions.create(model=engine.model_name, prompt="Hi", n=2)
+    with pytest.raises(openai.BadRequestError, match=r"n must be in \[1, 128\]"):
+        oai.completions.create(model=engine.model_name, prompt="Hi", n=1000)
     with pytest.raises(openai.BadRequestError, match="temperature"):
         oai.chat.completions.create(model=engine.model_name, messages=MESSAGES, temperature=-1)
     with pytest.raises(openai.BadRequestError, match="top_logprobs"):

@@ -1,0 +1,151 @@
+"""`n` and `best_of` over HTTP: the official openai client → the server → a real cluster
+(launch.py, tiny random Llama, fp32). Choice i of a seeded request is what a single
+request with seed + i answers; streams carry every choice's index and finish."""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+
+import openai
+import pytest
+
+from ipc.client import AsyncEngineClient
+from ipc.tokenizer import Tokenizer
+from server import build_app
+from tests.cluster.helpers import launch_cluster, wait_idle
+from tests.server.conftest import API_KEY, LiveServer
+from tests.server.test_input_validation import assert_400_naming
+from tests.server.test_openai_api_cluster import (  # noqa: F401  (this module's cluster)
+    cluster,
+    engine,
+    stats_client,
+)
+
+SAMPLED = {"temperature": 1.0, "max_tokens": 12, "seed": 3, "extra_body": {"ignore_eos": True}}
+MESSAGES = [{"role": "user", "content": "abc"}]
+
+
+def completion(oai, **kwargs):
+    return oai.completions.create(model="llama", prompt="abc", **{**SAMPLED, **kwargs})
+
+
+def test_completion_choices_are_the_seeded_single_requests(oai, stats_client):  # noqa: F811
+    out = completion(oai, n=3)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    singles = [completion(oai, seed=3 + i).choices[0].text for i in range(3)]
+    assert [c.text for c in out.choices] == singles
+    assert len(set(singles)) > 1
+    assert out.usage.completion_tokens == 3 * 12
+    assert all(c.finish_reason == "length" for c in out.choices)
+    assert wait_idle(stats_client).kv_cache_usage == 0.0
+
+
+def test_chat_stream_carries_every_choice_and_finishes_each_once(oai):
+    whole = oai.chat.completions.create(model="llama", messages=MESSAGES, n=3, **SAMPLED)
+    stream = oai.chat.completions.create(
+        model="llama",
+        messages=MESSAGES,
+        n=3,
+        stream=True,
+        stream_options={"include_usage": True},
+        **SAMPLED,
+    )
+    texts, roles, finishes = defaultdict(str), defaultdict(int), defaultdict(list)
+    usage = None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            roles[choice.index] += choice.delta.role == "assistant"
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason is not None:
+                finishes[choice.index].append(choice.finish_reason)
+    assert dict(roles) == {0: 1, 1: 1, 2: 1}
+    assert dict(finishes) == {0: ["length"], 1: ["length"], 2: ["length"]}
+    assert [texts[i] for i in range(3)] == [c.message.content for c in whole.choices]
+    assert usage.completion_tokens == whole.usage.completion_tokens == 3 * 12
+
+
+def test_streamed_completion_logprobs_are_per_choice(oai):
+    stream = completion(oai, n=2, logprobs=0, stream=True)
+    tokens = defaultdict(list)
+    for chunk in stream:
+        for choice in chunk.choices:
+            tokens[choice.index] += choice.logprobs.tokens if choice.logprobs else []
+    whole = completion(oai, n=2, logprobs=0)
+    assert [tokens[i] for i in range(2)] == [c.logprobs.tokens for c in whole.choices]
+    assert all(len(c.logprobs.tokens) == 12 for c in whole.choices)
+    assert [c.logprobs.text_offset[0] for c in whole.choices] == [0, 0]
+
+
+def test_best_of_answers_the_candidates_with_the_highest_cumulative_logprob(oai):
+    out = completion(oai, n=2, best_of=4, logprobs=0)
+    candidates = [completion(oai, seed=3 + i, logprobs=0).choices[0] for i in range(4)]
+    ranked = sorted(candidates, key=lambda c: sum(c.logprobs.token_logprobs), reverse=True)
+    assert [c.text for c in out.choices] == [c.text for c in ranked[:2]]
+    assert [c.index for c in out.choices] == [0, 1]
+    assert out.usage.completion_tokens == 2 * 12
+    plain = completion(oai, n=2, best_of=4)
+    assert [c.text for c in plain.choices] == [c.text for c in ranked[:2]]
+    assert all(c.logprobs is None for c in plain.choices)
+
+
+def test_echo_puts_the_prompt_before_every_choice(oai):
+    out = completion(oai, n=2, echo=True, max_tokens=3)
+    assert all(c.text.startswith("abc") and len(c.text) > 3 for c in out.choices)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"n": 129}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": -1}, "n"),
+        ({"best_of": 129}, "best_of"),
+        ({"n": 3, "best_of": 2}, "best_of"),
+        ({"n": 1, "best_of": 2, "stream": True}, "best_of"),
+        ({"n": "2"}, "n"),
+    ],
+)
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_bad_n_and_best_of_are_400_naming_the_field(http, path, extra, param):
+    body = {"prompt": "abc"} if path == "/v1/completions" else {"messages": MESSAGES}
+    assert_400_naming(http.post(path, json={**body, **extra}), param)
+
+
+def test_the_openai_client_sees_n_above_the_limit_as_a_bad_request(oai):
+    with pytest.raises(openai.BadRequestError, match="n must be in"):
+        oai.chat.completions.create(model="llama", messages=MESSAGES, n=1000)
+
+
+@contextlib.contextmanager
+def smollm2_server(tmp_path):
+    from models.default import default_model_path
+
+    model = default_model_path()
+    with launch_cluster(tmp_path, model, "--max-model-len", "512") as running:
+        tokenizer = Tokenizer.from_pretrained(model)
+        client = AsyncEngineClient(running.address, tokenizer=tokenizer)
+        server = LiveServer(build_app(client, tokenizer, "smollm2", API_KEY, 512), client)
+        try:
+            yield openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+        finally:
+            server.stop()
+
+
+@pytest.mark.slow
+def test_smollm2_chat_with_n_3(tmp_path):
+    question = [{"role": "user", "content": "Name a colour."}]
+    with smollm2_server(tmp_path) as oai:
+        sampled = oai.chat.completions.create(
+            model="smollm2", messages=question, n=3, temperature=1.0, max_tokens=16, seed=0
+        )
+        greedy = oai.chat.completions.create(
+            model="smollm2", messages=question, n=3, temperature=0, max_tokens=16
+        )
+    assert [c.index for c in sampled.choices] == [0, 1, 2]
+    assert all(c.message.content for c in sampled.choices)
+    assert len({c.message.content for c in sampled.choices}) > 1
+    assert len({c.message.content for c in greedy.choices}) == 1
+    assert 3 <= sampled.usage.completion_tokens <= 3 * 16
