@@ -70,3 +70,14 @@ def test_per_prompt_parameters_mix_single_and_parallel_requests(llm):
     both = llm.generate([PROMPT, PROMPT], params, use_tqdm=False)
     assert [len(o.outputs) for o in both] == [2, 1]
     assert both[0].outputs[0].token_ids == both[1].outputs[0].token_ids
+
+
+def test_prompt_logprobs_come_once_for_all_choices(llm):
+    prompt = [p ^ 2 for p in PROMPT]  # blocks no earlier test cached
+    out = generate(llm, prompt, n=3, prompt_logprobs=2, temperature=0, max_tokens=4)
+    single = generate(llm, prompt, prompt_logprobs=2, temperature=0, max_tokens=4)
+    assert len(out.outputs) == 3 and len(out.prompt_logprobs) == len(prompt)
+    assert out.prompt_logprobs[0] is None
+    for got, want in zip(out.prompt_logprobs[1:], single.prompt_logprobs[1:], strict=True):
+        assert got.token_ids == want.token_ids
+        assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5)

@@ -139,3 +139,18 @@ def test_echo_logprobs_and_prompt_logprobs_match_transformers(oai, cluster, engi
         for rank, (token_id, logprob) in enumerate(zip(top.indices, top.values, strict=True), 1):
             assert entry[str(int(token_id))]["rank"] == rank
             assert entry[str(int(token_id))]["logprob"] == pytest.approx(float(logprob), abs=1e-4)
+
+
+def test_every_choice_of_n_answers_the_prompt_logprobs(oai, engine):
+    prompt = [41, 8, 98, 201, 14, 64, 67, 68, 121]
+    kwargs = dict(model=engine.model_name, prompt=prompt, max_tokens=3, echo=True, logprobs=1)
+    single = oai.completions.create(**kwargs, temperature=0).choices[0]
+    out = oai.completions.create(**kwargs, n=2, seed=1, extra_body={"prompt_logprobs": 1})
+    n = len(prompt)
+    for choice in out.choices:
+        assert choice.logprobs.token_logprobs[0] is None
+        assert choice.logprobs.token_logprobs[1:n] == pytest.approx(
+            single.logprobs.token_logprobs[1:n], abs=1e-4
+        )
+        assert len(choice.model_extra["prompt_logprobs"]) == n
+    assert sorted(c.index for c in out.choices) == [0, 1]
