@@ -10,6 +10,7 @@ import time
 
 from ipc.messages import TokenLogprobs
 from ipc.tokenizer import TokenizerLike
+from server.tools import ToolCallOutput, ToolChoice
 
 
 class ResponseBuilder:
@@ -51,9 +52,10 @@ class ResponseBuilder:
         logprobs: list[TokenLogprobs] | None,
         finish_reason: str | None = None,
         stop_reason: int | str | None = None,
-    ) -> dict:
+    ) -> dict | None:
+        """A chunk, or None when there is nothing to send yet."""
         choice = self._chunk_choice(text, logprobs, finish_reason, stop_reason)
-        return self._envelope(self.chunk_object_name, [choice])
+        return None if choice is None else self._envelope(self.chunk_object_name, [choice])
 
     def first_chunks(self) -> list[dict]:
         return []
@@ -130,22 +132,44 @@ class CompletionResponses(ResponseBuilder):
 
 
 class ChatResponses(ResponseBuilder):
+    """`tools`: what the request asks of tools (server/tools.py); the text becomes tool
+    calls through it."""
+
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.tools: ToolChoice | None = None
+        self._tool_output: ToolCallOutput | None = None
+
     def _choice(self, text, logprobs, finish_reason, stop_reason) -> dict:
+        message = {"role": "assistant", "content": text}
+        if self.tools is not None:
+            message, finish_reason = self.tools.output().message(text, finish_reason)
         return {
             "index": 0,
-            "message": {"role": "assistant", "content": text},
+            "message": message,
             "logprobs": None if logprobs is None else self._logprobs(logprobs),
             "finish_reason": finish_reason,
             "stop_reason": stop_reason,
         }
 
-    def _chunk_choice(self, text, logprobs, finish_reason, stop_reason) -> dict:
+    def _chunk_choice(self, text, logprobs, finish_reason, stop_reason) -> dict | None:
+        """None when there is nothing to send yet (text held back as a possible tool call)."""
+        delta = {"content": text} if text else {}
+        if self.tools is not None:
+            if self._tool_output is None:
+                self._tool_output = self.tools.output()
+            delta = self._tool_output.feed(text)
+            if finish_reason is not None:
+                last, finish_reason = self._tool_output.finish(finish_reason)
+                delta = _merge_deltas(delta, last)
+            elif not delta and logprobs is None:
+                return None
         return {
             "index": 0,
-            "delta": {"content": text} if text else {},
+            "delta": delta,
             "logprobs": None if logprobs is None else self._logprobs(logprobs),
             "finish_reason": finish_reason,
             "stop_reason": stop_reason,
@@ -175,3 +199,13 @@ class ChatResponses(ResponseBuilder):
     def _logprob(self, token_id: int, logprob: float) -> dict:
         token = self._token_text(token_id)
         return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+
+def _merge_deltas(first: dict, second: dict) -> dict:
+    """One delta of two: contents joined, tool-call pieces listed."""
+    merged = {**first, **second}
+    if "content" in first and "content" in second:
+        merged["content"] = first["content"] + second["content"]
+    if "tool_calls" in first and "tool_calls" in second:
+        merged["tool_calls"] = first["tool_calls"] + second["tool_calls"]
+    return merged

@@ -144,10 +144,11 @@ async def event_stream(
                 if delta.text or logprobs or out.finished:
                     end = (delta.finish_reason, delta.stop_reason) if out.finished else ()
                     chunk = builder.chunk(delta.text, logprobs, *end)
-                    if continuous_usage:
-                        usage = builder.usage(num_prompt_tokens, num_tokens, num_cached_tokens)
-                        chunk["usage"] = usage
-                    yield _event(chunk)
+                    if chunk is not None:
+                        if continuous_usage:
+                            usage = builder.usage(num_prompt_tokens, num_tokens, num_cached_tokens)
+                            chunk["usage"] = usage
+                        yield _event(chunk)
                 out = await anext(outputs, None)
         except APIError as e:
             yield _event(e.body())
