@@ -57,8 +57,8 @@ def tool_choice(
     without tools."""
     tools = [tool.model_dump(exclude_none=True) for tool in request.tools or ()]
     choice = request.tool_choice
-    if not tools:
-        if choice not in (None, "none"):
+    if not tools:  # "auto" among no tools is no call
+        if choice not in (None, "none", "auto"):
             raise APIError(400, "`tool_choice` needs `tools`", "tool_choice")
         return None
     names = [tool["function"]["name"] for tool in tools]
