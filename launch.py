@@ -31,7 +31,7 @@ import argparse
 import os
 import sys
 
-from server.args import add_server_args, server_options
+from server.args import add_server_args, check_server_args
 from splitserve.cluster import CREDENTIALS_ENV, cluster_credentials
 from splitserve.engine_args import add_engine_args, engine_config
 from splitserve.roles import engine_address, run_role
@@ -90,8 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.salt_cache_by_api_key and not server_options(args)["api_keys"]:
-        parser.error("--salt-cache-by-api-key needs --api-key")
+    check_server_args(parser, args)
     if args.role != "all":
         return run_role(args)
     config = engine_config(args)

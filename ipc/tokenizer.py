@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import jinja2
+import jinja2.meta
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -50,12 +51,21 @@ class TokenizerLike(Protocol):
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
     def apply_chat_template(
-        self, messages: list[Message], add_generation_prompt: bool = True
+        self,
+        messages: list[Message],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> str: ...
 
     def encode_chat(
-        self, messages: list[Message], add_generation_prompt: bool = True
+        self,
+        messages: list[Message],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> list[int]: ...
+
+    @property
+    def chat_template_takes_tools(self) -> bool: ...
 
 
 class Tokenizer:
@@ -68,7 +78,6 @@ class Tokenizer:
         self.backend = backend
         self.special_tokens = special_tokens
         self.chat_template = chat_template
-        self._template: jinja2.Template | None = None
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> Tokenizer:
@@ -116,31 +125,52 @@ class Tokenizer:
         self,
         messages: list[Message],
         add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
         tokenize: bool = False,
     ) -> str | list[int]:
         """The conversation as the model's prompt text (token ids with tokenize=True,
-        without added special tokens: the template writes them)."""
+        without added special tokens: the template writes them). `tools` (OpenAI's tool
+        definitions) reach the template as transformers passes them."""
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template")
-        if self._template is None:
-            self._template = _environment().from_string(self.chat_template)
-        text = self._template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens
+        text = self._compiled_template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            **({} if tools is None else {"tools": tools}),
+            **self.special_tokens,
         )
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
-    def encode_chat(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
+    @functools.cached_property
+    def _compiled_template(self) -> jinja2.Template:
+        return _environment().from_string(self.chat_template)
+
+    @functools.cached_property
+    def chat_template_takes_tools(self) -> bool:
+        """Whether the chat template reads `tools` (has a tools section)."""
+        if self.chat_template is None:
+            return False
+        parsed = _environment().parse(self.chat_template)
+        return "tools" in jinja2.meta.find_undeclared_variables(parsed)
+
+    def encode_chat(
+        self,
+        messages: list[Message],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+    ) -> list[int]:
         """The conversation's prompt token ids, with special-token text inside the messages
         encoded as plain text. Without such text, exactly
         `encode(apply_chat_template(messages), add_special_tokens=False)`."""
         specials = self._special_texts
-        if not any(_holds(m, specials) for m in messages):
-            return self.apply_chat_template(messages, add_generation_prompt, tokenize=True)
+        if not _holds([messages, tools], specials):
+            return self.apply_chat_template(messages, add_generation_prompt, tools, tokenize=True)
         # Hide the messages' special-token text behind placeholders while the template
         # renders, so every special token left in the text is the template's own.
-        nonce = _placeholder_nonce(messages)
+        nonce = _placeholder_nonce([messages, tools])
         hidden = [_hide(m, specials, nonce) for m in messages]
-        text = self.apply_chat_template(hidden, add_generation_prompt)
+        hidden_tools = _hide(tools, specials, nonce)
+        text = self.apply_chat_template(hidden, add_generation_prompt, hidden_tools)
         ids: list[int] = []
         for i, piece in enumerate(self._special_pattern.split(text)):
             if i % 2:
@@ -277,7 +307,7 @@ def _holds(value: Any, texts: list[str]) -> bool:
     return False
 
 
-def _placeholder_nonce(messages: list[Message]) -> str:
+def _placeholder_nonce(messages: Any) -> str:
     """Private-use characters that appear in no message; placeholders are built from it."""
     while True:
         nonce = "".join(chr(0xE000 + b) for b in secrets.token_bytes(8))

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -41,6 +42,7 @@ from server.streaming import (
     event_stream,
 )
 from server.tokenizer_routes import add_tokenizer_routes
+from server.tools import tool_choice
 
 T = TypeVar("T")
 TOKENIZER_THREADS = 4
@@ -59,6 +61,8 @@ def build_app(
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
     scheduling_policy: str | None = None,
     cors: dict | None = None,
+    enable_auto_tool_choice: bool = False,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """`client` is a connected AsyncEngineClient (or anything with its generate/stream/abort/
     stats/health methods); the app never connects or closes it. `sampling_defaults` (the
@@ -67,7 +71,8 @@ def build_app(
     blocks only among themselves. `vocab_size` bounds the token ids a request may send.
     `scheduling_policy` is the engine's: under "fcfs" a request's `priority` must be 0
     (None: unknown, any priority is passed on). `cors`: CORSMiddleware's keyword arguments
-    (None: no CORS headers)."""
+    (None: no CORS headers). `tool_call_parser` (a name of server/tool_parsers.py) reads
+    tool calls out of the text when `enable_auto_tool_choice` lets the model choose them."""
     keys = [api_keys] if isinstance(api_keys, str) else list(api_keys or ())
     if salt_cache_by_api_key and not keys:
         raise ValueError("salt_cache_by_api_key needs API keys")
@@ -192,7 +197,10 @@ def build_app(
         check_request(request)
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
-        prompt_token_ids = await off_loop(chat_prompt_ids, request, tokenizer, limits)
+        tools = tool_choice(request, tool_call_parser, enable_auto_tool_choice)
+        prompt_token_ids = await off_loop(
+            chat_prompt_ids, request, tokenizer, limits, tools, tool_call_parser
+        )
         max_tokens = request.max_completion_tokens
         if max_tokens is None:
             max_tokens = request.max_tokens
@@ -202,7 +210,15 @@ def build_app(
             request, num_prompt_tokens, max_tokens, logprobs, limits, sampling_defaults
         )
         params = with_bad_words_token_ids(params, tokenizer)
+        if tools is not None and tools.structured_outputs() is not None:
+            if params.structured_outputs is not None:
+                message = (
+                    "`tool_choice` required or named cannot be combined with structured output"
+                )
+                raise APIError(400, message, "tool_choice")
+            params = msgspec.structs.replace(params, structured_outputs=tools.structured_outputs())
         responses = responses_for(ChatResponses, "chatcmpl", raw, request)
+        responses.tools = tools
         want_logprobs = bool(request.logprobs)
         return await answer(
             raw, request, responses, prompt_token_ids, want_logprobs, params, arrival
@@ -219,7 +235,7 @@ def build_app(
         }
         return {"object": "list", "data": [card]}
 
-    add_tokenizer_routes(app, tokenizer, limits, check_model, off_loop)
+    add_tokenizer_routes(app, tokenizer, limits, check_model, off_loop, tool_call_parser)
 
     @app.get("/health")
     async def health() -> Response:

@@ -9,6 +9,8 @@ import json
 import os
 from typing import Any
 
+from server.tool_parsers import TOOL_PARSERS
+
 API_KEY_ENV = "SPLITSERVE_API_KEY"
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024
 
@@ -64,12 +66,33 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="allow credentials, for CORS (default: off)",
     )
     group.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model choose its tool calls (tool_choice "auto", the default with '
+        "tools); needs --tool-call-parser (default: off)",
+    )
+    group.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        help="how the model writes tool calls: hermes (Hermes, Qwen2.5, Qwen3), "
+        "llama3_json (Llama 3.x) (default: none)",
+    )
+    group.add_argument(
         "--enable-request-id-headers",
         action="store_true",
         help="accepted for vLLM's command lines: X-Request-Id is always answered here "
         "(default: on)",
     )
     return parser
+
+
+def check_server_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """What argparse cannot check flag by flag: a parser.error for flags that need others."""
+    options = server_options(args)
+    if options["salt_cache_by_api_key"] and not options["api_keys"]:
+        parser.error("--salt-cache-by-api-key needs --api-key")
+    if options["enable_auto_tool_choice"] and not options["tool_call_parser"]:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser")
 
 
 def _json_list(text: str) -> list[str]:
@@ -96,6 +119,8 @@ def server_options(args: argparse.Namespace) -> dict[str, Any]:
         "enable_prompt_tokens_details": given["enable_prompt_tokens_details"],
         "max_request_body_bytes": given["max_request_body_bytes"],
         "cors": _cors(given),
+        "enable_auto_tool_choice": given["enable_auto_tool_choice"],
+        "tool_call_parser": given["tool_call_parser"],
     }
 
 
@@ -119,9 +144,15 @@ def server_child_args(args: argparse.Namespace) -> tuple[list[str], dict[str, st
     argv = ["--api-host", options["host"], "--api-port", str(options["port"])]
     if options["served_model_name"]:
         argv += ["--served-model-name", options["served_model_name"]]
-    for flag in ("salt_cache_by_api_key", "enable_prompt_tokens_details"):
+    for flag in (
+        "salt_cache_by_api_key",
+        "enable_prompt_tokens_details",
+        "enable_auto_tool_choice",
+    ):
         if options[flag]:
             argv.append("--" + flag.replace("_", "-"))
+    if options["tool_call_parser"]:
+        argv += ["--tool-call-parser", options["tool_call_parser"]]
     argv += ["--max-request-body-bytes", str(options["max_request_body_bytes"])]
     cors = options["cors"]
     if cors is not None:

@@ -18,7 +18,7 @@ from ipc.client import AsyncEngineClient
 from ipc.defaults import generation_defaults
 from ipc.tokenizer import Tokenizer
 from server.app import build_app
-from server.args import add_server_args, server_options
+from server.args import add_server_args, check_server_args, server_options
 
 logger = logging.getLogger(__name__)
 
@@ -76,9 +76,8 @@ def main(argv: list[str] | None = None) -> None:
         "unknown, priorities are passed on)",
     )
     args = add_server_args(parser).parse_args(argv)
+    check_server_args(parser, args)
     options = server_options(args)
-    if options["salt_cache_by_api_key"] and not options["api_keys"]:
-        parser.error("--salt-cache-by-api-key needs --api-key")
     with contextlib.suppress(KeyboardInterrupt):
         run_server(
             args.engine_address,

@@ -6,13 +6,15 @@ length in bytes already shows it cannot fit is refused without being tokenized.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
 from ipc.messages import SamplingParams
-from ipc.tokenizer import TokenizerLike
+from ipc.tokenizer import Message, TokenizerLike
 from server.protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest
+from server.tools import ToolChoice, template_inputs
 
 T = TypeVar("T")
 
@@ -75,13 +77,22 @@ def completion_prompt_ids(
 
 
 def chat_prompt_ids(
-    request: ChatCompletionRequest, tokenizer: TokenizerLike, limits: PromptLimits
+    request: ChatCompletionRequest,
+    tokenizer: TokenizerLike,
+    limits: PromptLimits,
+    tools: ToolChoice | None = None,
+    tool_parser: str | None = None,
 ) -> list[int]:
+    """The prompt of a chat request; `tools` and `tool_parser` as server/tools.py takes them."""
+    messages, template_tools = template_inputs(
+        chat_messages(request.messages), tools, tokenizer, tool_parser
+    )
     keep = _truncation(request, limits)
     if keep is None:
-        return chat_ids(request.messages, request.add_generation_prompt, tokenizer, limits)
+        return chat_ids(messages, request.add_generation_prompt, tokenizer, limits, template_tools)
     unbounded = PromptLimits()  # the prompt is cut to fit instead
-    return chat_ids(request.messages, request.add_generation_prompt, tokenizer, unbounded)[-keep:]
+    ids = chat_ids(messages, request.add_generation_prompt, tokenizer, unbounded, template_tools)
+    return ids[-keep:]
 
 
 def _truncation(request: CompletionRequest | ChatCompletionRequest, limits: PromptLimits):
@@ -99,19 +110,22 @@ def _truncation(request: CompletionRequest | ChatCompletionRequest, limits: Prom
 
 
 def chat_ids(
-    chat: list[ChatMessage],
+    messages: list[Message],
     add_generation_prompt: bool | None,
     tokenizer: TokenizerLike,
     limits: PromptLimits,
+    tools: list[dict] | None = None,
 ) -> list[int]:
-    """The chat template applied to `chat` (a message's `name`, when given, goes to it)."""
-    messages = [_message(m) for m in chat]
+    """The chat template applied to `messages` (and `tools`, for a template that reads
+    them)."""
     generation_prompt = add_generation_prompt is not False
-    if limits.too_long("".join(m["content"] for m in messages)):
+    if limits.too_long("".join(m["content"] for m in messages) + json.dumps(tools or "")):
         # A template may leave messages out: the prompt it renders is what must fit.
-        text = _by_template(lambda: tokenizer.apply_chat_template(messages, generation_prompt))
+        text = _by_template(
+            lambda: tokenizer.apply_chat_template(messages, generation_prompt, tools)
+        )
         limits.check_text(text, "messages")
-    return _by_template(lambda: tokenizer.encode_chat(messages, generation_prompt))
+    return _by_template(lambda: tokenizer.encode_chat(messages, generation_prompt, tools))
 
 
 def _by_template(render: Callable[[], T]) -> T:
@@ -121,14 +135,35 @@ def _by_template(render: Callable[[], T]) -> T:
         raise APIError(400, f"the chat template rejected the messages: {e}", "messages") from e
 
 
-def _message(message: ChatMessage) -> dict:
+def chat_messages(chat: list[ChatMessage]) -> list[Message]:
+    return [_message(m) for m in chat]
+
+
+def _message(message: ChatMessage) -> Message:
+    """A message as chat templates take it: text content; a `name`, a `tool_call_id` and
+    earlier `tool_calls` (arguments as JSON values, as transformers' templates expect)
+    when given."""
     content = message.content
     if content is None or isinstance(content, str):
         text = content or ""
     else:  # the protocol takes text parts only
         text = "".join(part.text or "" for part in content)
-    named = {} if message.name is None else {"name": message.name}
-    return {"role": message.role, "content": text, **named}
+    out: Message = {"role": message.role, "content": text}
+    if message.name is not None:
+        out["name"] = message.name
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        out["tool_calls"] = [_template_call(call.model_dump()) for call in message.tool_calls]
+    return out
+
+
+def _template_call(call: dict) -> dict:
+    try:
+        arguments = json.loads(call["function"]["arguments"])
+    except json.JSONDecodeError:
+        arguments = call["function"]["arguments"]
+    return {**call, "function": {**call["function"], "arguments": arguments}}
 
 
 def echo_text(

@@ -18,11 +18,11 @@ both endpoints: beam search (`use_beam_search`,
 `length_penalty`), structured output (`response_format` other than text, `guided_*`,
 `structured_outputs`, `structural_tag`), `logits_processors`,
 `spaces_between_special_tokens: false`, `return_tokens_as_token_ids`, `return_token_ids`,
-`kv_transfer_params`, `vllm_xargs`; completions: `suffix`, `prompt_embeds`; chat: tools
-and functions (`tools`, `tool_choice` other than none/auto, `functions`, `function_call`,
-a message's `tool_calls`), `echo`, `add_special_tokens`, `continue_final_message`,
-`chat_template`, `chat_template_kwargs`, `documents`, multimodal input (`modalities` other
-than text, `audio`, non-text content parts, `mm_processor_kwargs`, `media_io_kwargs`),
+`kv_transfer_params`, `vllm_xargs`; completions: `suffix`, `prompt_embeds`; chat: the
+deprecated `functions` and `function_call` (tools are honoured, see server/tools.py),
+`echo`, `add_special_tokens`, `continue_final_message`, `chat_template`,
+`chat_template_kwargs`, `documents`, multimodal input (`modalities` other than text,
+`audio`, non-text content parts, `mm_processor_kwargs`, `media_io_kwargs`),
 `reasoning_effort`, `verbosity`, `include_reasoning: false`, `prediction`,
 `web_search_options`, `store`, `service_tier` other than auto/default.
 
@@ -190,19 +190,53 @@ class ContentPart(RequestBody):
         return data
 
 
+class FunctionCall(RequestBody):
+    name: Text
+    arguments: Text  # JSON text
+
+
+class ToolCallMessage(RequestBody):
+    """A call an assistant made earlier in the conversation."""
+
+    id: Text
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class FunctionDefinition(RequestBody):
+    name: Annotated[Text, Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")]
+    description: Text | None = None
+    parameters: dict[Text, Any] | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class ToolDefinition(RequestBody):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(RequestBody):
+    name: Text
+
+
+class NamedToolChoice(RequestBody):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatMessage(RequestBody):
-    NO_OP_VALUES = {"tool_calls": ([],), "function_call": (), "audio": (), "refusal": ()}
+    NO_OP_VALUES = {"function_call": (), "audio": (), "refusal": ()}
 
     role: Role
     content: Text | list[ContentPart] | None = None
     name: Text | None = None  # passed to the chat template
+    tool_calls: list[ToolCallMessage] | None = None
+    tool_call_id: Text | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
     NO_OP_VALUES = {
         **SamplingFields.NO_OP_VALUES,
-        "tools": ([],),
-        "tool_choice": ("none", "auto"),
         "functions": ([],),
         "function_call": ("none", "auto"),
         "echo": (False,),
@@ -230,7 +264,9 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool | None = False
     top_logprobs: Int64 | None = None
     add_generation_prompt: bool | None = True
-    parallel_tool_calls: bool | None = None  # no tools, so no parallel calls either
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call
     metadata: dict[Text, Text] | None = None
     safety_identifier: Text | None = None
     prompt_cache_key: Text | None = None

@@ -17,6 +17,7 @@ import time
 from ipc.messages import TokenLogprobs
 from ipc.outputs import CompletionOutput
 from ipc.tokenizer import TokenizerLike
+from server.tools import ToolCallOutput, ToolChoice
 
 
 class ResponseBuilder:
@@ -82,9 +83,10 @@ class ResponseBuilder:
         logprobs: list[TokenLogprobs] | None,
         finish_reason: str | None = None,
         stop_reason: int | str | None = None,
-    ) -> dict:
+    ) -> dict | None:
+        """A chunk, or None when there is nothing to send yet."""
         choice = self._chunk_choice(index, text, logprobs, finish_reason, stop_reason)
-        return self._envelope(self.chunk_object_name, [choice])
+        return None if choice is None else self._envelope(self.chunk_object_name, [choice])
 
     def first_chunks(self) -> list[dict]:
         return []
@@ -180,8 +182,16 @@ class CompletionResponses(ResponseBuilder):
 
 
 class ChatResponses(ResponseBuilder):
+    """`tools`: what the request asks of tools (server/tools.py); the text becomes tool
+    calls through it."""
+
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.tools: ToolChoice | None = None
+        self._tool_outputs: dict[int, ToolCallOutput] = {}  # by choice index, streaming
 
     def response(self, choices: list[CompletionOutput], usage: dict) -> dict:
         body = super().response(choices, usage)
@@ -190,18 +200,31 @@ class ChatResponses(ResponseBuilder):
         return body
 
     def _choice(self, index, text, logprobs, finish_reason, stop_reason) -> dict:
+        message = {"role": "assistant", "content": text}
+        if self.tools is not None:
+            message, finish_reason = self.tools.output().message(text, finish_reason)
         return {
             "index": index,
-            "message": {"role": "assistant", "content": text},
+            "message": message,
             "logprobs": None if logprobs is None else self._logprobs(logprobs),
             "finish_reason": finish_reason,
             "stop_reason": stop_reason,
         }
 
-    def _chunk_choice(self, index, text, logprobs, finish_reason, stop_reason) -> dict:
+    def _chunk_choice(self, index, text, logprobs, finish_reason, stop_reason) -> dict | None:
+        """None when there is nothing to send yet (text held back as a possible tool call)."""
+        delta = {"content": text} if text else {}
+        if self.tools is not None:
+            output = self._tool_outputs.setdefault(index, self.tools.output())
+            delta = output.feed(text)
+            if finish_reason is not None:
+                last, finish_reason = output.finish(finish_reason)
+                delta = _merge_deltas(delta, last)
+            elif not delta and logprobs is None:
+                return None
         return {
             "index": index,
-            "delta": {"content": text} if text else {},
+            "delta": delta,
             "logprobs": None if logprobs is None else self._logprobs(logprobs),
             "finish_reason": finish_reason,
             "stop_reason": stop_reason,
@@ -238,3 +261,13 @@ class ChatResponses(ResponseBuilder):
     def _logprob(self, token_id: int, logprob: float) -> dict:
         token = self._token_text(token_id)
         return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+
+def _merge_deltas(first: dict, second: dict) -> dict:
+    """One delta of two: contents joined, tool-call pieces listed."""
+    merged = {**first, **second}
+    if "content" in first and "content" in second:
+        merged["content"] = first["content"] + second["content"]
+    if "tool_calls" in first and "tool_calls" in second:
+        merged["tool_calls"] = first["tool_calls"] + second["tool_calls"]
+    return merged

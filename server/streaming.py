@@ -167,6 +167,8 @@ async def event_stream(
                     if delta.text or logprobs or finished:
                         end = (delta.finish_reason, delta.stop_reason) if finished else ()
                         chunk = builder.chunk(delta.index, delta.text, logprobs, *end)
+                        if chunk is None:  # held back (a tool call may be starting)
+                            continue
                         if continuous_usage:
                             usage = builder.usage(num_prompt_tokens, num_tokens, num_cached_tokens)
                             chunk["usage"] = usage

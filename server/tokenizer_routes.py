@@ -10,20 +10,22 @@ from fastapi import FastAPI
 from pydantic import model_validator
 
 from ipc.tokenizer import TokenizerLike
-from server.inputs import PromptLimits, chat_ids
-from server.protocol import APIError, ChatMessage, Int64, RequestBody, Text
+from server.inputs import PromptLimits, chat_ids, chat_messages
+from server.protocol import APIError, ChatMessage, Int64, RequestBody, Text, ToolDefinition
+from server.tools import listed_tools, template_inputs
 
 
 class TokenizeRequest(RequestBody):
     """Either `prompt` (a text) or `messages` (a chat, the template applied)."""
 
-    NO_OP_VALUES = {"return_token_strs": (False,), "tools": ([],), "chat_template": ()}
+    NO_OP_VALUES = {"return_token_strs": (False,), "chat_template": ()}
 
     model: Text | None = None
     prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = True
+    tools: list[ToolDefinition] | None = None  # rendered as a chat with these tools renders
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
@@ -50,6 +52,7 @@ def add_tokenizer_routes(
     limits: PromptLimits,
     check_model: Callable[[str | None], None],
     off_loop: Callable[..., Awaitable[Any]],
+    tool_parser: str | None = None,
 ) -> None:
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> dict:
@@ -61,12 +64,7 @@ def add_tokenizer_routes(
             if request.add_special_tokens:
                 message = "`add_special_tokens` is not supported with `messages`"
                 raise APIError(400, message, "add_special_tokens")
-            generation_prompt = request.add_generation_prompt
-            # Counting a prompt too long to serve is what this is for: no length limit.
-            unbounded = PromptLimits()
-            tokens = await off_loop(
-                chat_ids, request.messages, generation_prompt, tokenizer, unbounded
-            )
+            tokens = await off_loop(_chat_tokens, request, tokenizer, tool_parser)
         return {"count": len(tokens), "max_model_len": limits.max_model_len, "tokens": tokens}
 
     @app.post("/detokenize")
@@ -79,3 +77,15 @@ def add_tokenizer_routes(
     @app.get("/version")
     async def version() -> dict:
         return {"version": server_version()}
+
+
+def _chat_tokens(
+    request: TokenizeRequest, tokenizer: TokenizerLike, tool_parser: str | None
+) -> list[int]:
+    """Counting a prompt too long to serve is what this is for: no length limit."""
+    tools = listed_tools(request.tools, tool_parser)
+    messages, template_tools = template_inputs(
+        chat_messages(request.messages), tools, tokenizer, tool_parser
+    )
+    generation_prompt = request.add_generation_prompt
+    return chat_ids(messages, generation_prompt, tokenizer, PromptLimits(), template_tools)

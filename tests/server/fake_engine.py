@@ -44,11 +44,17 @@ class CharTokenizer:
             for t in token_ids
         )
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    chat_template_takes_tools = False
+
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools=None
+    ) -> str:
         text = "<s>" + "".join(f"[{m['role']}] {m['content']}\n" for m in messages)
         return text + "[assistant] " * add_generation_prompt
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools=None
+    ) -> list[int]:
         return self.encode(self.apply_chat_template(messages, add_generation_prompt), False)
 
 
