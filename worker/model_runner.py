@@ -13,6 +13,7 @@ from models.layers.cpu_ops import cpu_kernels as layer_cpu_kernels
 from models.parallel_state import get_tp_rank, get_tp_size, tp_broadcast
 from worker.buffers import InputBuffers, zeros_on_huge_pages
 from worker.cuda_graph import CudaGraphRunner, Mode, capture_sizes, cuda_graphs_off_reason
+from worker.grammar_bitmask import apply_grammar_bitmask
 from worker.input_batch import CachedRequestState, InputBatch, check_new_request
 from worker.sampler import Sampler
 from worker.sampler import cpu_kernels as sampler_cpu_kernels
@@ -176,6 +177,10 @@ class ModelRunner:
             with set_forward_context(step.attn_metadata, self.attn_backend):
                 hidden = self.model(step.input_ids, step.positions)
         logits = self.model.compute_logits(hidden[step.logits_indices])
+        so = scheduler_output
+        if so.structured_output_request_ids and self.is_driver:
+            ids, bitmask = so.structured_output_request_ids, so.grammar_bitmask
+            apply_grammar_bitmask(logits, ids, bitmask, self.input_batch.req_ids, step.sample_rows)
         sampled, logprobs = self._sample(logits, step.sample_rows)
         return self._finish_step(scheduler_output.step_id, step.sample_rows, sampled, logprobs)
 
