@@ -90,7 +90,7 @@ class StructuredOutputManager:
         if matcher.is_stopped():  # complete: its mask allowed EOS only
             return RequestStatus.FINISHED_STOPPED
         if not matcher.consume_tokens(token_ids):
-            error = matcher.get_error()
+            error = matcher.get_error().split("\n", 1)[0]
             logger.error("request %s: %s: %s", request.request_id, GRAMMAR_REJECTED, error)
             return RequestStatus.FINISHED_ERROR
         if matcher.is_stopped() and token_ids[-1] in request.eos_token_ids:

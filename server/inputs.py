@@ -13,6 +13,7 @@ from typing import TypeVar
 from ipc.messages import SamplingParams
 from ipc.tokenizer import TokenizerLike
 from server.protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest
+from server.structured_output import structured_outputs_params
 
 T = TypeVar("T")
 
@@ -173,6 +174,7 @@ def sampling_params(
         "logit_bias": _logit_bias(request.logit_bias, limits),
         "allowed_token_ids": request.allowed_token_ids,
         "include_stop_str_in_output": request.include_stop_str_in_output,
+        "structured_outputs": structured_outputs_params(request),
     }
     kwargs = {**(defaults or {}), **{k: v for k, v in given.items() if v is not None}}
     try:
