@@ -206,3 +206,24 @@ print(sorted(m for m in ("torch", "transformers") if m in sys.modules))
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=root, check=True
     )
     assert result.stdout.strip() == "[]"
+
+
+def test_an_engine_without_structured_requests_loads_and_sends_nothing_for_them():
+    code = """
+import sys
+sys.path.insert(0, "tests/engine_core")
+from stand_in_executor import make_engine, make_request, run_to_completion
+engine, executor = make_engine()
+engine.add_request(make_request("R", 6, max_tokens=3))
+run_to_completion(engine)
+assert executor.outputs
+assert all(
+    (so.structured_output_request_ids, so.grammar_bitmask) == ([], b"") for so in executor.outputs
+)
+print("llguidance" in sys.modules)
+"""
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=root, check=True
+    )
+    assert result.stdout.strip() == "False"
