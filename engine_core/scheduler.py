@@ -12,11 +12,13 @@ from collections.abc import Iterable
 
 from engine_core.request import Request, RequestStatus
 from engine_core.request_queue import make_request_queue
+from engine_core.structured_output import GRAMMAR_REJECTED, StructuredOutputManager
 from ipc.config import EngineConfig, SchedulingPolicy
 from ipc.messages import (
     CachedRequestData,
     EngineCoreOutput,
     EngineCoreOutputs,
+    ErrorCode,
     FinishReason,
     ModelRunnerOutput,
     NewRequestData,
@@ -28,6 +30,7 @@ from ipc.utils import cdiv
 from kv_cache import KVCacheBlocks, KVCacheManager
 
 _INT64 = 2**63
+_GRAMMAR_ERROR = {"error": GRAMMAR_REJECTED, "error_code": ErrorCode.INTERNAL}
 
 
 def check_token_ids(
@@ -79,6 +82,7 @@ class Scheduler:
         self.finished_req_ids: list[str] = []
         # Outputs of requests that finished outside update_from_output (errors, aborts).
         self.pending_outputs: list[EngineCoreOutput] = []
+        self.structured_output = StructuredOutputManager(config)
         self.step_id = 0
         self.num_preemptions = 0
         self.num_prompt_tokens = 0
@@ -117,7 +121,11 @@ class Scheduler:
                 f"the prompt ({num_prompt} tokens) plus max_tokens ({num_output}) exceeds "
                 f"max_model_len ({self.max_model_len})"
             )
-        return check_token_ids(request.prompt_token_ids, request.sampling_params, self.config)
+        error = check_token_ids(request.prompt_token_ids, request.sampling_params, self.config)
+        structured = request.sampling_params.structured_outputs
+        if error is None and structured is not None:
+            error = self.structured_output.add_request(request.request_id, structured)
+        return error
 
     def schedule(self) -> SchedulerOutput:
         num_scheduled_tokens: dict[str, int] = {}
@@ -138,6 +146,9 @@ class Scheduler:
             num_computed_tokens=[r.num_computed_tokens for r in running]
             + [r.num_computed_tokens for r in resumed],
         )
+        structured_ids, bitmask = self.structured_output.grammar_bitmask(
+            self.requests, num_scheduled_tokens
+        )
         scheduler_output = SchedulerOutput(
             self.step_id,
             new_reqs,
@@ -145,6 +156,8 @@ class Scheduler:
             num_scheduled_tokens,
             sum(num_scheduled_tokens.values()),
             self.finished_req_ids,
+            structured_ids,
+            bitmask,
         )
         self.step_id += 1
         # Finished ids reach the workers with the next step that runs; keep them until then.
@@ -284,6 +297,7 @@ class Scheduler:
                 self._free_request(request, RequestStatus.FINISHED_ERROR)
                 outputs.append(EngineCoreOutput(request_id, [], FinishReason.ERROR, error=error))
         num_generated = 0
+        grammars = self.structured_output.matchers
         logprobs = model_runner_output.logprobs  # None, or one entry per request
         prompt_logprobs = {
             request_id: requests[request_id].take_prompt_logprobs(chunk)
@@ -306,6 +320,8 @@ class Scheduler:
                 status = self._check_stop(request, token_id)
                 if status is not None:
                     break
+            if status is None and grammars and request_id in grammars:
+                status = self.structured_output.accept_tokens(request, new_token_ids)
             num_generated += len(new_token_ids)
             if status is not None:
                 finished = True
@@ -318,6 +334,7 @@ class Scheduler:
                     request.num_cached_tokens,
                     logprobs[i][: len(new_token_ids)] if logprobs and logprobs[i] else None,
                     prompt_logprobs=prompt_logprobs.pop(request_id, None) or None,
+                    **_GRAMMAR_ERROR if status == RequestStatus.FINISHED_ERROR else {},
                 )
             )
         for request_id, entries in prompt_logprobs.items():  # chunks that sampled nothing
@@ -349,6 +366,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self.finished_req_ids.append(request.request_id)
+        self.structured_output.free(request.request_id)
 
     def take_pending_outputs(self) -> list[EngineCoreOutput]:
         outputs, self.pending_outputs = self.pending_outputs, []

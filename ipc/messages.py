@@ -8,6 +8,7 @@ pickled; a frame that does not decode into the expected struct raises `DecodeErr
 from __future__ import annotations
 
 import enum
+import json as _json
 
 import msgspec
 
@@ -46,6 +47,41 @@ class _Tagged(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag
     pass
 
 
+class StructuredOutputsParams(_Wire):
+    """What the output must match: exactly one of a JSON schema (as JSON text; a dict is
+    serialized), a regex, a choice of strings, a grammar (Lark or GBNF/EBNF), or any JSON
+    object (vLLM's names). Compiled by llguidance in the EngineCore (ipc/grammar.py)."""
+
+    json: str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    # JSON without whitespace between its tokens (vLLM's option; JSON kinds only).
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.json, dict):
+            self.json = _json.dumps(self.json)
+        given = [name for name in _STRUCTURED_KINDS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            names = ", ".join(_STRUCTURED_KINDS)
+            raise ValueError(
+                f"structured_outputs needs exactly one of {names}; got {len(given)}"
+                + (f" ({', '.join(given)})" if given else "")
+            )
+        if self.choice is not None and not self.choice:
+            raise ValueError("structured_outputs choice must not be empty")
+
+    @property
+    def kind(self) -> str:
+        """The name of the field that is set: json, regex, choice, grammar or json_object."""
+        return next(name for name in _STRUCTURED_KINDS if getattr(self, name) not in (None, False))
+
+
+_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
 class SamplingParams(_Wire):
     """How to sample one request. Validated at construction and when decoded."""
 
@@ -78,6 +114,7 @@ class SamplingParams(_Wire):
     # Logprobs of each prompt token (but the first) given the tokens before it, and the
     # top-k at its position.
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.n <= MAX_N:
@@ -267,6 +304,11 @@ class SchedulerOutput(_Tagged):
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     finished_req_ids: list[str] = []
+    # Structured output: one bitmask row per request listed, for the requests that sample
+    # this step; each row cdiv(vocab_size, 32) little-endian int32 words, bit j of word w
+    # set when token 32 * w + j is allowed (llguidance's layout).
+    structured_output_request_ids: list[str] = []
+    grammar_bitmask: bytes = b""
 
 
 # Worker -> EngineCore

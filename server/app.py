@@ -41,6 +41,7 @@ from server.streaming import (
     engine_outputs,
     event_stream,
 )
+from server.structured_output import check_structured_outputs
 from server.tokenizer_routes import add_tokenizer_routes
 from server.tools import tool_choice
 
@@ -210,13 +211,15 @@ def build_app(
             request, num_prompt_tokens, max_tokens, logprobs, limits, sampling_defaults
         )
         params = with_bad_words_token_ids(params, tokenizer)
-        if tools is not None and tools.structured_outputs() is not None:
+        forced_calls = None if tools is None else tools.structured_outputs()
+        if forced_calls is not None:
             if params.structured_outputs is not None:
                 message = (
                     "`tool_choice` required or named cannot be combined with structured output"
                 )
                 raise APIError(400, message, "tool_choice")
-            params = msgspec.structs.replace(params, structured_outputs=tools.structured_outputs())
+            check_structured_outputs(forced_calls, "tools")
+            params = msgspec.structs.replace(params, structured_outputs=forced_calls)
         responses = responses_for(ChatResponses, "chatcmpl", raw, request)
         responses.tools = tools
         want_logprobs = bool(request.logprobs)

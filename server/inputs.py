@@ -14,6 +14,7 @@ from typing import TypeVar
 from ipc.messages import SamplingParams
 from ipc.tokenizer import Message, TokenizerLike
 from server.protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest
+from server.structured_output import structured_outputs_params
 from server.tools import ToolChoice, template_inputs
 
 T = TypeVar("T")
@@ -210,6 +211,7 @@ def sampling_params(
         "bad_words": request.bad_words,
         "prompt_logprobs": _prompt_logprobs(request, logprobs),
         "include_stop_str_in_output": request.include_stop_str_in_output,
+        "structured_outputs": structured_outputs_params(request),
     }
     kwargs = {**(defaults or {}), **{k: v for k, v in given.items() if v is not None}}
     if request.stream and (request.best_of or 1) > (request.n or 1):

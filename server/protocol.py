@@ -7,16 +7,19 @@ number belongs is a 400, not a coercion). vLLM's extra fields are honoured: `ign
 `repetition_penalty`, `allowed_token_ids`, `bad_words`, `prompt_logprobs` (not with
 `stream`: a 400), `include_stop_str_in_output`, `priority`, `request_id`,
 `truncate_prompt_tokens`, `stream_options.continuous_usage_stats`;
-`cache_salt` keeps a request's prefix-cache blocks apart from those of requests without
-the same salt. `n` (up to ipc.messages.MAX_N choices) and `best_of` (the n of best_of
-candidates with the highest cumulative logprob; not with `stream`) are honoured on both
-endpoints. `user`, `metadata`, `safety_identifier` and `prompt_cache_key` are
-accepted: they describe the request and change nothing in it.
+structured output: OpenAI's `response_format` (json_object, json_schema) and vLLM's
+`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` and `structured_outputs`
+(one of them per request; server/structured_output.py); `cache_salt` keeps a request's
+prefix-cache blocks apart from those of requests without the same salt. `n` (up to
+ipc.messages.MAX_N choices) and `best_of` (the n of best_of candidates with the highest
+cumulative logprob; not with `stream`) are honoured on both endpoints. `user`,
+`metadata`, `safety_identifier` and `prompt_cache_key` are accepted: they describe the
+request and change nothing in it.
 
 Refused unless given the value that asks for nothing (null always does; see NO_OP_VALUES):
-both endpoints: beam search (`use_beam_search`,
-`length_penalty`), structured output (`response_format` other than text, `guided_*`,
-`structured_outputs`, `structural_tag`), `logits_processors`,
+both endpoints: beam search (`use_beam_search`, `length_penalty`), `structural_tag`, the
+choice of a structured output backend or whitespace (`guided_decoding_backend`,
+`guided_whitespace_pattern`: llguidance is the one backend), `logits_processors`,
 `spaces_between_special_tokens: false`, `return_tokens_as_token_ids`, `return_token_ids`,
 `kv_transfer_params`, `vllm_xargs`; completions: `suffix`, `prompt_embeds`; chat: the
 deprecated `functions` and `function_call` (tools are honoured, see server/tools.py),
@@ -109,16 +112,50 @@ class StreamOptions(RequestBody):
     include_obfuscation: bool | None = None  # nothing is obfuscated
 
 
+JsonSchema = dict[Text, Any]
+Choices = Annotated[list[Text], Field(min_length=1)]
+
+
+class JsonSchemaFormat(RequestBody):
+    """OpenAI's response_format.json_schema; `strict` or not, the schema is enforced."""
+
+    name: Text
+    description: Text | None = None
+    schema_: JsonSchema | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(RequestBody):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(RequestBody):
+    """vLLM's structured_outputs object: one of json, regex, choice, grammar, json_object.
+    `disable_fallback` changes nothing (llguidance is the one backend, never a fallback)."""
+
+    NO_OP_VALUES = {
+        "disable_fallback": (False, True),
+        "disable_additional_properties": (False,),
+        "whitespace_pattern": (),
+        "structural_tag": (),
+    }
+
+    json_: JsonSchema | Text | None = Field(None, alias="json")
+    regex: Text | None = None
+    choice: Choices | None = None
+    grammar: Text | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = False
+
+
 class SamplingFields(RequestBody):
     """Fields common to both endpoints. None means "the default"."""
 
     NO_OP_VALUES = {
         "use_beam_search": (False,),
         "length_penalty": (1.0, 1),
-        "response_format": ({"type": "text"},),
-        "structured_outputs": (),
         "structural_tag": (),
-        **dict.fromkeys(("guided_json", "guided_regex", "guided_choice", "guided_grammar"), ()),
         "guided_decoding_backend": (),
         "guided_whitespace_pattern": (),
         "logits_processors": ([],),
@@ -157,6 +194,12 @@ class SamplingFields(RequestBody):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     cache_salt: Annotated[Text, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)] | None = None
+    response_format: ResponseFormat | None = None
+    guided_json: JsonSchema | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: Choices | None = None
+    guided_grammar: Text | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     @property
     def include_usage(self) -> bool:

@@ -9,6 +9,7 @@ prompt that shows the model its tools, and the model's text turned into `tool_ca
   `{"name": ..., "parameters": {...}}` objects, one of the tools each (one only with
   `parallel_tool_calls: false`), so the calls always parse.
 * a named function: structured output makes the model write that function's arguments.
+Both are compact JSON (no free whitespace, which small models repeat without end).
 
 A chat template without a tools section gets the tools described in a system message (in
 the parser's format), earlier calls written as the model writes them and tool results
@@ -44,7 +45,7 @@ class ToolChoice:
             schema = _calls_schema(self.tools, self.parallel)
         else:
             return None
-        return StructuredOutputsParams(json=json.dumps(schema))
+        return StructuredOutputsParams(json=json.dumps(schema), disable_any_whitespace=True)
 
     def output(self) -> ToolCallOutput:
         return ToolCallOutput(self)

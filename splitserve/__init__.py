@@ -2,7 +2,7 @@
 
 from importlib import import_module
 
-from ipc.messages import SamplingParams
+from ipc.messages import SamplingParams, StructuredOutputsParams
 from ipc.outputs import CompletionOutput, RequestOutput
 
 __all__ = [
@@ -12,6 +12,7 @@ __all__ = [
     "EngineClient",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
 ]
 
 # Imported on first use, so that a worker process (launch.py --role worker imports

@@ -13,6 +13,7 @@ from models.layers.cpu_ops import cpu_kernels as layer_cpu_kernels
 from models.parallel_state import get_tp_rank, get_tp_size, tp_broadcast
 from worker.buffers import InputBuffers, zeros_on_huge_pages
 from worker.cuda_graph import CudaGraphRunner, Mode, capture_sizes, cuda_graphs_off_reason
+from worker.grammar_bitmask import apply_grammar_bitmask
 from worker.input_batch import CachedRequestState, InputBatch, check_new_request
 from worker.prompt_logprobs import compute_prompt_logprobs, plan_prompt_logprobs
 from worker.sampler import Sampler
@@ -180,6 +181,10 @@ class ModelRunner:
         prompt_logprobs = (
             self._prompt_logprobs(hidden) if self.input_batch.num_prompt_logprobs else {}
         )
+        so = scheduler_output
+        if so.structured_output_request_ids and self.is_driver:
+            ids, bitmask = so.structured_output_request_ids, so.grammar_bitmask
+            apply_grammar_bitmask(logits, ids, bitmask, self.input_batch.req_ids, step.sample_rows)
         sampled, logprobs = self._sample(logits, step.sample_rows)
         out = self._finish_step(scheduler_output.step_id, step.sample_rows, sampled, logprobs)
         out.prompt_logprobs = prompt_logprobs

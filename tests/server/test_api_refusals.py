@@ -15,14 +15,7 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
 REFUSED_BOTH = [
     ("use_beam_search", True),
     ("length_penalty", 0.5),
-    ("response_format", {"type": "json_object"}),
-    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
-    ("structured_outputs", {"json": {}}),
     ("structural_tag", "{}"),
-    ("guided_json", {"type": "object"}),
-    ("guided_regex", "a+"),
-    ("guided_choice", ["a", "b"]),
-    ("guided_grammar", "root ::= x"),
     ("guided_decoding_backend", "xgrammar"),
     ("guided_whitespace_pattern", " "),
     ("logits_processors", ["p"]),
@@ -154,16 +147,12 @@ def test_the_openai_client_sees_refusals_as_bad_requests(oai, engine):
             model=engine.model_name, messages=USER, max_tokens=2, tools=[TOOL]
         )
     assert caught.value.body["param"] == "tools"
-    with pytest.raises(openai.BadRequestError, match="`response_format`"):
-        oai.chat.completions.create(
-            model=engine.model_name,
-            messages=USER,
-            max_tokens=2,
-            response_format={"type": "json_object"},
-        )
-    with pytest.raises(openai.BadRequestError, match="`guided_json`"):
+    with pytest.raises(openai.BadRequestError, match="`guided_decoding_backend`"):
         oai.completions.create(
-            model=engine.model_name, prompt="Hi", max_tokens=2, extra_body={"guided_json": {}}
+            model=engine.model_name,
+            prompt="Hi",
+            max_tokens=2,
+            extra_body={"guided_decoding_backend": "xgrammar"},
         )
 
 
