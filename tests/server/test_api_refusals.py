@@ -27,9 +27,6 @@ REFUSED_BOTH = [
 ]
 REFUSED_COMPLETIONS = [("suffix", "end"), ("prompt_embeds", "AAAA")]
 REFUSED_CHAT = [
-    ("tools", [TOOL]),
-    ("tool_choice", "required"),
-    ("tool_choice", {"type": "function", "function": {"name": "f"}}),
     ("functions", [TOOL["function"]]),
     ("function_call", {"name": "f"}),
     ("echo", True),
@@ -126,7 +123,7 @@ def test_unknown_fields_are_400_naming_them(http, engine, path):
     "message",
     [
         {"role": "user", "content": "Hi", "extra": 1},
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function"}]},
+        {"role": "assistant", "content": None, "function_call": {"name": "f", "arguments": "{}"}},
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
         {"role": "user", "content": [{"type": "text", "text": "Hi", "extra": 1}]},
     ],
@@ -142,11 +139,11 @@ def test_a_message_name_reaches_the_template(http, engine):
 
 
 def test_the_openai_client_sees_refusals_as_bad_requests(oai, engine):
-    with pytest.raises(openai.BadRequestError, match="`tools` is not supported") as caught:
+    with pytest.raises(openai.BadRequestError, match="`functions` is not supported") as caught:
         oai.chat.completions.create(
-            model=engine.model_name, messages=USER, max_tokens=2, tools=[TOOL]
+            model=engine.model_name, messages=USER, max_tokens=2, functions=[TOOL["function"]]
         )
-    assert caught.value.body["param"] == "tools"
+    assert caught.value.body["param"] == "functions"
     with pytest.raises(openai.BadRequestError, match="`guided_decoding_backend`"):
         oai.completions.create(
             model=engine.model_name,

@@ -121,6 +121,8 @@ def test_server_flags_and_their_defaults(monkeypatch):
         "enable_prompt_tokens_details": False,
         "max_request_body_bytes": 8 * 1024 * 1024,
         "cors": None,
+        "enable_auto_tool_choice": False,
+        "tool_call_parser": None,
     }
     monkeypatch.setenv("SPLITSERVE_API_KEY", "a, b")
     assert server_options(parse([]))["api_keys"] == ["a", "b"]
