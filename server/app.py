@@ -199,6 +199,9 @@ def build_app(
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
         tools = tool_choice(request, tool_call_parser, enable_auto_tool_choice)
+        forced_calls = None if tools is None else tools.structured_outputs()
+        if forced_calls is not None:
+            await off_loop(check_structured_outputs, forced_calls, "tools")
         prompt_token_ids = await off_loop(
             chat_prompt_ids, request, tokenizer, limits, tools, tool_call_parser
         )
@@ -211,14 +214,12 @@ def build_app(
             request, num_prompt_tokens, max_tokens, logprobs, limits, sampling_defaults
         )
         params = with_bad_words_token_ids(params, tokenizer)
-        forced_calls = None if tools is None else tools.structured_outputs()
         if forced_calls is not None:
             if params.structured_outputs is not None:
                 message = (
                     "`tool_choice` required or named cannot be combined with structured output"
                 )
                 raise APIError(400, message, "tool_choice")
-            check_structured_outputs(forced_calls, "tools")
             params = msgspec.structs.replace(params, structured_outputs=forced_calls)
         responses = responses_for(ChatResponses, "chatcmpl", raw, request)
         responses.tools = tools

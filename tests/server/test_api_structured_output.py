@@ -1,6 +1,7 @@
 """Structured output over HTTP with the official openai client, against a real cluster
 (launch.py, tiny random Llama; SmolLM2 in the slow test): `response_format`, vLLM's
-`guided_*` and `structured_outputs`. Outputs are judged by jsonschema, re.fullmatch and
+`guided_*` and `structured_outputs`, and tool_choice "required" or named, which is
+structured output too. Outputs are judged by jsonschema, re.fullmatch and
 membership; malformed specs and two structured fields are 400s naming the field.
 
 A random model would repeat JSON's free whitespace forever: the json requests here bias
@@ -23,7 +24,7 @@ from tests.models.tiny import make_tiny_checkpoint
 from tests.server.conftest import API_KEY, EngineHarness, LiveServer
 from tests.server.test_input_validation import assert_400_naming
 
-MAX_MODEL_LEN = 256
+MAX_MODEL_LEN = 1024  # room for the tool-call tests' tool descriptions
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -41,7 +42,9 @@ USER = [{"role": "user", "content": "abc"}]
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     folder = tmp_path_factory.mktemp("structured-cluster")
-    path = make_tiny_checkpoint(folder, "llama", name="llama")
+    path = make_tiny_checkpoint(
+        folder, "llama", name="llama", max_position_embeddings=MAX_MODEL_LEN
+    )
     with launch_cluster(folder, path, "--tp", "1", "--max-model-len", str(MAX_MODEL_LEN)) as c:
         yield c
 
@@ -176,6 +179,82 @@ def test_text_response_format_and_null_fields_ask_for_nothing(oai):
     assert text(response_format={"type": "text"}) == plain
 
 
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"enum": ["Paris", "Rome", "Oslo"]},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7},
+            },
+            "required": ["city", "days"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def small_tool(name: str, key: str, values: list) -> dict:
+    """A tool short enough to describe within the tiny model's context."""
+    schema = {
+        "type": "object",
+        "properties": {key: {"enum": values}},
+        "required": [key],
+        "additionalProperties": False,  # else a random model adds properties until max_tokens
+    }
+    return {"type": "function", "function": {"name": name, "parameters": schema}}
+
+
+TIME_TOOL = small_tool("time", "zone", ["CET", "UTC"])
+
+
+def check_calls(calls, tools) -> None:
+    """Each call names one of `tools` and its arguments validate against its schema."""
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    assert calls
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("chatcmpl-tool-")
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+
+def test_tool_choice_required_and_named_always_give_calls_that_validate(oai):
+    tools = [small_tool("weather", "city", ["Rome", "Oslo"]), TIME_TOOL]
+    kw = {"model": "llama", "messages": USER, "max_tokens": 120, "tools": tools}
+    for temperature in (0, 1):
+        choice = oai.chat.completions.create(
+            **kw, tool_choice="required", parallel_tool_calls=False, temperature=temperature
+        ).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert len(choice.message.tool_calls) == 1
+        check_calls(choice.message.tool_calls, tools)
+    named = {"type": "function", "function": {"name": "time"}}
+    choice = oai.chat.completions.create(**kw, tool_choice=named, temperature=1).choices[0]
+    assert choice.finish_reason == "stop"
+    assert [c.function.name for c in choice.message.tool_calls] == ["time"]
+    check_calls(choice.message.tool_calls, tools)
+    chunks = list(oai.chat.completions.create(**kw, tool_choice=named, stream=True, n=2))
+    for index in (0, 1):
+        parts = [
+            tc
+            for c in chunks
+            for choice in c.choices
+            if choice.index == index
+            for tc in choice.delta.tool_calls or ()
+        ]
+        assert parts[0].function.name == "time"
+        arguments = "".join(p.function.arguments or "" for p in parts)
+        jsonschema.validate(json.loads(arguments), TIME_TOOL["function"]["parameters"])
+
+
+def test_a_tool_schema_llguidance_cannot_compile_is_400_naming_tools(http):
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}
+    body = {"model": "llama", "messages": USER, "tools": [bad], "tool_choice": "required"}
+    assert_400_naming(http.post("/v1/chat/completions", json=body), "tools")
+
+
 @pytest.mark.slow
 def test_smollm2_chat_answers_a_json_schema(tmp_path):
     from models.default import default_model_path
@@ -187,6 +266,14 @@ def test_smollm2_chat_answers_a_json_schema(tmp_path):
         server = LiveServer(build_app(client, tokenizer, "smol", API_KEY, 1024), client)
         try:
             oai = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+            call = oai.chat.completions.create(
+                model="smol",
+                messages=[{"role": "user", "content": "What is the weather in Rome this week?"}],
+                max_tokens=100,
+                temperature=0,
+                tools=[WEATHER_TOOL],
+                tool_choice="required",
+            ).choices[0]
             answer = oai.chat.completions.create(
                 model="smol",
                 messages=[{"role": "user", "content": "Which city is the capital of France?"}],
@@ -201,3 +288,5 @@ def test_smollm2_chat_answers_a_json_schema(tmp_path):
             server.stop()
     assert answer.finish_reason == "stop"
     jsonschema.validate(json.loads(answer.message.content), SCHEMA)
+    assert call.finish_reason == "tool_calls"
+    check_calls(call.message.tool_calls, [WEATHER_TOOL])
