@@ -14,16 +14,6 @@ from ipc.outputs import RequestOutput
 from ipc.sockets import WELCOME
 
 
-@pytest.fixture
-def core():
-    """A connected ClientCore whose sends land in `core.sent`."""
-    sent: list = []
-    core = ClientCore(None, "ipc://nowhere", lambda message: sent.append(message) or True)
-    core.sent = sent
-    core.handle_frame(WELCOME)
-    return core
-
-
 def script(*replies):
     """A `wait` that records each step and answers it with the next reply (a callable
     reply is called with the step)."""

@@ -9,7 +9,6 @@ import queue
 import pytest
 
 from ipc.client import AsyncEngineClient, EngineClient, RequestError
-from ipc.client.core import ClientCore
 from ipc.client.parallel_sampling import ParentRequest
 from ipc.messages import (
     AbortRequests,
@@ -21,20 +20,9 @@ from ipc.messages import (
     TokenLogprobs,
     encode,
 )
-from ipc.sockets import WELCOME
 from tests.ipc.client_fakes import FakeEngine
 
 PROMPT = [5, 6, 7]
-
-
-@pytest.fixture
-def core():
-    """A connected ClientCore whose sends land in `core.sent`."""
-    sent: list = []
-    core = ClientCore(None, "ipc://nowhere", lambda message: sent.append(message) or True)
-    core.sent = sent
-    core.handle_frame(WELCOME)
-    return core
 
 
 def drain(q: queue.SimpleQueue) -> list:

@@ -9,10 +9,11 @@ that request aborted.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,3 +119,24 @@ def http(live_server: LiveServer):
     headers = {"Authorization": f"Bearer {API_KEY}"}
     with httpx.Client(base_url=live_server.url, headers=headers, timeout=30) as client:
         yield client
+
+
+@contextlib.contextmanager
+def smollm2_server(tmp_path, max_model_len: int = 512) -> Iterator[openai.OpenAI]:
+    """An openai client of the HTTP server over a launch.py cluster of the default model
+    (served as "smollm2")."""
+    from ipc.client import AsyncEngineClient
+    from ipc.tokenizer import Tokenizer
+    from models.default import default_model_path
+    from tests.cluster.helpers import launch_cluster
+
+    model = default_model_path()
+    with launch_cluster(tmp_path, model, "--max-model-len", str(max_model_len)) as running:
+        tokenizer = Tokenizer.from_pretrained(model)
+        client = AsyncEngineClient(running.address, tokenizer=tokenizer)
+        app = build_app(client, tokenizer, "smollm2", API_KEY, max_model_len)
+        server = LiveServer(app, client)
+        try:
+            yield openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+        finally:
+            server.stop()

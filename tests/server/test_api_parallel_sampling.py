@@ -4,17 +4,13 @@ request with seed + i answers; streams carry every choice's index and finish."""
 
 from __future__ import annotations
 
-import contextlib
 from collections import defaultdict
 
 import openai
 import pytest
 
-from ipc.client import AsyncEngineClient
-from ipc.tokenizer import Tokenizer
-from server import build_app
-from tests.cluster.helpers import launch_cluster, wait_idle
-from tests.server.conftest import API_KEY, LiveServer
+from tests.cluster.helpers import wait_idle
+from tests.server.conftest import smollm2_server
 from tests.server.test_input_validation import assert_400_naming
 from tests.server.test_openai_api_cluster import (  # noqa: F401  (this module's cluster)
     cluster,
@@ -117,21 +113,6 @@ def test_bad_n_and_best_of_are_400_naming_the_field(http, path, extra, param):
 def test_the_openai_client_sees_n_above_the_limit_as_a_bad_request(oai):
     with pytest.raises(openai.BadRequestError, match="n must be in"):
         oai.chat.completions.create(model="llama", messages=MESSAGES, n=1000)
-
-
-@contextlib.contextmanager
-def smollm2_server(tmp_path):
-    from models.default import default_model_path
-
-    model = default_model_path()
-    with launch_cluster(tmp_path, model, "--max-model-len", "512") as running:
-        tokenizer = Tokenizer.from_pretrained(model)
-        client = AsyncEngineClient(running.address, tokenizer=tokenizer)
-        server = LiveServer(build_app(client, tokenizer, "smollm2", API_KEY, 512), client)
-        try:
-            yield openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
-        finally:
-            server.stop()
 
 
 @pytest.mark.slow

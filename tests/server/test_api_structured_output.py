@@ -18,10 +18,9 @@ import pytest
 
 from ipc.client import AsyncEngineClient
 from ipc.tokenizer import Tokenizer
-from server import build_app
 from tests.cluster.helpers import launch_cluster
 from tests.models.tiny import make_tiny_checkpoint
-from tests.server.conftest import API_KEY, EngineHarness, LiveServer
+from tests.server.conftest import EngineHarness, smollm2_server
 from tests.server.test_input_validation import assert_400_naming
 
 MAX_MODEL_LEN = 1024  # room for the tool-call tests' tool descriptions
@@ -256,36 +255,26 @@ def test_a_tool_schema_llguidance_cannot_compile_is_400_naming_tools(http):
 
 
 @pytest.mark.slow
-def test_smollm2_chat_answers_a_json_schema(tmp_path):
-    from models.default import default_model_path
-
-    model = default_model_path()
-    with launch_cluster(tmp_path, model, "--max-model-len", "1024") as cluster:
-        tokenizer = Tokenizer.from_pretrained(model)
-        client = AsyncEngineClient(cluster.address, tokenizer=tokenizer)
-        server = LiveServer(build_app(client, tokenizer, "smol", API_KEY, 1024), client)
-        try:
-            oai = openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
-            call = oai.chat.completions.create(
-                model="smol",
-                messages=[{"role": "user", "content": "What is the weather in Rome this week?"}],
-                max_tokens=100,
-                temperature=0,
-                tools=[WEATHER_TOOL],
-                tool_choice="required",
-            ).choices[0]
-            answer = oai.chat.completions.create(
-                model="smol",
-                messages=[{"role": "user", "content": "Which city is the capital of France?"}],
-                max_tokens=200,
-                temperature=0,
-                response_format={
-                    "type": "json_schema",
-                    "json_schema": {"name": "city", "schema": SCHEMA, "strict": True},
-                },
-            ).choices[0]
-        finally:
-            server.stop()
+def test_smollm2_answers_a_json_schema_and_a_required_tool_call(tmp_path):
+    with smollm2_server(tmp_path, max_model_len=1024) as oai:
+        call = oai.chat.completions.create(
+            model="smollm2",
+            messages=[{"role": "user", "content": "What is the weather in Rome this week?"}],
+            max_tokens=100,
+            temperature=0,
+            tools=[WEATHER_TOOL],
+            tool_choice="required",
+        ).choices[0]
+        answer = oai.chat.completions.create(
+            model="smollm2",
+            messages=[{"role": "user", "content": "Which city is the capital of France?"}],
+            max_tokens=200,
+            temperature=0,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "city", "schema": SCHEMA, "strict": True},
+            },
+        ).choices[0]
     assert answer.finish_reason == "stop"
     jsonschema.validate(json.loads(answer.message.content), SCHEMA)
     assert call.finish_reason == "tool_calls"
