@@ -18,9 +18,10 @@ import pytest
 
 from ipc.client import AsyncEngineClient
 from ipc.tokenizer import Tokenizer
+from server import build_app
 from tests.cluster.helpers import launch_cluster
 from tests.models.tiny import make_tiny_checkpoint
-from tests.server.conftest import EngineHarness, smollm2_server
+from tests.server.conftest import EngineHarness, LiveServer, smollm2_server
 from tests.server.test_input_validation import assert_400_naming
 
 MAX_MODEL_LEN = 1024  # room for the tool-call tests' tool descriptions
@@ -246,6 +247,37 @@ def test_tool_choice_required_and_named_always_give_calls_that_validate(oai):
         assert parts[0].function.name == "time"
         arguments = "".join(p.function.arguments or "" for p in parts)
         jsonschema.validate(json.loads(arguments), TIME_TOOL["function"]["parameters"])
+
+
+def test_auto_tool_choice_parses_the_calls_a_model_writes(cluster):
+    """A regex makes the tiny model write a hermes tool call; the server started with
+    --enable-auto-tool-choice --tool-call-parser hermes reads it, whole and streamed."""
+    tokenizer = Tokenizer.from_pretrained(cluster.model)
+    client = AsyncEngineClient(cluster.address, tokenizer=tokenizer)
+    options = {"enable_auto_tool_choice": True, "tool_call_parser": "hermes"}
+    server = LiveServer(build_app(client, tokenizer, "llama", **options), client)
+    regex = r'Sure\.<tool_call>\{"name": "time", "arguments": \{"zone": "(CET|UTC)"\}\}</tool_call>'
+    kw = {
+        "model": "llama",
+        "messages": USER,
+        "max_tokens": 120,
+        "tools": [TIME_TOOL],
+        "extra_body": {"guided_regex": regex},
+    }
+    try:
+        oai = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        choice = oai.chat.completions.create(**kw).choices[0]
+        chunks = list(oai.chat.completions.create(**kw, stream=True))
+    finally:
+        server.stop()
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Sure."
+    check_calls(choice.message.tool_calls, [TIME_TOOL])
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(d.content or "" for d in deltas) == "Sure."
+    (call,) = [tc for d in deltas for tc in d.tool_calls or ()]
+    assert call.function.name == "time"
+    jsonschema.validate(json.loads(call.function.arguments), TIME_TOOL["function"]["parameters"])
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
 
 
 def test_a_tool_schema_llguidance_cannot_compile_is_400_naming_tools(http):
