@@ -86,8 +86,6 @@ class SamplingParams(_Wire):
     """How to sample one request. Validated at construction and when decoded."""
 
     n: int = 1
-    # Sample this many and return the n with the highest cumulative logprob (None: n).
-    best_of: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -115,6 +113,9 @@ class SamplingParams(_Wire):
     # top-k at its position.
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    # Sample this many and return the n with the highest cumulative logprob (None: n).
+    # New fields go last: the wire is array-like, so earlier positions stay put.
+    best_of: int | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.n <= MAX_N:
