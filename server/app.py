@@ -16,7 +16,6 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from ipc.bad_words import with_bad_words_token_ids
 from ipc.client import EngineDeadError
 from ipc.messages import SamplingParams
 from ipc.tokenizer import TokenizerLike
@@ -181,7 +180,6 @@ def build_app(
             limits,
             sampling_defaults,
         )
-        params = with_bad_words_token_ids(params, tokenizer)
         responses = responses_for(CompletionResponses, "cmpl", raw, request)
         if request.echo:
             responses.echo = await off_loop(echo_text, request, prompt_token_ids, tokenizer)
@@ -213,7 +211,6 @@ def build_app(
         params = sampling_params(
             request, num_prompt_tokens, max_tokens, logprobs, limits, sampling_defaults
         )
-        params = with_bad_words_token_ids(params, tokenizer)
         if forced_calls is not None:
             if params.structured_outputs is not None:
                 message = (

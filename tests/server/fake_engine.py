@@ -8,6 +8,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
+from ipc.bad_words import with_bad_words_token_ids
 from ipc.client import EngineDeadError, RequestError
 from ipc.client.request_state import RequestState
 from ipc.messages import (
@@ -122,7 +123,7 @@ class FakeEngineClient:
         """The engine's tokens go through the engine client's own RequestState
         (detokenization, stop strings, stop reasons)."""
         self._check_alive()
-        params = sampling_params or SamplingParams()
+        params = with_bad_words_token_ids(sampling_params or SamplingParams(), self.tokenizer)
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if self.max_model_len is not None and len(prompt_ids) >= self.max_model_len:
             raise RequestError(
