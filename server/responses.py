@@ -215,7 +215,9 @@ class ChatResponses(ResponseBuilder):
         """None when there is nothing to send yet (text held back as a possible tool call)."""
         delta = {"content": text} if text else {}
         if self.tools is not None:
-            output = self._tool_outputs.setdefault(index, self.tools.output())
+            output = self._tool_outputs.get(index)
+            if output is None:
+                output = self._tool_outputs[index] = self.tools.output()
             delta = output.feed(text)
             if finish_reason is not None:
                 last, finish_reason = output.finish(finish_reason)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from ipc.messages import StructuredOutputsParams
 from ipc.tokenizer import Message, TokenizerLike
 from server.protocol import APIError, ChatCompletionRequest, ToolDefinition
-from server.tool_parsers import TOOL_PARSERS, HermesToolParser, ToolCall, ToolParser
+from server.tool_parsers import TOOL_PARSERS, ToolCall, ToolParser
 
 _ANY_OBJECT = {"type": "object"}
 
@@ -56,7 +56,7 @@ def tool_choice(
 ) -> ToolChoice | None:
     """What the request asks of tools, checked (a 400 naming the field otherwise); None
     without tools."""
-    tools = [tool.model_dump(exclude_none=True) for tool in request.tools or ()]
+    tools = _as_dicts(request.tools)
     choice = request.tool_choice
     if not tools:  # "auto" among no tools is no call
         if choice not in (None, "none", "auto"):
@@ -65,7 +65,6 @@ def tool_choice(
     names = [tool["function"]["name"] for tool in tools]
     if len(set(names)) < len(names):
         raise APIError(400, "every tool must have its own name", "tools")
-    parser = TOOL_PARSERS[parser_name]() if parser_name else HermesToolParser()
     mode = choice or "auto"
     function = None
     if not isinstance(mode, str):
@@ -86,15 +85,24 @@ def tool_choice(
                 "named function"
             )
             raise APIError(400, message, f"tools[{i}].function.strict")
-    return ToolChoice(mode, tools, parser, function, request.parallel_tool_calls is not False)
+    parallel = request.parallel_tool_calls is not False
+    return ToolChoice(mode, tools, _parser(parser_name), function, parallel)
 
 
 def listed_tools(tools: list[ToolDefinition] | None, parser_name: str | None) -> ToolChoice | None:
     """Tools shown to the model and never parsed (tool_choice "none")."""
     if not tools:
         return None
-    parser = TOOL_PARSERS[parser_name or "hermes"]()
-    return ToolChoice("none", [tool.model_dump(exclude_none=True) for tool in tools], parser)
+    return ToolChoice("none", _as_dicts(tools), _parser(parser_name))
+
+
+def _parser(name: str | None) -> ToolParser:
+    """The server's tool-call parser; hermes writes the tools for a server without one."""
+    return TOOL_PARSERS[name or "hermes"]()
+
+
+def _as_dicts(tools: list[ToolDefinition] | None) -> list[dict]:
+    return [tool.model_dump(exclude_none=True) for tool in tools or ()]
 
 
 def _parameters(tools: list[dict], name: str | None) -> dict:
@@ -130,7 +138,7 @@ def template_inputs(
     one, or put first) and earlier calls and results written in the parser's format."""
     if tokenizer.chat_template_takes_tools:
         return messages, None if choice is None else choice.tools
-    parser = choice.parser if choice else TOOL_PARSERS[parser_name or "hermes"]()
+    parser = choice.parser if choice else _parser(parser_name)
     messages = [_as_text(m, parser) for m in messages]
     if choice is None:
         return messages, None
@@ -179,15 +187,13 @@ class ToolCallOutput:
         if mode == "required":  # one JSON array of calls, read at the end
             return {}
         end = len(self.text) if mode == "none" else self.choice.parser.content_end(self.text)
-        piece, self.sent = self.text[self.sent : max(end, self.sent)], max(end, self.sent)
-        return _content(piece)
+        start, self.sent = self.sent, max(end, self.sent)
+        return _content(self.text[start : self.sent])
 
     def finish(self, finish_reason: str | None) -> tuple[dict, str | None]:
         """The last delta, and the finish reason to report."""
-        mode = self.choice.mode
-        if mode in ("named", "none"):
-            calls = [self.named_call] if self.named_call else []
-            return {}, self._finish_reason(calls, finish_reason)
+        if self.choice.mode in ("named", "none"):  # all sent already; a named call "stop"s
+            return {}, finish_reason
         _, calls = self._parse(self.text, finish_reason)
         if not calls:
             return _content(self.text[self.sent :]), finish_reason
