@@ -320,7 +320,7 @@ class Scheduler:
                 status = self._check_stop(request, token_id)
                 if status is not None:
                     break
-            if status is None and grammars and request_id in grammars:
+            if status is None and request_id in grammars:
                 status = self.structured_output.accept_tokens(request, new_token_ids)
             num_generated += len(new_token_ids)
             if status is not None:
