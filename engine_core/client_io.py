@@ -6,9 +6,12 @@
   EngineCoreRequest whose request_id can be read, with an "error" output for it.
 * output thread — the output ROUTER. Answers HELLO with WELCOME; encodes and sends the
   (identity, message) pairs handed to `send_many`, never blocking. With
-  ROUTER_MANDATORY a client that is gone, or one whose pipe is full because it stopped
-  reading, is noticed on send: it is dropped (its outputs are discarded until it says
-  HELLO again) and `ClientGone` on the input queue has the busy loop abort its requests.
+  ROUTER_MANDATORY a client that is gone is noticed on send. A client whose pipe is full
+  (HWM frames not yet taken by ZeroMQ's I/O thread: a burst, or a client that stopped
+  reading) gets a backlog, retried every few milliseconds; a client whose backlog makes
+  no progress for `_STALL_S` or grows past `_MAX_BACKLOG` frames has stopped reading.
+  A client gone or stopped is dropped (its outputs are discarded until it says HELLO
+  again) and `ClientGone` on the input queue has the busy loop abort its requests.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
+from collections import deque
 
 import msgspec
 import zmq
@@ -41,6 +46,9 @@ logger = logging.getLogger(__name__)
 _POLL_MS = 100
 _WAKE_ADDRESS = "inproc://output-wake"
 _OUTPUT_LINGER_MS = 1000
+_RETRY_MS = 5
+_STALL_S = 5.0
+_MAX_BACKLOG = 10 * HWM
 
 
 class ClientGone:
@@ -114,15 +122,15 @@ class ClientIO:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(wake, zmq.POLLIN)
-        gone: set[bytes] = set()
+        out = _Outbox(sock, self.input_queue)
         try:
             while True:
-                events = dict(poller.poll())
+                events = dict(poller.poll(_RETRY_MS if out.backlogs else None))
                 if sock in events:
                     identity, *frames = sock.recv_multipart()
                     if frames == [HELLO]:
-                        gone.discard(identity)
-                        self._deliver(identity, WELCOME, gone)
+                        out.gone.discard(identity)
+                        out.deliver(identity, WELCOME)
                     else:
                         logger.warning("ignored a frame on the output socket (expected HELLO)")
                 if wake in events:
@@ -131,31 +139,72 @@ class ClientIO:
                     if items is None:
                         return
                     for identity, msg in items:
-                        self._deliver(identity, encode(msg), gone)
+                        out.deliver(identity, encode(msg))
+                out.retry()
         finally:
             wake.close()
             sock.close(linger=_OUTPUT_LINGER_MS)
 
-    def _deliver(self, identity: bytes, frame: bytes, gone: set[bytes]) -> None:
-        """Send without blocking. A client that cannot take the frame is dropped: this and
-        its later outputs are discarded, and each discarded output has the busy loop abort
-        the client's requests (those it sent since, too)."""
-        if identity not in gone:
-            try:
-                self._output.send_multipart((identity, frame), zmq.NOBLOCK, copy=False)
-                return
-            except zmq.Again:
-                logger.warning(
-                    "client %s stopped reading its outputs (%d queued); dropped it",
-                    identity.hex(),
-                    HWM,
-                )
-            except zmq.ZMQError as e:
-                if e.errno != zmq.EHOSTUNREACH:
-                    raise
-                logger.warning("client %s is not connected; dropped its output", identity.hex())
-            gone.add(identity)
-        self.input_queue.put((identity, ClientGone))
+
+class _Outbox:
+    """The output ROUTER's sends, never blocking: a client's frames wait in its backlog
+    while its pipe is full, in order, and later frames queue behind them."""
+
+    def __init__(self, sock: zmq.Socket, input_queue: queue.Queue) -> None:
+        self._sock = sock
+        self._input_queue = input_queue
+        self.gone: set[bytes] = set()
+        self.backlogs: dict[bytes, deque[bytes]] = {}
+        self._progress: dict[bytes, float] = {}  # when each backlog last shrank
+
+    def deliver(self, identity: bytes, frame: bytes) -> None:
+        if identity in self.gone:
+            self._input_queue.put((identity, ClientGone))
+            return
+        backlog = self.backlogs.get(identity)
+        if backlog is not None:
+            backlog.append(frame)
+            if len(backlog) > _MAX_BACKLOG:
+                self._drop(identity, f"{len(backlog)} outputs waiting")
+        elif not self._send(identity, frame):
+            self.backlogs[identity] = deque([frame])
+            self._progress[identity] = time.monotonic()
+
+    def retry(self) -> None:
+        now = time.monotonic()
+        for identity, backlog in list(self.backlogs.items()):
+            while backlog and self._send(identity, backlog[0]):
+                backlog.popleft()
+                self._progress[identity] = now
+            if not backlog:
+                del self.backlogs[identity], self._progress[identity]
+            elif now - self._progress[identity] > _STALL_S:
+                self._drop(identity, f"none taken for {_STALL_S:.0f} s")
+
+    def _send(self, identity: bytes, frame: bytes) -> bool:
+        """Whether ZeroMQ took the frame (False: the pipe is full); a client that is not
+        connected is dropped."""
+        if identity in self.gone:
+            return True
+        try:
+            self._sock.send_multipart((identity, frame), zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+            logger.warning("client %s is not connected; dropped its output", identity.hex())
+            self.gone.add(identity)
+            self._input_queue.put((identity, ClientGone))
+        return True
+
+    def _drop(self, identity: bytes, why: str) -> None:
+        logger.warning(
+            "client %s stopped reading its outputs (%s); dropped it", identity.hex(), why
+        )
+        self.gone.add(identity)
+        del self.backlogs[identity], self._progress[identity]
+        self._input_queue.put((identity, ClientGone))
 
 
 def _decode(decoder: Decoder, identity: bytes, frames: list[bytes]) -> object:
