@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -12,11 +12,12 @@ from attention.metadata import AttentionMetadata
 
 @dataclass(frozen=True)
 class ForwardContext:
-    """What the attention layers of one forward pass read. attn_metadata None means a
-    profiling/plain run: every layer attends causally over all tokens as one sequence
-    and touches no KV cache."""
+    """What the attention layers of one forward pass read: the metadata of each KV cache
+    group (a layer reads `attn_metadata[layer.kv_cache_group]`; the groups differ only in
+    block table and slot mapping). attn_metadata None means a profiling/plain run: every
+    layer attends causally over all tokens as one sequence and touches no KV cache."""
 
-    attn_metadata: AttentionMetadata | None = None
+    attn_metadata: Sequence[AttentionMetadata] | None = None
     backend: AttentionBackend | None = None
 
     def __post_init__(self) -> None:
@@ -29,7 +30,7 @@ _context = ForwardContext()
 
 @contextmanager
 def set_forward_context(
-    attn_metadata: AttentionMetadata | None, backend: AttentionBackend | None = None
+    attn_metadata: Sequence[AttentionMetadata] | None, backend: AttentionBackend | None = None
 ) -> Iterator[ForwardContext]:
     global _context
     previous = _context

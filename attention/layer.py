@@ -10,10 +10,12 @@ class Attention(nn.Module):
     """Paged attention over this rank's heads.
 
     The model runner binds `kv_cache` ([2, num_blocks, block_size, num_kv_heads,
-    head_dim]) once the cache is allocated. In a step, the layer writes this step's
-    K/V into the cache by the slot mapping, then the step's backend attends over the
-    cached context. q is [T, num_heads * head_dim]; k and v are [T, num_kv_heads *
-    head_dim]; the output is [T, num_heads * head_dim].
+    head_dim]) once the cache is allocated, and `kv_cache_group`, the KV cache group
+    whose block ids the layer's pages are addressed by (layers of different groups may
+    share one tensor: a block id belongs to one group at a time). In a step, the layer
+    writes this step's K/V into the cache by its group's slot mapping, then the step's
+    backend attends over the cached context. q is [T, num_heads * head_dim]; k and v
+    are [T, num_kv_heads * head_dim]; the output is [T, num_heads * head_dim].
     """
 
     def __init__(
@@ -34,6 +36,7 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.prefix = prefix
         self.kv_cache: torch.Tensor | None = None
+        self.kv_cache_group = 0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         num_tokens = q.shape[0]
@@ -44,9 +47,10 @@ class Attention(nn.Module):
         if ctx.attn_metadata is None:
             out = self._causal_attention(q, k, v)
         else:
+            md = ctx.attn_metadata[self.kv_cache_group]
             if self.kv_cache is not None:
-                store_kv_cache(k, v, self.kv_cache, ctx.attn_metadata.slot_mapping)
-            out = ctx.backend.forward(self, q, k, v, self.kv_cache, ctx.attn_metadata)
+                store_kv_cache(k, v, self.kv_cache, md.slot_mapping)
+            out = ctx.backend.forward(self, q, k, v, self.kv_cache, md)
         return out.reshape(num_tokens, self.num_heads * self.head_dim)
 
     def _causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

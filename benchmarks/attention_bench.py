@@ -62,7 +62,7 @@ def time_backend(backend, common, layer, args) -> float:
     best = float("inf")
     for _ in range(args.repeats):
         md = backend.build_metadata(common)
-        with set_forward_context(md, backend):
+        with set_forward_context([md], backend):
             start = time.perf_counter()
             layer(q, k, v)
             best = min(best, time.perf_counter() - start)

@@ -31,6 +31,7 @@ class EngineCore:
             config.block_size,
             config.max_model_len,
             enable_caching=config.enable_prefix_caching,
+            group_windows=executor.kv_cache_groups,
         )
         self.scheduler = Scheduler(config, self.kv_cache_manager)
         self.num_worker_restarts = 0

@@ -60,6 +60,7 @@ class WorkerInfo:
     num_kv_blocks: int
     pid: int
     hostname: str
+    kv_cache_groups: list[int | None]
 
 
 class MultiprocExecutor(Executor):
@@ -114,6 +115,7 @@ class MultiprocExecutor(Executor):
         """Wait for every rank's WorkerReady, then tell all of them the smallest block
         count (and num_gpu_blocks_override, if smaller)."""
         self._register_workers()
+        self.kv_cache_groups = self.workers[0].kv_cache_groups
         num_blocks = min(w.num_kv_blocks for w in self.workers)
         if self.config.num_gpu_blocks_override is not None:
             num_blocks = min(num_blocks, self.config.num_gpu_blocks_override)
@@ -143,6 +145,11 @@ class MultiprocExecutor(Executor):
         elif self._request_new_workers is not None:
             self._request_new_workers()
         self._register_workers()
+        if self.workers[0].kv_cache_groups != self.kv_cache_groups:
+            self._fail(
+                f"the new workers' KV cache groups {self.workers[0].kv_cache_groups} differ "
+                f"from those in use {self.kv_cache_groups}"
+            )
         fits = min(w.num_kv_blocks for w in self.workers)
         if fits < num_blocks:
             self._fail(f"the new workers hold {fits} KV blocks, fewer than the {num_blocks} in use")
@@ -175,9 +182,17 @@ class MultiprocExecutor(Executor):
                 )
             else:
                 ready[msg.rank] = WorkerInfo(
-                    msg.rank, identity, msg.num_kv_blocks, msg.pid, msg.hostname
+                    msg.rank,
+                    identity,
+                    msg.num_kv_blocks,
+                    msg.pid,
+                    msg.hostname,
+                    msg.kv_cache_groups,
                 )
         self.workers.extend(ready[rank] for rank in range(self.world_size))
+        groups = {tuple(w.kv_cache_groups) for w in self.workers}
+        if len(groups) > 1:
+            self._fail(f"the ranks report different KV cache groups: {list(groups)}")
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         start = time.perf_counter()

@@ -8,7 +8,7 @@ cache is full, running requests are preempted and later recomputed.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from engine_core.request import Request, RequestStatus
 from engine_core.request_queue import make_request_queue
@@ -67,7 +67,7 @@ class Scheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.block_size = config.block_size
-        blocks_per_request = cdiv(config.max_model_len, config.block_size)
+        blocks_per_request = _max_blocks_per_request(config, kv_cache_manager.group_windows)
         usable_blocks = kv_cache_manager.block_pool.num_blocks - 1
         if usable_blocks < blocks_per_request:
             raise ValueError(
@@ -237,7 +237,7 @@ class Scheduler:
             else:
                 if request.status == RequestStatus.WAITING:
                     request.num_cached_tokens = num_hit_tokens
-                block_ids = hit_blocks.get_block_ids() + new_blocks.get_block_ids()
+                block_ids = (hit_blocks + new_blocks).get_block_ids()
                 new_reqs.append(
                     NewRequestData(
                         request.request_id,
@@ -407,3 +407,16 @@ class Scheduler:
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
         )
+
+
+def _max_blocks_per_request(config: EngineConfig, group_windows: Sequence[int | None]) -> int:
+    """Blocks one request of max_model_len tokens may hold at once, over every KV cache
+    group: all of its blocks in a full-attention group; in a window-W group the blocks a
+    step's tokens and the W - 1 before them span."""
+    full = cdiv(config.max_model_len, config.block_size)
+    return sum(
+        full
+        if window is None
+        else min(full, cdiv(window - 1 + config.max_num_batched_tokens, config.block_size) + 1)
+        for window in group_windows
+    )

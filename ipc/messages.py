@@ -275,26 +275,28 @@ class UtilityOutput(_Tagged):
 
 
 class NewRequestData(_Wire):
-    """A request the workers have not seen. `output_token_ids` is empty but for a request
-    replayed onto fresh workers after a worker failure: then it holds what was generated."""
+    """A request the workers have not seen. `block_ids[g]` are its blocks in KV cache
+    group g. `output_token_ids` is empty but for a request replayed onto fresh workers
+    after a worker failure: then it holds what was generated."""
 
     req_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    block_ids: list[int]
+    block_ids: list[list[int]]
     num_computed_tokens: int
     output_token_ids: list[int] = []
 
 
 class CachedRequestData(_Wire):
-    """Requests the workers already know. `new_block_ids[i]` holds only the blocks added
-    this step, except for a request resumed from preemption: then it holds the whole
-    block list and `new_token_ids[i]` all its tokens (prompt and output)."""
+    """Requests the workers already know. `new_block_ids[i][g]` holds only the blocks
+    added this step in KV cache group g, except for a request resumed from preemption:
+    then it holds the whole block lists and `new_token_ids[i]` all its tokens (prompt
+    and output)."""
 
     req_ids: list[str] = []
     resumed_from_preemption: list[bool] = []
     new_token_ids: list[list[int]] = []
-    new_block_ids: list[list[int]] = []
+    new_block_ids: list[list[list[int]]] = []
     num_computed_tokens: list[int] = []
 
 
@@ -335,10 +337,14 @@ class WorkerError(_Tagged):
 
 
 class WorkerReady(_Tagged):
+    """`kv_cache_groups` holds each KV cache group's sliding window (None: full
+    attention), in the group order block ids travel in."""
+
     rank: int
     num_kv_blocks: int
     pid: int = 0
     hostname: str = ""
+    kv_cache_groups: list[int | None] = msgspec.field(default_factory=lambda: [None])
 
 
 # EngineCore -> workers, outside steps

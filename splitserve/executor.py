@@ -20,6 +20,7 @@ class InProcessExecutor(Executor):
         num_blocks = runner.determine_num_blocks()
         runner.initialize_kv_cache(num_blocks)
         runner.capture_cuda_graphs()
+        self.kv_cache_groups = [group.sliding_window for group in runner.kv_cache_groups]
         return num_blocks
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

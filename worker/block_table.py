@@ -1,3 +1,7 @@
+"""Block tables of the persistent batch: one per KV cache group."""
+
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
@@ -76,3 +80,48 @@ class BlockTable:
             num_tokens_padded,
             out=out,
         )
+
+
+class MultiGroupBlockTable:
+    """One BlockTable per KV cache group, rows in step: a request's blocks arrive as one
+    list per group (`block_ids[g]`), and row moves apply to every group."""
+
+    def __init__(
+        self,
+        max_num_reqs: int,
+        max_num_blocks_per_req: int,
+        block_size: int,
+        device: torch.device | str,
+        num_groups: int = 1,
+    ) -> None:
+        self.groups = [
+            BlockTable(max_num_reqs, max_num_blocks_per_req, block_size, device)
+            for _ in range(num_groups)
+        ]
+
+    def __getitem__(self, group: int) -> BlockTable:
+        return self.groups[group]
+
+    def __len__(self) -> int:
+        return len(self.groups)
+
+    def add_row(self, block_ids: Sequence[list[int]], row: int) -> None:
+        for table, ids in zip(self.groups, block_ids, strict=True):
+            table.add_row(ids, row)
+
+    def append_row(self, block_ids: Sequence[list[int]], row: int) -> None:
+        for table, ids in zip(self.groups, block_ids, strict=True):
+            if ids:
+                table.append_row(ids, row)
+
+    def clear_row(self, row: int) -> None:
+        for table in self.groups:
+            table.clear_row(row)
+
+    def move_row(self, src: int, tgt: int) -> None:
+        for table in self.groups:
+            table.move_row(src, tgt)
+
+    def commit(self, num_reqs: int) -> None:
+        for table in self.groups:
+            table.commit(num_reqs)

@@ -54,7 +54,13 @@ class InputBuffers:
     `record_copies()` once the step's copies are issued.
     """
 
-    def __init__(self, max_num_reqs: int, max_num_tokens: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        max_num_reqs: int,
+        max_num_tokens: int,
+        device: torch.device,
+        num_kv_cache_groups: int = 1,
+    ) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_num_tokens = max_num_tokens
         self.arange = np.arange(max(max_num_reqs, max_num_tokens) + 1, dtype=np.int64)
@@ -63,9 +69,10 @@ class InputBuffers:
         self.query_start_loc = CpuGpuBuffer(max_num_reqs + 1, dtype=torch.int32, device=device)
         self.seq_lens = CpuGpuBuffer(max_num_reqs, dtype=torch.int32, device=device)
         self.logits_indices = CpuGpuBuffer(max_num_reqs, dtype=torch.int64, device=device)
-        # Computed on the device from the block table; PAD_SLOT_ID rows store nothing.
+        # One row per KV cache group, computed on the device from that group's block
+        # table; PAD_SLOT_ID entries store nothing.
         self.slot_mapping = torch.full(
-            (max_num_tokens,), PAD_SLOT_ID, dtype=torch.int64, device=device
+            (num_kv_cache_groups, max_num_tokens), PAD_SLOT_ID, dtype=torch.int64, device=device
         )
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
 

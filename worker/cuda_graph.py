@@ -24,6 +24,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
@@ -87,7 +88,7 @@ class CudaGraphRunner:
         model: torch.nn.Module,
         attn_backend: AttentionBackend,
         buffers: InputBuffers,
-        block_table: torch.Tensor,
+        block_tables: Sequence[torch.Tensor],
         sizes: list[int],
         *,
         max_model_len: int,
@@ -99,18 +100,18 @@ class CudaGraphRunner:
             raise ValueError(f"capture sizes must be positive integers, got {sizes}")
         self.sizes = sorted(set(sizes))
         self.max_size = self.sizes[-1]
-        capacity = min(buffers.max_num_reqs, buffers.max_num_tokens, block_table.shape[0])
+        capacity = min(buffers.max_num_reqs, buffers.max_num_tokens, block_tables[0].shape[0])
         if self.max_size > capacity:
             raise ValueError(f"capture size {self.max_size} exceeds the buffers' {capacity} rows")
         self.model = model
         self.attn_backend = attn_backend
         self.buffers = buffers
-        self.block_table = block_table
+        self.block_tables = list(block_tables)  # one per KV cache group
         self.max_model_len = max_model_len
-        self.device = block_table.device
+        self.device = block_tables[0].device
         self.mode = mode
         self.output = torch.zeros(self.max_size, hidden_size, dtype=dtype, device=self.device)
-        self.metadata: dict[int, AttentionMetadata] = {}
+        self.metadata: dict[int, list[AttentionMetadata]] = {}  # per group
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
 
     def padded_size(self, num_reqs: int) -> int | None:
@@ -123,14 +124,18 @@ class CudaGraphRunner:
         buffers hold an all-padding batch meanwhile, so warm-up runs read valid slots."""
         self._fill_with_padding()
         for size in self.sizes:
-            self.metadata[size] = self.attn_backend.build_cudagraph_metadata(self._common(size))
+            self.metadata[size] = [
+                self.attn_backend.build_cudagraph_metadata(self._common(size, group))
+                for group in range(len(self.block_tables))
+            ]
         if self.mode == "cuda_graph":
             self._capture_graphs()
 
     def run(self, size: int) -> torch.Tensor:
         """Hidden states [size, hidden_size] of the padded decode batch in the buffers.
         The result is a view of the static output: read it before the next call."""
-        self.attn_backend.prepare_replay(self.metadata[size])
+        for md in self.metadata[size]:
+            self.attn_backend.prepare_replay(md)
         if self.mode == "cuda_graph":
             self.graphs[size].replay()
         else:
@@ -145,10 +150,10 @@ class CudaGraphRunner:
         for buffer in (buffers.input_ids, buffers.positions, buffers.seq_lens):
             buffer.copy_to_gpu(n)
         buffers.query_start_loc.copy_to_gpu(n + 1)
-        buffers.slot_mapping[:n].fill_(PAD_SLOT_ID)
+        buffers.slot_mapping[:, :n].fill_(PAD_SLOT_ID)
         buffers.record_copies()
 
-    def _common(self, size: int) -> CommonAttentionMetadata:
+    def _common(self, size: int, group: int) -> CommonAttentionMetadata:
         buffers = self.buffers
         return CommonAttentionMetadata(
             num_actual_tokens=size,
@@ -156,8 +161,8 @@ class CudaGraphRunner:
             max_seq_len=self.max_model_len,
             query_start_loc=buffers.query_start_loc.gpu[: size + 1],
             seq_lens=buffers.seq_lens.gpu[:size],
-            block_table=self.block_table[:size],
-            slot_mapping=buffers.slot_mapping[:size],
+            block_table=self.block_tables[group][:size],
+            slot_mapping=buffers.slot_mapping[group, :size],
             query_start_loc_cpu=torch.arange(size + 1, dtype=torch.int32),
             seq_lens_cpu=torch.full((size,), self.max_model_len, dtype=torch.int32),
         )

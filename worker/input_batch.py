@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from ipc.messages import NewRequestData, SamplingParams
-from worker.block_table import BlockTable
+from worker.block_table import MultiGroupBlockTable
 from worker.logits_processors import (
     bad_words_table,
     make_allowed_tokens,
@@ -25,7 +25,7 @@ class CachedRequestState:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     generator: torch.Generator | None
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV cache group
     num_computed_tokens: int
     output_token_ids: list[int] = field(default_factory=list)
 
@@ -46,7 +46,7 @@ class CachedRequestState:
             prompt_token_ids=list(new.prompt_token_ids),
             sampling_params=new.sampling_params,
             generator=generator,
-            block_ids=list(new.block_ids),
+            block_ids=[list(ids) for ids in new.block_ids],
             num_computed_tokens=new.num_computed_tokens,
             output_token_ids=list(new.output_token_ids),
         )
@@ -84,6 +84,7 @@ class InputBatch:
         device: torch.device | str,
         vocab_size: int,
         eos_token_ids: list[int] | tuple[int, ...] = (),
+        num_kv_cache_groups: int = 1,
     ) -> None:
         self.max_num_reqs = max_num_reqs
         self.eos_token_ids = list(eos_token_ids)
@@ -118,7 +119,9 @@ class InputBatch:
         # row -> top-k of the rows that want prompt logprobs.
         self.num_prompt_logprobs: dict[int, int] = {}
 
-        self.block_table = BlockTable(max_num_reqs, max_num_blocks_per_req, block_size, device)
+        self.block_table = MultiGroupBlockTable(
+            max_num_reqs, max_num_blocks_per_req, block_size, device, num_kv_cache_groups
+        )
         # (row order, metadata) of the last make_sampling_metadata; None once rows change.
         self._sampling_metadata: tuple[np.ndarray, SamplingMetadata] | None = None
 

@@ -15,6 +15,7 @@ from worker.buffers import InputBuffers, zeros_on_huge_pages
 from worker.cuda_graph import CudaGraphRunner, Mode, capture_sizes, cuda_graphs_off_reason
 from worker.grammar_bitmask import apply_grammar_bitmask
 from worker.input_batch import CachedRequestState, InputBatch, check_new_request
+from worker.kv_cache_groups import group_layers, group_size
 from worker.prompt_logprobs import compute_prompt_logprobs, plan_prompt_logprobs
 from worker.sampler import Sampler
 from worker.sampler import cpu_kernels as sampler_cpu_kernels
@@ -53,6 +54,9 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len
         self.max_num_tokens = config.max_num_batched_tokens
+        self.kv_cache_groups = group_layers(
+            [layer.sliding_window for layer in self.model.attention_layers()]
+        )
         self.input_batch = InputBatch(
             max_num_reqs=config.max_num_seqs,
             max_model_len=config.max_model_len,
@@ -61,20 +65,25 @@ class ModelRunner:
             device=self.device,
             vocab_size=config.vocab_size,
             eos_token_ids=config.eos_token_ids or [],
+            num_kv_cache_groups=len(self.kv_cache_groups),
         )
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
         if self.device.type == "cpu":  # built now, before READY, not inside the first step
             sampler_cpu_kernels()
             layer_cpu_kernels(self.device, self.dtype)
-        self.inputs = InputBuffers(config.max_num_seqs, self.max_num_tokens, self.device)
+        self.inputs = InputBuffers(
+            config.max_num_seqs, self.max_num_tokens, self.device, len(self.kv_cache_groups)
+        )
         self.is_driver = get_tp_rank() == 0
         self.cuda_graphs: CudaGraphRunner | None = None
         self.failed_requests: dict[str, str] = {}
 
     def kv_cache_bytes_per_block(self) -> int:
+        """A block id addresses one page in each of the cache's group_size tensors."""
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+        num_tensors = group_size(self.kv_cache_groups)
+        return 2 * num_tensors * self.block_size * self.num_kv_heads * self.head_dim * elem
 
     def determine_num_blocks(self) -> int:
         """Blocks that fit this rank: `--kv-cache-memory` bytes on CPU; on CUDA, what a
@@ -111,20 +120,33 @@ class ModelRunner:
         return int(total * self.config.gpu_memory_utilization - (total - free) - (peak - current))
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
+        """One tensor per position within a group: group g's j-th layer uses tensor j."""
         shape = (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        for layer in self.model.attention_layers():
+
+        def zeros() -> torch.Tensor:
             if self.device.type == "cpu":
-                layer.kv_cache = zeros_on_huge_pages(shape, self.dtype)
-            else:
-                layer.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                return zeros_on_huge_pages(shape, self.dtype)
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+        tensors = [zeros() for _ in range(group_size(self.kv_cache_groups))]
+        layers = self.model.attention_layers()
+        for index, group in enumerate(self.kv_cache_groups):
+            for tensor, layer in zip(tensors, group.layers, strict=False):
+                layers[layer].kv_cache = tensor
+                layers[layer].kv_cache_group = index
         logger.info(
-            "rank %d: KV cache of %d blocks x %d tokens (%d tokens, %.2f GiB, %s)",
+            "rank %d: KV cache of %d blocks x %d tokens (%.2f GiB, %s) in %d group(s): %s",
             get_tp_rank(),
             num_blocks,
             self.block_size,
-            num_blocks * self.block_size,
             num_blocks * self.kv_cache_bytes_per_block() / 2**30,
             self.dtype,
+            len(self.kv_cache_groups),
+            ", ".join(
+                f"{len(g.layers)} layer(s) "
+                + ("full" if g.sliding_window is None else f"window {g.sliding_window}")
+                for g in self.kv_cache_groups
+            ),
         )
 
     def capture_cuda_graphs(self, mode: Mode = "cuda_graph") -> None:
@@ -147,7 +169,7 @@ class ModelRunner:
             self.model,
             self.attn_backend,
             self.inputs,
-            self.input_batch.block_table.get_device_tensor(),
+            [table.get_device_tensor() for table in self.input_batch.block_table.groups],
             capture_sizes(config.cuda_graph_sizes, config.max_num_seqs, self.max_num_tokens),
             max_model_len=self.max_model_len,
             hidden_size=self.hf_config.hidden_size,
@@ -223,19 +245,19 @@ class ModelRunner:
             new_block_ids = cached.new_block_ids[i]
             row = batch.req_id_to_index.get(req_id)
             if cached.resumed_from_preemption[i]:
-                state.block_ids = list(new_block_ids)
+                state.block_ids = [list(ids) for ids in new_block_ids]
                 state.output_token_ids = cached.new_token_ids[i][len(state.prompt_token_ids) :]
                 if row is not None:
                     batch.remove_request(req_id)
                 batch.add_request(state)
                 continue
-            state.block_ids.extend(new_block_ids)
+            for ids, new_ids in zip(state.block_ids, new_block_ids, strict=True):
+                ids.extend(new_ids)
             if row is None:
                 batch.add_request(state)
             else:
                 batch.num_computed_tokens[row] = state.num_computed_tokens
-                if new_block_ids:
-                    batch.block_table.append_row(new_block_ids, row)
+                batch.block_table.append_row(new_block_ids, row)
         batch.condense()
 
     def _add_new_request(self, new: NewRequestData) -> None:

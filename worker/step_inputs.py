@@ -21,7 +21,7 @@ class StepInputs:
 
     input_ids: torch.Tensor
     positions: torch.Tensor
-    attn_metadata: AttentionMetadata | None
+    attn_metadata: list[AttentionMetadata] | None  # per KV cache group
     graph_size: int | None
     sample_rows: np.ndarray  # batch rows that sample a token this step
     logits_indices: torch.Tensor  # their last token's row in the hidden states
@@ -76,21 +76,28 @@ def prepare_inputs(
     logits_indices = buffers.logits_indices.copy_to_gpu(len(sample_rows))
     batch.block_table.commit(num_reqs)
     buffers.record_copies()
-    slot_mapping = batch.block_table.compute_slot_mapping(
-        query_start_loc[: num_reqs + 1], positions, out=buffers.slot_mapping[:num_tokens]
-    )
+    slot_mappings = [
+        table.compute_slot_mapping(
+            query_start_loc[: num_reqs + 1], positions, out=buffers.slot_mapping[g, :num_tokens]
+        )
+        for g, table in enumerate(batch.block_table.groups)
+    ]
     attn_metadata = None
     if graph_size is None:
-        common = CommonAttentionMetadata(
-            num_actual_tokens=total,
-            max_query_len=max_query_len,
-            max_seq_len=int(seq_lens_np.max()),
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens,
-            block_table=batch.block_table.get_device_tensor()[:num_reqs],
-            slot_mapping=slot_mapping,
-            query_start_loc_cpu=buffers.query_start_loc.cpu[: num_reqs + 1],
-            seq_lens_cpu=buffers.seq_lens.cpu[:num_reqs],
-        )
-        attn_metadata = backend.build_metadata(common)
+        attn_metadata = [
+            backend.build_metadata(
+                CommonAttentionMetadata(
+                    num_actual_tokens=total,
+                    max_query_len=max_query_len,
+                    max_seq_len=int(seq_lens_np.max()),
+                    query_start_loc=query_start_loc,
+                    seq_lens=seq_lens,
+                    block_table=table.get_device_tensor()[:num_reqs],
+                    slot_mapping=slot_mapping,
+                    query_start_loc_cpu=buffers.query_start_loc.cpu[: num_reqs + 1],
+                    seq_lens_cpu=buffers.seq_lens.cpu[:num_reqs],
+                )
+            )
+            for table, slot_mapping in zip(batch.block_table.groups, slot_mappings, strict=True)
+        ]
     return StepInputs(input_ids, positions, attn_metadata, graph_size, sample_rows, logits_indices)

@@ -74,7 +74,9 @@ def run_worker(
         init_distributed(rank, world_size, dist_init_address, device=device)
         runner = ModelRunner(config, device)
         num_blocks = runner.determine_num_blocks()
-        sock.send(encode(WorkerReady(rank, num_blocks, os.getpid(), socket.gethostname())))
+        windows = [group.sliding_window for group in runner.kv_cache_groups]
+        ready = WorkerReady(rank, num_blocks, os.getpid(), socket.gethostname(), windows)
+        sock.send(encode(ready))
         logger.info("rank %d of %d ready on %s: %d KV blocks", rank, world_size, device, num_blocks)
         decoder = Decoder(SchedulerOutput, InitKVCache, Shutdown)
         poller = zmq.Poller()

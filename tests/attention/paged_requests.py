@@ -87,7 +87,7 @@ class PagedRequests:
             self.device
         )  # the layer gets strided views, as from a QKV proj
         q, k, v = qkv.split([q.shape[1], k.shape[1], v.shape[1]], dim=1)
-        with set_forward_context(metadata, backend):
+        with set_forward_context([metadata], backend):
             out = self.layer(q, k, v)
         out = out.view(out.shape[0], self.layer.num_heads, self.layer.head_dim)
         assert out[metadata.num_actual_tokens :].eq(0).all()

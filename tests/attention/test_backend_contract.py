@@ -39,11 +39,11 @@ def test_forward_context_is_typed_and_scoped():
     backend = TorchAttentionBackend()
     md = backend.build_metadata(reqs.metadata([(0, 0, 5), (1, 2, 1)])[0])
     with pytest.raises(ValueError, match="go together"):
-        ForwardContext(md, None)
+        ForwardContext([md], None)
     assert get_forward_context() == ForwardContext()
-    with set_forward_context(md, backend) as ctx:
+    with set_forward_context([md], backend) as ctx:
         assert get_forward_context() is ctx
-        assert ctx.attn_metadata is md and ctx.backend is backend
+        assert ctx.attn_metadata == [md] and ctx.backend is backend
         with set_forward_context(None):
             assert get_forward_context().attn_metadata is None
         assert get_forward_context() is ctx
@@ -65,7 +65,7 @@ def test_torch_layouts_live_in_the_pass_metadata():
     full = Attention(2, 8, 8**-0.5, 1)
     full.kv_cache = reqs.kv_cache
     q, k, v = torch.randn(10, 16), torch.randn(10, 8), torch.randn(10, 8)
-    with set_forward_context(md, backend):
+    with set_forward_context([md], backend):
         first_out = reqs.layer(q, k, v)
         assert set(md.decode_layouts) == {(0, 3)} and set(md.prefill_masks) == {(2, 3)}
         layout = md.decode_layouts[(0, 3)]

@@ -3,11 +3,12 @@
 It keeps the worker's view of every request, built only from what the SchedulerOutputs
 say (after a trip through the wire codec), samples a scripted token for each request
 whose tokens are all computed, and checks its block lists against the KV cache manager.
-It also models the KV cache's contents (which token each slot holds): every token a
-step attends to must have been written by an earlier step of these workers, so a prefix
-hit on a block they never computed is caught. Steps listed in `fail_steps` fail as dead
-workers do; replacing the workers forgets every request and the cache, as fresh workers
-would.
+It also models the KV cache's contents (which group's token each slot holds): every
+token a step attends to (a sliding-window group: the window before each new token) must
+have been written by an earlier step of these workers into that group's block, so a
+prefix hit on a block they never computed, or one of another group, is caught. Steps
+listed in `fail_steps` fail as dead workers do; replacing the workers forgets every
+request and the cache, as fresh workers would.
 """
 
 import zlib
@@ -34,7 +35,7 @@ _decoder = Decoder(SchedulerOutput)
 @dataclass
 class WorkerRequestState:
     token_ids: list[int]
-    block_ids: list[int]
+    block_ids: list[list[int]]  # per KV cache group
     num_computed_tokens: int
     num_prompt_tokens: int
 
@@ -53,7 +54,9 @@ class StandInExecutor(Executor):
     fail_steps: set[int] = field(default_factory=set)
     num_failures: int = 0
     num_replacements: int = 0
-    kv: dict[tuple[int, int], int] = field(default_factory=dict)  # (block, offset) -> token
+    # (block, offset) -> (group, token)
+    kv: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
+    kv_cache_groups: list[int | None] = field(default_factory=lambda: [None])
 
     def determine_num_blocks(self) -> int:
         return self.num_blocks
@@ -97,7 +100,8 @@ class StandInExecutor(Executor):
             if self.kv_cache_manager is not None:
                 assert state.block_ids == self.kv_cache_manager.get_block_ids(request_id)
                 block_size = self.kv_cache_manager.block_size
-                assert len(state.block_ids) * block_size >= state.num_computed_tokens
+                for ids in state.block_ids:
+                    assert len(ids) * block_size >= state.num_computed_tokens
                 self._store(state, start, block_size)
                 attending.append((state, start, block_size))
             if state.num_computed_tokens == len(state.token_ids):
@@ -118,7 +122,7 @@ class StandInExecutor(Executor):
             assert new.req_id not in self.states, f"{new.req_id} sent as new twice"
             self.states[new.req_id] = WorkerRequestState(
                 list(new.prompt_token_ids) + list(new.output_token_ids),
-                list(new.block_ids),
+                [list(ids) for ids in new.block_ids],
                 new.num_computed_tokens,
                 len(new.prompt_token_ids),
             )
@@ -127,25 +131,34 @@ class StandInExecutor(Executor):
             state = self.states[request_id]
             if cached.resumed_from_preemption[i]:
                 state.token_ids = list(cached.new_token_ids[i])
-                state.block_ids = list(cached.new_block_ids[i])
+                state.block_ids = [list(ids) for ids in cached.new_block_ids[i]]
             else:
                 assert cached.new_token_ids[i] == []
                 assert cached.num_computed_tokens[i] == state.num_computed_tokens
-                state.block_ids.extend(cached.new_block_ids[i])
+                for ids, new_ids in zip(state.block_ids, cached.new_block_ids[i], strict=True):
+                    ids.extend(new_ids)
             state.num_computed_tokens = cached.num_computed_tokens[i]
 
     def _store(self, state: WorkerRequestState, start: int, block_size: int) -> None:
-        for position in range(start, state.num_computed_tokens):
-            slot = (state.block_ids[position // block_size], position % block_size)
-            self.kv[slot] = state.token_ids[position]
+        for group, ids in enumerate(state.block_ids):
+            for position in range(start, state.num_computed_tokens):
+                block = ids[position // block_size]
+                assert block != 0, "a token stored into the null block"
+                self.kv[block, position % block_size] = (group, state.token_ids[position])
 
     def _check_context(self, state: WorkerRequestState, start: int, block_size: int) -> None:
-        """Positions 0..start-1 must hold the request's tokens. A step stores every new
-        token before any attention reads (as each attention layer does), so a block
-        cached by one request this step can be read by another this same step."""
-        for position in range(start):
-            slot = (state.block_ids[position // block_size], position % block_size)
-            assert self.kv.get(slot) == state.token_ids[position], "stale KV read"
+        """Each group's context of the first new token (position `start`) must hold the
+        request's tokens: positions 0..start-1, or for a window W the last W - 1 of them.
+        A step stores every new token before any attention reads (as each attention layer
+        does), so a block cached by one request this step can be read by another this
+        same step."""
+        for group, (ids, window) in enumerate(
+            zip(state.block_ids, self.kv_cache_groups, strict=True)
+        ):
+            first = 0 if window is None else max(0, start - window + 1)
+            for position in range(first, start):
+                slot = (ids[position // block_size], position % block_size)
+                assert self.kv.get(slot) == (group, state.token_ids[position]), "stale KV read"
 
 
 def make_config(**kwargs) -> EngineConfig:
@@ -153,9 +166,13 @@ def make_config(**kwargs) -> EngineConfig:
     return EngineConfig(**{**defaults, **kwargs})
 
 
-def make_engine(num_blocks: int = 64, script=None, sample=None, **config_kwargs):
-    """An EngineCore over a StandInExecutor that checks its blocks against the engine's."""
+def make_engine(
+    num_blocks: int = 64, script=None, sample=None, kv_cache_groups=(None,), **config_kwargs
+):
+    """An EngineCore over a StandInExecutor that checks its blocks against the engine's;
+    `kv_cache_groups` are the sliding windows (None: full attention) the workers report."""
     executor = StandInExecutor(num_blocks, script or {}, sample)
+    executor.kv_cache_groups = list(kv_cache_groups)
     engine = EngineCore(make_config(**config_kwargs), executor)
     executor.kv_cache_manager = engine.kv_cache_manager
     return engine, executor

@@ -98,5 +98,5 @@ def test_bad_words_through_the_model_runner(runner):
 def test_out_of_vocabulary_bad_words_fail_the_request_alone(runner):
     vocab_size = runner.input_batch.vocab_size
     bad = SamplingParams(bad_words_token_ids=[[1, vocab_size]])
-    error = check_new_request(NewRequestData("bad", [5, 6], bad, [1], 0), vocab_size)
+    error = check_new_request(NewRequestData("bad", [5, 6], bad, [[1]], 0), vocab_size)
     assert "bad_words_token_ids" in error

@@ -80,9 +80,12 @@ def test_every_step_writes_the_same_buffers(tmp_path, monkeypatch):
 
     monkeypatch.setattr(backend_class, "build_metadata", recording)
     params = SamplingParams(temperature=0, max_tokens=4)
-    new = [NewRequestData("a", [5, 6, 7], params, [3], 0), NewRequestData("b", [8], params, [5], 0)]
+    new = [
+        NewRequestData("a", [5, 6, 7], params, [[3]], 0),
+        NewRequestData("b", [8], params, [[5]], 0),
+    ]
     runner.execute_model(_step(0, new))
-    cached = CachedRequestData(["a", "b"], [False, False], [[], []], [[], []], [3, 1])
+    cached = CachedRequestData(["a", "b"], [False, False], [[], []], [[[]], [[]]], [3, 1])
     runner.execute_model(_step(1, cached=cached, scheduled={"a": 1, "b": 1}))
 
     buffers = runner.inputs

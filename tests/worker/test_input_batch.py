@@ -24,12 +24,16 @@ sampling_params = st.builds(
 )
 
 
-def make_batch() -> InputBatch:
-    return InputBatch(MAX_REQS, MAX_MODEL_LEN, MAX_BLOCKS, BLOCK_SIZE, "cpu", VOCAB)
+NUM_GROUPS = 2  # KV cache groups: every block table row is kept per group
 
 
-def new_request(req_id, prompt, params, block_ids=(), num_computed=0) -> CachedRequestState:
-    new = NewRequestData(req_id, list(prompt), params, list(block_ids), num_computed)
+def make_batch(num_groups: int = 1) -> InputBatch:
+    return InputBatch(MAX_REQS, MAX_MODEL_LEN, MAX_BLOCKS, BLOCK_SIZE, "cpu", VOCAB, (), num_groups)
+
+
+def new_request(req_id, prompt, params, block_ids=None, num_computed=0) -> CachedRequestState:
+    block_ids = [[]] if block_ids is None else [list(ids) for ids in block_ids]
+    new = NewRequestData(req_id, list(prompt), params, block_ids, num_computed)
     return CachedRequestState.from_new_request(new, "cpu")
 
 
@@ -38,7 +42,7 @@ class InputBatchMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        self.batch = make_batch()
+        self.batch = make_batch(NUM_GROUPS)
         self.states: dict[str, CachedRequestState] = {}
         self.in_batch: set[str] = set()
         self.next_id = 0
@@ -61,7 +65,10 @@ class InputBatchMachine(RuleBasedStateMachine):
     def add_new(self, prompt, params, num_blocks):
         req_id = f"r{self.next_id}"
         self.next_id += 1
-        block_ids = [self.next_id * 100 + i for i in range(num_blocks)]
+        block_ids = [
+            [self.next_id * 100 + 10 * g + i for i in range(num_blocks + g)]
+            for g in range(NUM_GROUPS)
+        ]
         state = new_request(req_id, prompt, params, block_ids, len(prompt) - 1)
         self.states[req_id] = state
         self.add(state)
@@ -99,10 +106,13 @@ class InputBatchMachine(RuleBasedStateMachine):
             return
         state = self.states[data.draw(st.sampled_from(candidates))]
         row = self.batch.req_id_to_index[state.req_id]
-        if len(state.block_ids) + new_blocks <= MAX_BLOCKS:
-            ids = [9000 + len(state.block_ids)] * new_blocks
-            self.batch.block_table.append_row(ids, row)
-            state.block_ids.extend(ids)
+        if max(len(ids) for ids in state.block_ids) + new_blocks <= MAX_BLOCKS:
+            new_ids = [
+                [9000 + 10 * g + len(ids)] * new_blocks for g, ids in enumerate(state.block_ids)
+            ]
+            self.batch.block_table.append_row(new_ids, row)
+            for ids, added in zip(state.block_ids, new_ids, strict=True):
+                ids.extend(added)
         if row in self.batch.generators:
             token = int(torch.randint(VOCAB, (1,), generator=self.batch.generators[row]))
         self.batch.append_token(row, token)
@@ -127,8 +137,8 @@ class InputBatchMachine(RuleBasedStateMachine):
             assert (
                 batch.token_ids[row, :n].tolist() == state.prompt_token_ids + state.output_token_ids
             )
-            table = batch.block_table
-            assert table.np[row, : table.num_blocks_per_row[row]].tolist() == state.block_ids
+            for table, ids in zip(batch.block_table.groups, state.block_ids, strict=True):
+                assert table.np[row, : table.num_blocks_per_row[row]].tolist() == ids
             assert batch.temperature[row] == np.float32(params.temperature)
             assert batch.top_p[row] == np.float32(params.top_p)
             assert batch.top_k[row] == (params.top_k if 0 < params.top_k < VOCAB else 0)

@@ -51,7 +51,7 @@ def reference(logits: np.ndarray, params: SamplingParams, prompt, output) -> np.
 def make_batch(requests) -> InputBatch:
     batch = InputBatch(MAX_REQS, MAX_MODEL_LEN, 1, 16, "cpu", VOCAB)
     for i, (params, prompt, output) in enumerate(requests):
-        new = NewRequestData(f"r{i}", prompt, params, [], 0, output_token_ids=output)
+        new = NewRequestData(f"r{i}", prompt, params, [[]], 0, output_token_ids=output)
         batch.add_request(CachedRequestState.from_new_request(new, "cpu"))
     return batch
 

@@ -17,7 +17,7 @@ def _step(step_id: int, new: list[NewRequestData]) -> SchedulerOutput:
 
 
 def _new(req_id: str, block: int, params: SamplingParams, prompt=(5, 6, 7)) -> NewRequestData:
-    return NewRequestData(req_id, list(prompt), params, [block], 0)
+    return NewRequestData(req_id, list(prompt), params, [[block]], 0)
 
 
 @pytest.mark.parametrize(

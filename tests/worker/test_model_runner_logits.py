@@ -10,7 +10,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_STEPS)
 
 def generate(runner, requests: dict[str, SamplingParams]) -> dict[str, list[int]]:
     """Prefill then greedy decode steps; each request owns one block of 8 tokens."""
-    new = [NewRequestData(r, PROMPT, p, [i + 1], 0) for i, (r, p) in enumerate(requests.items())]
+    new = [NewRequestData(r, PROMPT, p, [[i + 1]], 0) for i, (r, p) in enumerate(requests.items())]
     scheduled = {r: len(PROMPT) for r in requests}
     out = runner.execute_model(
         SchedulerOutput(0, new, CachedRequestData(), scheduled, sum(scheduled.values()))
@@ -22,7 +22,7 @@ def generate(runner, requests: dict[str, SamplingParams]) -> dict[str, list[int]
             ids,
             [False] * len(ids),
             [[]] * len(ids),
-            [[]] * len(ids),
+            [[[]]] * len(ids),
             [len(PROMPT) + step - 1] * len(ids),
         )
         out = runner.execute_model(

@@ -82,8 +82,8 @@ class TwinExecutor(Executor):
         for request_id, row in batch.req_id_to_index.items():
             twin = states[request_id]
             assert batch.token_ids[row, : batch.num_tokens[row]].tolist() == twin.token_ids
-            num_blocks = batch.block_table.num_blocks_per_row[row]
-            assert batch.block_table.np[row, :num_blocks].tolist() == twin.block_ids
+            for table, ids in zip(batch.block_table.groups, twin.block_ids, strict=True):
+                assert table.np[row, : table.num_blocks_per_row[row]].tolist() == ids
             computed = batch.num_computed_tokens[row] + so.num_scheduled_tokens[request_id]
             assert computed == twin.num_computed_tokens
 
