@@ -1,0 +1,142 @@
+"""Models with sliding-window layers against transformers, on KV cache groups: greedy tokens
+match exactly with chunked prefill, prefix hits and preemption, while the window groups
+hold only the blocks their window still sees (fp32, tiny random checkpoints)."""
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from ipc.messages import EngineCoreRequest
+from ipc.utils import cdiv
+from splitserve import LLM, SamplingParams
+from tests.models.tiny import make_tiny_checkpoint
+
+MAX_TOKENS = 12
+WINDOW = 8
+
+# name -> (arch, config overrides, each KV cache group's window as the workers report it)
+MODELS = {
+    "qwen2-hybrid": (
+        "qwen2",
+        dict(
+            num_hidden_layers=4,
+            use_sliding_window=True,
+            sliding_window=WINDOW,
+            max_window_layers=2,
+        ),
+        [None, WINDOW],
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def model(request, tmp_path_factory):
+    arch, overrides, groups = MODELS[request.param]
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), arch, **overrides)
+    return path, groups
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    hf = AutoModelForCausalLM.from_pretrained(model[0], dtype=torch.float32).eval()
+
+    @torch.no_grad()
+    def greedy(prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
+        ids = torch.tensor([prompt])
+        out = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            eos_token_id=None,
+        )
+        return out[0, len(prompt) :].tolist()
+
+    return greedy
+
+
+def _prompts(n: int, low: int, high: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(256) for _ in range(rng.randint(low, high))] for _ in range(n)]
+
+
+def _generate(llm: LLM, prompts: list[list[int]], **params) -> list:
+    sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, **params)
+    return llm.generate(prompts, sp, use_tqdm=False)
+
+
+def _engine(model, **kw) -> LLM:
+    kw.setdefault("kv_cache_memory", 4 << 20)
+    kw.setdefault("max_model_len", 256)
+    kw.setdefault("block_size", 4)
+    llm = LLM(model[0], dtype="float32", **kw)
+    assert llm.engine.kv_cache_manager.group_windows == tuple(model[1])
+    return llm
+
+
+def test_prompts_longer_than_the_window(model, reference):
+    llm = _engine(model)
+    prompts = _prompts(8, 1, 60)
+    for prompt, out in zip(prompts, _generate(llm, prompts), strict=True):
+        assert out.outputs[0].token_ids == reference(prompt)
+
+
+def test_chunked_prefill(model, reference):
+    llm = _engine(model, max_num_batched_tokens=6, max_num_seqs=4)
+    prompts = _prompts(5, 20, 50, seed=1)
+    for prompt, out in zip(prompts, _generate(llm, prompts), strict=True):
+        assert out.outputs[0].token_ids == reference(prompt)
+
+
+def test_prefix_hits(model, reference):
+    llm = _engine(model)
+    shared = _prompts(1, 40, 40, seed=2)[0]
+    prompts = [shared + tail for tail in _prompts(4, 1, 12, seed=3)]
+    first = _generate(llm, prompts[:1])
+    rest = _generate(llm, prompts[1:])
+    assert first[0].num_cached_tokens == 0
+    assert all(out.num_cached_tokens == 40 for out in rest)
+    for prompt, out in zip(prompts, first + rest, strict=True):
+        assert out.outputs[0].token_ids == reference(prompt)
+
+
+def test_preemption(model, reference):
+    windows = model[1]
+    # Enough blocks for one request of max_model_len in every group, not for six at once.
+    full = cdiv(64, 4)
+    num_blocks = 1 + sum(full if w is None else cdiv(w - 1 + 64, 4) + 1 for w in windows)
+    llm = _engine(model, max_model_len=64, num_gpu_blocks_override=num_blocks)
+    prompts = _prompts(6, 20, 40, seed=4)
+    outs = _generate(llm, prompts)
+    assert llm.engine.get_stats().num_preemptions > 0
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == reference(prompt)
+
+
+def test_window_groups_stop_growing(model, reference):
+    """A long request: each window group holds at most the blocks its window spans plus
+    the one being written; full-attention groups hold every block."""
+    llm = _engine(model, max_num_batched_tokens=8)
+    engine, kv = llm.engine, llm.engine.kv_cache_manager
+    prompt = _prompts(1, 30, 30, seed=5)[0]
+    max_tokens = 60
+    engine.add_request(
+        EngineCoreRequest("long", prompt, SamplingParams(max_tokens=max_tokens), 0.0)
+    )
+    held: list[list[int]] = []
+    tokens: list[int] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step().outputs:
+            tokens.extend(out.new_token_ids)
+        if engine.has_unfinished_requests():
+            held.append([sum(b != 0 for b in ids) for ids in kv.get_block_ids("long")])
+    assert tokens == reference(prompt, max_tokens)
+    for group, window in enumerate(model[1]):
+        most = max(step[group] for step in held)
+        if window is None:
+            assert most == cdiv(len(prompt) + max_tokens - 1, 4)
+        else:
+            assert most <= cdiv(window - 1 + 8, 4) + 1
+    assert kv.usage == 0.0
