@@ -1,4 +1,4 @@
-"""Model definitions (Llama, Qwen2, Qwen3), tensor-parallel layers and loading.
+"""Model definitions (Llama, Qwen2, Qwen3, Mistral, Gemma 3), tensor-parallel layers and loading.
 
 from models import load_model, resolve_dtype, kv_cache_shape_info
 model = load_model(path, torch.bfloat16, "cpu")

@@ -1,12 +1,12 @@
 """Llama-family decoder (Llama 2/3, SmolLM2), tensor parallel.
 
-Qwen2 and Qwen3 subclass LlamaForCausalLM and change only the switches in
-`DecoderOptions` (qkv bias, o_proj bias, per-head q/k norm, sliding windows).
+Qwen2, Qwen3 and Mistral subclass LlamaForCausalLM and change only the switches in
+`DecoderOptions` (qkv bias, o_proj bias, per-head q/k norm) and which layers have a
+sliding window (`layer_sliding_windows`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,12 +14,12 @@ import torch
 from torch import nn
 
 from attention import Attention
+from models.causal_lm import CausalLM
 from models.layers.activation import get_act_and_mul
-from models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from models.layers.embedding import VocabParallelEmbedding
 from models.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from models.layers.norm import RMSNorm
 from models.layers.rotary import RotaryEmbedding, Rotator, get_head_dim
-from models.layers.utils import default_weight_loader
 
 
 @dataclass(frozen=True)
@@ -120,10 +120,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: Any, options: DecoderOptions, layer_idx: int, prefix: str) -> None:
+    def __init__(
+        self, config: Any, options: DecoderOptions, sliding_window: int | None, prefix: str
+    ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(
-            config, options, layer_sliding_window(config, layer_idx), prefix=f"{prefix}.self_attn"
+            config, options, sliding_window, prefix=f"{prefix}.self_attn"
         )
         self.mlp = LlamaMLP(
             config.hidden_size,
@@ -154,7 +156,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: Any, options: DecoderOptions, prefix: str = "model") -> None:
+    def __init__(
+        self,
+        config: Any,
+        options: DecoderOptions,
+        sliding_windows: list[int | None],
+        prefix: str = "model",
+    ) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = VocabParallelEmbedding(
@@ -162,8 +170,8 @@ class LlamaModel(nn.Module):
         )
         self.rotary_emb = RotaryEmbedding.from_config(config)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, options, i, prefix=f"{prefix}.layers.{i}")
-            for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, options, window, prefix=f"{prefix}.layers.{i}")
+            for i, window in enumerate(sliding_windows)
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -177,26 +185,7 @@ class LlamaModel(nn.Module):
         return hidden_states
 
 
-class LlamaForCausalLM(nn.Module):
-    """model(input_ids [T], positions [T]) -> hidden [T, hidden_size];
-    compute_logits(hidden [N, hidden_size]) -> float32 logits [N, vocab_size] on every rank.
-    """
-
-    # HF checkpoint projections that are fused here: (fused param, HF name, shard id).
-    stacked_params_mapping: tuple[tuple[str, str, str | int], ...] = (
-        ("qkv_proj", "q_proj", "q"),
-        ("qkv_proj", "k_proj", "k"),
-        ("qkv_proj", "v_proj", "v"),
-        ("gate_up_proj", "gate_proj", 0),
-        ("gate_up_proj", "up_proj", 1),
-    )
-    # Checkpoint tensors that are not parameters here.
-    skipped_weight_suffixes: tuple[str, ...] = (
-        "rotary_emb.inv_freq",
-        "rotary_emb.cos_cached",
-        "rotary_emb.sin_cached",
-    )
-
+class LlamaForCausalLM(CausalLM):
     @classmethod
     def decoder_options(cls, config: Any) -> DecoderOptions:
         attention_bias = bool(getattr(config, "attention_bias", False))
@@ -206,58 +195,14 @@ class LlamaForCausalLM(nn.Module):
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
         )
 
-    def __init__(self, config: Any) -> None:
-        super().__init__()
-        self.config = config
-        self.model = LlamaModel(config, self.decoder_options(config), prefix="model")
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix="lm_head")
-        if self.tie_word_embeddings:
-            self.lm_head.tie_weights(self.model.embed_tokens)
+    @classmethod
+    def layer_sliding_windows(cls, config: Any) -> list[int | None]:
+        return [layer_sliding_window(config, i) for i in range(config.num_hidden_layers)]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden_states)
-
-    def attention_layers(self) -> list[Attention]:
-        """This rank's Attention modules in layer order (the runner binds `kv_cache`)."""
-        return [layer.self_attn.attn for layer in self.model.layers]
-
-    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
-        """Load HF-named checkpoint tensors (or lazy safetensors slices); each parameter
-        copies only this rank's shard. Returns the names of the parameters fully loaded
-        (a fused parameter once all its shards are)."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        expected_shards: dict[str, set[str | int]] = {}
-        for param_name, _, shard_id in self.stacked_params_mapping:
-            expected_shards.setdefault(param_name, set()).add(shard_id)
-        shards_seen: dict[str, set[str | int]] = {}
-        for name, weight in weights:
-            if name.endswith(self.skipped_weight_suffixes):
-                continue
-            if self.tie_word_embeddings and name.startswith("lm_head."):
-                continue  # shares model.embed_tokens.weight
-            for param_name, weight_name, shard_id in self.stacked_params_mapping:
-                if f".{weight_name}." not in name:
-                    continue
-                fused = name.replace(f".{weight_name}.", f".{param_name}.")
-                param = self._param(params, fused, name)
-                param.weight_loader(param, weight, shard_id)
-                shards_seen.setdefault(fused, set()).add(shard_id)
-                if shards_seen[fused] >= expected_shards[param_name]:
-                    loaded.add(fused)
-                break
-            else:
-                param = self._param(params, name, name)
-                getattr(param, "weight_loader", default_weight_loader)(param, weight)
-                loaded.add(name)
-        return loaded
-
-    @staticmethod
-    def _param(params: dict[str, nn.Parameter], name: str, checkpoint_name: str) -> nn.Parameter:
-        if name not in params:
-            raise KeyError(f"checkpoint tensor {checkpoint_name!r} matches no model parameter")
-        return params[name]
+    def build_model(self, config: Any) -> LlamaModel:
+        return LlamaModel(
+            config,
+            self.decoder_options(config),
+            self.layer_sliding_windows(config),
+            prefix="model",
+        )

@@ -22,7 +22,7 @@ from torch import nn
 from ipc.config import DTYPES
 from models.layers.linear import kv_heads_per_rank
 from models.layers.rotary import get_head_dim
-from models.llama import layer_sliding_window
+from models.llama import LlamaForCausalLM
 from models.registry import get_model_class
 
 # Every name in ipc.config.DTYPES but "auto" is a torch attribute ("float" and "half"
@@ -100,8 +100,11 @@ def kv_cache_shape_info(config: Any, tp_size: int = 1) -> tuple[int, int, int]:
 
 
 def layer_sliding_windows(config: Any) -> list[int | None]:
-    """Each layer's sliding window (None = full attention), as the model will build it."""
-    return [layer_sliding_window(config, i) for i in range(config.num_hidden_layers)]
+    """Each layer's sliding window (None = full attention), as the model will build it.
+    A config without `architectures` is read with the Llama/Qwen2 rule."""
+    architectures = getattr(config, "architectures", None)
+    model_cls = get_model_class(architectures) if architectures else LlamaForCausalLM
+    return model_cls.layer_sliding_windows(config)
 
 
 def safetensors_files(model_path: str) -> list[str]:

@@ -9,7 +9,9 @@ from torch import nn
 
 # architecture name -> (module, class name); imported lazily.
 _MODELS: dict[str, tuple[str, str]] = {
+    "Gemma3ForCausalLM": ("models.gemma3", "Gemma3ForCausalLM"),
     "LlamaForCausalLM": ("models.llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("models.mistral", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("models.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("models.qwen3", "Qwen3ForCausalLM"),
 }

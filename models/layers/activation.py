@@ -24,7 +24,25 @@ class SiluAndMul(nn.Module):
         return F.silu(x[..., :d]) * x[..., d:]
 
 
+class GeluTanhAndMul(nn.Module):
+    """x = [gate; up] along the last dim -> gelu(gate, tanh approximation) * up
+    (transformers' gelu_pytorch_tanh, Gemma's MLP)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        return F.gelu(x[..., :d], approximate="tanh") * x[..., d:]
+
+
+_ACT_AND_MUL: dict[str, type[nn.Module]] = {
+    "silu": SiluAndMul,
+    "swish": SiluAndMul,
+    "gelu_pytorch_tanh": GeluTanhAndMul,
+}
+
+
 def get_act_and_mul(hidden_act: str) -> nn.Module:
-    if hidden_act not in ("silu", "swish"):
-        raise ValueError(f"unsupported hidden_act {hidden_act!r} (only silu is implemented)")
-    return SiluAndMul()
+    if hidden_act not in _ACT_AND_MUL:
+        raise ValueError(
+            f"unsupported hidden_act {hidden_act!r} (supported: {', '.join(_ACT_AND_MUL)})"
+        )
+    return _ACT_AND_MUL[hidden_act]()

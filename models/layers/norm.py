@@ -1,7 +1,8 @@
 """RMSNorm, computed in float32 as transformers does, with a fused residual add.
 
 On CPU tensors the fused C++ kernel (cpu_ops.cpp) does it in one pass per row; the torch
-code is the fallback and the reference it matches bitwise.
+code is the fallback and the reference it matches bitwise. GemmaRMSNorm is Gemma's
+variant (weight stored as an offset from 1, applied in float32), torch only.
 """
 
 from __future__ import annotations
@@ -67,3 +68,31 @@ class RMSNorm(nn.Module):
         if any(t.shape != x.shape or t.dtype != x.dtype or not fits_rows(t) for t in others):
             return None
         return ops
+
+
+class GemmaRMSNorm(nn.Module):
+    """x / rms(x) * (1 + weight), all in float32, then cast back (Gemma's RMSNorm: the
+    weight multiplies before the cast, unlike Llama's). With `residual`:
+    (norm(x + residual), x + residual), the sum in x's dtype."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.variance_epsilon = eps
+        self.weight = new_parameter(hidden_size)
+        with torch.no_grad():
+            self.weight.zero_()
+        set_weight_attrs(self.weight, {"weight_loader": default_weight_loader})
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float()
+        normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)

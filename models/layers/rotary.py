@@ -30,14 +30,19 @@ def get_head_dim(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def get_rope_parameters(config: Any) -> dict[str, Any]:
-    """The config's rope parameters as a flat dict that has rope_type and rope_theta."""
+def get_rope_parameters(config: Any, layer_type: str = "full_attention") -> dict[str, Any]:
+    """The rope parameters of `layer_type` layers ("full_attention" or "sliding_attention")
+    as a flat dict that has rope_type and rope_theta. Only configs with per-layer-type rope
+    (Gemma 3) tell the two apart."""
     params = getattr(config, "rope_parameters", None)
     if params:
         params = dict(params)
         nested = [v for v in params.values() if isinstance(v, dict)]
         if nested:  # per layer type: {"full_attention": {...}, "sliding_attention": {...}}
-            params = dict(params.get("full_attention", nested[0]))
+            params = dict(params.get(layer_type) or params.get("full_attention") or nested[0])
+    elif layer_type == "sliding_attention" and getattr(config, "rope_local_base_freq", None):
+        # transformers 4 Gemma 3: local layers use plain rope with their own base.
+        params = {"rope_type": "default", "rope_theta": config.rope_local_base_freq}
     else:
         params = dict(getattr(config, "rope_scaling", None) or {})
     rope_type = params.get("rope_type") or params.get("type") or "default"
@@ -54,9 +59,9 @@ def get_rope_parameters(config: Any) -> dict[str, Any]:
     return params
 
 
-def compute_inv_freq(config: Any) -> tuple[torch.Tensor, float]:
+def compute_inv_freq(config: Any, layer_type: str = "full_attention") -> tuple[torch.Tensor, float]:
     """(inv_freq float32 [head_dim // 2], attention scaling applied to cos/sin)."""
-    params = get_rope_parameters(config)
+    params = get_rope_parameters(config, layer_type)
     rope_type = params["rope_type"]
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise NotImplementedError(
@@ -163,8 +168,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_cache", freqs.sin() * attention_scaling, persistent=False)
 
     @classmethod
-    def from_config(cls, config: Any) -> RotaryEmbedding:
-        inv_freq, scaling = compute_inv_freq(config)
+    def from_config(cls, config: Any, layer_type: str = "full_attention") -> RotaryEmbedding:
+        inv_freq, scaling = compute_inv_freq(config, layer_type)
         return cls(get_head_dim(config), config.max_position_embeddings, inv_freq, scaling)
 
     def get_cos_sin(

@@ -197,7 +197,7 @@ def test_layers_fall_back_on_tensors_the_kernels_do_not_take(spy):
     assert spy == []
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
 @torch.no_grad()
 def test_model_forward_is_bitwise_the_same_with_and_without_kernels(
     ops, monkeypatch, tiny_checkpoint, arch

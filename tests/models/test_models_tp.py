@@ -38,6 +38,8 @@ CASES = {
             "max_window_layers": 1,
         },
     ),
+    "mistral-mqa": ("mistral", {"num_key_value_heads": 1}),
+    "gemma3-softcap": ("gemma3", {"final_logit_softcapping": 2.0}),
 }
 
 
@@ -84,7 +86,7 @@ def _tp_worker(rank: int, world_size: int, port: int, paths: dict, out_dir: str)
 
 
 def test_tp2_matches_tp1(tmp_path):
-    from models import kv_cache_shape_info, load_config, load_model
+    from models import kv_cache_shape_info, layer_sliding_windows, load_config, load_model
 
     paths = {
         case: make_tiny_checkpoint(tmp_path, arch, name=case, **overrides)
@@ -109,8 +111,14 @@ def test_tp2_matches_tp1(tmp_path):
                 assert num_heads == 2
                 assert num_kv_heads == kv_per_rank
             assert head_dim == 16
+        windows = [w for _, _, w in got["attn"]]
+        assert windows == layer_sliding_windows(config)
         if case == "qwen3-mqa-sliding":
-            assert [w for _, _, w in got["attn"]] == [None, 4]
+            assert windows == [None, 4]
+        if case == "mistral-mqa":
+            assert windows == [8, 8]
+        if case == "gemma3-softcap":
+            assert windows == [8, 8, 8, 8, 8, None]
 
 
 if __name__ == "__main__":  # pragma: no cover

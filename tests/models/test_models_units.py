@@ -30,6 +30,8 @@ def test_registry():
     assert "GPT2LMHeadModel" in msg
     for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         assert arch in msg
+    assert get_model_class(["MistralForCausalLM"]).__name__ == "MistralForCausalLM"
+    assert get_model_class(["Gemma3ForCausalLM"]).__name__ == "Gemma3ForCausalLM"
     with pytest.raises(ValueError, match="supported architectures"):
         get_model_class(None)
 

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from models import load_model
+from models.gemma3 import Gemma3ForCausalLM
 from models.llama import LlamaForCausalLM
+from models.mistral import MistralForCausalLM
 from models.qwen2 import Qwen2ForCausalLM
 from models.qwen3 import Qwen3ForCausalLM
 from tests.models.tiny import load_reference, make_tiny_checkpoint
@@ -45,6 +47,26 @@ CASES = {
     ),
     "qwen3": ("qwen3", {}),
     "qwen3-head-dim-32": ("qwen3", {"head_dim": 32, "tie_word_embeddings": True}),
+    # The prompt (19 tokens) is longer than the tiny mistral / gemma3 window (8).
+    "mistral": ("mistral", {}),
+    "mistral-full-head-dim-32-tied": (
+        "mistral",
+        {"sliding_window": None, "head_dim": 32, "tie_word_embeddings": True},
+    ),
+    "gemma3": ("gemma3", {}),
+    "gemma3-softcap-linear-rope-mqa": (
+        "gemma3",
+        {
+            "final_logit_softcapping": 2.0,
+            "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+            "rope_local_base_freq": 500.0,
+            "num_key_value_heads": 1,
+        },
+    ),
+    "gemma3-pattern-3-bias-untied": (
+        "gemma3",
+        {"sliding_window_pattern": 3, "attention_bias": True, "tie_word_embeddings": False},
+    ),
 }
 
 
@@ -69,15 +91,24 @@ def test_logits_match_transformers(tmp_path, case):
     )
 
 
+@pytest.mark.parametrize(
+    ("arch", "overrides", "windows"),
+    [
+        (
+            "qwen2",
+            {"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 1},
+            [None, 3],
+        ),
+        ("mistral", {"sliding_window": 3}, [3, 3]),
+        ("gemma3", {"sliding_window": 3}, [3, 3, 3, 3, 3, None]),
+    ],
+)
 @torch.no_grad()
-def test_sliding_window_layers_and_effect(tmp_path):
-    path = make_tiny_checkpoint(
-        tmp_path, "qwen2", use_sliding_window=True, sliding_window=3, max_window_layers=1
-    )
+def test_sliding_window_layers_and_effect(tmp_path, arch, overrides, windows):
+    path = make_tiny_checkpoint(tmp_path, arch, **overrides)
     model = load_model(path, torch.float32)
-    windows = [layer.sliding_window for layer in model.attention_layers()]
-    assert windows == [None, 3]
-    # The window changes the result for tokens past it (so the test above means something).
+    assert [layer.sliding_window for layer in model.attention_layers()] == windows
+    # The window changes the result for tokens past it (so the tests above mean something).
     full = model.compute_logits(model(PROMPT, torch.arange(len(PROMPT))))
     for layer in model.attention_layers():
         layer.sliding_window = None
@@ -86,9 +117,37 @@ def test_sliding_window_layers_and_effect(tmp_path):
     assert (full[4:] - no_window[4:]).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("case", ["mistral", "gemma3", "gemma3-softcap-linear-rope-mqa"])
+@torch.no_grad()
+def test_greedy_generate_matches_transformers(tmp_path, case):
+    """Greedy tokens well past the window: ours recomputes the whole sequence each step,
+    transformers' generate() decodes from its (sliding window) cache."""
+    arch, overrides = CASES[case]
+    path = make_tiny_checkpoint(tmp_path, arch, **overrides)
+    model = load_model(path, torch.float32)
+    ref = load_reference(path)
+    expected = ref.generate(
+        PROMPT[None],
+        attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long),
+        max_new_tokens=16,
+        do_sample=False,
+        eos_token_id=None,
+    )[0, len(PROMPT) :].tolist()
+    ids = PROMPT.tolist()
+    for _ in range(16):
+        hidden = model(torch.tensor(ids), torch.arange(len(ids)))
+        ids.append(int(model.compute_logits(hidden[-1:]).argmax(-1)))
+    assert ids[len(PROMPT) :] == expected
+
+
 @pytest.mark.parametrize(
     ("arch", "cls"),
-    [("llama", LlamaForCausalLM), ("qwen2", Qwen2ForCausalLM), ("qwen3", Qwen3ForCausalLM)],
+    [
+        ("llama", LlamaForCausalLM),
+        ("qwen2", Qwen2ForCausalLM),
+        ("qwen3", Qwen3ForCausalLM),
+        ("mistral", MistralForCausalLM),
+    ],
 )
 def test_model_structure(tmp_path, arch, cls):
     path = make_tiny_checkpoint(tmp_path, arch, tie_word_embeddings=True)
@@ -96,6 +155,7 @@ def test_model_structure(tmp_path, arch, cls):
     assert type(model) is cls
     layers = model.attention_layers()
     assert len(layers) == 2
+    assert all(layer.scale == 16**-0.5 for layer in layers)
     assert [layer.prefix for layer in layers] == [
         "model.layers.0.self_attn.attn",
         "model.layers.1.self_attn.attn",
@@ -107,6 +167,48 @@ def test_model_structure(tmp_path, arch, cls):
     has_bias = model.model.layers[0].self_attn.qkv_proj.bias is not None
     assert has_bias == (arch == "qwen2")
     assert hasattr(model.model.layers[0].self_attn, "q_norm") == (arch == "qwen3")
+
+
+def test_gemma3_structure(tmp_path):
+    path = make_tiny_checkpoint(tmp_path, "gemma3")
+    model = load_model(path, torch.float32)
+    assert type(model) is Gemma3ForCausalLM
+    layers = model.attention_layers()
+    assert [layer.prefix for layer in layers] == [
+        f"model.layers.{i}.self_attn.attn" for i in range(6)
+    ]
+    assert [layer.sliding_window for layer in layers] == [8, 8, 8, 8, 8, None]
+    assert all(layer.num_heads == 4 and layer.num_kv_heads == 2 for layer in layers)
+    assert all(layer.head_dim == 16 and layer.scale == 24**-0.5 for layer in layers)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert not any(p.requires_grad for p in model.parameters())
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "mistral"])
+@torch.no_grad()
+def test_bfloat16_close_to_transformers(tmp_path, arch):
+    """bf16 against transformers in bf16; for Gemma 3 with hidden_size 72, whose embedding
+    scale sqrt(72) rounds in bf16 (8.485 -> 8.5), the scaled embedding is bitwise the same."""
+    path = make_tiny_checkpoint(tmp_path, arch, hidden_size=72, num_attention_heads=4)
+    model = load_model(path, torch.bfloat16)
+    ref = load_reference(path).to(torch.bfloat16)
+    if arch == "gemma3":
+        seen = {}
+        model.model.layers[0].input_layernorm.register_forward_pre_hook(
+            lambda module, args: seen.update(embedding=args[0].clone())
+        )
+    logits = model.compute_logits(model(PROMPT, torch.arange(len(PROMPT))))
+    expected = ref(PROMPT[None]).logits[0].float()
+    if arch == "gemma3":
+        assert torch.equal(seen["embedding"], ref.model.embed_tokens(PROMPT))
+    assert (logits - expected).abs().max() < 0.5
+    assert (logits.argmax(-1) == expected.argmax(-1)).float().mean() > 0.8
+
+
+def test_gemma3_unsupported_features_are_refused(tmp_path):
+    path = make_tiny_checkpoint(tmp_path, "gemma3", attn_logit_softcapping=50.0)
+    with pytest.raises(NotImplementedError, match="softcapping"):
+        load_model(path, torch.float32)
 
 
 @torch.no_grad()

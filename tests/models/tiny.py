@@ -42,20 +42,38 @@ _COMMON: dict[str, Any] = {
 _counter = itertools.count()
 
 
+# arch -> (transformers config class name, architecture, config defaults of the arch).
+_ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 8}),
+    # Six layers: five local (window 8) then one global; tied embeddings as Gemma ships.
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {
+            "num_hidden_layers": 6,
+            "sliding_window": 8,
+            "query_pre_attn_scalar": 24,
+            "tie_word_embeddings": True,
+        },
+    ),
+}
+
+
 def _config(arch: str, overrides: dict[str, Any]) -> Any:
     import transformers
 
-    classes = {
-        "llama": transformers.LlamaConfig,
-        "qwen2": transformers.Qwen2Config,
-        "qwen3": transformers.Qwen3Config,
-    }
-    if arch not in classes:
-        raise ValueError(f"arch must be one of {sorted(classes)}")
-    kwargs = {**_COMMON, **overrides}
-    if arch == "qwen3" and "head_dim" not in kwargs:
+    if arch not in _ARCHS:
+        raise ValueError(f"arch must be one of {sorted(_ARCHS)}")
+    class_name, architecture, defaults = _ARCHS[arch]
+    kwargs = {**_COMMON, **defaults, **overrides}
+    if arch in ("qwen3", "gemma3") and "head_dim" not in kwargs:  # their default is not this
         kwargs["head_dim"] = kwargs["hidden_size"] // kwargs["num_attention_heads"]
-    return classes[arch](**kwargs)
+    config = getattr(transformers, class_name)(**kwargs)
+    config.architectures = [architecture]
+    return config
 
 
 @torch.no_grad()
@@ -123,8 +141,8 @@ def make_tiny_checkpoint(
     tokenizer: bool = True,
     **overrides: Any,
 ) -> str:
-    """Save a random tiny `arch` ("llama" | "qwen2" | "qwen3") checkpoint (float32
-    safetensors, plus a tokenizer) under tmp_path and return its folder.
+    """Save a random tiny `arch` ("llama" | "qwen2" | "qwen3" | "mistral" | "gemma3")
+    checkpoint (float32 safetensors, plus a tokenizer) under tmp_path and return its folder.
 
     overrides go to the transformers config, e.g. tie_word_embeddings=True,
     num_key_value_heads=1, rope_scaling={"rope_type": "yarn", "factor": 4.0, ...},
@@ -133,11 +151,6 @@ def make_tiny_checkpoint(
     import transformers
 
     config = _config(arch, overrides)
-    config.architectures = [
-        {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[
-            arch
-        ]
-    ]
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize(model, seed)
