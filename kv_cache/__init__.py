@@ -1,11 +1,12 @@
 """Paged KV cache management for the EngineCore: blocks, prefix caching, allocation."""
 
-from kv_cache.block import KVCacheBlock
+from kv_cache.block import BlockHashWithGroupId, KVCacheBlock
 from kv_cache.block_pool import BlockPool
 from kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kv_cache.free_queue import FreeKVCacheBlockQueue
 from kv_cache.hashing import NONE_HASH, block_hashes, extend_block_hashes, hash_block_tokens
-from kv_cache.manager import KVCacheBlocks, KVCacheManager, PrefixCacheStats
+from kv_cache.kv_cache_blocks import KVCacheBlocks
+from kv_cache.manager import KVCacheManager, PrefixCacheStats
 from kv_cache.request import KVCacheRequest
 from kv_cache.single_type_manager import (
     FullAttentionManager,
@@ -16,6 +17,7 @@ from kv_cache.single_type_manager import (
 __all__ = [
     "NONE_HASH",
     "AllBlocksCleared",
+    "BlockHashWithGroupId",
     "BlockPool",
     "BlockRemoved",
     "BlockStored",

@@ -2,7 +2,7 @@
 
 from collections.abc import Iterable
 
-from kv_cache.block import KVCacheBlock
+from kv_cache.block import BlockHashWithGroupId, KVCacheBlock
 from kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kv_cache.free_queue import FreeKVCacheBlockQueue
 from kv_cache.request import KVCacheRequest
@@ -12,7 +12,9 @@ class BlockPool:
     """Owns every block. Block 0 is the null block, a placeholder that is never allocated.
 
     Eviction is lazy: a freed block keeps its hash (and stays a cache hit) until
-    get_new_blocks pops it from the free queue for reuse.
+    get_new_blocks pops it from the free queue for reuse. Every KV cache group caches its
+    own blocks under the same request block hashes, so the cache is keyed by
+    (block_hash, group_id).
     """
 
     def __init__(
@@ -27,12 +29,12 @@ class BlockPool:
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
-        # One hash may name several blocks (no deduplication): {hash: {block_id: block}}.
-        self.cached_block_hash_to_block: dict[bytes, dict[int, KVCacheBlock]] = {}
+        # One key may name several blocks (no deduplication): {key: {block_id: block}}.
+        self.cached_block_hash_to_block: dict[BlockHashWithGroupId, dict[int, KVCacheBlock]] = {}
         self.events: list[KVCacheEvent] = []
 
-    def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
-        blocks = self.cached_block_hash_to_block.get(block_hash)
+    def get_cached_block(self, block_hash: bytes, group_id: int) -> KVCacheBlock | None:
+        blocks = self.cached_block_hash_to_block.get((block_hash, group_id))
         return next(iter(blocks.values())) if blocks else None
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
@@ -48,12 +50,13 @@ class BlockPool:
         return blocks
 
     def _evict_cached_block(self, block: KVCacheBlock) -> None:
-        block_hash = block.block_hash
-        same_hash = self.cached_block_hash_to_block[block_hash]
-        del same_hash[block.block_id]
-        if not same_hash:
-            del self.cached_block_hash_to_block[block_hash]
+        cache_key = block.cache_key
+        same_key = self.cached_block_hash_to_block[cache_key]
+        del same_key[block.block_id]
+        if not same_key:
+            del self.cached_block_hash_to_block[cache_key]
         block.reset_hash()
+        block_hash = cache_key[0]
         if self.enable_kv_cache_events:
             self.events.append(BlockRemoved([block_hash]))
 
@@ -85,8 +88,10 @@ class BlockPool:
         num_cached_blocks: int,
         num_full_blocks: int,
         block_size: int,
+        group_id: int,
     ) -> None:
-        """Give blocks[num_cached_blocks:num_full_blocks] the request's hashes and cache them."""
+        """Give blocks[num_cached_blocks:num_full_blocks] (blocks of KV cache group
+        `group_id`) the request's hashes and cache them."""
         block_hashes = request.block_hashes
         stored = []
         for i in range(num_cached_blocks, num_full_blocks):
@@ -94,8 +99,8 @@ class BlockPool:
             if block.is_null:
                 continue
             block_hash = block_hashes[i]
-            block.block_hash = block_hash
-            self.cached_block_hash_to_block.setdefault(block_hash, {})[block.block_id] = block
+            block.cache_key = (block_hash, group_id)
+            self.cached_block_hash_to_block.setdefault(block.cache_key, {})[block.block_id] = block
             stored.append(block_hash)
         if self.enable_kv_cache_events and stored:
             parent = block_hashes[num_cached_blocks - 1] if num_cached_blocks > 0 else None

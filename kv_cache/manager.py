@@ -1,26 +1,18 @@
-"""KVCacheManager: the scheduler's view of the paged KV cache."""
+"""KVCacheManager: the scheduler's view of the paged KV cache, over one or more groups."""
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from kv_cache.block import KVCacheBlock
 from kv_cache.block_pool import BlockPool
 from kv_cache.events import KVCacheEvent
+from kv_cache.kv_cache_blocks import KVCacheBlocks
 from kv_cache.request import KVCacheRequest
-from kv_cache.single_type_manager import FullAttentionManager, SlidingWindowManager
-
-
-@dataclass
-class KVCacheBlocks:
-    """Blocks handed to the scheduler (a single KV cache group)."""
-
-    blocks: list[KVCacheBlock] = field(default_factory=list)
-
-    @classmethod
-    def empty(cls) -> "KVCacheBlocks":
-        return cls([])
-
-    def get_block_ids(self) -> list[int]:
-        return [block.block_id for block in self.blocks]
+from kv_cache.single_type_manager import (
+    FullAttentionManager,
+    SingleTypeKVCacheManager,
+    SlidingWindowManager,
+)
 
 
 @dataclass
@@ -33,6 +25,14 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
+    """One SingleTypeKVCacheManager per KV cache group over one BlockPool.
+
+    `group_windows` has one entry per group: None for full attention, W for a sliding
+    window of W tokens. Without it the model has one group whose window is
+    `sliding_window`. Each group holds its own blocks for every request; a request's block
+    lists have the same length in every group.
+    """
+
     def __init__(
         self,
         num_blocks: int,
@@ -41,36 +41,73 @@ class KVCacheManager:
         enable_caching: bool = True,
         sliding_window: int | None = None,
         enable_kv_cache_events: bool = False,
+        group_windows: Sequence[int | None] | None = None,
     ) -> None:
+        if group_windows is None:
+            group_windows = (sliding_window,)
+        elif sliding_window is not None:
+            raise ValueError("pass either sliding_window or group_windows, not both")
+        if not group_windows:
+            raise ValueError("group_windows needs at least one KV cache group")
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
+        self.group_windows = tuple(group_windows)
         self.block_pool = BlockPool(num_blocks, enable_caching, enable_kv_cache_events)
-        if sliding_window is None:
-            self.single_type_manager = FullAttentionManager(self.block_pool, block_size)
-        else:
-            self.single_type_manager = SlidingWindowManager(
-                self.block_pool, block_size, sliding_window
-            )
+        self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
+            FullAttentionManager(self.block_pool, block_size, group_id)
+            if window is None
+            else SlidingWindowManager(self.block_pool, block_size, group_id, window)
+            for group_id, window in enumerate(self.group_windows)
+        )
         self.prefix_cache_stats = PrefixCacheStats()
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.single_type_managers)
 
     @property
     def usage(self) -> float:
         return self.block_pool.get_usage()
 
     def get_computed_blocks(self, request: KVCacheRequest) -> tuple[KVCacheBlocks, int]:
-        """Longest cached prefix of whole blocks. At most num_tokens - 1 tokens hit: the last
-        token is always recomputed so the model produces its logits."""
+        """Longest cached prefix of whole blocks that every group can serve. At most
+        num_tokens - 1 tokens hit: the last token is always recomputed so the model produces
+        its logits."""
         if not self.enable_caching:
-            return KVCacheBlocks.empty(), 0
-        hits = self.single_type_manager.find_longest_cache_hit(
+            return KVCacheBlocks.empty(self.num_groups), 0
+        hits, num_hit_tokens = self._find_common_cache_hit(
             request.block_hashes, request.num_tokens - 1
         )
-        num_hit_tokens = len(hits) * self.block_size
         self.prefix_cache_stats.requests += 1
         self.prefix_cache_stats.queries += request.num_tokens
         self.prefix_cache_stats.hits += num_hit_tokens
         return KVCacheBlocks(hits), num_hit_tokens
+
+    def _find_common_cache_hit(
+        self, block_hashes: list[bytes], max_length: int
+    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        """A full-attention group accepts every length up to its leading run of hits; a
+        sliding group accepts a length only when the window before it is cached, and answers
+        the longest such length up to the one it is asked. Shrink the length until every
+        group accepts it: then it is the longest length all groups accept."""
+        hits: list[list[KVCacheBlock]] = [[] for _ in self.single_type_managers]
+        full = [m for m in self.single_type_managers if isinstance(m, FullAttentionManager)]
+        sliding = [m for m in self.single_type_managers if not isinstance(m, FullAttentionManager)]
+        length = max_length // self.block_size * self.block_size
+        for manager in full:
+            hits[manager.group_id] = manager.find_longest_cache_hit(block_hashes, length)
+            length = min(length, len(hits[manager.group_id]) * self.block_size)
+        shrunk = True
+        while shrunk and length > 0:
+            shrunk = False
+            for manager in sliding:
+                hits[manager.group_id] = manager.find_longest_cache_hit(block_hashes, length)
+                num_tokens = len(hits[manager.group_id]) * self.block_size
+                shrunk |= num_tokens < length
+                length = min(length, num_tokens)
+        num_blocks = length // self.block_size
+        return tuple(group_hits[:num_blocks] for group_hits in hits), length
 
     def allocate_slots(
         self,
@@ -80,37 +117,63 @@ class KVCacheManager:
         new_computed_blocks: KVCacheBlocks | None = None,
         num_lookahead_tokens: int = 0,
     ) -> KVCacheBlocks | None:
-        """Make room for `num_new_tokens` more tokens, after the request's computed tokens and
-        the cache hits from get_computed_blocks (plus lookahead slots for draft tokens).
+        """Make room in every group for `num_new_tokens` more tokens, after the request's
+        computed tokens and the cache hits from get_computed_blocks (plus lookahead slots
+        for draft tokens).
 
         Returns only the newly allocated blocks. Returns None when the free blocks do not
-        suffice; then nothing has been allocated or touched. (Before that check a sliding
-        window releases the blocks that fell out of it, which the request never reads again.)
+        suffice for all groups together; then nothing has been allocated or touched. (Before
+        that check sliding groups release the blocks that fell out of the window, which the
+        request never reads again.)
         """
         if num_new_tokens <= 0:
             raise ValueError("num_new_tokens must be greater than 0")
-        manager = self.single_type_manager
+        managers = self.single_type_managers
+        if new_computed_blocks is None:
+            new_computed_blocks = KVCacheBlocks.empty(self.num_groups)
+        hits = new_computed_blocks.blocks
+        if len(hits) != len(managers):
+            raise ValueError(f"got cache hits of {len(hits)} groups, the model has {len(managers)}")
         request_id = request.request_id
-        hits = new_computed_blocks.blocks if new_computed_blocks is not None else []
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_needed = min(num_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
-        manager.remove_skipped_blocks(request_id, num_computed)
-        num_to_allocate = manager.get_num_blocks_to_allocate(request_id, num_needed, hits)
+        for manager in managers:
+            manager.remove_skipped_blocks(request_id, num_computed)
+        num_to_allocate = sum(
+            manager.get_num_blocks_to_allocate(request_id, num_needed, group_hits)
+            for manager, group_hits in zip(managers, hits, strict=True)
+        )
         if num_to_allocate > self.block_pool.get_num_free_blocks():
             return None
-        # Hits leave the free queue before new blocks are popped, so they cannot be evicted.
-        manager.allocate_new_computed_blocks(request_id, hits)
-        new_blocks = manager.allocate_new_blocks(request_id, num_needed)
+        # Every group's hits leave the free queue before any new block is popped, so no new
+        # block can evict a hit.
+        for manager, group_hits in zip(managers, hits, strict=True):
+            manager.allocate_new_computed_blocks(request_id, group_hits)
+        new_blocks = tuple(
+            manager.allocate_new_blocks(request_id, num_needed) for manager in managers
+        )
         if self.enable_caching:
-            manager.cache_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
+            num_cacheable = min(num_computed + num_new_tokens, request.num_tokens)
+            for manager in managers:
+                manager.cache_blocks(request, num_cacheable)
         return KVCacheBlocks(new_blocks)
 
     def free(self, request: KVCacheRequest) -> None:
-        self.single_type_manager.free(request.request_id)
+        """Free from the tail, position by position across the groups, so the request's tail
+        is evicted before its (more shareable) head in every group."""
+        tables = [manager.pop_blocks(request.request_id) for manager in self.single_type_managers]
+        num_positions = max(len(blocks) for blocks in tables)
+        self.block_pool.free_blocks(
+            blocks[i]
+            for i in reversed(range(num_positions))
+            for blocks in tables
+            if i < len(blocks)
+        )
 
-    def get_block_ids(self, request_id: str) -> list[int]:
+    def get_block_ids(self, request_id: str) -> list[list[int]]:
         return [
-            block.block_id for block in self.single_type_manager.req_to_blocks.get(request_id, ())
+            [block.block_id for block in manager.req_to_blocks.get(request_id, ())]
+            for manager in self.single_type_managers
         ]
 
     def make_prefix_cache_stats(self) -> PrefixCacheStats:

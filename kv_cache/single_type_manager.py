@@ -11,12 +11,14 @@ def cdiv(a: int, b: int) -> int:
 
 
 class SingleTypeKVCacheManager:
-    """Block tables of one attention type. A request's block list only ever grows at the
-    end; blocks that fall out of the attention window are swapped for the null block."""
+    """Block tables of one KV cache group (layers of one attention type). A request's block
+    list only ever grows at the end; blocks that fall out of the attention window are
+    swapped for the null block. The group's blocks are cached under (hash, group_id)."""
 
-    def __init__(self, block_pool: BlockPool, block_size: int) -> None:
+    def __init__(self, block_pool: BlockPool, block_size: int, group_id: int) -> None:
         self.block_pool = block_pool
         self.block_size = block_size
+        self.group_id = group_id
         self.null_block = block_pool.null_block
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # Number of leading blocks of each request already in the prefix cache.
@@ -69,15 +71,24 @@ class SingleTypeKVCacheManager:
         if num_full <= num_cached:
             return
         self.block_pool.cache_full_blocks(
-            request, self.req_to_blocks[request_id], num_cached, num_full, self.block_size
+            request,
+            self.req_to_blocks[request_id],
+            num_cached,
+            num_full,
+            self.block_size,
+            self.group_id,
         )
         self.num_cached_block[request_id] = num_full
 
+    def pop_blocks(self, request_id: str) -> list[KVCacheBlock]:
+        """Forget the request and hand back its block list, still referenced: the caller
+        frees it (KVCacheManager interleaves the groups)."""
+        self.num_cached_block.pop(request_id, None)
+        return self.req_to_blocks.pop(request_id, [])
+
     def free(self, request_id: str) -> None:
         """Free in reverse so the request's tail is evicted before its (more shareable) head."""
-        blocks = self.req_to_blocks.pop(request_id, [])
-        self.num_cached_block.pop(request_id, None)
-        self.block_pool.free_blocks(reversed(blocks))
+        self.block_pool.free_blocks(reversed(self.pop_blocks(request_id)))
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Swap blocks wholly before the window for the null block and free them, scanning
@@ -102,7 +113,7 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         """Leading run of cached blocks, at most max_length // block_size of them."""
         hits = []
         for block_hash in block_hashes[: max_length // self.block_size]:
-            block = self.block_pool.get_cached_block(block_hash)
+            block = self.block_pool.get_cached_block(block_hash, self.group_id)
             if block is None:
                 break
             hits.append(block)
@@ -110,8 +121,12 @@ class FullAttentionManager(SingleTypeKVCacheManager):
 
 
 class SlidingWindowManager(SingleTypeKVCacheManager):
-    def __init__(self, block_pool: BlockPool, block_size: int, sliding_window: int) -> None:
-        super().__init__(block_pool, block_size)
+    def __init__(
+        self, block_pool: BlockPool, block_size: int, group_id: int, sliding_window: int
+    ) -> None:
+        if sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
+        super().__init__(block_pool, block_size, group_id)
         self.sliding_window = sliding_window
         # Blocks needed to hold the window - 1 tokens the next token attends back to.
         self.window_blocks = max(1, cdiv(sliding_window - 1, block_size))
@@ -129,7 +144,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         num_blocks = min(max_length // self.block_size, len(block_hashes))
         run: list[KVCacheBlock] = []
         for i in range(num_blocks - 1, -1, -1):
-            block = self.block_pool.get_cached_block(block_hashes[i])
+            block = self.block_pool.get_cached_block(block_hashes[i], self.group_id)
             if block is None:
                 run = []
                 continue

@@ -43,20 +43,23 @@ def free_ids(manager: KVCacheManager) -> list[int]:
 def snapshot(manager: KVCacheManager) -> tuple:
     """Everything observable about the pool and the block tables."""
     pool = manager.block_pool
-    stm = manager.single_type_manager
     return (
-        [(b.block_id, b.ref_cnt, b.block_hash) for b in pool.blocks],
+        [(b.block_id, b.ref_cnt, b.cache_key) for b in pool.blocks],
         free_ids(manager),
-        {h: sorted(d) for h, d in pool.cached_block_hash_to_block.items()},
-        {r: ids(bs) for r, bs in stm.req_to_blocks.items() if bs},
-        {r: n for r, n in stm.num_cached_block.items() if n},
+        {key: sorted(d) for key, d in pool.cached_block_hash_to_block.items()},
+        [
+            (
+                {r: ids(bs) for r, bs in stm.req_to_blocks.items() if bs},
+                {r: n for r, n in stm.num_cached_block.items() if n},
+            )
+            for stm in manager.single_type_managers
+        ],
         len(pool.events),
     )
 
 
 def check_invariants(manager: KVCacheManager, requests: dict[str, FakeRequest]) -> None:
     pool = manager.block_pool
-    stm = manager.single_type_manager
     queue = pool.free_block_queue
     free = queue.get_all_free_blocks()
 
@@ -72,8 +75,18 @@ def check_invariants(manager: KVCacheManager, requests: dict[str, FakeRequest]) 
     assert null is pool.blocks[0] and null.is_null and null.ref_cnt == 0
     assert null.block_hash is None and null.prev_free_block is None
 
-    assert {r for r, bs in stm.req_to_blocks.items() if bs} <= set(requests)
-    holders = Counter(b.block_id for bs in stm.req_to_blocks.values() for b in bs if not b.is_null)
+    # A live block belongs to one group, and sits at most once in each request's table.
+    group_of: dict[int, int] = {}
+    holders: Counter[int] = Counter()
+    for group_id, stm in enumerate(manager.single_type_managers):
+        assert stm.group_id == group_id
+        assert {r for r, bs in stm.req_to_blocks.items() if bs} <= set(requests)
+        for blocks in stm.req_to_blocks.values():
+            live = [b.block_id for b in blocks if not b.is_null]
+            assert len(set(live)) == len(live)
+            holders.update(live)
+            for block_id in live:
+                assert group_of.setdefault(block_id, group_id) == group_id
     free_set = {b.block_id for b in free}
     for block in pool.blocks[1:]:
         assert not block.is_null
@@ -83,33 +96,44 @@ def check_invariants(manager: KVCacheManager, requests: dict[str, FakeRequest]) 
             assert block.ref_cnt == holders[block.block_id]
             assert block.block_id not in free_set and block.next_free_block is None
 
+    # The cache maps (hash, group) to blocks of that group carrying exactly that key.
     cache = pool.cached_block_hash_to_block
     if not manager.enable_caching:
         assert not cache
-    num_hashed = sum(b.block_hash is not None for b in pool.blocks)
+    num_hashed = sum(b.cache_key is not None for b in pool.blocks)
     assert num_hashed == sum(len(d) for d in cache.values())
-    for block_hash, same_hash in cache.items():
-        assert same_hash
-        for block_id, block in same_hash.items():
-            assert block.block_id == block_id and block.block_hash == block_hash
+    for (block_hash, group_id), same_key in cache.items():
+        assert same_key and 0 <= group_id < manager.num_groups
+        for block_id, block in same_key.items():
+            assert block.block_id == block_id and block.cache_key == (block_hash, group_id)
+            assert group_of.get(block_id, group_id) == group_id
+        assert pool.get_cached_block(block_hash, group_id) in same_key.values()
 
-    window = getattr(stm, "sliding_window", None)
-    for request_id, blocks in stm.req_to_blocks.items():
-        request = requests[request_id]
-        assert len(blocks) * manager.block_size >= request.num_computed_tokens
-        if window is not None:  # the next token's window must be intact
-            first_needed = max(0, request.num_computed_tokens - window + 1)
-            assert not any(b.is_null for b in blocks[first_needed // manager.block_size :])
-        else:
-            assert not any(b.is_null for b in blocks)
-        num_cached = stm.num_cached_block.get(request_id, 0)
-        assert num_cached * manager.block_size <= request.num_computed_tokens  # only computed KV
-        for i, block in enumerate(blocks):
-            if block.is_null:
-                continue
-            if i < num_cached:
-                assert block.block_hash == request.block_hashes[i]
+    for group_id, stm in enumerate(manager.single_type_managers):
+        window = manager.group_windows[group_id]
+        for request_id, blocks in stm.req_to_blocks.items():
+            request = requests[request_id]
+            assert len(blocks) * manager.block_size >= request.num_computed_tokens
+            if window is not None:  # the next token's window must be intact
+                first_needed = max(0, request.num_computed_tokens - window + 1)
+                assert not any(b.is_null for b in blocks[first_needed // manager.block_size :])
             else:
-                assert block.block_hash is None
+                assert not any(b.is_null for b in blocks)
+            num_cached = stm.num_cached_block.get(request_id, 0)
+            assert num_cached * manager.block_size <= request.num_computed_tokens  # computed KV
+            for i, block in enumerate(blocks):
+                if block.is_null:
+                    continue
+                if i < num_cached:
+                    assert block.cache_key == (request.block_hashes[i], group_id)
+                else:
+                    assert block.cache_key is None
+
+    # Every group holds a block-table entry for every position of a request.
+    for request_id in requests:
+        lengths = {
+            len(stm.req_to_blocks.get(request_id, ())) for stm in manager.single_type_managers
+        }
+        assert len(lengths) == 1
 
     assert abs(manager.usage - (1 - len(free) / (pool.num_blocks - 1))) < 1e-9

@@ -70,13 +70,15 @@ def test_append_block_already_in_queue_raises():
     assert queue_ids(queue) == [0, 1, 2]
 
 
-def test_block_hash_is_set_once():
+def test_cache_key_is_set_once():
     block = KVCacheBlock(7)
-    assert block.block_hash is None and block.ref_cnt == 0 and not block.is_null
-    block.block_hash = b"h"
+    assert block.cache_key is None and block.block_hash is None
+    assert block.ref_cnt == 0 and not block.is_null
+    block.cache_key = (b"h", 1)
+    assert block.block_hash == b"h"
     with pytest.raises(AssertionError):
-        block.block_hash = b"g"
+        block.cache_key = (b"g", 0)
     block.reset_hash()
-    assert block.block_hash is None
-    block.block_hash = b"g"
-    assert block.block_hash == b"g"
+    assert block.cache_key is None and block.block_hash is None
+    block.cache_key = (b"g", 0)
+    assert block.cache_key == (b"g", 0) and block.block_hash == b"g"

@@ -44,10 +44,10 @@ def test_prefill_allocation():
     manager = make_manager(enable_kv_cache_events=True)
     a = FakeRequest("a", list(range(10)), BS)
     hits, num_hit_tokens = manager.get_computed_blocks(a)
-    assert hits.get_block_ids() == [] and num_hit_tokens == 0
+    assert hits.get_block_ids() == [[]] and num_hit_tokens == 0
     new_blocks = manager.allocate_slots(a, 10)
-    assert new_blocks.get_block_ids() == [1, 2, 3]
-    assert manager.get_block_ids("a") == [1, 2, 3]
+    assert new_blocks.get_block_ids() == [[1, 2, 3]]
+    assert manager.get_block_ids("a") == [[1, 2, 3]]
     assert ref_cnts(manager, [1, 2, 3]) == [1, 1, 1]
     assert free_ids(manager) == [4, 5, 6, 7, 8, 9]
     pool = manager.block_pool
@@ -62,10 +62,10 @@ def test_shared_prefix_gets_cache_hits():
     admit(manager, a)
     b = FakeRequest("b", list(range(8)) + [50, 51, 52], BS)
     hits, num_hit_tokens = manager.get_computed_blocks(b)
-    assert hits.get_block_ids() == [1, 2] and num_hit_tokens == 8
+    assert hits.get_block_ids() == [[1, 2]] and num_hit_tokens == 8
     new_blocks = manager.allocate_slots(b, 3, num_hit_tokens, hits)
-    assert new_blocks.get_block_ids() == [4]
-    assert manager.get_block_ids("b") == [1, 2, 4]
+    assert new_blocks.get_block_ids() == [[4]]
+    assert manager.get_block_ids("b") == [[1, 2, 4]]
     assert ref_cnts(manager, [1, 2, 3, 4]) == [2, 2, 1, 1]
     assert free_ids(manager) == [5, 6, 7, 8, 9]
     assert manager.make_prefix_cache_stats() == PrefixCacheStats(requests=2, queries=21, hits=8)
@@ -78,19 +78,19 @@ def test_decode_growth_appends_a_block_when_one_fills():
     manager = make_manager()
     a = FakeRequest("a", list(range(10)), BS)
     admit(manager, a)
-    assert decode(manager, a, 100).get_block_ids() == []
+    assert decode(manager, a, 100).get_block_ids() == [[]]
     assert manager.block_pool.blocks[3].block_hash is None
-    assert decode(manager, a, 101).get_block_ids() == []
+    assert decode(manager, a, 101).get_block_ids() == [[]]
     assert manager.block_pool.blocks[3].block_hash == a.block_hashes[2]
-    assert decode(manager, a, 102).get_block_ids() == [4]
-    assert manager.get_block_ids("a") == [1, 2, 3, 4]
+    assert decode(manager, a, 102).get_block_ids() == [[4]]
+    assert manager.get_block_ids("a") == [[1, 2, 3, 4]]
     assert free_ids(manager) == [5, 6, 7, 8, 9]
 
 
 def test_lookahead_slots_are_allocated_but_not_cached():
     manager = make_manager()
     a = FakeRequest("a", list(range(4)), BS)
-    assert manager.allocate_slots(a, 4, num_lookahead_tokens=5).get_block_ids() == [1, 2, 3]
+    assert manager.allocate_slots(a, 4, num_lookahead_tokens=5).get_block_ids() == [[1, 2, 3]]
     assert [manager.block_pool.blocks[i].block_hash for i in (1, 2, 3)] == [
         a.block_hashes[0],
         None,
@@ -101,18 +101,18 @@ def test_lookahead_slots_are_allocated_but_not_cached():
 def test_chunked_prefill_caches_only_the_scheduled_chunk():
     manager = make_manager()
     a = FakeRequest("a", list(range(16)), BS)
-    assert manager.allocate_slots(a, 4, num_lookahead_tokens=4).get_block_ids() == [1, 2]
+    assert manager.allocate_slots(a, 4, num_lookahead_tokens=4).get_block_ids() == [[1, 2]]
     pool = manager.block_pool
     assert [pool.blocks[i].block_hash for i in (1, 2)] == [a.block_hashes[0], None]
     a.num_computed_tokens = 4
-    assert manager.allocate_slots(a, 8).get_block_ids() == [3]
+    assert manager.allocate_slots(a, 8).get_block_ids() == [[3]]
     assert [pool.blocks[i].block_hash for i in (1, 2, 3)] == a.block_hashes[:3]
 
 
 def test_allocation_is_capped_by_max_model_len():
     manager = KVCacheManager(10, BS, max_model_len=8)
     a = FakeRequest("a", list(range(6)), BS)
-    assert manager.allocate_slots(a, 6, num_lookahead_tokens=10).get_block_ids() == [1, 2]
+    assert manager.allocate_slots(a, 6, num_lookahead_tokens=10).get_block_ids() == [[1, 2]]
 
 
 def test_free_evicts_the_request_tail_first():
@@ -121,7 +121,7 @@ def test_free_evicts_the_request_tail_first():
     admit(manager, a)
     b = FakeRequest("b", list(range(100, 108)), BS)
     admit(manager, b)
-    assert manager.get_block_ids("a") == [1, 2, 3] and manager.get_block_ids("b") == [4, 5]
+    assert manager.get_block_ids("a") == [[1, 2, 3]] and manager.get_block_ids("b") == [[4, 5]]
     manager.free(a)
     assert free_ids(manager) == [6, 7, 8, 9, 3, 2, 1]
     manager.free(b)
@@ -129,12 +129,12 @@ def test_free_evicts_the_request_tail_first():
     manager.take_events()
     # Never-used blocks go first, then a's tail, then (LRU) b's blocks.
     c = FakeRequest("c", list(range(200, 228)), BS)
-    assert admit(manager, c).get_block_ids() == [6, 7, 8, 9, 3, 2, 1]
+    assert admit(manager, c).get_block_ids() == [[6, 7, 8, 9, 3, 2, 1]]
     removed = [e.block_hashes[0] for e in manager.take_events() if isinstance(e, BlockRemoved)]
     assert removed == [a.block_hashes[2], a.block_hashes[1], a.block_hashes[0]]
     assert free_ids(manager) == [5, 4]
     hits, num_hit_tokens = manager.get_computed_blocks(FakeRequest("b2", list(range(100, 109)), BS))
-    assert hits.get_block_ids() == [4, 5] and num_hit_tokens == 8
+    assert hits.get_block_ids() == [[4, 5]] and num_hit_tokens == 8
 
 
 def test_hits_on_freed_blocks_leave_the_free_queue():
@@ -145,8 +145,8 @@ def test_hits_on_freed_blocks_leave_the_free_queue():
     assert free_ids(manager) == [4, 5, 6, 7, 8, 9, 3, 2, 1]
     assert all(manager.block_pool.blocks[i].ref_cnt == 0 for i in range(10))
     a2 = FakeRequest("a2", list(range(10)), BS)
-    assert admit(manager, a2).get_block_ids() == [4]
-    assert manager.get_block_ids("a2") == [1, 2, 4]
+    assert admit(manager, a2).get_block_ids() == [[4]]
+    assert manager.get_block_ids("a2") == [[1, 2, 4]]
     assert ref_cnts(manager, [1, 2, 3]) == [1, 1, 0]
     assert free_ids(manager) == [5, 6, 7, 8, 9, 3]
     check_invariants(manager, {"a2": a2})
@@ -160,7 +160,7 @@ def test_last_token_is_never_served_from_cache(num_tokens, expected_hits):
     admit(manager, FakeRequest("a", list(range(16)), BS))
     b = FakeRequest("b", list(range(num_tokens)), BS)
     hits, num_hit_tokens = manager.get_computed_blocks(b)
-    assert hits.get_block_ids() == expected_hits
+    assert hits.get_block_ids() == [expected_hits]
     assert num_hit_tokens == len(expected_hits) * BS == (num_tokens - 1) // BS * BS
 
 
@@ -171,11 +171,11 @@ def test_failed_allocation_returns_none_and_changes_nothing():
     manager.free(a)
     c = FakeRequest("c", list(range(100, 112)), BS)
     admit(manager, c)
-    assert manager.get_block_ids("c") == [3, 4, 5] and free_ids(manager) == [2, 1]
+    assert manager.get_block_ids("c") == [[3, 4, 5]] and free_ids(manager) == [2, 1]
     # Both hits sit in the free queue: touching them uses up the free capacity.
     a2 = FakeRequest("a2", list(range(9)), BS)
     hits, num_hit_tokens = manager.get_computed_blocks(a2)
-    assert hits.get_block_ids() == [1, 2]
+    assert hits.get_block_ids() == [[1, 2]]
     before = snapshot(manager)
     assert manager.allocate_slots(a2, 1, num_hit_tokens, hits) is None
     assert snapshot(manager) == before
@@ -185,14 +185,14 @@ def test_failed_allocation_returns_none_and_changes_nothing():
     assert snapshot(manager) == before
     manager.free(c)
     assert free_ids(manager) == [2, 1, 5, 4, 3]
-    assert manager.allocate_slots(a2, 1, num_hit_tokens, hits).get_block_ids() == [5]
-    assert manager.get_block_ids("a2") == [1, 2, 5] and free_ids(manager) == [4, 3]
+    assert manager.allocate_slots(a2, 1, num_hit_tokens, hits).get_block_ids() == [[5]]
+    assert manager.get_block_ids("a2") == [[1, 2, 5]] and free_ids(manager) == [4, 3]
 
 
 def test_allocation_that_exactly_fits_succeeds():
     manager = make_manager(num_blocks=4)
     a = FakeRequest("a", list(range(12)), BS)
-    assert manager.allocate_slots(a, 12).get_block_ids() == [1, 2, 3]
+    assert manager.allocate_slots(a, 12).get_block_ids() == [[1, 2, 3]]
     assert manager.block_pool.get_num_free_blocks() == 0
     a.num_computed_tokens = 12
     a.append_token(0)
@@ -206,7 +206,7 @@ def test_cache_salt_isolates_prefixes():
     bob = FakeRequest("c", list(range(9)), BS, cache_salt="bob")
     assert manager.get_computed_blocks(bob)[1] == 0
     alice = FakeRequest("d", list(range(9)), BS, cache_salt="alice")
-    assert manager.get_computed_blocks(alice)[0].get_block_ids() == [1, 2]
+    assert manager.get_computed_blocks(alice)[0].get_block_ids() == [[1, 2]]
 
 
 def test_same_block_tokens_after_different_prefix_miss():
@@ -215,7 +215,7 @@ def test_same_block_tokens_after_different_prefix_miss():
     hits, num_hit_tokens = manager.get_computed_blocks(
         FakeRequest("b", [2, 2, 2, 2, 7, 7, 7, 7, 0], BS)
     )
-    assert hits.get_block_ids() == [] and num_hit_tokens == 0
+    assert hits.get_block_ids() == [[]] and num_hit_tokens == 0
 
 
 def test_reset_prefix_cache():
@@ -234,9 +234,9 @@ def test_reset_prefix_cache():
 def test_caching_disabled_never_hashes_or_hits():
     manager = make_manager(enable_caching=False, enable_kv_cache_events=True)
     a = FakeRequest("a", list(range(9)), BS)
-    assert admit(manager, a).get_block_ids() == [1, 2, 3]
+    assert admit(manager, a).get_block_ids() == [[1, 2, 3]]
     b = FakeRequest("b", list(range(9)), BS)
-    assert manager.get_computed_blocks(b) == (KVCacheBlocks.empty(), 0)
+    assert manager.get_computed_blocks(b) == (KVCacheBlocks.empty(1), 0)
     assert all(blk.block_hash is None for blk in manager.block_pool.blocks)
     assert manager.block_pool.cached_block_hash_to_block == {}
     assert manager.take_events() == []
@@ -248,9 +248,11 @@ def test_caching_disabled_never_hashes_or_hits():
 def test_kv_cache_blocks_helpers():
     manager = make_manager()
     blocks = manager.block_pool.blocks
-    assert KVCacheBlocks([blocks[3], blocks[1]]).get_block_ids() == [3, 1]
-    assert KVCacheBlocks.empty().get_block_ids() == []
-    assert manager.get_block_ids("unknown") == []
+    assert KVCacheBlocks(([blocks[3], blocks[1]],)).get_block_ids() == [[3, 1]]
+    with pytest.raises(TypeError):
+        KVCacheBlocks([blocks[3], blocks[1]])
+    assert KVCacheBlocks.empty(1).get_block_ids() == [[]]
+    assert manager.get_block_ids("unknown") == [[]]
     with pytest.raises(ValueError):
         manager.allocate_slots(FakeRequest("a", [1], BS), 0)
 

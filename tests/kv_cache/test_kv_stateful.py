@@ -1,4 +1,5 @@
-"""Random admit / chunked prefill / decode / free / reset sequences against the invariants."""
+"""Random admit / chunked prefill / decode / free / reset sequences against the invariants,
+over KV cache group layouts: full attention, one sliding window, and hybrids of both."""
 
 from hypothesis import event, settings
 from hypothesis import strategies as st
@@ -8,32 +9,52 @@ from hypothesis.stateful import (
     invariant,
     rule,
 )
-from kv_fakes import FakeRequest, check_invariants, free_ids, ids, snapshot
+from kv_fakes import FakeRequest, check_invariants, free_ids, snapshot
 
-from kv_cache import AllBlocksCleared, FullAttentionManager, KVCacheManager
+from kv_cache import AllBlocksCleared, KVCacheManager
 
 VOCAB = 3  # a tiny vocabulary makes shared blocks, and so cache hits, common
 PREFIXES = [[], [0, 1, 2, 0, 1, 2, 0, 1], [2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0], [1, 0]]
+LAYOUTS = [("full",), ("window",), ("full", "window"), ("window", "full", "window")]
 tokens = st.lists(st.integers(0, VOCAB - 1), max_size=12)
 
 
 class KVCacheMachine(RuleBasedStateMachine):
     @initialize(
-        num_blocks=st.integers(2, 32),
+        num_blocks=st.integers(2, 40),
         block_size=st.sampled_from([1, 2, 4]),
         enable_caching=st.booleans(),
-        sliding_window=st.one_of(st.none(), st.integers(2, 10)),
+        layout=st.sampled_from(LAYOUTS),
+        windows=st.lists(st.integers(2, 10), min_size=2, max_size=2),
+        single_group_by_sliding_window=st.booleans(),
         max_model_len=st.integers(4, 48),
     )
-    def setup(self, num_blocks, block_size, enable_caching, sliding_window, max_model_len):
+    def setup(
+        self,
+        num_blocks,
+        block_size,
+        enable_caching,
+        layout,
+        windows,
+        single_group_by_sliding_window,
+        max_model_len,
+    ):
+        sliding = iter(windows)
+        group_windows = [None if kind == "full" else next(sliding) for kind in layout]
+        if len(group_windows) == 1 and single_group_by_sliding_window:
+            layout_kwargs = {"sliding_window": group_windows[0]}
+        else:
+            layout_kwargs = {"group_windows": group_windows}
         self.manager = KVCacheManager(
             num_blocks,
             block_size,
             max_model_len,
             enable_caching=enable_caching,
-            sliding_window=sliding_window,
             enable_kv_cache_events=True,
+            **layout_kwargs,
         )
+        assert self.manager.group_windows == tuple(group_windows)
+        event(f"layout: {layout}")
         self.running: dict[str, FakeRequest] = {}
         self.num_admitted = 0
         self.past_prompts = list(PREFIXES)
@@ -55,7 +76,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         hits, num_hit_tokens = manager.get_computed_blocks(request)
         self._check_hits(request, hits.blocks, num_hit_tokens)
         event("admit: cache hit" if num_hit_tokens else "admit: no cache hit")
-        if any(b.is_null for b in hits.blocks):
+        if any(b.is_null for group_hits in hits.blocks for b in group_hits):
             event("admit: cache hit padded with null blocks")
         num_new_tokens = min(chunk, request.num_tokens - num_hit_tokens)
         before = snapshot(manager)
@@ -64,7 +85,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             event("admit: refused")
             assert snapshot(manager) == before
             return
-        assert manager.get_block_ids(request.request_id) == ids(hits.blocks + new_blocks.blocks)
+        assert manager.get_block_ids(request.request_id) == (hits + new_blocks).get_block_ids()
         self.running[request.request_id] = request
         request.num_computed_tokens = num_hit_tokens + num_new_tokens
         self._after_step(request)
@@ -84,13 +105,10 @@ class KVCacheMachine(RuleBasedStateMachine):
         num_new_tokens = min(chunk, request.num_tokens - request.num_computed_tokens)
         # Dropping out-of-window blocks is the one thing a refusal may do; do it up front so
         # the snapshot comparison below is exact.
-        manager.single_type_manager.remove_skipped_blocks(
-            request.request_id, request.num_computed_tokens
-        )
+        for stm in manager.single_type_managers:
+            stm.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
         held = manager.get_block_ids(request.request_id)
         self._check_window(request, held)
-        if 0 in held:
-            event("step: holds null blocks")
         before = snapshot(manager)
         new_blocks = manager.allocate_slots(request, num_new_tokens, num_lookahead_tokens=lookahead)
         if new_blocks is None:
@@ -98,7 +116,9 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert snapshot(manager) == before
             self._finish(request)
             return
-        assert manager.get_block_ids(request.request_id) == held + new_blocks.get_block_ids()
+        assert manager.get_block_ids(request.request_id) == [
+            old + new for old, new in zip(held, new_blocks.get_block_ids(), strict=True)
+        ]
         request.num_computed_tokens += num_new_tokens
         self._after_step(request, token_id)
 
@@ -136,26 +156,61 @@ class KVCacheMachine(RuleBasedStateMachine):
         assert all(b.ref_cnt == 0 for b in pool.blocks)
         assert self.manager.usage == 0.0
 
+    def _first_needed_block(self, window, num_tokens):
+        """First block the token at position num_tokens attends to (window None: block 0)."""
+        if window is None:
+            return 0
+        return max(0, num_tokens - window + 1) // self.manager.block_size
+
+    def _group_accepts(self, request, group_id, num_blocks):
+        """Whether the cache can serve the first num_blocks blocks to this group: it must hold
+        every block the next token attends to."""
+        bs = self.manager.block_size
+        first = self._first_needed_block(self.manager.group_windows[group_id], num_blocks * bs)
+        cache = self.manager.block_pool.cached_block_hash_to_block
+        return all((request.block_hashes[i], group_id) in cache for i in range(first, num_blocks))
+
     def _check_hits(self, request, hits, num_hit_tokens):
+        """The hit is the longest whole-block prefix that every group accepts, below the last
+        token, with nulls exactly before each sliding group's window."""
         manager = self.manager
-        assert num_hit_tokens == len(hits) * manager.block_size <= request.num_tokens - 1
+        bs = manager.block_size
+        assert len(hits) == manager.num_groups
+        num_blocks = len(hits[0])
+        assert all(len(group_hits) == num_blocks for group_hits in hits)
+        assert num_hit_tokens == num_blocks * bs <= request.num_tokens - 1
         if not manager.enable_caching:
-            assert not hits
-        for block, block_hash in zip(hits, request.block_hashes, strict=False):
-            assert block.is_null or block.block_hash == block_hash
-        if isinstance(manager.single_type_manager, FullAttentionManager):
-            assert not any(b.is_null for b in hits)
-            max_hits = (request.num_tokens - 1) // manager.block_size
-            if manager.enable_caching and len(hits) < max_hits:
-                missed = request.block_hashes[len(hits)]
-                assert missed not in manager.block_pool.cached_block_hash_to_block
+            assert num_blocks == 0
+            return
+        groups = range(manager.num_groups)
+        accepted = [
+            n
+            for n in range((request.num_tokens - 1) // bs + 1)
+            if all(self._group_accepts(request, g, n) for g in groups)
+        ]
+        assert num_blocks == max(accepted)
+        for group_id, group_hits in enumerate(hits):
+            window = manager.group_windows[group_id]
+            num_null = self._first_needed_block(window, num_hit_tokens)
+            for i, block in enumerate(group_hits):
+                if i < num_null:
+                    assert block.is_null
+                else:
+                    assert block.cache_key == (request.block_hashes[i], group_id)
+        longer = num_blocks + 1
+        if None in manager.group_windows and longer * bs < request.num_tokens:
+            full_group = manager.group_windows.index(None)
+            if self._group_accepts(request, full_group, longer):
+                event("admit: hit cut back by a sliding group")
 
     def _check_window(self, request, block_ids):
-        """Exactly the blocks wholly before the next token's window are null."""
-        window = getattr(self.manager.single_type_manager, "sliding_window", None)
-        num_skipped_tokens = max(0, request.num_computed_tokens - window + 1) if window else 0
-        num_null = min(num_skipped_tokens // self.manager.block_size, len(block_ids))
-        assert [i == 0 for i in block_ids] == [i < num_null for i in range(len(block_ids))]
+        """In each group exactly the blocks wholly before the next token's window are null."""
+        for window, group_ids in zip(self.manager.group_windows, block_ids, strict=True):
+            num_null = self._first_needed_block(window, request.num_computed_tokens)
+            num_null = min(num_null, len(group_ids))
+            assert [i == 0 for i in group_ids] == [i < num_null for i in range(len(group_ids))]
+            if num_null:
+                event("step: holds null blocks")
 
     def _after_step(self, request, token_id=0):
         """A finished prefill or decode step samples a token, or ends at max_model_len."""
@@ -167,14 +222,23 @@ class KVCacheMachine(RuleBasedStateMachine):
             request.append_token(token_id)
 
     def _finish(self, request):
-        """Free a request; its blocks nobody else holds join the queue tail, last block first."""
-        blocks = self.manager.single_type_manager.req_to_blocks.get(request.request_id, [])
-        released = [b.block_id for b in reversed(blocks) if not b.is_null and b.ref_cnt == 1]
+        """Free a request; its blocks nobody else holds join the queue tail, from the last
+        position to the first, every group's block of a position before the previous one."""
+        tables = [
+            stm.req_to_blocks.get(request.request_id, [])
+            for stm in self.manager.single_type_managers
+        ]
+        released = [
+            blocks[i].block_id
+            for i in reversed(range(len(tables[0])))
+            for blocks in tables
+            if not blocks[i].is_null and blocks[i].ref_cnt == 1
+        ]
         self.manager.free(request)
         free = free_ids(self.manager)
         assert free[len(free) - len(released) :] == released
         del self.running[request.request_id]
 
 
-KVCacheMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)
+KVCacheMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=50, deadline=None)
 test_kv_cache_state_machine = KVCacheMachine.TestCase
