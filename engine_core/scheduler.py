@@ -217,7 +217,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
             if request.wants_prompt_logprobs:  # cached positions give no logits
-                hit_blocks, num_hit_tokens = KVCacheBlocks.empty(), 0
+                hit_blocks, num_hit_tokens = KVCacheBlocks.empty(kv.num_groups), 0
             else:
                 hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens

@@ -73,7 +73,7 @@ def test_prefix_hit_reuses_blocks_and_always_computes_the_last_token():
     prompt = list(range(1000, 1017))  # 4 full blocks of 4 and one token
     engine.add_request(make_request("A", prompt, max_tokens=1))
     run_to_completion(engine)
-    first_blocks = executor.outputs[0].scheduled_new_reqs[0].block_ids
+    (first_blocks,) = executor.outputs[0].scheduled_new_reqs[0].block_ids
 
     engine.add_request(make_request("full", prompt, max_tokens=1))
     (output,) = engine.step().outputs
@@ -85,14 +85,14 @@ def test_prefix_hit_reuses_blocks_and_always_computes_the_last_token():
     new = executor.outputs[-1].scheduled_new_reqs[0]
     assert new.num_computed_tokens == 16
     assert executor.outputs[-1].num_scheduled_tokens == {"full": 1}
-    assert new.block_ids[:4] == first_blocks[:4]
+    assert new.block_ids[0][:4] == first_blocks[:4]
 
     engine.add_request(make_request("aligned", prompt[:16], max_tokens=1))
     run_to_completion(engine)
     new = executor.outputs[-1].scheduled_new_reqs[0]
     assert new.num_computed_tokens == 12  # the hit stops short of the last token's block
     assert executor.outputs[-1].num_scheduled_tokens == {"aligned": 4}
-    assert new.block_ids[:3] == first_blocks[:3]
+    assert new.block_ids[0][:3] == first_blocks[:3]
 
     stats = engine.get_stats()
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (17 + 17 + 16, 16 + 12)
@@ -143,7 +143,7 @@ def test_fcfs_preempts_the_last_admitted_request_and_resumes_it_whole():
     b = engine.scheduler.requests["B"]
     assert b.status == RequestStatus.PREEMPTED and b.num_preemptions == 1
     assert b.num_computed_tokens == 0
-    assert engine.kv_cache_manager.get_block_ids("B") == []
+    assert engine.kv_cache_manager.get_block_ids("B") == [[]]
     assert engine.scheduler.running == [engine.scheduler.requests["A"]]
     assert engine.scheduler.waiting.peek() is b  # back at the front, ahead of C
     assert set(executor.outputs[-1].num_scheduled_tokens) == {"A"}  # no admission this step
@@ -170,7 +170,7 @@ def test_priority_preempts_the_lowest_priority_even_if_admitted_first():
     run_until_preemption(engine)
     low = engine.scheduler.requests["low"]
     assert low.status == RequestStatus.PREEMPTED
-    assert engine.kv_cache_manager.get_block_ids("low") == []
+    assert engine.kv_cache_manager.get_block_ids("low") == [[]]
     assert engine.scheduler.requests["high"].num_preemptions == 0
     # The victim gave back the tokens it was scheduled earlier in the step, and nothing
     # was admitted in a step that preempted.

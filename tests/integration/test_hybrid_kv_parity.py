@@ -6,12 +6,11 @@ import random
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from ipc.messages import EngineCoreRequest
 from ipc.utils import cdiv
 from splitserve import LLM, SamplingParams
-from tests.models.tiny import make_tiny_checkpoint
+from tests.models.tiny import load_reference, make_tiny_checkpoint
 
 MAX_TOKENS = 12
 WINDOW = 8
@@ -28,6 +27,9 @@ MODELS = {
         ),
         [None, WINDOW],
     ),
+    "mistral": ("mistral", {}, [WINDOW]),
+    # Five local layers to one global: six groups of one layer.
+    "gemma3": ("gemma3", {}, [WINDOW] * 5 + [None]),
 }
 
 
@@ -40,7 +42,7 @@ def model(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(model):
-    hf = AutoModelForCausalLM.from_pretrained(model[0], dtype=torch.float32).eval()
+    hf = load_reference(model[0])
 
     @torch.no_grad()
     def greedy(prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
@@ -83,8 +85,9 @@ def test_prompts_longer_than_the_window(model, reference):
         assert out.outputs[0].token_ids == reference(prompt)
 
 
-def test_chunked_prefill(model, reference):
-    llm = _engine(model, max_num_batched_tokens=6, max_num_seqs=4)
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_chunked_prefill(model, reference, backend):
+    llm = _engine(model, max_num_batched_tokens=6, max_num_seqs=4, attention_backend=backend)
     prompts = _prompts(5, 20, 50, seed=1)
     for prompt, out in zip(prompts, _generate(llm, prompts), strict=True):
         assert out.outputs[0].token_ids == reference(prompt)
@@ -103,11 +106,13 @@ def test_prefix_hits(model, reference):
 
 
 def test_preemption(model, reference):
-    windows = model[1]
-    # Enough blocks for one request of max_model_len in every group, not for six at once.
+    # The fewest blocks the scheduler accepts: one request of max_model_len in every group
+    # (a window group: the blocks a 16-token chunk and the window before it span).
     full = cdiv(64, 4)
-    num_blocks = 1 + sum(full if w is None else cdiv(w - 1 + 64, 4) + 1 for w in windows)
-    llm = _engine(model, max_model_len=64, num_gpu_blocks_override=num_blocks)
+    num_blocks = 1 + sum(full if w is None else cdiv(w - 1 + 16, 4) + 1 for w in model[1])
+    llm = _engine(
+        model, max_model_len=64, max_num_batched_tokens=16, num_gpu_blocks_override=num_blocks
+    )
     prompts = _prompts(6, 20, 40, seed=4)
     outs = _generate(llm, prompts)
     assert llm.engine.get_stats().num_preemptions > 0
@@ -122,9 +127,8 @@ def test_window_groups_stop_growing(model, reference):
     engine, kv = llm.engine, llm.engine.kv_cache_manager
     prompt = _prompts(1, 30, 30, seed=5)[0]
     max_tokens = 60
-    engine.add_request(
-        EngineCoreRequest("long", prompt, SamplingParams(max_tokens=max_tokens), 0.0)
-    )
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    engine.add_request(EngineCoreRequest("long", prompt, params, 0.0))
     held: list[list[int]] = []
     tokens: list[int] = []
     while engine.has_unfinished_requests():
@@ -135,8 +139,8 @@ def test_window_groups_stop_growing(model, reference):
     assert tokens == reference(prompt, max_tokens)
     for group, window in enumerate(model[1]):
         most = max(step[group] for step in held)
-        if window is None:
-            assert most == cdiv(len(prompt) + max_tokens - 1, 4)
+        if window is None:  # what the step before the last computed (the last frees all)
+            assert most == cdiv(len(prompt) + max_tokens - 2, 4)
         else:
             assert most <= cdiv(window - 1 + 8, 4) + 1
     assert kv.usage == 0.0
