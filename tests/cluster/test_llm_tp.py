@@ -32,6 +32,22 @@ def test_llm_tp2_equals_transformers(qwen3_path, monkeypatch):
 
 
 @pytest.mark.gpus(2)
+def test_llm_tp2_hybrid_kv_cache_groups(tmp_path, monkeypatch):
+    """Gemma 3 (five window layers to one global) over worker processes: the ranks report
+    their KV cache groups in WorkerReady and the EngineCore manages one per group."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    path = make_tiny_checkpoint(tmp_path, "gemma3")
+    llm = LLM(
+        path, tensor_parallel_size=2, dtype="float32", kv_cache_memory=16 << 20, block_size=4
+    )
+    assert llm.engine.executor.kv_cache_groups == [8] * 5 + [None]
+    assert llm.engine.kv_cache_manager.group_windows == (8,) * 5 + (None,)
+    prompts = PROMPTS + [list(range(3, 40))]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == greedy_reference(path, prompts, 12)
+
+
+@pytest.mark.gpus(2)
 def test_worker_start_failure_names_the_rank(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     ipc_dir = tmp_path / "ipc"
