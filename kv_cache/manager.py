@@ -60,6 +60,13 @@ class KVCacheManager:
             else SlidingWindowManager(self.block_pool, block_size, group_id, window)
             for group_id, window in enumerate(self.group_windows)
         )
+        self.full_managers = tuple(
+            m for m in self.single_type_managers if isinstance(m, FullAttentionManager)
+        )
+        self.window_managers = tuple(
+            m for m in self.single_type_managers if isinstance(m, SlidingWindowManager)
+        )
+        self._no_hits: tuple[list[KVCacheBlock], ...] = tuple([] for _ in self.group_windows)
         self.prefix_cache_stats = PrefixCacheStats()
 
     @property
@@ -92,16 +99,14 @@ class KVCacheManager:
         the longest such length up to the one it is asked. Shrink the length until every
         group accepts it: then it is the longest length all groups accept."""
         hits: list[list[KVCacheBlock]] = [[] for _ in self.single_type_managers]
-        full = [m for m in self.single_type_managers if isinstance(m, FullAttentionManager)]
-        sliding = [m for m in self.single_type_managers if not isinstance(m, FullAttentionManager)]
         length = max_length // self.block_size * self.block_size
-        for manager in full:
+        for manager in self.full_managers:
             hits[manager.group_id] = manager.find_longest_cache_hit(block_hashes, length)
             length = min(length, len(hits[manager.group_id]) * self.block_size)
         shrunk = True
         while shrunk and length > 0:
             shrunk = False
-            for manager in sliding:
+            for manager in self.window_managers:
                 hits[manager.group_id] = manager.find_longest_cache_hit(block_hashes, length)
                 num_tokens = len(hits[manager.group_id]) * self.block_size
                 shrunk |= num_tokens < length
@@ -129,28 +134,28 @@ class KVCacheManager:
         if num_new_tokens <= 0:
             raise ValueError("num_new_tokens must be greater than 0")
         managers = self.single_type_managers
-        if new_computed_blocks is None:
-            new_computed_blocks = KVCacheBlocks.empty(self.num_groups)
-        hits = new_computed_blocks.blocks
+        hits = self._no_hits if new_computed_blocks is None else new_computed_blocks.blocks
         if len(hits) != len(managers):
             raise ValueError(f"got cache hits of {len(hits)} groups, the model has {len(managers)}")
         request_id = request.request_id
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         num_needed = min(num_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
-        for manager in managers:
+        for manager in self.window_managers:
             manager.remove_skipped_blocks(request_id, num_computed)
-        num_to_allocate = sum(
-            manager.get_num_blocks_to_allocate(request_id, num_needed, group_hits)
-            for manager, group_hits in zip(managers, hits, strict=True)
-        )
+        num_to_allocate = 0
+        for manager, group_hits in zip(managers, hits, strict=True):
+            num_to_allocate += manager.get_num_blocks_to_allocate(
+                request_id, num_needed, group_hits
+            )
         if num_to_allocate > self.block_pool.get_num_free_blocks():
             return None
-        # Every group's hits leave the free queue before any new block is popped, so no new
-        # block can evict a hit.
-        for manager, group_hits in zip(managers, hits, strict=True):
-            manager.allocate_new_computed_blocks(request_id, group_hits)
+        if new_computed_blocks is not None:
+            # Every group's hits leave the free queue before any new block is popped, so no
+            # new block can evict a hit.
+            for manager, group_hits in zip(managers, hits, strict=True):
+                manager.allocate_new_computed_blocks(request_id, group_hits)
         new_blocks = tuple(
-            manager.allocate_new_blocks(request_id, num_needed) for manager in managers
+            [manager.allocate_new_blocks(request_id, num_needed) for manager in managers]
         )
         if self.enable_caching:
             num_cacheable = min(num_computed + num_new_tokens, request.num_tokens)
@@ -162,6 +167,9 @@ class KVCacheManager:
         """Free from the tail, position by position across the groups, so the request's tail
         is evicted before its (more shareable) head in every group."""
         tables = [manager.pop_blocks(request.request_id) for manager in self.single_type_managers]
+        if len(tables) == 1:
+            self.block_pool.free_blocks(reversed(tables[0]))
+            return
         num_positions = max(len(blocks) for blocks in tables)
         self.block_pool.free_blocks(
             blocks[i]

@@ -40,8 +40,9 @@ class SingleTypeKVCacheManager:
         nobody holds (touching them takes them out of the free queue)."""
         num_held = len(self.req_to_blocks.get(request_id, ()))
         num_new = max(0, cdiv(num_tokens, self.block_size) - num_held - len(new_computed_blocks))
-        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
-        return num_new + num_evictable_hits
+        if not new_computed_blocks:
+            return num_new
+        return num_new + sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
 
     def allocate_new_computed_blocks(
         self, request_id: str, new_computed_blocks: list[KVCacheBlock]

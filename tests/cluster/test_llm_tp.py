@@ -37,9 +37,7 @@ def test_llm_tp2_hybrid_kv_cache_groups(tmp_path, monkeypatch):
     their KV cache groups in WorkerReady and the EngineCore manages one per group."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     path = make_tiny_checkpoint(tmp_path, "gemma3")
-    llm = LLM(
-        path, tensor_parallel_size=2, dtype="float32", kv_cache_memory=16 << 20, block_size=4
-    )
+    llm = LLM(path, tensor_parallel_size=2, dtype="float32", kv_cache_memory=16 << 20, block_size=4)
     assert llm.engine.executor.kv_cache_groups == [8] * 5 + [None]
     assert llm.engine.kv_cache_manager.group_windows == (8,) * 5 + (None,)
     prompts = PROMPTS + [list(range(3, 40))]
