@@ -28,9 +28,21 @@ from worker.model_runner import ModelRunner
 SIZES = [1, 2, 4, 8]
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
+# A Llama (one KV cache group) and a Qwen2 with two window layers (two groups, so two
+# block tables and slot mappings per captured size).
+CHECKPOINTS = {
+    "llama": ("llama", {}),
+    "qwen2-hybrid": (
+        "qwen2",
+        dict(num_hidden_layers=4, use_sliding_window=True, sliding_window=8, max_window_layers=2),
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CHECKPOINTS))
+def checkpoint(request, tmp_path_factory):
+    arch, overrides = CHECKPOINTS[request.param]
+    return make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), arch, **overrides)
 
 
 def test_default_capture_sizes():
@@ -218,7 +230,8 @@ def test_padded_decode_matches_eager(checkpoint, backend, mode, monkeypatch):
         for p, e in zip(_kv_caches(padded), _kv_caches(eager), strict=True):
             _assert_near(p, e)
         if set(lens) == {1}:
-            assert _written_slots(before, _kv_caches(padded)) == len(lens)
+            num_groups = len(padded.kv_cache_groups)
+            assert _written_slots(before, _kv_caches(padded)) == len(lens) * num_groups
             if len(lens) <= SIZES[-1]:
                 expected_runs.append((len(lens), padded.cuda_graphs.padded_size(len(lens))))
         assert graph_runs == expected_runs
