@@ -87,10 +87,6 @@ class SingleTypeKVCacheManager:
         self.num_cached_block.pop(request_id, None)
         return self.req_to_blocks.pop(request_id, [])
 
-    def free(self, request_id: str) -> None:
-        """Free in reverse so the request's tail is evicted before its (more shareable) head."""
-        self.block_pool.free_blocks(reversed(self.pop_blocks(request_id)))
-
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Swap blocks wholly before the window for the null block and free them, scanning
         right to left and stopping at the first null (everything before it is null too)."""

@@ -99,12 +99,6 @@ class MultiGroupBlockTable:
             for _ in range(num_groups)
         ]
 
-    def __getitem__(self, group: int) -> BlockTable:
-        return self.groups[group]
-
-    def __len__(self) -> int:
-        return len(self.groups)
-
     def add_row(self, block_ids: Sequence[list[int]], row: int) -> None:
         for table, ids in zip(self.groups, block_ids, strict=True):
             table.add_row(ids, row)
