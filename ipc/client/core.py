@@ -328,20 +328,23 @@ class ClientCore:
         return [out.request_id] if child.stopped_by_string else []
 
     def abort_all(self, error: Exception) -> None:
-        """The client is closing: fail every live request and call with `error`, and
+        """The client is closing: fail every live request and call with `error` (outputs
+        received but not yet read are dropped: a closed client yields nothing more), and
         abort the requests in the engine."""
-        live = self.fail_all(error)
+        live = self.fail_all(error, drop_unread=True)
         if live:
             self._send(AbortRequests(live))
 
-    def fail_all(self, error: Exception) -> list[str]:
+    def fail_all(self, error: Exception, drop_unread: bool = False) -> list[str]:
         """Fail every live request and utility call; return the request ids that were
-        live."""
+        live. With `drop_unread`, outputs still queued for a request go before the error."""
         with self._lock:
             states, self._requests = self._requests, {}
             self._parents = {}
             calls, self._calls = self._calls, {}
         for queue in {id(state.queue): state.queue for state in states.values()}.values():
+            while drop_unread and not queue.empty():
+                queue.get_nowait()
             queue.put_nowait(error)
         for future in calls.values():
             if not future.done():
