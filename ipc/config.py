@@ -31,6 +31,19 @@ class SchedulingPolicy(str, enum.Enum):
 
 
 SCHEDULING_POLICIES = tuple(policy.value for policy in SchedulingPolicy)
+
+
+class PreemptionMode(str, enum.Enum):
+    """How a preempted request gives back its KV blocks. swap copies them to the host tier
+    (--kv-offload-memory) and back; recompute frees them and prefills again; auto picks the
+    cheaper by the workers' measured copy and prefill times."""
+
+    AUTO = "auto"
+    SWAP = "swap"
+    RECOMPUTE = "recompute"
+
+
+PREEMPTION_MODES = tuple(mode.value for mode in PreemptionMode)
 ATTENTION_BACKENDS = ("auto", "flash_attn", "triton", "cpu", "torch")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -128,6 +141,24 @@ class EngineConfig:
             "what gpu-memory-utilization leaves on GPU, 4GiB on CPU",
             parse=parse_bytes,
             metavar="SIZE",
+        ),
+    )
+    kv_offload_memory: int = field(
+        default=0,
+        metadata=option(
+            "host-memory KV tier per rank (pinned; swapped-out requests and blocks evicted "
+            "from the device prefix cache): 8GiB, 512MiB; 0 turns it off. On a CPU device it "
+            "is the same memory, so only tests turn it on there",
+            parse=parse_bytes,
+            metavar="SIZE",
+        ),
+    )
+    preemption_mode: PreemptionMode = field(
+        default=PreemptionMode.AUTO,
+        metadata=option(
+            "swap: to the host tier when it has room; recompute: prefill again; auto: the "
+            "cheaper by measured copy and prefill times (recompute without a host tier)",
+            choices=PREEMPTION_MODES,
         ),
     )
     num_gpu_blocks_override: int | None = field(
@@ -241,6 +272,7 @@ class EngineConfig:
                     f"{f.name} must be one of {', '.join(choices)}; got {getattr(self, f.name)!r}"
                 )
         self.scheduling_policy = SchedulingPolicy(self.scheduling_policy)
+        self.preemption_mode = PreemptionMode(self.preemption_mode)
         _check_at_least("max_model_len", self.max_model_len, 2)
         positions = self.max_position_embeddings
         if positions is not None and self.max_model_len > positions:
@@ -254,6 +286,7 @@ class EngineConfig:
         _check_at_least("tensor_parallel_size", self.tensor_parallel_size, 1)
         if self.kv_cache_memory is not None:
             _check_at_least("kv_cache_memory", self.kv_cache_memory, 1)
+        _check_at_least("kv_offload_memory", self.kv_offload_memory, 0)
         if self.num_gpu_blocks_override is not None:
             _check_at_least("num_gpu_blocks_override", self.num_gpu_blocks_override, 2)
         if self.vocab_size is not None:

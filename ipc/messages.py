@@ -255,6 +255,13 @@ class SchedulerStats(_Wire):
     broadcast_time: float = 0.0
     wait_time: float = 0.0
     update_time: float = 0.0
+    # KV host tier, cumulative: blocks copied out by swap preemption, copied back in (swap
+    # resumes and host-tier prefix hits), spilled on eviction from the device prefix cache;
+    # prompt tokens served by host-tier hits (also counted in prefix_cache_hits).
+    num_swapped_out_blocks: int = 0
+    num_swapped_in_blocks: int = 0
+    num_spilled_blocks: int = 0
+    host_cache_hits: int = 0
 
 
 class EngineCoreOutputs(_Tagged):
@@ -312,6 +319,10 @@ class SchedulerOutput(_Tagged):
     # set when token 32 * w + j is allowed (llguidance's layout).
     structured_output_request_ids: list[str] = []
     grammar_bitmask: bytes = b""
+    # KV host tier: (device block, host block) copies and then (host block, device block)
+    # copies the workers run before the forward. No block appears twice in one step.
+    blocks_to_swap_out: list[tuple[int, int]] = []
+    blocks_to_swap_in: list[tuple[int, int]] = []
 
 
 # Worker -> EngineCore
@@ -345,15 +356,21 @@ class WorkerReady(_Tagged):
     pid: int = 0
     hostname: str = ""
     kv_cache_groups: list[int | None] = msgspec.field(default_factory=lambda: [None])
+    # KV host tier (config.kv_offload_memory): the host blocks that fit, and the measured
+    # seconds to copy one block one way and to prefill one token (swap-or-recompute costs).
+    num_host_blocks: int = 0
+    block_copy_seconds: float = 0.0
+    prefill_token_seconds: float = 0.0
 
 
 # EngineCore -> workers, outside steps
 
 
 class InitKVCache(_Tagged):
-    """The block count every rank allocates: the minimum over the ranks' WorkerReady."""
+    """The block counts every rank allocates: the minimum over the ranks' WorkerReady."""
 
     num_blocks: int
+    num_host_blocks: int = 0
 
 
 class Shutdown(_Tagged):
