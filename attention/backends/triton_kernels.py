@@ -46,6 +46,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SLIDING: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     req = tl.load(req_ids_ptr + tl.program_id(0)).to(tl.int64)
     q_tile = tl.program_id(1)
@@ -86,7 +87,7 @@ def _paged_attention_kernel(
             kv_offsets = slot_offsets[:, None] + dims[None, :]
             kv_mask = pos_valid[:, None] & dim_valid[None, :]
             k = tl.load(key_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-            scores = tl.dot(q, tl.trans(k)) * scale_log2
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
             visible = pos_valid[None, :] & (pos[None, :] <= query_pos[:, None])
             if SLIDING:
                 visible &= pos[None, :] > query_pos[:, None] - sliding_window
@@ -97,7 +98,7 @@ def _paged_attention_kernel(
             alpha = tl.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(value_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
 
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -161,4 +162,7 @@ def paged_attention(
         BLOCK_M=max(16, block_q * group_pad),  # tl.dot needs 16 rows on GPUs
         BLOCK_N=block_n,
         SLIDING=sliding_window is not None,
+        # A float32 model gets float32 dots, as torch's matmuls give it; tensor cores would
+        # round the inputs to tf32 (about 1e-3 off on a GPU).
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
