@@ -17,10 +17,11 @@ from worker.model_runner import ModelRunner
 PAGE_SHAPE = (4, 2, 8)  # block_size, num_kv_heads, head_dim
 
 
-def random_pools(num_tensors, num_blocks, num_host_blocks, dtype, seed):
+def random_pools(device_name, num_tensors, num_blocks, num_host_blocks, dtype, seed):
+    """Random device pools (CUDA when there is a GPU: pinned host pools) and host pools."""
     generator = torch.Generator().manual_seed(seed)
     device = [
-        torch.randn((2, num_blocks, *PAGE_SHAPE), generator=generator).to(dtype)
+        torch.randn((2, num_blocks, *PAGE_SHAPE), generator=generator).to(device_name, dtype)
         for _ in range(num_tensors)
     ]
     host = HostKVCache(device, num_host_blocks)
@@ -31,7 +32,7 @@ def random_pools(num_tensors, num_blocks, num_host_blocks, dtype, seed):
 
 def reference_copies(device, host, swap_out, swap_in):
     """One page at a time: every swap_out pair, then every swap_in pair."""
-    device = [t.clone() for t in device]
+    device = [t.to("cpu", copy=True) for t in device]
     host = [t.clone() for t in host]
     for device_block, host_block in swap_out:
         for d, h in zip(device, host, strict=True):
@@ -45,15 +46,15 @@ def reference_copies(device, host, swap_out, swap_in):
 def assert_pools_equal(actual, expected):
     for a, e in zip(actual, expected, strict=True):
         for block in range(a.shape[1]):
-            assert torch.equal(a[:, block], e[:, block]), f"page {block} differs"
+            assert torch.equal(a[:, block].cpu(), e[:, block]), f"page {block} differs"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seed", range(4))
-def test_copy_blocks_equals_page_by_page_copies(dtype, seed):
+def test_copy_blocks_equals_page_by_page_copies(kernel_device, dtype, seed):
     rng = random.Random(seed)
     num_blocks, num_host_blocks = rng.randint(4, 24), rng.randint(4, 24)
-    host = random_pools(rng.randint(1, 3), num_blocks, num_host_blocks, dtype, seed)
+    host = random_pools(kernel_device, rng.randint(1, 3), num_blocks, num_host_blocks, dtype, seed)
     device_ids = rng.sample(range(num_blocks), rng.randint(0, num_blocks))
     host_ids = rng.sample(range(num_host_blocks), rng.randint(0, num_host_blocks))
     num_out = rng.randint(0, min(len(device_ids), len(host_ids)))
@@ -69,9 +70,10 @@ def test_copy_blocks_equals_page_by_page_copies(dtype, seed):
     assert_pools_equal(host.host_tensors, expected[1])
 
 
-def test_copy_blocks_runs_every_swap_out_before_any_swap_in():
-    host = random_pools(2, 6, 6, torch.float32, seed=7)
-    old_device = [t.clone() for t in host.device_tensors]
+def test_copy_blocks_runs_every_swap_out_before_any_swap_in(kernel_device):
+    host = random_pools(kernel_device, 2, 6, 6, torch.float32, seed=7)
+    assert all(t.is_pinned() == (kernel_device == "cuda") for t in host.host_tensors)
+    old_device = [t.to("cpu", copy=True) for t in host.device_tensors]
     old_host = [t.clone() for t in host.host_tensors]
 
     host.copy_blocks([(3, 0), (1, 2)], [(4, 3), (5, 1)])  # device 3: out to host 0, in from 4
@@ -81,13 +83,13 @@ def test_copy_blocks_runs_every_swap_out_before_any_swap_in():
     ):
         assert torch.equal(host_tensor[:, 0], old_d[:, 3])
         assert torch.equal(host_tensor[:, 2], old_d[:, 1])
-        assert torch.equal(device[:, 3], old_h[:, 4])
-        assert torch.equal(device[:, 1], old_h[:, 5])
+        assert torch.equal(device[:, 3].cpu(), old_h[:, 4])
+        assert torch.equal(device[:, 1].cpu(), old_h[:, 5])
 
 
-def test_empty_copy_lists_change_nothing():
-    host = random_pools(2, 5, 5, torch.float32, seed=3)
-    before = [t.clone() for t in host.device_tensors + host.host_tensors]
+def test_empty_copy_lists_change_nothing(kernel_device):
+    host = random_pools(kernel_device, 2, 5, 5, torch.float32, seed=3)
+    before = [t.to("cpu", copy=True) for t in host.device_tensors + host.host_tensors]
     host.copy_blocks([], [])
     assert_pools_equal(host.device_tensors + host.host_tensors, before)
 
