@@ -17,11 +17,18 @@ class Executor(ABC):
     # Each KV cache group's sliding window (None: full attention), in the order block ids
     # travel in; set by determine_num_blocks.
     kv_cache_groups: list[int | None] = [None]
+    # The KV host tier (config.kv_offload_memory; 0 blocks: off) and the workers' measured
+    # seconds to copy one block one way and to prefill one token; set by
+    # determine_num_blocks.
+    num_host_blocks: int = 0
+    block_copy_seconds: float = 0.0
+    prefill_token_seconds: float = 0.0
 
     @abstractmethod
     def determine_num_blocks(self) -> int:
         """Number of KV cache blocks every worker holds (the minimum over ranks). Workers
-        allocate the cache themselves, so they apply config.num_gpu_blocks_override."""
+        allocate the cache themselves, so they apply config.num_gpu_blocks_override.
+        Also sets num_host_blocks and the measured costs."""
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -34,7 +41,8 @@ class Executor(ABC):
         return None
 
     def replace_workers(self, num_blocks: int) -> None:
-        """Start fresh workers with `num_blocks` empty KV blocks, knowing no request."""
+        """Start fresh workers with `num_blocks` empty KV blocks (and num_host_blocks empty
+        host blocks), knowing no request."""
         raise WorkerFailure(f"{type(self).__name__} cannot replace its workers")
 
     @abstractmethod

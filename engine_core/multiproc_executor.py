@@ -2,10 +2,11 @@
 
 It owns the workers ROUTER of the engine address. Each worker connects a DEALER and
 registers with WorkerReady; every rank then gets InitKVCache with the smallest block
-count. A step encodes the SchedulerOutput once, sends the same bytes to every rank and
-waits for rank 0's ModelRunnerOutput. A WorkerError from any rank, or a worker process
-that is gone, raises WorkerFailure naming the rank: the wait polls with a short timeout
-and checks the workers' pids (on this host), so it never hangs on a dead worker.
+counts (device and host tier). A step encodes the SchedulerOutput once, sends the same
+bytes to every rank and waits for rank 0's ModelRunnerOutput. A WorkerError from any rank,
+or a worker process that is gone, raises WorkerFailure naming the rank: the wait polls
+with a short timeout and checks the workers' pids (on this host), so it never hangs on a
+dead worker.
 
 Once the workers registered, frames from any other identity are dropped with a log line:
 a stranger on the workers socket can neither end the cluster nor answer a step. On tcp the
@@ -61,6 +62,9 @@ class WorkerInfo:
     pid: int
     hostname: str
     kv_cache_groups: list[int | None]
+    num_host_blocks: int = 0
+    block_copy_seconds: float = 0.0
+    prefill_token_seconds: float = 0.0
 
 
 class MultiprocExecutor(Executor):
@@ -113,24 +117,31 @@ class MultiprocExecutor(Executor):
 
     def determine_num_blocks(self) -> int:
         """Wait for every rank's WorkerReady, then tell all of them the smallest block
-        count (and num_gpu_blocks_override, if smaller)."""
+        counts (and num_gpu_blocks_override, if smaller). A step runs at the pace of the
+        slowest rank, so the measured costs are the largest over the ranks."""
         self._register_workers()
         self.kv_cache_groups = self.workers[0].kv_cache_groups
         num_blocks = min(w.num_kv_blocks for w in self.workers)
         if self.config.num_gpu_blocks_override is not None:
             num_blocks = min(num_blocks, self.config.num_gpu_blocks_override)
-        self._broadcast(encode(InitKVCache(num_blocks)))
+        self.num_host_blocks = min(w.num_host_blocks for w in self.workers)
+        self.block_copy_seconds = max(w.block_copy_seconds for w in self.workers)
+        self.prefill_token_seconds = max(w.prefill_token_seconds for w in self.workers)
+        self._broadcast(encode(InitKVCache(num_blocks, self.num_host_blocks)))
         logger.info(
-            "%d worker(s) ready (KV blocks per rank: %s); using %d",
+            "%d worker(s) ready (KV blocks per rank: %s; host blocks: %s); using %d and %d",
             self.world_size,
             [w.num_kv_blocks for w in self.workers],
+            [w.num_host_blocks for w in self.workers],
             num_blocks,
+            self.num_host_blocks,
         )
         return num_blocks
 
     def replace_workers(self, num_blocks: int) -> None:
         """Stop the group, have fresh workers started (same ranks, a new process group)
-        and give them the same `num_blocks`. Raises WorkerFailure if they do not come."""
+        and give them the same `num_blocks` and num_host_blocks. Raises WorkerFailure if
+        they do not come or hold fewer blocks."""
         frame = encode(Shutdown())
         for worker in self.workers:
             with contextlib.suppress(zmq.ZMQError):
@@ -153,7 +164,13 @@ class MultiprocExecutor(Executor):
         fits = min(w.num_kv_blocks for w in self.workers)
         if fits < num_blocks:
             self._fail(f"the new workers hold {fits} KV blocks, fewer than the {num_blocks} in use")
-        self._broadcast(encode(InitKVCache(num_blocks)))
+        fits = min(w.num_host_blocks for w in self.workers)
+        if fits < self.num_host_blocks:
+            self._fail(
+                f"the new workers hold {fits} host KV blocks, fewer than the "
+                f"{self.num_host_blocks} in use"
+            )
+        self._broadcast(encode(InitKVCache(num_blocks, self.num_host_blocks)))
         logger.info("%d new worker(s) ready", self.world_size)
 
     def _register_workers(self) -> None:
@@ -188,6 +205,9 @@ class MultiprocExecutor(Executor):
                     msg.pid,
                     msg.hostname,
                     msg.kv_cache_groups,
+                    msg.num_host_blocks,
+                    msg.block_copy_seconds,
+                    msg.prefill_token_seconds,
                 )
         self.workers.extend(ready[rank] for rank in range(self.world_size))
         groups = {tuple(w.kv_cache_groups) for w in self.workers}

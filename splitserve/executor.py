@@ -18,9 +18,12 @@ class InProcessExecutor(Executor):
     def determine_num_blocks(self) -> int:
         runner = self._runner()
         num_blocks = runner.determine_num_blocks()
-        runner.initialize_kv_cache(num_blocks)
+        self.num_host_blocks = runner.determine_num_host_blocks()
+        runner.initialize_kv_cache(num_blocks, self.num_host_blocks)
         runner.capture_cuda_graphs()
         self.kv_cache_groups = [group.sliding_window for group in runner.kv_cache_groups]
+        self.block_copy_seconds = runner.block_copy_seconds
+        self.prefill_token_seconds = runner.prefill_token_seconds
         return num_blocks
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

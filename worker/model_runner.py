@@ -1,4 +1,5 @@
 import logging
+import time
 
 import numpy as np
 import torch
@@ -16,12 +17,14 @@ from worker.cuda_graph import CudaGraphRunner, Mode, capture_sizes, cuda_graphs_
 from worker.grammar_bitmask import apply_grammar_bitmask
 from worker.input_batch import CachedRequestState, InputBatch, check_new_request
 from worker.kv_cache_groups import group_layers, group_size
+from worker.kv_offload import HostKVCache, measure_block_copy_seconds
 from worker.prompt_logprobs import compute_prompt_logprobs, plan_prompt_logprobs
 from worker.sampler import Sampler
 from worker.sampler import cpu_kernels as sampler_cpu_kernels
 from worker.step_inputs import prepare_inputs
 
 _CPU_KV_CACHE_BYTES = 4 << 30
+_CPU_TIMED_PREFILL_TOKENS = 256
 logger = logging.getLogger(__name__)
 
 
@@ -35,8 +38,8 @@ class ModelRunner:
     samples nothing), and append the sampled tokens to their rows so the next step can
     read them without the EngineCore.
 
-    Setup, in order: `determine_num_blocks()`, `initialize_kv_cache(num_blocks)`,
-    `capture_cuda_graphs()`.
+    Setup, in order: `determine_num_blocks()` (and `determine_num_host_blocks()`),
+    `initialize_kv_cache(num_blocks, num_host_blocks)`, `capture_cuda_graphs()`.
     """
 
     def __init__(self, config: EngineConfig, device: str | torch.device | None = None) -> None:
@@ -78,6 +81,11 @@ class ModelRunner:
         self.is_driver = get_tp_rank() == 0
         self.cuda_graphs: CudaGraphRunner | None = None
         self.failed_requests: dict[str, str] = {}
+        self.host_kv_cache: HostKVCache | None = None
+        # Measured by determine_num_blocks when the host tier is on (else 0): seconds to
+        # copy one block one way between the tiers, and to prefill one token.
+        self.block_copy_seconds = 0.0
+        self.prefill_token_seconds = 0.0
 
     def kv_cache_bytes_per_block(self) -> int:
         """A block id addresses one page in each of the cache's group_size tensors."""
@@ -87,40 +95,75 @@ class ModelRunner:
 
     def determine_num_blocks(self) -> int:
         """Blocks that fit this rank: `--kv-cache-memory` bytes on CPU; on CUDA, what a
-        profiling forward at max_num_batched_tokens leaves of the memory budget."""
+        profiling forward at max_num_batched_tokens leaves of the memory budget. With a
+        host tier, also measures block_copy_seconds and prefill_token_seconds."""
+        profiled_seconds_per_token = None
         if self.config.num_gpu_blocks_override is not None:
-            return self.config.num_gpu_blocks_override
-        if self.device.type == "cuda":
-            budget = self._profile_cuda_memory()
+            num_blocks = self.config.num_gpu_blocks_override
         else:
-            budget = self.config.kv_cache_memory or _CPU_KV_CACHE_BYTES
-        num_blocks = int(budget // self.kv_cache_bytes_per_block())
-        if num_blocks < 2:
-            raise RuntimeError(
-                f"no room for the KV cache: {budget / 2**20:.0f} MiB available, "
-                f"{self.kv_cache_bytes_per_block() / 2**20:.2f} MiB per block"
-            )
+            if self.device.type == "cuda":
+                budget, profiled_seconds_per_token = self._profile_cuda_memory()
+            else:
+                budget = self.config.kv_cache_memory or _CPU_KV_CACHE_BYTES
+            num_blocks = int(budget // self.kv_cache_bytes_per_block())
+            if num_blocks < 2:
+                raise RuntimeError(
+                    f"no room for the KV cache: {budget / 2**20:.0f} MiB available, "
+                    f"{self.kv_cache_bytes_per_block() / 2**20:.2f} MiB per block"
+                )
+        if self.config.kv_offload_memory > 0:
+            self._measure_offload_costs(profiled_seconds_per_token)
         return num_blocks
 
-    def _profile_cuda_memory(self) -> int:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        num_tokens = self.max_num_tokens
+    def determine_num_host_blocks(self) -> int:
+        """Blocks of the host tier that fit `--kv-offload-memory` (0 when it is off)."""
+        return self.config.kv_offload_memory // self.kv_cache_bytes_per_block()
+
+    def _measure_offload_costs(self, profiled_seconds_per_token: float | None) -> None:
+        """On CUDA the profiling forward gives the prefill cost; elsewhere (or when the
+        block count was given, so nothing was profiled) one forward without KV is timed."""
+        page_shape = (self.block_size, self.num_kv_heads, self.head_dim)
+        num_tensors = group_size(self.kv_cache_groups)
+        self.block_copy_seconds = measure_block_copy_seconds(
+            num_tensors, page_shape, self.dtype, self.device
+        )
+        per_token = profiled_seconds_per_token
+        if per_token is None:
+            num_tokens = min(_CPU_TIMED_PREFILL_TOKENS, self.max_num_tokens)
+            per_token = self._profile_forward(num_tokens)[1] / num_tokens
+        self.prefill_token_seconds = per_token
+
+    def _profile_forward(self, num_tokens: int) -> tuple[torch.Tensor, float]:
+        """A forward of num_tokens tokens as one sequence, without KV, and its logits for
+        the last max_num_seqs: the hidden states and the seconds it took."""
         input_ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         positions = torch.arange(num_tokens, device=self.device) % self.max_model_len
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
         with torch.inference_mode(), set_forward_context(None):
             hidden = self.model(input_ids, positions)
             self.model.compute_logits(hidden[-self.config.max_num_seqs :])
-        torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return hidden, time.perf_counter() - start
+
+    def _profile_cuda_memory(self) -> tuple[int, float]:
+        """The KV cache's memory budget, and the profiling forward's seconds per token."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        hidden, seconds = self._profile_forward(self.max_num_tokens)
         free, total = torch.cuda.mem_get_info(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         current = torch.cuda.memory_allocated(self.device)
         del hidden
         torch.cuda.empty_cache()
-        return int(total * self.config.gpu_memory_utilization - (total - free) - (peak - current))
+        budget = total * self.config.gpu_memory_utilization - (total - free) - (peak - current)
+        return int(budget), seconds / self.max_num_tokens
 
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        """One tensor per position within a group: group g's j-th layer uses tensor j."""
+    def initialize_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
+        """One tensor per position within a group: group g's j-th layer uses tensor j.
+        With num_host_blocks, the host tier mirrors those tensors (kv_offload.py)."""
         shape = (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
         def zeros() -> torch.Tensor:
@@ -148,6 +191,16 @@ class ModelRunner:
                 for g in self.kv_cache_groups
             ),
         )
+        self.host_kv_cache = None
+        if num_host_blocks > 0:
+            self.host_kv_cache = HostKVCache(tensors, num_host_blocks)
+            logger.info(
+                "rank %d: KV host tier of %d blocks (%.2f GiB%s)",
+                get_tp_rank(),
+                num_host_blocks,
+                num_host_blocks * self.kv_cache_bytes_per_block() / 2**30,
+                ", pinned" if self.device.type == "cuda" else "",
+            )
 
     def capture_cuda_graphs(self, mode: Mode = "cuda_graph") -> None:
         """Capture the decode CUDA graphs, once the KV cache is bound. Off CUDA, under
@@ -182,6 +235,7 @@ class ModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         # The host sides of the batch and the buffers are rewritten from here on.
         self.inputs.wait_for_copies()
+        self._copy_blocks(scheduler_output)
         self._update_states(scheduler_output)
         if self.input_batch.num_reqs == 0:
             return ModelRunnerOutput(
@@ -211,6 +265,18 @@ class ModelRunner:
         out = self._finish_step(scheduler_output.step_id, step.sample_rows, sampled, logprobs)
         out.prompt_logprobs = prompt_logprobs
         return out
+
+    def _copy_blocks(self, so: SchedulerOutput) -> None:
+        """The step's copies between the tiers, before its forward reads the blocks."""
+        if not (so.blocks_to_swap_out or so.blocks_to_swap_in):
+            return
+        if self.host_kv_cache is None:
+            raise RuntimeError(
+                f"step {so.step_id} copies KV blocks between the device and the host tier, "
+                "but this worker has no host tier (kv_offload_memory 0 or no host blocks "
+                "in InitKVCache)"
+            )
+        self.host_kv_cache.copy_blocks(so.blocks_to_swap_out, so.blocks_to_swap_in)
 
     def _prompt_logprobs(self, hidden: torch.Tensor):
         num_reqs = self.input_batch.num_reqs

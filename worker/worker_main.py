@@ -2,8 +2,9 @@
 
 It connects a DEALER to the engine's workers socket first (so even a failed start is
 reported), joins the torch.distributed group, builds its ModelRunner (loading its
-shard) and registers with WorkerReady(rank, num_kv_blocks, pid, hostname). After
-InitKVCache it runs every SchedulerOutput it receives; only rank 0 answers with the
+shard) and registers with WorkerReady(rank, num_kv_blocks, pid, hostname, KV cache
+groups, host-tier blocks and measured copy and prefill costs). After InitKVCache (which
+sizes both tiers) it runs every SchedulerOutput it receives; only rank 0 answers with the
 ModelRunnerOutput. Shutdown ends it with 0; an exception is sent as WorkerError (with
 the traceback) and ends it with 1, as does losing the connection to the EngineCore.
 """
@@ -75,9 +76,26 @@ def run_worker(
         runner = ModelRunner(config, device)
         num_blocks = runner.determine_num_blocks()
         windows = [group.sliding_window for group in runner.kv_cache_groups]
-        ready = WorkerReady(rank, num_blocks, os.getpid(), socket.gethostname(), windows)
+        num_host_blocks = runner.determine_num_host_blocks()
+        ready = WorkerReady(
+            rank,
+            num_blocks,
+            os.getpid(),
+            socket.gethostname(),
+            windows,
+            num_host_blocks=num_host_blocks,
+            block_copy_seconds=runner.block_copy_seconds,
+            prefill_token_seconds=runner.prefill_token_seconds,
+        )
         sock.send(encode(ready))
-        logger.info("rank %d of %d ready on %s: %d KV blocks", rank, world_size, device, num_blocks)
+        logger.info(
+            "rank %d of %d ready on %s: %d KV blocks, %d host blocks",
+            rank,
+            world_size,
+            device,
+            num_blocks,
+            num_host_blocks,
+        )
         decoder = Decoder(SchedulerOutput, InitKVCache, Shutdown)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
@@ -93,7 +111,7 @@ def run_worker(
                 if rank == 0:
                     sock.send(encode(output))
             elif isinstance(msg, InitKVCache):
-                runner.initialize_kv_cache(msg.num_blocks)
+                runner.initialize_kv_cache(msg.num_blocks, msg.num_host_blocks)
                 runner.capture_cuda_graphs()
             else:
                 destroy_distributed()

@@ -34,11 +34,23 @@ def test_llm_tp2_equals_transformers(qwen3_path, monkeypatch):
 @pytest.mark.gpus(2)
 def test_llm_tp2_hybrid_kv_cache_groups(tmp_path, monkeypatch):
     """Gemma 3 (five window layers to one global) over worker processes: the ranks report
-    their KV cache groups in WorkerReady and the EngineCore manages one per group."""
+    their KV cache groups in WorkerReady and the EngineCore manages one per group. The
+    ranks also size a KV host tier and measure its costs."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     path = make_tiny_checkpoint(tmp_path, "gemma3")
-    llm = LLM(path, tensor_parallel_size=2, dtype="float32", kv_cache_memory=16 << 20, block_size=4)
-    assert llm.engine.executor.kv_cache_groups == [8] * 5 + [None]
+    llm = LLM(
+        path,
+        tensor_parallel_size=2,
+        dtype="float32",
+        kv_cache_memory=16 << 20,
+        block_size=4,
+        kv_offload_memory=64 << 10,
+    )
+    executor = llm.engine.executor
+    assert executor.kv_cache_groups == [8] * 5 + [None]
+    # A block: K and V of 4 tokens in one layer (groups of one layer), 1 head of 16 per rank.
+    assert executor.num_host_blocks == (64 << 10) // (2 * 4 * 1 * 16 * 4)
+    assert executor.block_copy_seconds > 0 and executor.prefill_token_seconds > 0
     assert llm.engine.kv_cache_manager.group_windows == (8,) * 5 + (None,)
     prompts = PROMPTS + [list(range(3, 40))]
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)

@@ -78,6 +78,55 @@ def test_every_rank_gets_the_smallest_block_count(setup, override, expected):
         assert sock.poll(1000) and _decoder.decode(sock.recv()) == InitKVCache(expected)
 
 
+def test_the_host_tier_is_the_smallest_over_ranks_and_the_costs_the_largest(setup):
+    executor, workers = setup()
+    for rank, sock in enumerate(workers):
+        ready = WorkerReady(
+            rank,
+            40,
+            os.getpid(),
+            socket.gethostname(),
+            num_host_blocks=[90, 70][rank],
+            block_copy_seconds=[2e-5, 1e-5][rank],
+            prefill_token_seconds=[3e-4, 5e-4][rank],
+        )
+        sock.send(encode(ready))
+    assert executor.determine_num_blocks() == 40
+    assert executor.num_host_blocks == 70
+    assert (executor.block_copy_seconds, executor.prefill_token_seconds) == (2e-5, 5e-4)
+    for sock in workers:
+        assert sock.poll(1000) and _decoder.decode(sock.recv()) == InitKVCache(40, 70)
+
+
+@pytest.mark.parametrize("new_host_blocks", [70, 69])
+def test_new_workers_get_the_host_blocks_in_use_or_fail_holding_fewer(setup, new_host_blocks):
+    executor, workers = setup()
+    for rank, sock in enumerate(workers):
+        sock.send(encode(WorkerReady(rank, 40, os.getpid(), "", num_host_blocks=70)))
+    executor.determine_num_blocks()
+    ctx = zmq.Context()
+    fresh = []
+    try:
+        for rank in range(2):
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(socket_address(executor.address, "workers"))
+            blocks = [new_host_blocks, 80][rank]
+            sock.send(encode(WorkerReady(rank, 40, os.getpid(), "", num_host_blocks=blocks)))
+            fresh.append(sock)
+        if new_host_blocks < 70:
+            with pytest.raises(WorkerFailure, match="hold 69 host KV blocks, fewer than the 70"):
+                executor.replace_workers(30)
+        else:
+            executor.replace_workers(30)
+            for sock in fresh:
+                assert sock.poll(1000) and _decoder.decode(sock.recv()) == InitKVCache(30, 70)
+    finally:
+        for sock in fresh:
+            sock.close()
+        ctx.term()
+
+
 def test_a_step_sends_the_same_bytes_and_returns_rank_0s_answer(setup):
     executor, workers = setup()
     _ready(workers, [8, 8])
