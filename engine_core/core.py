@@ -32,8 +32,14 @@ class EngineCore:
             config.max_model_len,
             enable_caching=config.enable_prefix_caching,
             group_windows=executor.kv_cache_groups,
+            num_host_blocks=executor.num_host_blocks,
         )
-        self.scheduler = Scheduler(config, self.kv_cache_manager)
+        self.scheduler = Scheduler(
+            config,
+            self.kv_cache_manager,
+            executor.block_copy_seconds,
+            executor.prefill_token_seconds,
+        )
         self.num_worker_restarts = 0
         self._restart_times: deque[float] = deque()
 
@@ -50,7 +56,8 @@ class EngineCore:
         """Schedule and run one step. When the workers fail, they are replaced and the
         running requests replayed (this step then has no model output)."""
         scheduler_output = self.scheduler.schedule()
-        if scheduler_output.total_num_scheduled_tokens == 0:
+        # A step that only swaps blocks out (its requests were all preempted) still runs.
+        if not (scheduler_output.total_num_scheduled_tokens or scheduler_output.blocks_to_swap_out):
             return EngineCoreOutputs(self.scheduler.take_pending_outputs())
         try:
             model_runner_output = self.executor.execute_model(scheduler_output)

@@ -248,6 +248,14 @@ class EngineCoreProc:
             100 * stats.kv_cache_usage,
             100 * hits / queries if queries else 0.0,
         )
+        if self.engine.kv_cache_manager.has_host_tier:
+            logger.info(
+                "KV host tier: %d blocks swapped out, %d copied in, %d spilled; %d hit tokens",
+                stats.num_swapped_out_blocks - before.num_swapped_out_blocks,
+                stats.num_swapped_in_blocks - before.num_swapped_in_blocks,
+                stats.num_spilled_blocks - before.num_spilled_blocks,
+                stats.host_cache_hits - before.host_cache_hits,
+            )
         self._stats_window = (now, stats)
 
 

@@ -3,7 +3,8 @@
 There are no prefill and decode phases. Each request's num_computed_tokens chases its
 num_tokens under a per-step token budget: running requests first (a decode needs one
 token, a chunked prefill as many as the budget allows), then waiting ones. When the KV
-cache is full, running requests are preempted and later recomputed.
+cache is full, running requests are preempted: swapped out to the host tier and later
+copied back, or freed and later recomputed, whichever costs less.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from engine_core.request import Request, RequestStatus
 from engine_core.request_queue import make_request_queue
 from engine_core.structured_output import GRAMMAR_REJECTED, StructuredOutputManager
-from ipc.config import EngineConfig, SchedulingPolicy
+from ipc.config import EngineConfig, PreemptionMode, SchedulingPolicy
 from ipc.messages import (
     CachedRequestData,
     EngineCoreOutput,
@@ -60,9 +61,21 @@ def check_token_ids(
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager) -> None:
+    """`block_copy_seconds` (one KV block, one way between the tiers) and
+    `prefill_token_seconds` are the workers' measured costs; preemption_mode auto compares
+    them to choose between swap and recompute."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv_cache_manager: KVCacheManager,
+        block_copy_seconds: float = 0.0,
+        prefill_token_seconds: float = 0.0,
+    ) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
+        self.block_copy_seconds = block_copy_seconds
+        self.prefill_token_seconds = prefill_token_seconds
         self.max_model_len = config.max_model_len
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
@@ -89,6 +102,7 @@ class Scheduler:
         self.num_generation_tokens = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.host_cache_hits = 0
 
     def add_request(self, request: Request) -> None:
         """Queue a request, or finish it at once with FINISHED_ERROR if it can never run."""
@@ -149,6 +163,7 @@ class Scheduler:
         structured_ids, bitmask = self.structured_output.grammar_bitmask(
             self.requests, num_scheduled_tokens
         )
+        swap_out, swap_in = kv.take_block_copies() if kv.has_host_tier else ([], [])
         scheduler_output = SchedulerOutput(
             self.step_id,
             new_reqs,
@@ -158,10 +173,12 @@ class Scheduler:
             self.finished_req_ids,
             structured_ids,
             bitmask,
+            swap_out,
+            swap_in,
         )
         self.step_id += 1
         # Finished ids reach the workers with the next step that runs; keep them until then.
-        if num_scheduled_tokens:
+        if num_scheduled_tokens or swap_out:
             self.finished_req_ids = []
         # Advance optimistically: the next schedule() sees these tokens as computed.
         requests = self.requests
@@ -216,7 +233,9 @@ class Scheduler:
         resumed: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
-            if request.wants_prompt_logprobs:  # cached positions give no logits
+            if kv.is_swapped(request.request_id):
+                hit_blocks, num_hit_tokens = kv.get_swapped_blocks(request)
+            elif request.wants_prompt_logprobs:  # cached positions give no logits
                 hit_blocks, num_hit_tokens = KVCacheBlocks.empty(kv.num_groups), 0
             else:
                 hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
@@ -237,7 +256,8 @@ class Scheduler:
             else:
                 if request.status == RequestStatus.WAITING:
                     request.num_cached_tokens = num_hit_tokens
-                block_ids = (hit_blocks + new_blocks).get_block_ids()
+                # Host-tier hits were copied into new device blocks: ask for the ids.
+                block_ids = kv.get_block_ids(request.request_id)
                 new_reqs.append(
                     NewRequestData(
                         request.request_id,
@@ -257,14 +277,33 @@ class Scheduler:
             return max(self.running, key=lambda r: (r.priority, r.arrival_time))
         return self.running[-1]
 
-    def _preempt(self, request: Request) -> None:
-        """Preemption by recompute: drop the KV blocks and queue the request at the front."""
-        self.kv_cache_manager.free(request)
+    def _preempt(self, request: Request, allow_swap: bool = True) -> None:
+        """Give back the request's device blocks and queue it at the front. Swapped out, its
+        blocks wait in the host tier and are copied back when it resumes; otherwise they
+        are freed and it is recomputed (from any prefix hits)."""
+        kv = self.kv_cache_manager
+        if not (allow_swap and self._swap_is_cheaper(request) and kv.swap_out(request)):
+            kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(request)
+
+    def _swap_is_cheaper(self, request: Request) -> bool:
+        """preemption_mode auto: copying the blocks out and back costs less than prefilling
+        the computed tokens again (by the workers' measured times)."""
+        mode = self.config.preemption_mode
+        kv = self.kv_cache_manager
+        if mode == PreemptionMode.RECOMPUTE or not kv.has_host_tier:
+            return False
+        if request.num_computed_tokens == 0:
+            return False
+        if mode == PreemptionMode.SWAP:
+            return True
+        num_blocks = sum(1 for ids in kv.get_block_ids(request.request_id) for i in ids if i)
+        swap = 2 * num_blocks * self.block_copy_seconds
+        return swap < request.num_computed_tokens * self.prefill_token_seconds
 
     def requeue_for_new_workers(self) -> int:
         """The workers were replaced: they hold no KV and know no request. Preempt every
@@ -272,10 +311,16 @@ class Scheduler:
         drop the prefix cache, whose blocks the new workers never computed, and send
         every request whole, with the tokens it generated, when it next runs. Returns the
         number of requests preempted."""
+        kv = self.kv_cache_manager
         running, self.running = self.running, []
         for request in reversed(running):
-            self._preempt(request)
-        if not self.kv_cache_manager.reset_prefix_cache():
+            self._preempt(request, allow_swap=False)
+        if kv.has_host_tier:  # the host tier's contents went with the old workers
+            for request in self.waiting:
+                if kv.is_swapped(request.request_id):
+                    kv.free(request)
+            kv.take_block_copies()
+        if not kv.reset_prefix_cache():
             raise RuntimeError("KV blocks are still in use after every request was preempted")
         for request in self.requests.values():
             request.on_workers = False
@@ -397,6 +442,7 @@ class Scheduler:
         prefix_stats = self.kv_cache_manager.make_prefix_cache_stats()
         self.prefix_cache_queries += prefix_stats.queries
         self.prefix_cache_hits += prefix_stats.hits
+        self.host_cache_hits += prefix_stats.host_hits
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
@@ -406,6 +452,10 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
+            num_swapped_out_blocks=self.kv_cache_manager.num_swapped_out_blocks,
+            num_swapped_in_blocks=self.kv_cache_manager.num_swapped_in_blocks,
+            num_spilled_blocks=self.kv_cache_manager.num_spilled_blocks,
+            host_cache_hits=self.host_cache_hits,
         )
 
 

@@ -62,6 +62,14 @@ class EngineStatsCollector:
             ("prompt_tokens", "Prompt tokens of requests that started generating.",
              s.num_prompt_tokens),
             ("generation_tokens", "Tokens generated.", s.num_generation_tokens),
+            ("kv_offload_swapped_out_blocks", "KV blocks copied to the host tier by swap "
+             "preemption.", s.num_swapped_out_blocks),
+            ("kv_offload_swapped_in_blocks", "KV blocks copied back from the host tier (swap "
+             "resumes and host-tier prefix hits).", s.num_swapped_in_blocks),
+            ("kv_offload_spilled_blocks", "KV blocks spilled to the host tier when evicted "
+             "from the device prefix cache.", s.num_spilled_blocks),
+            ("kv_offload_prefix_cache_hits", "Prompt tokens found in the host tier (also in "
+             "prefix_cache_hits).", s.host_cache_hits),
         ]  # fmt: skip
         for kinds, family in ((gauges, GaugeMetricFamily), (counters, CounterMetricFamily)):
             for name, doc, value in kinds:

@@ -6,7 +6,9 @@ whose tokens are all computed, and checks its block lists against the KV cache m
 It also models the KV cache's contents (which group's token each slot holds): every
 token a step attends to (a sliding-window group: the window before each new token) must
 have been written by an earlier step of these workers into that group's block, so a
-prefix hit on a block they never computed, or one of another group, is caught. Steps
+prefix hit on a block they never computed, or one of another group, is caught. With a host
+tier (`num_host_blocks`) it models the host blocks' contents too and runs each step's
+copies before the step (all swap-outs, then all swap-ins), as ModelRunner does. Steps
 listed in `fail_steps` fail as dead workers do; replacing the workers forgets every
 request and the cache, as fresh workers would.
 """
@@ -54,9 +56,11 @@ class StandInExecutor(Executor):
     fail_steps: set[int] = field(default_factory=set)
     num_failures: int = 0
     num_replacements: int = 0
-    # (block, offset) -> (group, token)
+    # (block, offset) -> (group, token), on the device and in the host tier
     kv: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
+    host_kv: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
     kv_cache_groups: list[int | None] = field(default_factory=lambda: [None])
+    num_host_blocks: int = 0
 
     def determine_num_blocks(self) -> int:
         return self.num_blocks
@@ -65,6 +69,7 @@ class StandInExecutor(Executor):
         assert num_blocks == self.num_blocks
         self.states.clear()
         self.kv.clear()
+        self.host_kv.clear()
         self.num_replacements += 1
 
     def shutdown(self) -> None:
@@ -84,6 +89,7 @@ class StandInExecutor(Executor):
             self.num_failures += 1
             raise WorkerFailure(f"worker rank 0 died at step {so.step_id}")
         self.outputs.append(so)
+        self._copy_blocks(so)
         self._update_states(so)
         scheduled = [r.req_id for r in so.scheduled_new_reqs] + so.scheduled_cached_reqs.req_ids
         assert sorted(scheduled) == sorted(so.num_scheduled_tokens)
@@ -139,6 +145,23 @@ class StandInExecutor(Executor):
                     ids.extend(new_ids)
             state.num_computed_tokens = cached.num_computed_tokens[i]
 
+    def _copy_blocks(self, so: SchedulerOutput) -> None:
+        pairs = so.blocks_to_swap_out + so.blocks_to_swap_in
+        if not pairs:
+            return
+        assert self.num_host_blocks > 0, "block copies without a host tier"
+        for device_block, host_block in so.blocks_to_swap_out:
+            assert 0 < device_block < self.num_blocks and 0 < host_block < self.num_host_blocks
+        for host_block, device_block in so.blocks_to_swap_in:
+            assert 0 < device_block < self.num_blocks and 0 < host_block < self.num_host_blocks
+        host_blocks = [h for _, h in so.blocks_to_swap_out] + [h for h, _ in so.blocks_to_swap_in]
+        assert len(set(host_blocks)) == len(host_blocks), "a host block twice in one step"
+        block_size = self.kv_cache_manager.block_size
+        for device_block, host_block in so.blocks_to_swap_out:
+            _copy_block(self.kv, device_block, self.host_kv, host_block, block_size)
+        for host_block, device_block in so.blocks_to_swap_in:
+            _copy_block(self.host_kv, host_block, self.kv, device_block, block_size)
+
     def _store(self, state: WorkerRequestState, start: int, block_size: int) -> None:
         for group, ids in enumerate(state.block_ids):
             for position in range(start, state.num_computed_tokens):
@@ -161,18 +184,35 @@ class StandInExecutor(Executor):
                 assert self.kv.get(slot) == (group, state.token_ids[position]), "stale KV read"
 
 
+def _copy_block(source: dict, src: int, target: dict, dst: int, block_size: int) -> None:
+    for offset in range(block_size):
+        if (src, offset) in source:
+            target[dst, offset] = source[src, offset]
+        else:
+            target.pop((dst, offset), None)
+
+
 def make_config(**kwargs) -> EngineConfig:
     defaults = dict(max_model_len=64, block_size=4, max_num_batched_tokens=32, eos_token_ids=[2])
     return EngineConfig(**{**defaults, **kwargs})
 
 
 def make_engine(
-    num_blocks: int = 64, script=None, sample=None, kv_cache_groups=(None,), **config_kwargs
+    num_blocks: int = 64,
+    script=None,
+    sample=None,
+    kv_cache_groups=(None,),
+    num_host_blocks: int = 0,
+    costs: tuple[float, float] = (0.0, 0.0),
+    **config_kwargs,
 ):
     """An EngineCore over a StandInExecutor that checks its blocks against the engine's;
-    `kv_cache_groups` are the sliding windows (None: full attention) the workers report."""
+    `kv_cache_groups` are the sliding windows (None: full attention) the workers report;
+    `costs` the (block copy, prefill token) seconds they measured."""
     executor = StandInExecutor(num_blocks, script or {}, sample)
     executor.kv_cache_groups = list(kv_cache_groups)
+    executor.num_host_blocks = num_host_blocks
+    executor.block_copy_seconds, executor.prefill_token_seconds = costs
     engine = EngineCore(make_config(**config_kwargs), executor)
     executor.kv_cache_manager = engine.kv_cache_manager
     return engine, executor

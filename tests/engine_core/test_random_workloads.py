@@ -1,7 +1,8 @@
 """Random workloads: arrivals over time, shared prefixes, KV pools small enough to force
-preemption, random aborts, workers that fail and are replaced. Every request must finish
-exactly once with exactly the tokens and finish reason its token stream implies, and the
-KV cache must end empty."""
+preemption, random aborts, workers that fail and are replaced, with and without a host
+tier (swap preemption, spills and host hits, under the stand-in's content model). Every
+request must finish exactly once with exactly the tokens and finish reason its token stream
+implies, and both tiers of the KV cache must end empty."""
 
 import zlib
 
@@ -58,6 +59,9 @@ request_strategy = st.fixed_dictionaries(
     prefixes=st.lists(st.lists(st.integers(3, 12), max_size=16), min_size=3, max_size=3),
     specs=st.lists(request_strategy, min_size=1, max_size=12),
     fail_steps=st.sets(st.integers(0, 40), max_size=3),
+    num_host_blocks=st.sampled_from([0, 3, 8, 24]),
+    preemption_mode=st.sampled_from(["auto", "swap", "recompute"]),
+    costs=st.sampled_from([(1e-6, 1e-4), (1e-3, 1e-5)]),
 )
 def test_random_workloads_finish_every_request_once_and_free_every_block(
     block_size,
@@ -70,11 +74,17 @@ def test_random_workloads_finish_every_request_once_and_free_every_block(
     prefixes,
     specs,
     fail_steps,
+    num_host_blocks,
+    preemption_mode,
+    costs,
 ):
     num_blocks = MAX_MODEL_LEN // block_size + 1 + extra_blocks
     engine, executor = make_engine(
         num_blocks,
         sample=sample,
+        num_host_blocks=num_host_blocks,
+        costs=costs,
+        preemption_mode=preemption_mode,
         max_model_len=MAX_MODEL_LEN,
         block_size=block_size,
         enable_chunked_prefill=chunked,
@@ -136,7 +146,8 @@ def test_random_workloads_finish_every_request_once_and_free_every_block(
             assert (tokens, reason) == (full_tokens, full_reason)
 
     assert executor.num_replacements == executor.num_failures
-    pool = engine.kv_cache_manager.block_pool
-    assert pool.get_num_free_blocks() == num_blocks - 1
-    assert all(block.ref_cnt == 0 for block in pool.blocks)
+    kv = engine.kv_cache_manager
+    for pool in (kv.block_pool, kv.host_block_pool) if num_host_blocks else (kv.block_pool,):
+        assert pool.get_num_free_blocks() == pool.num_blocks - 1
+        assert all(block.ref_cnt == 0 for block in pool.blocks)
     assert not engine.scheduler.running and not engine.scheduler.waiting
