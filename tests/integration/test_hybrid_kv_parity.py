@@ -2,17 +2,14 @@
 match exactly with chunked prefill, prefix hits and preemption, while the window groups
 hold only the blocks their window still sees (fp32, tiny random checkpoints)."""
 
-import random
-
 import pytest
-import torch
 
 from ipc.messages import EngineCoreRequest
 from ipc.utils import cdiv
 from splitserve import LLM, SamplingParams
-from tests.models.tiny import load_reference, make_tiny_checkpoint
+from tests.integration.greedy import generate_greedy, greedy_reference, random_prompts
+from tests.models.tiny import make_tiny_checkpoint
 
-MAX_TOKENS = 12
 WINDOW = 8
 
 # name -> (arch, config overrides, each KV cache group's window as the workers report it)
@@ -42,31 +39,7 @@ def model(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(model):
-    hf = load_reference(model[0])
-
-    @torch.no_grad()
-    def greedy(prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
-        ids = torch.tensor([prompt])
-        out = hf.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_tokens,
-            do_sample=False,
-            eos_token_id=None,
-        )
-        return out[0, len(prompt) :].tolist()
-
-    return greedy
-
-
-def _prompts(n: int, low: int, high: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(256) for _ in range(rng.randint(low, high))] for _ in range(n)]
-
-
-def _generate(llm: LLM, prompts: list[list[int]], **params) -> list:
-    sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, **params)
-    return llm.generate(prompts, sp, use_tqdm=False)
+    return greedy_reference(model[0])
 
 
 def _engine(model, **kw) -> LLM:
@@ -80,25 +53,25 @@ def _engine(model, **kw) -> LLM:
 
 def test_prompts_longer_than_the_window(model, reference):
     llm = _engine(model)
-    prompts = _prompts(8, 1, 60)
-    for prompt, out in zip(prompts, _generate(llm, prompts), strict=True):
+    prompts = random_prompts(8, 1, 60)
+    for prompt, out in zip(prompts, generate_greedy(llm, prompts), strict=True):
         assert out.outputs[0].token_ids == reference(prompt)
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])
 def test_chunked_prefill(model, reference, backend):
     llm = _engine(model, max_num_batched_tokens=6, max_num_seqs=4, attention_backend=backend)
-    prompts = _prompts(5, 20, 50, seed=1)
-    for prompt, out in zip(prompts, _generate(llm, prompts), strict=True):
+    prompts = random_prompts(5, 20, 50, seed=1)
+    for prompt, out in zip(prompts, generate_greedy(llm, prompts), strict=True):
         assert out.outputs[0].token_ids == reference(prompt)
 
 
 def test_prefix_hits(model, reference):
     llm = _engine(model)
-    shared = _prompts(1, 40, 40, seed=2)[0]
-    prompts = [shared + tail for tail in _prompts(4, 1, 12, seed=3)]
-    first = _generate(llm, prompts[:1])
-    rest = _generate(llm, prompts[1:])
+    shared = random_prompts(1, 40, 40, seed=2)[0]
+    prompts = [shared + tail for tail in random_prompts(4, 1, 12, seed=3)]
+    first = generate_greedy(llm, prompts[:1])
+    rest = generate_greedy(llm, prompts[1:])
     assert first[0].num_cached_tokens == 0
     assert all(out.num_cached_tokens == 40 for out in rest)
     for prompt, out in zip(prompts, first + rest, strict=True):
@@ -113,8 +86,8 @@ def test_preemption(model, reference):
     llm = _engine(
         model, max_model_len=64, max_num_batched_tokens=16, num_gpu_blocks_override=num_blocks
     )
-    prompts = _prompts(6, 20, 40, seed=4)
-    outs = _generate(llm, prompts)
+    prompts = random_prompts(6, 20, 40, seed=4)
+    outs = generate_greedy(llm, prompts)
     assert llm.engine.get_stats().num_preemptions > 0
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.outputs[0].token_ids == reference(prompt)
@@ -125,7 +98,7 @@ def test_window_groups_stop_growing(model, reference):
     the one being written; full-attention groups hold every block."""
     llm = _engine(model, max_num_batched_tokens=8)
     engine, kv = llm.engine, llm.engine.kv_cache_manager
-    prompt = _prompts(1, 30, 30, seed=5)[0]
+    prompt = random_prompts(1, 30, 30, seed=5)[0]
     max_tokens = 60
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     engine.add_request(EngineCoreRequest("long", prompt, params, 0.0))

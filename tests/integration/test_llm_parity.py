@@ -1,16 +1,11 @@
 """The in-process engine against transformers: greedy tokens must match exactly, with
 chunked prefill, prefix hits and preemption in play (fp32, tiny random checkpoints)."""
 
-import random
-
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from splitserve import LLM, SamplingParams
+from tests.integration.greedy import MAX_TOKENS, generate_greedy, greedy_reference, random_prompts
 from tests.models.tiny import make_tiny_checkpoint
-
-MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -20,31 +15,7 @@ def checkpoint(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(checkpoint):
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-
-    @torch.no_grad()
-    def greedy(prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
-        ids = torch.tensor([prompt])
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_tokens,
-            do_sample=False,
-            eos_token_id=None,
-        )
-        return out[0, len(prompt) :].tolist()
-
-    return greedy
-
-
-def _prompts(n: int, low: int, high: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(256) for _ in range(rng.randint(low, high))] for _ in range(n)]
-
-
-def _generate(llm: LLM, prompts: list[list[int]], **params) -> list:
-    sp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, **params)
-    return llm.generate(prompts, sp, use_tqdm=False)
+    return greedy_reference(checkpoint)
 
 
 def _engine(checkpoint: str, **kw) -> LLM:
@@ -54,25 +25,25 @@ def _engine(checkpoint: str, **kw) -> LLM:
 
 
 def test_many_prompts_of_different_lengths(checkpoint, reference):
-    prompts = _prompts(8, 1, 60)
-    for prompt, out in zip(prompts, _generate(_engine(checkpoint), prompts), strict=True):
+    prompts = random_prompts(8, 1, 60)
+    for prompt, out in zip(prompts, generate_greedy(_engine(checkpoint), prompts), strict=True):
         assert out.outputs[0].token_ids == reference(prompt)
         assert out.outputs[0].finish_reason == "length"
 
 
 def test_chunked_prefill(checkpoint, reference):
     llm = _engine(checkpoint, max_num_batched_tokens=16, max_num_seqs=4)
-    prompts = _prompts(5, 20, 70, seed=1)
-    for prompt, out in zip(prompts, _generate(llm, prompts), strict=True):
+    prompts = random_prompts(5, 20, 70, seed=1)
+    for prompt, out in zip(prompts, generate_greedy(llm, prompts), strict=True):
         assert out.outputs[0].token_ids == reference(prompt)
 
 
 def test_prefix_hits(checkpoint, reference):
     llm = _engine(checkpoint, block_size=8)
-    shared = _prompts(1, 40, 40, seed=2)[0]
-    prompts = [shared + tail for tail in _prompts(4, 1, 12, seed=3)]
-    first = _generate(llm, prompts[:1])
-    rest = _generate(llm, prompts[1:])
+    shared = random_prompts(1, 40, 40, seed=2)[0]
+    prompts = [shared + tail for tail in random_prompts(4, 1, 12, seed=3)]
+    first = generate_greedy(llm, prompts[:1])
+    rest = generate_greedy(llm, prompts[1:])
     assert first[0].num_cached_tokens == 0
     assert all(out.num_cached_tokens == 40 for out in rest)
     for prompt, out in zip(prompts, first + rest, strict=True):
@@ -87,33 +58,35 @@ def test_preemption(checkpoint, reference):
         num_gpu_blocks_override=12,
         max_num_batched_tokens=64,
     )
-    prompts = _prompts(6, 20, 40, seed=4)
-    outs = _generate(llm, prompts)
+    prompts = random_prompts(6, 20, 40, seed=4)
+    outs = generate_greedy(llm, prompts)
     assert llm.engine.get_stats().num_preemptions > 0
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.outputs[0].token_ids == reference(prompt)
 
 
 def test_min_tokens_blocks_stop_tokens(checkpoint, reference):
-    prompt = _prompts(1, 10, 10, seed=5)[0]
+    prompt = random_prompts(1, 10, 10, seed=5)[0]
     first = reference(prompt)[0]
     llm = _engine(checkpoint)
-    stop_early = _generate(llm, [prompt], stop_token_ids=[first])[0]
+    stop_early = generate_greedy(llm, [prompt], stop_token_ids=[first])[0]
     assert stop_early.outputs[0].token_ids == [first]
     assert stop_early.outputs[0].finish_reason == "stop"
-    held = _generate(llm, [prompt], stop_token_ids=[first], min_tokens=3)[0]
+    held = generate_greedy(llm, [prompt], stop_token_ids=[first], min_tokens=3)[0]
     assert held.outputs[0].token_ids[0] != first
     assert first not in held.outputs[0].token_ids[:3]
 
 
 def test_seeded_sampling_is_independent_of_the_batch(checkpoint):
     llm = _engine(checkpoint)
-    prompt = _prompts(1, 10, 10, seed=6)[0]
+    prompt = random_prompts(1, 10, 10, seed=6)[0]
     sp = SamplingParams(temperature=1.0, seed=1234, max_tokens=MAX_TOKENS, ignore_eos=True)
     alone = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0].token_ids
     others = SamplingParams(temperature=0.8, max_tokens=MAX_TOKENS, ignore_eos=True)
     mixed = (
-        llm.generate(_prompts(3, 5, 30, seed=7) + [prompt], [others] * 3 + [sp], use_tqdm=False)[3]
+        llm.generate(
+            random_prompts(3, 5, 30, seed=7) + [prompt], [others] * 3 + [sp], use_tqdm=False
+        )[3]
         .outputs[0]
         .token_ids
     )
