@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from kv_cache.block import KVCacheBlock
 from kv_cache.block_pool import BlockPool
 from kv_cache.kv_cache_blocks import KVCacheBlocks, tail_first
+from kv_cache.request import KVCacheRequest
+from kv_cache.single_type_manager import SingleTypeKVCacheManager
 
 BlockCopy = tuple[int, int]  # (source block id, destination block id)
 
@@ -131,18 +133,46 @@ class HostTier:
             resolved.append(group_resolved)
         return tuple(resolved)
 
-    def hold_hits(self, host_blocks: list[KVCacheBlock]) -> None:
-        """Take host hits out of reach of eviction until this step's copies are taken."""
-        self.pool.touch(host_blocks)
-        for block in host_blocks:
+    def take_hits(
+        self,
+        request: KVCacheRequest,
+        hits: tuple[list[KVCacheBlock], ...],
+        num_new_computed_tokens: int,
+        single_type_managers: tuple[SingleTypeKVCacheManager, ...],
+    ) -> None:
+        """Start the request's block lists with its hits: take the device hits, then copy
+        each host hit into a new device block, which gets the host block's cache key. Every
+        hit is held before any device block is popped (a popped block may spill to the host).
+        A resumed request's swap entry is dropped."""
+        device_pool = self.device_pool
+        device_pool.touch(b for group_hits in hits for b in group_hits if not b.is_host)
+        host_hits = [
+            (group_id, i, block)
+            for group_id, group_hits in enumerate(hits)
+            for i, block in enumerate(group_hits)
+            if block.is_host
+        ]
+        self.pool.touch(block for _, _, block in host_hits)
+        for _, _, block in host_hits:
             self._hold(block)
+        tables = [list(group_hits) for group_hits in hits]
+        device_blocks = device_pool.get_new_blocks(len(host_hits))
+        block_hashes = request.block_hashes
+        for (group_id, i, host_block), device_block in zip(host_hits, device_blocks, strict=True):
+            tables[group_id][i] = device_block
+            self.swap_in_copies.append((host_block.block_id, device_block.block_id))
+            self._swap_in_source[device_block.block_id] = host_block
+            if host_block.cache_key is not None:
+                parent = block_hashes[i - 1] if i > 0 else None
+                device_pool.cache_block(device_block, host_block.cache_key, parent, self.block_size)
+        self.num_swapped_in_blocks += len(host_hits)
+        # A partial last block (of a swapped request) is cached once it fills.
+        num_cached = num_new_computed_tokens // self.block_size if self.pool.enable_caching else 0
+        for manager, blocks in zip(single_type_managers, tables, strict=True):
+            manager.set_computed_blocks(request.request_id, blocks, num_cached)
+        self._drop_swapped(request.request_id)
 
-    def record_swap_in(self, host_block: KVCacheBlock, device_block: KVCacheBlock) -> None:
-        self.swap_in_copies.append((host_block.block_id, device_block.block_id))
-        self._swap_in_source[device_block.block_id] = host_block
-        self.num_swapped_in_blocks += 1
-
-    def drop_swapped(self, request_id: str) -> None:
+    def _drop_swapped(self, request_id: str) -> None:
         """A swapped request resumed: its host references are released with this step's
         copies."""
         entry = self.swapped.pop(request_id, None)

@@ -213,7 +213,7 @@ class KVCacheManager:
             for manager, group_hits in zip(managers, hits, strict=True):
                 manager.allocate_new_computed_blocks(request_id, group_hits)
         else:
-            self._take_hits_of_either_tier(request, hits, num_new_computed_tokens)
+            self.host_tier.take_hits(request, hits, num_new_computed_tokens, managers)
         new_blocks = tuple(
             [manager.allocate_new_blocks(request_id, num_needed) for manager in managers]
         )
@@ -222,41 +222,6 @@ class KVCacheManager:
             for manager in managers:
                 manager.cache_blocks(request, num_cacheable)
         return KVCacheBlocks(new_blocks)
-
-    def _take_hits_of_either_tier(
-        self,
-        request: KVCacheRequest,
-        hits: tuple[list[KVCacheBlock], ...],
-        num_new_computed_tokens: int,
-    ) -> None:
-        """Take device hits, then copy each host hit into a new device block, which gets
-        the host block's cache key. As without a host tier, every hit is held before any
-        device block is popped; the host hits too, as a popped block may spill to the host."""
-        tier = self.host_tier
-        self.block_pool.touch(b for group_hits in hits for b in group_hits if not b.is_host)
-        host_hits = [
-            (group_id, i, block)
-            for group_id, group_hits in enumerate(hits)
-            for i, block in enumerate(group_hits)
-            if block.is_host
-        ]
-        tier.hold_hits([block for _, _, block in host_hits])
-        tables = [list(group_hits) for group_hits in hits]
-        device_blocks = self.block_pool.get_new_blocks(len(host_hits))
-        block_hashes = request.block_hashes
-        for (group_id, i, host_block), device_block in zip(host_hits, device_blocks, strict=True):
-            tables[group_id][i] = device_block
-            tier.record_swap_in(host_block, device_block)
-            if host_block.cache_key is not None:
-                parent = block_hashes[i - 1] if i > 0 else None
-                self.block_pool.cache_block(
-                    device_block, host_block.cache_key, parent, self.block_size
-                )
-        # A partial last block (of a swapped request) is cached once it fills.
-        num_cached = num_new_computed_tokens // self.block_size if self.enable_caching else 0
-        for manager, blocks in zip(self.single_type_managers, tables, strict=True):
-            manager.set_computed_blocks(request.request_id, blocks, num_cached)
-        tier.drop_swapped(request.request_id)
 
     def free(self, request: KVCacheRequest) -> None:
         """Free from the tail, position by position across the groups, so the request's tail
