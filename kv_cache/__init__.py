@@ -5,6 +5,7 @@ from kv_cache.block_pool import BlockPool
 from kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kv_cache.free_queue import FreeKVCacheBlockQueue
 from kv_cache.hashing import NONE_HASH, block_hashes, extend_block_hashes, hash_block_tokens
+from kv_cache.host_tier import BlockCopy, HostTier, SwappedRequest
 from kv_cache.kv_cache_blocks import KVCacheBlocks
 from kv_cache.manager import KVCacheManager, PrefixCacheStats
 from kv_cache.request import KVCacheRequest
@@ -17,12 +18,14 @@ from kv_cache.single_type_manager import (
 __all__ = [
     "NONE_HASH",
     "AllBlocksCleared",
+    "BlockCopy",
     "BlockHashWithGroupId",
     "BlockPool",
     "BlockRemoved",
     "BlockStored",
     "FreeKVCacheBlockQueue",
     "FullAttentionManager",
+    "HostTier",
     "KVCacheBlock",
     "KVCacheBlocks",
     "KVCacheEvent",
@@ -31,6 +34,7 @@ __all__ = [
     "PrefixCacheStats",
     "SingleTypeKVCacheManager",
     "SlidingWindowManager",
+    "SwappedRequest",
     "block_hashes",
     "extend_block_hashes",
     "hash_block_tokens",

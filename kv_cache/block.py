@@ -17,6 +17,8 @@ class KVCacheBlock:
     prev_free_block: "KVCacheBlock | None" = field(default=None, repr=False)
     next_free_block: "KVCacheBlock | None" = field(default=None, repr=False)
     is_null: bool = False
+    # A block of the host tier (pinned CPU memory), not of the device.
+    is_host: bool = False
 
     @property
     def cache_key(self) -> BlockHashWithGroupId | None:

@@ -1,6 +1,6 @@
 """The pool of KV cache blocks: allocation, reference counts and the prefix cache."""
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from kv_cache.block import BlockHashWithGroupId, KVCacheBlock
 from kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
@@ -15,23 +15,33 @@ class BlockPool:
     get_new_blocks pops it from the free queue for reuse. Every KV cache group caches its
     own blocks under the same request block hashes, so the cache is keyed by
     (block_hash, group_id).
+
+    `is_host` makes a pool of host-tier blocks (their `is_host` is set).
+    `on_last_copy_evicted`, when set, is called with a block about to lose its hash when no
+    other block of the pool caches that key (the host tier spills it).
     """
 
     def __init__(
-        self, num_blocks: int, enable_caching: bool = True, enable_kv_cache_events: bool = False
+        self,
+        num_blocks: int,
+        enable_caching: bool = True,
+        enable_kv_cache_events: bool = False,
+        is_host: bool = False,
     ) -> None:
         if num_blocks < 2:
             raise ValueError(f"need at least 2 blocks (one is the null block), got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.enable_kv_cache_events = enable_kv_cache_events
-        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.is_host = is_host
+        self.blocks = [KVCacheBlock(i, is_host=is_host) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
         # One key may name several blocks (no deduplication): {key: {block_id: block}}.
         self.cached_block_hash_to_block: dict[BlockHashWithGroupId, dict[int, KVCacheBlock]] = {}
         self.events: list[KVCacheEvent] = []
+        self.on_last_copy_evicted: Callable[[KVCacheBlock], None] | None = None
 
     def get_cached_block(self, block_hash: bytes, group_id: int) -> KVCacheBlock | None:
         blocks = self.cached_block_hash_to_block.get((block_hash, group_id))
@@ -55,6 +65,8 @@ class BlockPool:
         del same_key[block.block_id]
         if not same_key:
             del self.cached_block_hash_to_block[cache_key]
+            if self.on_last_copy_evicted is not None:
+                self.on_last_copy_evicted(block)
         block.reset_hash()
         block_hash = cache_key[0]
         if self.enable_kv_cache_events:
@@ -105,6 +117,19 @@ class BlockPool:
         if self.enable_kv_cache_events and stored:
             parent = block_hashes[num_cached_blocks - 1] if num_cached_blocks > 0 else None
             self.events.append(BlockStored(stored, parent, block_size))
+
+    def cache_block(
+        self,
+        block: KVCacheBlock,
+        cache_key: BlockHashWithGroupId,
+        parent_block_hash: bytes | None,
+        block_size: int,
+    ) -> None:
+        """Cache one block under a key it got from a copy in the other tier."""
+        block.cache_key = cache_key
+        self.cached_block_hash_to_block.setdefault(cache_key, {})[block.block_id] = block
+        if self.enable_kv_cache_events:
+            self.events.append(BlockStored([cache_key[0]], parent_block_hash, block_size))
 
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks

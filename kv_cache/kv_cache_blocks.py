@@ -1,5 +1,6 @@
 """KVCacheBlocks: blocks handed to the scheduler, one list per KV cache group."""
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from kv_cache.block import KVCacheBlock
@@ -28,3 +29,12 @@ class KVCacheBlocks:
         """Concatenate group by group (cache hits + newly allocated blocks). Both sides must
         have the same number of groups (ValueError otherwise)."""
         return KVCacheBlocks(tuple(a + b for a, b in zip(self.blocks, other.blocks, strict=True)))
+
+
+def tail_first(tables: Sequence[list[KVCacheBlock]]) -> Iterator[KVCacheBlock]:
+    """The blocks of per-group block lists in freeing order: position by position from the
+    tail, every group's block of a position before the previous position's."""
+    num_positions = max((len(blocks) for blocks in tables), default=0)
+    return (
+        blocks[i] for i in reversed(range(num_positions)) for blocks in tables if i < len(blocks)
+    )

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from kv_cache.block import KVCacheBlock
 from kv_cache.block_pool import BlockPool
 from kv_cache.events import KVCacheEvent
-from kv_cache.kv_cache_blocks import KVCacheBlocks
+from kv_cache.host_tier import BlockCopy, HostTier
+from kv_cache.kv_cache_blocks import KVCacheBlocks, tail_first
 from kv_cache.request import KVCacheRequest
 from kv_cache.single_type_manager import (
     FullAttentionManager,
@@ -22,6 +23,8 @@ class PrefixCacheStats:
     requests: int = 0
     queries: int = 0
     hits: int = 0
+    # Hit tokens served by host-tier blocks (also counted in hits).
+    host_hits: int = 0
 
 
 class KVCacheManager:
@@ -31,6 +34,9 @@ class KVCacheManager:
     window of W tokens. Without it the model has one group whose window is
     `sliding_window`. Each group holds its own blocks for every request; a request's block
     lists have the same length in every group.
+
+    With `num_host_blocks` > 0 a host tier (HostTier) backs the device pool: swap
+    preemption, spilling of evicted cached blocks, and prefix hits served from the host.
     """
 
     def __init__(
@@ -42,6 +48,7 @@ class KVCacheManager:
         sliding_window: int | None = None,
         enable_kv_cache_events: bool = False,
         group_windows: Sequence[int | None] | None = None,
+        num_host_blocks: int = 0,
     ) -> None:
         if group_windows is None:
             group_windows = (sliding_window,)
@@ -68,6 +75,41 @@ class KVCacheManager:
         )
         self._no_hits: tuple[list[KVCacheBlock], ...] = tuple([] for _ in self.group_windows)
         self.prefix_cache_stats = PrefixCacheStats()
+        self.host_tier = (
+            HostTier(num_host_blocks, self.block_pool, block_size) if num_host_blocks else None
+        )
+        self.host_block_pool = None if self.host_tier is None else self.host_tier.pool
+        if self.host_tier is not None and enable_caching:
+            for manager in self.single_type_managers:
+                manager.get_cached_block = self._get_cached_block_in_either_tier
+
+    @property
+    def has_host_tier(self) -> bool:
+        return self.host_tier is not None
+
+    @property
+    def host_usage(self) -> float:
+        return 0.0 if self.host_block_pool is None else self.host_block_pool.get_usage()
+
+    @property
+    def num_swapped_out_blocks(self) -> int:
+        return 0 if self.host_tier is None else self.host_tier.num_swapped_out_blocks
+
+    @property
+    def num_swapped_in_blocks(self) -> int:
+        return 0 if self.host_tier is None else self.host_tier.num_swapped_in_blocks
+
+    @property
+    def num_spilled_blocks(self) -> int:
+        return 0 if self.host_tier is None else self.host_tier.num_spilled_blocks
+
+    def _get_cached_block_in_either_tier(
+        self, block_hash: bytes, group_id: int
+    ) -> KVCacheBlock | None:
+        block = self.block_pool.get_cached_block(block_hash, group_id)
+        if block is None:
+            block = self.host_tier.get_cached_block(block_hash, group_id)
+        return block
 
     @property
     def num_groups(self) -> int:
@@ -89,6 +131,11 @@ class KVCacheManager:
         self.prefix_cache_stats.requests += 1
         self.prefix_cache_stats.queries += request.num_tokens
         self.prefix_cache_stats.hits += num_hit_tokens
+        if self.host_tier is not None and num_hit_tokens:
+            num_host_positions = sum(
+                1 for position in zip(*hits, strict=True) if any(b.is_host for b in position)
+            )
+            self.prefix_cache_stats.host_hits += num_host_positions * self.block_size
         return KVCacheBlocks(hits), num_hit_tokens
 
     def _find_common_cache_hit(
@@ -130,11 +177,20 @@ class KVCacheManager:
         suffice for all groups together; then nothing has been allocated or touched. (Before
         that check sliding groups release the blocks that fell out of the window, which the
         request never reads again.)
+
+        The computed blocks may be host blocks (host-tier hits, or a swapped request's
+        blocks from get_swapped_blocks, with `num_new_computed_tokens` the tokens they
+        hold): each is copied into a new device block in this step's swap-ins.
         """
         if num_new_tokens <= 0:
             raise ValueError("num_new_tokens must be greater than 0")
         managers = self.single_type_managers
-        hits = self._no_hits if new_computed_blocks is None else new_computed_blocks.blocks
+        if new_computed_blocks is None:
+            hits = self._no_hits
+        elif self.host_tier is None:
+            hits = new_computed_blocks.blocks
+        else:
+            hits = self.host_tier.resolve_held_hits(new_computed_blocks.blocks)
         if len(hits) != len(managers):
             raise ValueError(f"got cache hits of {len(hits)} groups, the model has {len(managers)}")
         request_id = request.request_id
@@ -149,11 +205,15 @@ class KVCacheManager:
             )
         if num_to_allocate > self.block_pool.get_num_free_blocks():
             return None
-        if new_computed_blocks is not None:
+        if new_computed_blocks is None:
+            pass
+        elif self.host_tier is None:
             # Every group's hits leave the free queue before any new block is popped, so no
             # new block can evict a hit.
             for manager, group_hits in zip(managers, hits, strict=True):
                 manager.allocate_new_computed_blocks(request_id, group_hits)
+        else:
+            self.host_tier.take_hits(request, hits, num_new_computed_tokens, managers)
         new_blocks = tuple(
             [manager.allocate_new_blocks(request_id, num_needed) for manager in managers]
         )
@@ -165,18 +225,55 @@ class KVCacheManager:
 
     def free(self, request: KVCacheRequest) -> None:
         """Free from the tail, position by position across the groups, so the request's tail
-        is evicted before its (more shareable) head in every group."""
-        tables = [manager.pop_blocks(request.request_id) for manager in self.single_type_managers]
+        is evicted before its (more shareable) head in every group. A swapped request's host
+        blocks are freed the same way."""
+        if self.host_tier is not None:
+            self.host_tier.free_swapped(request.request_id)
+        self._free_device_blocks(request.request_id)
+
+    def _free_device_blocks(self, request_id: str) -> None:
+        tables = [manager.pop_blocks(request_id) for manager in self.single_type_managers]
         if len(tables) == 1:
             self.block_pool.free_blocks(reversed(tables[0]))
             return
-        num_positions = max(len(blocks) for blocks in tables)
-        self.block_pool.free_blocks(
-            blocks[i]
-            for i in reversed(range(num_positions))
-            for blocks in tables
-            if i < len(blocks)
-        )
+        self.block_pool.free_blocks(tail_first(tables))
+
+    def swap_out(self, request: KVCacheRequest) -> bool:
+        """Preempt a running request by copying its KV to the host tier: one host block per
+        device block holding computed tokens (of `request.num_computed_tokens`; blocks
+        before a sliding window stay null), then free its device blocks as free() does.
+        False, with nothing changed, when the host has too few free blocks."""
+        if self.host_tier is None:
+            raise RuntimeError("swap_out needs a host tier (num_host_blocks > 0)")
+        request_id = request.request_id
+        num_tokens = request.num_computed_tokens
+        num_positions = -(-num_tokens // self.block_size)
+        tables = []
+        for manager in self.single_type_managers:
+            blocks = manager.req_to_blocks.get(request_id, [])[:num_positions]
+            num_skipped = manager.get_num_skipped_tokens(num_tokens) // self.block_size
+            tables.append([self.block_pool.null_block] * num_skipped + blocks[num_skipped:])
+        if not self.host_tier.swap_out(request_id, tables, num_tokens):
+            return False
+        self._free_device_blocks(request_id)
+        return True
+
+    def is_swapped(self, request_id: str) -> bool:
+        return self.host_tier is not None and request_id in self.host_tier.swapped
+
+    def get_swapped_blocks(self, request: KVCacheRequest) -> tuple[KVCacheBlocks, int]:
+        """A swapped request's host blocks and the number of tokens they hold, to pass to
+        allocate_slots when it resumes."""
+        if self.host_tier is None:
+            raise RuntimeError("no host tier")
+        return self.host_tier.get_swapped_blocks(request.request_id)
+
+    def take_block_copies(self) -> tuple[list[BlockCopy], list[BlockCopy]]:
+        """This step's (device, host) swap-out copies and (host, device) swap-in copies, in
+        order; the host blocks they name are released. Call once per step."""
+        if self.host_tier is None:
+            return [], []
+        return self.host_tier.take_block_copies()
 
     def get_block_ids(self, request_id: str) -> list[list[int]]:
         return [
@@ -189,7 +286,13 @@ class KVCacheManager:
         return stats
 
     def reset_prefix_cache(self) -> bool:
-        return self.block_pool.reset_prefix_cache()
+        """Forget every cached hash, of both tiers. False while any block is in use."""
+        if self.host_block_pool is None:
+            return self.block_pool.reset_prefix_cache()
+        pools = (self.block_pool, self.host_block_pool)
+        if any(pool.get_num_free_blocks() != pool.num_blocks - 1 for pool in pools):
+            return False
+        return all([pool.reset_prefix_cache() for pool in pools])
 
     def take_events(self) -> list[KVCacheEvent]:
         return self.block_pool.take_events()

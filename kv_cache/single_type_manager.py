@@ -20,6 +20,8 @@ class SingleTypeKVCacheManager:
         self.block_size = block_size
         self.group_id = group_id
         self.null_block = block_pool.null_block
+        # Per-block prefix-cache lookup; the KVCacheManager widens it to the host tier.
+        self.get_cached_block = block_pool.get_cached_block
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # Number of leading blocks of each request already in the prefix cache.
         self.num_cached_block: dict[str, int] = {}
@@ -37,23 +39,35 @@ class SingleTypeKVCacheManager:
         self, request_id: str, num_tokens: int, new_computed_blocks: list[KVCacheBlock]
     ) -> int:
         """Free blocks that holding `num_tokens` would consume: new blocks, plus cache hits
-        nobody holds (touching them takes them out of the free queue)."""
+        nobody holds (touching them takes them out of the free queue), plus host-tier hits
+        (each is copied into a new device block)."""
         num_held = len(self.req_to_blocks.get(request_id, ()))
         num_new = max(0, cdiv(num_tokens, self.block_size) - num_held - len(new_computed_blocks))
         if not new_computed_blocks:
             return num_new
-        return num_new + sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
+        return num_new + sum(
+            1 for b in new_computed_blocks if (b.ref_cnt == 0 or b.is_host) and not b.is_null
+        )
 
     def allocate_new_computed_blocks(
         self, request_id: str, new_computed_blocks: list[KVCacheBlock]
     ) -> None:
         if not new_computed_blocks:
             return
+        self.block_pool.touch(new_computed_blocks)
+        self.set_computed_blocks(request_id, new_computed_blocks, len(new_computed_blocks))
+
+    def set_computed_blocks(
+        self, request_id: str, computed_blocks: list[KVCacheBlock], num_cached_blocks: int
+    ) -> None:
+        """Start the request's block list with blocks it already holds a reference on, the
+        first `num_cached_blocks` of them cached."""
+        if not computed_blocks:
+            return
         blocks = self.req_to_blocks.setdefault(request_id, [])
         assert not blocks, "cache hits are only taken by a request holding no blocks"
-        self.block_pool.touch(new_computed_blocks)
-        blocks.extend(new_computed_blocks)
-        self.num_cached_block[request_id] = len(new_computed_blocks)
+        blocks.extend(computed_blocks)
+        self.num_cached_block[request_id] = num_cached_blocks
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
         blocks = self.req_to_blocks.setdefault(request_id, [])
@@ -110,7 +124,7 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         """Leading run of cached blocks, at most max_length // block_size of them."""
         hits = []
         for block_hash in block_hashes[: max_length // self.block_size]:
-            block = self.block_pool.get_cached_block(block_hash, self.group_id)
+            block = self.get_cached_block(block_hash, self.group_id)
             if block is None:
                 break
             hits.append(block)
@@ -141,7 +155,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         num_blocks = min(max_length // self.block_size, len(block_hashes))
         run: list[KVCacheBlock] = []
         for i in range(num_blocks - 1, -1, -1):
-            block = self.block_pool.get_cached_block(block_hashes[i], self.group_id)
+            block = self.get_cached_block(block_hashes[i], self.group_id)
             if block is None:
                 run = []
                 continue
