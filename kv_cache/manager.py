@@ -205,14 +205,12 @@ class KVCacheManager:
             )
         if num_to_allocate > self.block_pool.get_num_free_blocks():
             return None
-        if new_computed_blocks is None:
-            pass
-        elif self.host_tier is None:
-            # Every group's hits leave the free queue before any new block is popped, so no
-            # new block can evict a hit.
+        # Every group's hits are taken before any new block is popped, so no new block can
+        # evict a hit.
+        if new_computed_blocks is not None and self.host_tier is None:
             for manager, group_hits in zip(managers, hits, strict=True):
                 manager.allocate_new_computed_blocks(request_id, group_hits)
-        else:
+        elif new_computed_blocks is not None:
             self.host_tier.take_hits(request, hits, num_new_computed_tokens, managers)
         new_blocks = tuple(
             [manager.allocate_new_blocks(request_id, num_needed) for manager in managers]
