@@ -58,6 +58,30 @@ def test_llm_tp2_hybrid_kv_cache_groups(tmp_path, monkeypatch):
 
 
 @pytest.mark.gpus(2)
+def test_llm_tp2_swap_preemption(qwen3_path, monkeypatch):
+    """Both ranks run each step's block copies (the SchedulerOutput is broadcast): requests
+    swapped out to the host tier and back give transformers' greedy tokens."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    llm = LLM(
+        qwen3_path,
+        tensor_parallel_size=2,
+        dtype="float32",
+        block_size=4,
+        max_model_len=64,
+        max_num_batched_tokens=16,
+        num_gpu_blocks_override=17,  # one request of max_model_len
+        kv_offload_memory=1 << 20,
+        preemption_mode="swap",
+    )
+    prompts = [list(range(n, n + 30)) for n in (3, 40, 90, 150)]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == greedy_reference(qwen3_path, prompts, 10)
+    stats = llm.engine.get_stats()
+    assert stats.num_swapped_out_blocks > 0
+    assert stats.num_swapped_in_blocks >= stats.num_swapped_out_blocks
+
+
+@pytest.mark.gpus(2)
 def test_worker_start_failure_names_the_rank(tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     ipc_dir = tmp_path / "ipc"
