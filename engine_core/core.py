@@ -11,7 +11,7 @@ from engine_core.executor import Executor, WorkerFailure
 from engine_core.request import Request, RequestStatus
 from engine_core.scheduler import Scheduler
 from ipc.config import EngineConfig
-from ipc.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from ipc.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerOutput, SchedulerStats
 from kv_cache import KVCacheManager
 
 logger = logging.getLogger(__name__)
@@ -42,6 +42,12 @@ class EngineCore:
         )
         self.num_worker_restarts = 0
         self._restart_times: deque[float] = deque()
+        overlap = config.async_scheduling
+        if overlap is None:
+            overlap = executor.overlaps_steps
+        # Steps sent and not yet answered; async scheduling leaves one in flight.
+        self.in_flight: deque[SchedulerOutput] = deque()
+        self.max_in_flight = 1 if overlap else 0
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request; one that can never run gets an error output from the next step."""
@@ -53,17 +59,43 @@ class EngineCore:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def step(self) -> EngineCoreOutputs:
-        """Schedule and run one step. When the workers fail, they are replaced and the
+        """Schedule a step and send it, then take the answer of the oldest step in flight.
+        With async scheduling the newest step stays in flight: the workers run step N+1
+        while this process updates from step N and schedules N+2. Without it, or while a
+        structured-output request needs its grammar advanced first, each step is answered
+        before the next is scheduled. When the workers fail, they are replaced and the
         running requests replayed (this step then has no model output)."""
+        if not self.max_in_flight:
+            return self._step_in_lockstep()
+        in_flight = self.in_flight
+        try:
+            if in_flight and self.scheduler.needs_lockstep:
+                return self._collect()
+            so = self.scheduler.schedule()
+            if _runs(so):
+                self.executor.submit(so)
+                in_flight.append(so)
+            if len(in_flight) > self.max_in_flight or (in_flight and in_flight[-1] is not so):
+                return self._collect()
+        except WorkerFailure as e:
+            in_flight.clear()
+            self.replace_workers(e)
+        return EngineCoreOutputs(self.scheduler.take_pending_outputs())
+
+    def _step_in_lockstep(self) -> EngineCoreOutputs:
         scheduler_output = self.scheduler.schedule()
-        # A step that only swaps blocks out (its requests were all preempted) still runs.
-        if not (scheduler_output.total_num_scheduled_tokens or scheduler_output.blocks_to_swap_out):
+        if not _runs(scheduler_output):
             return EngineCoreOutputs(self.scheduler.take_pending_outputs())
         try:
             model_runner_output = self.executor.execute_model(scheduler_output)
         except WorkerFailure as e:
             self.replace_workers(e)
             return EngineCoreOutputs(self.scheduler.take_pending_outputs())
+        return self.scheduler.update_from_output(scheduler_output, model_runner_output)
+
+    def _collect(self) -> EngineCoreOutputs:
+        scheduler_output = self.in_flight.popleft()
+        model_runner_output = self.executor.collect(scheduler_output)
         return self.scheduler.update_from_output(scheduler_output, model_runner_output)
 
     def check_workers(self) -> None:
@@ -104,7 +136,7 @@ class EngineCore:
                 failure = e
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self.in_flight)
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.get_stats()
@@ -114,3 +146,9 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def _runs(scheduler_output: SchedulerOutput) -> bool:
+    """Whether the workers have anything to do: tokens, or blocks to swap out (a step whose
+    requests were all preempted still copies theirs)."""
+    return bool(scheduler_output.total_num_scheduled_tokens or scheduler_output.blocks_to_swap_out)

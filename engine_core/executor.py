@@ -17,6 +17,8 @@ class Executor(ABC):
     # Each KV cache group's sliding window (None: full attention), in the order block ids
     # travel in; set by determine_num_blocks.
     kv_cache_groups: list[int | None] = [None]
+    # Whether a submitted step runs while this process goes on (async scheduling helps).
+    overlaps_steps: bool = False
     # The KV host tier (config.kv_offload_memory; 0 blocks: off) and the workers' measured
     # seconds to copy one block one way and to prefill one token; set by
     # determine_num_blocks.
@@ -34,6 +36,15 @@ class Executor(ABC):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on the workers; the answer lists a (possibly empty) list of sampled
         tokens for each scheduled request. Raises WorkerFailure when the workers fail."""
+
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
+        """Start a step without waiting for its answer (async scheduling); collect() takes
+        the answers in submission order. By default the step runs when it is collected."""
+        return None
+
+    def collect(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """The answer to the oldest submitted step, `scheduler_output`."""
+        return self.execute_model(scheduler_output)
 
     def check_workers(self) -> None:
         """Between steps: raise WorkerFailure if a worker is gone or reported an error.

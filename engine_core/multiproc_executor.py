@@ -94,8 +94,13 @@ class MultiprocExecutor(Executor):
         self.ready_timeout = ready_timeout
         self.step_timeout = config.worker_step_timeout
         self.workers: list[WorkerInfo] = []
+        self.overlaps_steps = True
         # (start, sent, answered) perf_counter times of the last execute_model.
         self.last_call: tuple[float, float, float] | None = None
+        # (start, sent) of the last submit, until a collect takes them; steps sent and not
+        # yet answered.
+        self._submitted: tuple[float, float] | None = None
+        self._num_in_flight = 0
         self._start_workers = start_workers
         self._request_new_workers = request_new_workers
         self._processes: list[subprocess.Popen] = []
@@ -142,6 +147,7 @@ class MultiprocExecutor(Executor):
         """Stop the group, have fresh workers started (same ranks, a new process group)
         and give them the same `num_blocks` and num_host_blocks. Raises WorkerFailure if
         they do not come or hold fewer blocks."""
+        self._num_in_flight, self._submitted = 0, None  # the old workers' steps are lost
         frame = encode(Shutdown())
         for worker in self.workers:
             with contextlib.suppress(zmq.ZMQError):
@@ -215,9 +221,20 @@ class MultiprocExecutor(Executor):
             self._fail(f"the ranks report different KV cache groups: {list(groups)}")
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.submit(scheduler_output)
+        return self.collect(scheduler_output)
+
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
         start = time.perf_counter()
         self._broadcast(encode(scheduler_output))
-        sent = time.perf_counter()
+        self._submitted = (start, time.perf_counter())
+        self._num_in_flight += 1
+
+    def collect(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Rank 0 answers the steps in the order they were sent."""
+        start, sent = self._submitted or (time.perf_counter(),) * 2
+        self._submitted = None
+        self._num_in_flight -= 1
         driver = self.workers[0].identity
         deadline = time.monotonic() + self.step_timeout
         while True:
@@ -243,8 +260,9 @@ class MultiprocExecutor(Executor):
             logger.warning("ignored %s from a worker during a step", type(msg).__name__)
 
     def check_workers(self) -> None:
-        """Between steps: raise WorkerFailure if a worker reported an error or is gone."""
-        while self._socket.poll(0):
+        """Between steps: raise WorkerFailure if a worker reported an error or is gone.
+        While a step is in flight its answer must stay queued: only liveness is checked."""
+        while not self._num_in_flight and self._socket.poll(0):
             received = self._receive()
             if received is not None and isinstance(received[1], WorkerError):
                 self._fail_with(received[1])

@@ -74,6 +74,9 @@ class Request:
         self.cache_salt = cache_salt
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        # Tokens being sampled by steps already sent whose outputs have not come back
+        # (async scheduling): the workers feed them into the next steps themselves.
+        self.num_output_placeholders = 0
         # Prompt tokens found in the prefix cache when the request was first scheduled.
         self.num_cached_tokens = 0
         self.num_preemptions = 0

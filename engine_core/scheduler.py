@@ -104,6 +104,12 @@ class Scheduler:
         self.prefix_cache_hits = 0
         self.host_cache_hits = 0
 
+    @property
+    def needs_lockstep(self) -> bool:
+        """A structured-output request is live: its next bitmask needs the grammar to have
+        seen every token before it, so no step may be scheduled ahead of an answer."""
+        return bool(self.structured_output.matchers)
+
     def add_request(self, request: Request) -> None:
         """Queue a request, or finish it at once with FINISHED_ERROR if it can never run."""
         error = self._check_request(request)
@@ -180,10 +186,14 @@ class Scheduler:
         # Finished ids reach the workers with the next step that runs; keep them until then.
         if num_scheduled_tokens or swap_out:
             self.finished_req_ids = []
-        # Advance optimistically: the next schedule() sees these tokens as computed.
+        # Advance optimistically: the next schedule() sees these tokens as computed, and a
+        # request computed to its end samples a token the next schedule() may already feed.
         requests = self.requests
         for request_id, num_new in num_scheduled_tokens.items():
-            requests[request_id].num_computed_tokens += num_new
+            request = requests[request_id]
+            request.num_computed_tokens += num_new
+            if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
+                request.num_output_placeholders += 1
         return scheduler_output
 
     def _schedule_running(
@@ -200,7 +210,11 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._has_all_its_tokens_in_flight(request):
+                index += 1
+                continue
+            num_new = request.num_tokens + request.num_output_placeholders
+            num_new = min(num_new - request.num_computed_tokens, budget)
             while (new_blocks := kv.allocate_slots(request, num_new)) is None:
                 victim = self._select_victim()
                 victim_index = self.running.index(victim)
@@ -220,6 +234,15 @@ class Scheduler:
             budget -= num_new
             index += 1
         return scheduled, new_block_ids, preempted
+
+    def _has_all_its_tokens_in_flight(self, request: Request) -> bool:
+        """Async scheduling: the steps in flight sample the request's last token (by
+        max_tokens or max_model_len), so it must not run again."""
+        num_placeholders = request.num_output_placeholders
+        return num_placeholders > 0 and (
+            request.num_output_tokens + num_placeholders == request.max_tokens
+            or request.num_tokens + num_placeholders >= self.max_model_len
+        )
 
     def _schedule_waiting(
         self, num_scheduled_tokens: dict[str, int]
@@ -324,6 +347,7 @@ class Scheduler:
             raise RuntimeError("KV blocks are still in use after every request was preempted")
         for request in self.requests.values():
             request.on_workers = False
+            request.num_output_placeholders = 0  # the steps in flight died with the workers
         self.finished_req_ids = []
         return len(running)
 
@@ -355,6 +379,7 @@ class Scheduler:
             request = requests.get(request_id)
             if request is None or not token_ids:
                 continue
+            request.num_output_placeholders -= 1
             if not request.output_token_ids:
                 self.num_prompt_tokens += request.num_prompt_tokens
             new_token_ids = []
@@ -370,6 +395,8 @@ class Scheduler:
             num_generated += len(new_token_ids)
             if status is not None:
                 finished = True
+                if request.status == RequestStatus.PREEMPTED:  # its last step was in flight
+                    self.waiting.remove_requests({request_id})
                 self._free_request(request, status)
             outputs.append(
                 EngineCoreOutput(

@@ -185,6 +185,15 @@ class EngineConfig:
     device: str = field(
         default="auto", metadata=option("auto: CUDA when there is one", choices=DEVICES)
     )
+    async_scheduling: bool | None = field(
+        default=None,
+        metadata=option(
+            "schedule step N+1 while the workers run step N; the workers feed step N's "
+            "tokens into it themselves, and stop conditions apply one step late (the extra "
+            "token is dropped). Steps with structured-output requests run in lockstep",
+            "on where steps overlap: worker processes, or a GPU in-process",
+        ),
+    )
     enforce_eager: bool = field(
         default=False, metadata=option("run every step eagerly: no CUDA graphs")
     )

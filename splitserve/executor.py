@@ -1,5 +1,7 @@
 import gc
 import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -10,10 +12,15 @@ from worker.model_runner import ModelRunner
 
 
 class InProcessExecutor(Executor):
-    """One ModelRunner in the EngineCore's own process (tensor_parallel_size 1)."""
+    """One ModelRunner in the EngineCore's own process (tensor_parallel_size 1). Submitted
+    steps run on one thread of their own, so that scheduling the next step overlaps the
+    forward (which releases the GIL in torch's kernels and while waiting for the GPU)."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.runner: ModelRunner | None = ModelRunner(config)
+        self.overlaps_steps = self.runner.device.type == "cuda"
+        self._thread: ThreadPoolExecutor | None = None
+        self._submitted: deque[Future] = deque()
 
     def determine_num_blocks(self) -> int:
         runner = self._runner()
@@ -32,9 +39,27 @@ class InProcessExecutor(Executor):
         self.last_call = (start, start, time.perf_counter())  # nothing is sent: no broadcast
         return output
 
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
+        if self._thread is None:
+            device = self._runner().device
+            self._thread = ThreadPoolExecutor(
+                1,
+                thread_name_prefix="splitserve-step",
+                initializer=torch.cuda.set_device if device.type == "cuda" else None,
+                initargs=(device,) if device.type == "cuda" else (),
+            )
+        self._submitted.append(self._thread.submit(self.execute_model, scheduler_output))
+
+    def collect(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self._submitted.popleft().result()
+
     def shutdown(self) -> None:
         """Drop the runner: its model, KV cache and CUDA graphs are freed, and on CUDA the
         cached memory goes back to the device, so a new engine in this process finds it."""
+        if self._thread is not None:
+            self._thread.shutdown(wait=True, cancel_futures=True)
+            self._thread = None
+        self._submitted.clear()
         if self.runner is None:
             return
         on_cuda = self.runner.device.type == "cuda"

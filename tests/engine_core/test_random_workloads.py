@@ -1,6 +1,7 @@
 """Random workloads: arrivals over time, shared prefixes, KV pools small enough to force
 preemption, random aborts, workers that fail and are replaced, with and without a host
-tier (swap preemption, spills and host hits, under the stand-in's content model). Every
+tier (swap preemption, spills and host hits, under the stand-in's content model), with
+and without async scheduling (the stand-in runs a step when it is collected). Every
 request must finish exactly once with exactly the tokens and finish reason its token stream
 implies, and both tiers of the KV cache must end empty."""
 
@@ -62,6 +63,7 @@ request_strategy = st.fixed_dictionaries(
     num_host_blocks=st.sampled_from([0, 3, 8, 24]),
     preemption_mode=st.sampled_from(["auto", "swap", "recompute"]),
     costs=st.sampled_from([(1e-6, 1e-4), (1e-3, 1e-5)]),
+    async_scheduling=st.booleans(),
 )
 def test_random_workloads_finish_every_request_once_and_free_every_block(
     block_size,
@@ -77,6 +79,7 @@ def test_random_workloads_finish_every_request_once_and_free_every_block(
     num_host_blocks,
     preemption_mode,
     costs,
+    async_scheduling,
 ):
     num_blocks = MAX_MODEL_LEN // block_size + 1 + extra_blocks
     engine, executor = make_engine(
@@ -85,6 +88,7 @@ def test_random_workloads_finish_every_request_once_and_free_every_block(
         num_host_blocks=num_host_blocks,
         costs=costs,
         preemption_mode=preemption_mode,
+        async_scheduling=async_scheduling,
         max_model_len=MAX_MODEL_LEN,
         block_size=block_size,
         enable_chunked_prefill=chunked,

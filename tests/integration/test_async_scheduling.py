@@ -1,0 +1,94 @@
+"""Async scheduling in-process (the step runs on the executor's thread while the next one is
+scheduled): greedy tokens equal transformers' under chunked prefill, preemption and prefix
+hits; stop conditions cut exactly where the synchronous engine cuts; seeded sampling gives
+the same tokens as the synchronous engine (fp32, tiny random checkpoint, CPU)."""
+
+import pytest
+
+from splitserve import LLM, SamplingParams
+from tests.integration.greedy import generate_greedy, greedy_reference, random_prompts
+from tests.models.tiny import make_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    return greedy_reference(checkpoint)
+
+
+def _engine(checkpoint: str, async_scheduling: bool, **kw) -> LLM:
+    kw.setdefault("kv_cache_memory", 8 << 20)
+    kw.setdefault("max_model_len", 256)
+    llm = LLM(checkpoint, dtype="float32", async_scheduling=async_scheduling, **kw)
+    assert llm.engine.max_in_flight == int(async_scheduling)
+    return llm
+
+
+def test_greedy_matches_transformers_with_chunks_preemption_and_prefix_hits(checkpoint, reference):
+    llm = _engine(
+        checkpoint,
+        True,
+        block_size=4,
+        max_model_len=64,
+        max_num_batched_tokens=16,
+        num_gpu_blocks_override=17,  # one request of max_model_len: preemption
+    )
+    engine, submit = llm.engine, llm.engine.executor.submit
+    ahead = []  # steps sent while another was in flight
+
+    def recording_submit(scheduler_output):
+        ahead.append(len(engine.in_flight))
+        submit(scheduler_output)
+
+    engine.executor.submit = recording_submit
+    shared = random_prompts(1, 20, 20, seed=8)[0]
+    prompts = random_prompts(6, 20, 40, seed=4) + [shared + [1], shared + [2, 3]]
+    outs = generate_greedy(llm, prompts)
+    assert sum(ahead) > len(ahead) // 2
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == reference(prompt)
+    stats = llm.engine.get_stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert llm.engine.kv_cache_manager.usage == 0.0 and not llm.engine.in_flight
+
+
+def test_stop_conditions_cut_where_the_synchronous_engine_cuts(checkpoint, reference):
+    prompts = random_prompts(4, 5, 30, seed=9)
+    expected = [reference(prompt, 10) for prompt in prompts]
+    params = [
+        SamplingParams(temperature=0, max_tokens=3),
+        SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[expected[1][4]]),
+        SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[expected[2][0]], min_tokens=2),
+        SamplingParams(temperature=0, max_tokens=1),
+    ]
+    outputs = {}
+    for mode in (False, True):
+        llm = _engine(checkpoint, mode)
+        outputs[mode] = [
+            (o.outputs[0].token_ids, o.outputs[0].finish_reason)
+            for o in llm.generate(prompts, params, use_tqdm=False)
+        ]
+        llm.shutdown()
+    assert outputs[True] == outputs[False]
+    tokens = [t for t, _ in outputs[True]]
+    assert tokens[0] == expected[0][:3] and tokens[3] == expected[3][:1]
+    cut = expected[1].index(expected[1][4]) + 1
+    assert tokens[1] == expected[1][:cut]
+
+
+def test_seeded_sampling_equals_the_synchronous_engine(checkpoint):
+    prompts = random_prompts(5, 5, 30, seed=10)
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=12, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    results = []
+    for mode in (False, True):
+        llm = _engine(checkpoint, mode, max_num_batched_tokens=16)
+        results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+        llm.shutdown()
+    assert results[0] == results[1]
