@@ -78,7 +78,6 @@ class EngineCore:
             if len(in_flight) > self.max_in_flight or (in_flight and in_flight[-1] is not so):
                 return self._collect()
         except WorkerFailure as e:
-            in_flight.clear()
             self.replace_workers(e)
         return EngineCoreOutputs(self.scheduler.take_pending_outputs())
 
@@ -110,6 +109,7 @@ class EngineCore:
         waiting queue to be recomputed from its tokens (nothing is streamed twice). Raises
         `failure` once max_worker_restarts restarts fall within worker_restart_window, or
         when the executor cannot replace its workers."""
+        self.in_flight.clear()  # their answers died with the workers
         now = time.monotonic()
         window = self._restart_times
         while window and now - window[0] > self.config.worker_restart_window:
