@@ -65,6 +65,7 @@ class WorkerInfo:
     num_host_blocks: int = 0
     block_copy_seconds: float = 0.0
     prefill_token_seconds: float = 0.0
+    device_type: str = "cpu"
 
 
 class MultiprocExecutor(Executor):
@@ -94,7 +95,6 @@ class MultiprocExecutor(Executor):
         self.ready_timeout = ready_timeout
         self.step_timeout = config.worker_step_timeout
         self.workers: list[WorkerInfo] = []
-        self.overlaps_steps = True
         # (start, sent, answered) perf_counter times of the last execute_model.
         self.last_call: tuple[float, float, float] | None = None
         # (start, sent) of the last submit, until a collect takes them; steps sent and not
@@ -132,6 +132,8 @@ class MultiprocExecutor(Executor):
         self.num_host_blocks = min(w.num_host_blocks for w in self.workers)
         self.block_copy_seconds = max(w.block_copy_seconds for w in self.workers)
         self.prefill_token_seconds = max(w.prefill_token_seconds for w in self.workers)
+        # A CPU step runs on the cores the EngineCore would schedule with: nothing overlaps.
+        self.overlaps_steps = all(w.device_type == "cuda" for w in self.workers)
         self._broadcast(encode(InitKVCache(num_blocks, self.num_host_blocks)))
         logger.info(
             "%d worker(s) ready (KV blocks per rank: %s; host blocks: %s); using %d and %d",
@@ -214,6 +216,7 @@ class MultiprocExecutor(Executor):
                     msg.num_host_blocks,
                     msg.block_copy_seconds,
                     msg.prefill_token_seconds,
+                    msg.device_type,
                 )
         self.workers.extend(ready[rank] for rank in range(self.world_size))
         groups = {tuple(w.kv_cache_groups) for w in self.workers}

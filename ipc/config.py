@@ -191,7 +191,7 @@ class EngineConfig:
             "schedule step N+1 while the workers run step N; the workers feed step N's "
             "tokens into it themselves, and stop conditions apply one step late (the extra "
             "token is dropped). Steps with structured-output requests run in lockstep",
-            "on where steps overlap: worker processes, or a GPU in-process",
+            "on with GPU workers, where the steps overlap",
         ),
     )
     enforce_eager: bool = field(

@@ -361,6 +361,8 @@ class WorkerReady(_Tagged):
     num_host_blocks: int = 0
     block_copy_seconds: float = 0.0
     prefill_token_seconds: float = 0.0
+    # "cuda" or "cpu": where the worker runs its steps.
+    device_type: str = "cpu"
 
 
 # EngineCore -> workers, outside steps

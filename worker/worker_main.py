@@ -86,6 +86,7 @@ def run_worker(
             num_host_blocks=num_host_blocks,
             block_copy_seconds=runner.block_copy_seconds,
             prefill_token_seconds=runner.prefill_token_seconds,
+            device_type=device.type,
         )
         sock.send(encode(ready))
         logger.info(

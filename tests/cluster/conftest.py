@@ -28,7 +28,9 @@ def llama_path(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def qwen3_tp2(qwen3_path, tmp_path_factory):
-    with launch_cluster(tmp_path_factory.mktemp("qwen3-tp2"), qwen3_path, "--tp", "2") as c:
+    """Two ranks with async scheduling forced on (CPU workers default to lockstep)."""
+    folder = tmp_path_factory.mktemp("qwen3-tp2")
+    with launch_cluster(folder, qwen3_path, "--tp", "2", "--async-scheduling") as c:
         yield c
 
 
@@ -40,5 +42,6 @@ def llama_tp1(llama_path, tmp_path_factory):
 
 @pytest.fixture(params=[pytest.param("qwen3_tp2", marks=pytest.mark.gpus(2)), "llama_tp1"])
 def cluster(request):
-    """Each test runs on a 2-rank Qwen3 cluster and a 1-rank Llama cluster."""
+    """Each test runs on a 2-rank Qwen3 cluster (async scheduling) and a 1-rank Llama
+    cluster (lockstep)."""
     return request.getfixturevalue(request.param)

@@ -60,7 +60,8 @@ def test_llm_tp2_hybrid_kv_cache_groups(tmp_path, monkeypatch):
 @pytest.mark.gpus(2)
 def test_llm_tp2_swap_preemption(qwen3_path, monkeypatch):
     """Both ranks run each step's block copies (the SchedulerOutput is broadcast): requests
-    swapped out to the host tier and back give transformers' greedy tokens."""
+    swapped out to the host tier and back give transformers' greedy tokens, also with
+    async scheduling (a request is preempted while its last step is in flight)."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     llm = LLM(
         qwen3_path,
@@ -72,7 +73,9 @@ def test_llm_tp2_swap_preemption(qwen3_path, monkeypatch):
         num_gpu_blocks_override=17,  # one request of max_model_len
         kv_offload_memory=1 << 20,
         preemption_mode="swap",
+        async_scheduling=True,
     )
+    assert llm.engine.max_in_flight == 1
     prompts = [list(range(n, n + 30)) for n in (3, 40, 90, 150)]
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == greedy_reference(qwen3_path, prompts, 10)
