@@ -6,15 +6,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.layers import triton_ops
 from models.layers.cpu_ops import cpu_kernels, fits_rows
 
 
 class SiluAndMul(nn.Module):
-    """x = [gate; up] along the last dim -> silu(gate) * up (the C++ kernel on CPU)."""
+    """x = [gate; up] along the last dim -> silu(gate) * up (the C++ kernel on CPU, the
+    Triton kernel on CUDA)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = cpu_kernels(x.device, x.dtype)
-        if ops is None or not fits_rows(x):
+        if x.is_cuda:
+            ops = triton_ops.triton_kernels(x.device, x.dtype) if triton_ops.rows_fit(x) else None
+        else:
+            ops = cpu_kernels(x.device, x.dtype) if fits_rows(x) else None
+        if ops is None or x.shape[-1] % 2:
             return self.forward_torch(x)
         return ops.silu_and_mul(x)
 

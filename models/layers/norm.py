@@ -1,8 +1,9 @@
 """RMSNorm, computed in float32 as transformers does, with a fused residual add.
 
-On CPU tensors the fused C++ kernel (cpu_ops.cpp) does it in one pass per row; the torch
-code is the fallback and the reference it matches bitwise. GemmaRMSNorm is Gemma's
-variant (weight stored as an offset from 1, applied in float32), torch only.
+On CPU tensors the fused C++ kernel (cpu_ops.cpp) does it in one pass per row, on CUDA
+tensors the Triton kernel (triton_ops.py); the torch code is the fallback and the reference
+they match (the C++ kernel bitwise). GemmaRMSNorm is Gemma's variant (weight stored as an
+offset from 1, applied in float32), torch only.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from models.layers import triton_ops
 from models.layers.cpu_ops import cpu_kernels, fits_rows
 from models.layers.utils import default_weight_loader, new_parameter, set_weight_attrs
 
@@ -61,7 +63,10 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
     def _kernels(self, x: torch.Tensor, *others: torch.Tensor) -> ModuleType | None:
-        """The CPU kernels when they take these tensors, else None."""
+        """The CPU or the Triton kernels when they take these tensors, else None."""
+        if x.is_cuda:
+            fits = triton_ops.norm_fits(x, self.weight, *others)
+            return triton_ops.triton_kernels(x.device, x.dtype) if fits else None
         ops = cpu_kernels(x.device, x.dtype)
         if ops is None or self.weight.dtype != x.dtype or not fits_rows(x):
             return None

@@ -5,8 +5,9 @@ default, linear, llama3 and yarn, from `config.rope_parameters` (transformers 5)
 `config.rope_scaling` + `config.rope_theta` (transformers 4). cos/sin for every position
 up to max_position_embeddings are cached in float32. A forward pass asks once for
 `rotary_emb.rotator(positions, dtype)`, the function every layer applies to its q and k:
-the C++ kernel on CPU (cpu_ops.cpp, in place, both in one pass), else `apply_rotary` with
-cos/sin looked up once (`get_cos_sin`), the reference the kernel matches bitwise.
+the C++ kernel on CPU (cpu_ops.cpp) or the Triton kernel on CUDA (triton_ops.py), in place,
+both in one pass, else `apply_rotary` with cos/sin looked up once (`get_cos_sin`), the
+reference the kernels match (the C++ one bitwise).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from models.layers import triton_ops
 from models.layers.cpu_ops import cpu_kernels
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -184,6 +186,8 @@ class RotaryEmbedding(nn.Module):
         """The rotation of q and k (of `dtype`) at positions [T], for every layer of a pass;
         it may rotate them in place."""
         head_dim = self.head_dim
+        if triton_ops.triton_kernels(positions.device, dtype) is not None:
+            return self._triton_rotator(positions.contiguous(), dtype)
         ops = cpu_kernels(positions.device, dtype)
         if ops is not None:
             positions = positions.long()
@@ -197,6 +201,19 @@ class RotaryEmbedding(nn.Module):
 
             def rotate(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
                 return apply_rotary(q, cos, sin, head_dim), apply_rotary(k, cos, sin, head_dim)
+
+        return rotate
+
+    def _triton_rotator(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotator:
+        """The Triton kernel, in place; q and k it does not take go through `apply_rotary`."""
+        head_dim = self.head_dim
+
+        def rotate(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            if not triton_ops.rotary_fits(q, k, dtype, head_dim):
+                cos, sin = self.get_cos_sin(positions, dtype)
+                return apply_rotary(q, cos, sin, head_dim), apply_rotary(k, cos, sin, head_dim)
+            triton_ops.rotary_embedding(positions, q, k, self.cos_cache, self.sin_cache, head_dim)
+            return q, k
 
         return rotate
 

@@ -1,0 +1,307 @@
+"""The fused CUDA kernels of models/layers, in Triton: RMSNorm (with the residual add),
+SiLU-and-mul, neox rotary embedding of q and k in place.
+
+They have the functions and signatures of the C++ CPU kernels (cpu_ops.cpp), and round to
+the tensor dtype where the torch code stores a tensor, computing in float32 in between;
+they are not bitwise equal to it (sums reduce in another order, exp may differ in an ulp).
+`triton_kernels(device, dtype)` is this module for CUDA tensors of float32, bfloat16 or
+float16, else None; the `*_fits` functions say whether a kernel takes given tensors (the
+layers run their torch code when not).
+"""
+
+from __future__ import annotations
+
+import sys
+from types import ModuleType
+
+import torch
+import triton
+import triton.language as tl
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The widest row a norm program holds in registers; wider rows run the torch code.
+MAX_NORM_BLOCK = 65536
+# Elements a norm program covers: rows narrower than this share a program.
+_NORM_TILE = 2048
+_SILU_BLOCK = 1024
+
+
+def triton_kernels(device: torch.device, dtype: torch.dtype) -> ModuleType | None:
+    if device.type != "cuda" or dtype not in DTYPES:
+        return None
+    return sys.modules[__name__]
+
+
+def rows_fit(x: torch.Tensor) -> bool:
+    """Whether the kernels take x as rows: 1 to 3 dimensions, the last one contiguous."""
+    return 1 <= x.dim() <= 3 and x.stride(-1) == 1 and x.dtype in DTYPES
+
+
+def norm_fits(x: torch.Tensor, weight: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Whether the norm kernels take x (and residual, outputs: `others`) with this weight."""
+    if not rows_fit(x) or triton.next_power_of_2(x.shape[-1]) > MAX_NORM_BLOCK:
+        return False
+    if weight.shape != (x.shape[-1],) or weight.dtype != x.dtype or weight.stride(0) != 1:
+        return False
+    return all(t.shape == x.shape and t.dtype == x.dtype and rows_fit(t) for t in others)
+
+
+def rotary_fits(q: torch.Tensor, k: torch.Tensor, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the rotary kernel takes q [T, heads * head_dim] and k [T, kv_heads * head_dim]."""
+    return head_dim % 2 == 0 and all(
+        t.dtype == dtype
+        and t.dim() == 2
+        and t.stride(1) == 1
+        and t.shape[0] == q.shape[0]
+        and t.shape[1] % head_dim == 0
+        for t in (q, k)
+    )
+
+
+def _row_layout(t: torch.Tensor) -> tuple[int, int, int]:
+    """(rows per outer index, outer stride, inner stride) of a 1-3 dimensional t: row r
+    starts at (r // rows1) * s0 + (r % rows1) * s1."""
+    if t.dim() == 3:
+        return t.shape[1], t.stride(0), t.stride(1)
+    return 1, (t.stride(0) if t.dim() == 2 else 0), 0
+
+
+def _num_rows(t: torch.Tensor) -> int:
+    return t.numel() // t.shape[-1] if t.shape[-1] else 0
+
+
+@triton.jit
+def _row_offsets(rows, rows1, s0, s1):
+    return (rows // rows1) * s0 + (rows % rows1) * s1
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _rms_norm_kernel(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    sum_ptr,
+    num_rows,
+    n,
+    eps,
+    rows1,
+    x_s0,
+    x_s1,
+    res_s0,
+    res_s1,
+    out_s0,
+    out_s1,
+    sum_s0,
+    sum_s1,
+    ADD_RESIDUAL: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    dtype = out_ptr.dtype.element_ty
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    mask = (rows < num_rows)[:, None] & (cols < n)[None, :]
+    x_at = _row_offsets(rows, rows1, x_s0, x_s1)[:, None] + cols[None, :]
+    x = tl.load(x_ptr + x_at, mask, other=0.0).to(tl.float32)
+    if ADD_RESIDUAL:
+        res_at = _row_offsets(rows, rows1, res_s0, res_s1)[:, None] + cols[None, :]
+        residual = tl.load(residual_ptr + res_at, mask, other=0.0).to(tl.float32)
+        total = (x + residual).to(dtype)
+        sum_at = _row_offsets(rows, rows1, sum_s0, sum_s1)[:, None] + cols[None, :]
+        tl.store(sum_ptr + sum_at, total, mask)
+        x = total.to(tl.float32)
+    variance = tl.sum(x * x, axis=1) / n
+    normed = (x * tl.math.rsqrt(variance + eps)[:, None]).to(dtype).to(tl.float32)
+    weight = tl.load(weight_ptr + cols, cols < n, other=0.0).to(tl.float32)
+    out_at = _row_offsets(rows, rows1, out_s0, out_s1)[:, None] + cols[None, :]
+    tl.store(out_ptr + out_at, (weight[None, :] * normed).to(dtype), mask)
+
+
+def _launch_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor,
+    total: torch.Tensor | None,
+) -> None:
+    num_rows, n = _num_rows(x), x.shape[-1]
+    if num_rows == 0:
+        return
+    block = triton.next_power_of_2(n)
+    rows_per_program = max(1, _NORM_TILE // block)
+    rows1, x_s0, x_s1 = _row_layout(x)
+    _, res_s0, res_s1 = _row_layout(residual) if residual is not None else (1, 0, 0)
+    _, out_s0, out_s1 = _row_layout(out)
+    _, sum_s0, sum_s1 = _row_layout(total) if total is not None else (1, 0, 0)
+    _rms_norm_kernel[(triton.cdiv(num_rows, rows_per_program),)](
+        x,
+        residual if residual is not None else x,
+        weight,
+        out,
+        total if total is not None else out,
+        num_rows,
+        n,
+        eps,
+        rows1,
+        x_s0,
+        x_s1,
+        res_s0,
+        res_s1,
+        out_s0,
+        out_s1,
+        sum_s0,
+        sum_s1,
+        ADD_RESIDUAL=residual is not None,
+        ROWS=rows_per_program,
+        BLOCK=block,
+        num_warps=min(16, max(1, rows_per_program * block // 512)),
+    )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * norm(x) in a new contiguous tensor (x: rows, see `norm_fits`)."""
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _launch_norm(x, None, weight, eps, out, None)
+    return out
+
+
+def add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor,
+    total: torch.Tensor,
+) -> None:
+    """total = x + residual, out = weight * norm(total); out may be x and total may be
+    residual (in place): a program reads its rows before it writes them."""
+    _launch_norm(x, residual, weight, eps, out, total)
+
+
+@triton.jit(do_not_specialize=["num_rows"])
+def _silu_and_mul_kernel(
+    x_ptr, out_ptr, num_rows, d, rows1, x_s0, x_s1, out_s0, out_s1, BLOCK: tl.constexpr
+):
+    dtype = out_ptr.dtype.element_ty
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < d
+    gate_ptr = x_ptr + _row_offsets(row, rows1, x_s0, x_s1)
+    gate = tl.load(gate_ptr + cols, mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_ptr + d + cols, mask, other=0.0).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    out_at = _row_offsets(row, rows1, out_s0, out_s1) + cols
+    tl.store(out_ptr + out_at, (silu * up).to(dtype), mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x = [gate; up] along the last dimension (even; x: rows, see `rows_fit`) ->
+    silu(gate) * up in a new contiguous tensor."""
+    d = x.shape[-1] // 2
+    out = torch.empty((*x.shape[:-1], d), dtype=x.dtype, device=x.device)
+    num_rows = _num_rows(out)
+    if num_rows == 0:
+        return out
+    block = min(_SILU_BLOCK, triton.next_power_of_2(d))
+    rows1, x_s0, x_s1 = _row_layout(x)
+    _, out_s0, out_s1 = _row_layout(out)
+    _silu_and_mul_kernel[(num_rows, triton.cdiv(d, block))](
+        x, out, num_rows, d, rows1, x_s0, x_s1, out_s0, out_s1, BLOCK=block
+    )
+    return out
+
+
+@triton.jit
+def _rotate_heads(
+    row_ptr,
+    cos,
+    sin,
+    dims,
+    dims_mask,
+    HEADS: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """Neox rotation of the HEADS heads of one token's row, each product and sum rounded to
+    the row's dtype as the torch code does."""
+    dtype = row_ptr.dtype.element_ty
+    heads = tl.arange(0, HEADS_PAD)
+    mask = (heads < HEADS)[:, None] & dims_mask[None, :]
+    first = row_ptr + heads[:, None] * HEAD_DIM + dims[None, :]
+    second = first + HEAD_DIM // 2
+    a = tl.load(first, mask, other=0.0).to(tl.float32)
+    b = tl.load(second, mask, other=0.0).to(tl.float32)
+    a_cos = (a * cos[None, :]).to(dtype).to(tl.float32)
+    b_sin = (b * sin[None, :]).to(dtype).to(tl.float32)
+    b_cos = (b * cos[None, :]).to(dtype).to(tl.float32)
+    a_sin = (a * sin[None, :]).to(dtype).to(tl.float32)
+    tl.store(first, (a_cos - b_sin).to(dtype), mask)
+    tl.store(second, (b_cos + a_sin).to(dtype), mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    positions_ptr,
+    q_ptr,
+    k_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_stride,
+    k_stride,
+    Q_HEADS: tl.constexpr,
+    Q_HEADS_PAD: tl.constexpr,
+    K_HEADS: tl.constexpr,
+    K_HEADS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+):
+    dtype = q_ptr.dtype.element_ty
+    half: tl.constexpr = HEAD_DIM // 2
+    token = tl.program_id(0).to(tl.int64)
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    dims = tl.arange(0, HALF_PAD)
+    dims_mask = dims < half
+    cos = tl.load(cos_ptr + position * half + dims, dims_mask, other=0.0)
+    sin = tl.load(sin_ptr + position * half + dims, dims_mask, other=0.0)
+    cos = cos.to(dtype).to(tl.float32)
+    sin = sin.to(dtype).to(tl.float32)
+    _rotate_heads(
+        q_ptr + token * q_stride, cos, sin, dims, dims_mask, Q_HEADS, Q_HEADS_PAD, HEAD_DIM
+    )
+    _rotate_heads(
+        k_ptr + token * k_stride, cos, sin, dims, dims_mask, K_HEADS, K_HEADS_PAD, HEAD_DIM
+    )
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    head_dim: int,
+) -> None:
+    """Rotates q and k (see `rotary_fits`) in place by the contiguous float32 cos/sin caches
+    [max_position, head_dim / 2] at positions [T] (integers within the caches), one program
+    per token."""
+    num_tokens = positions.shape[0]
+    if num_tokens == 0:
+        return
+    q_heads, k_heads = q.shape[1] // head_dim, k.shape[1] // head_dim
+    _rotary_kernel[(num_tokens,)](
+        positions,
+        q,
+        k,
+        cos_cache,
+        sin_cache,
+        q.stride(0),
+        k.stride(0),
+        Q_HEADS=q_heads,
+        Q_HEADS_PAD=triton.next_power_of_2(q_heads),
+        K_HEADS=k_heads,
+        K_HEADS_PAD=triton.next_power_of_2(k_heads),
+        HEAD_DIM=head_dim,
+        HALF_PAD=triton.next_power_of_2(head_dim // 2),
+    )
