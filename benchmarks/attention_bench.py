@@ -1,13 +1,17 @@
 """One decode step's attention for one layer: the torch backend (page gather + SDPA)
 against the C++ kernel (cpu backend), in the same process, on SmolLM2's shape by default
 (9 query heads, 3 KV heads, head_dim 64, bf16, block 16), contexts uniform in [lo, hi].
+With --triton, on a GPU: the Triton backend's decode launch split over the context
+(flash-decoding, as its heuristic picks) against the unsplit launch.
 
     python -m benchmarks.attention_bench [--decodes 256] [--context 100 512] [--threads 2]
+    python -m benchmarks.attention_bench --triton --decodes 4 --context 4096 32768
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import torch
@@ -15,6 +19,7 @@ import torch
 from attention import Attention, CommonAttentionMetadata, set_forward_context
 from attention.backends.cpu_backend import CPUAttentionBackend, load_cpu_attention
 from attention.backends.torch_backend import TorchAttentionBackend
+from attention.backends.triton_backend import TritonAttentionBackend, decode_num_splits
 from ipc.utils import cdiv
 from worker.buffers import zeros_on_huge_pages
 
@@ -54,8 +59,9 @@ def decode_batch(
 
 
 def time_backend(backend, common, layer, args) -> float:
+    device = layer.kv_cache.device
     q = torch.randn(args.decodes, (args.heads + 2 * args.kv_heads) * args.head_dim)
-    q, k, v = q.to(layer.kv_cache.dtype).split(
+    q, k, v = q.to(device, layer.kv_cache.dtype).split(
         [args.heads * args.head_dim, args.kv_heads * args.head_dim, args.kv_heads * args.head_dim],
         1,
     )
@@ -65,8 +71,37 @@ def time_backend(backend, common, layer, args) -> float:
         with set_forward_context([md], backend):
             start = time.perf_counter()
             layer(q, k, v)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
             best = min(best, time.perf_counter() - start)
     return best
+
+
+def compare_triton_splits(common, cache, layer, args, read: float) -> None:
+    """The Triton backend with its context split against without, on the GPU (without
+    one, under TRITON_INTERPRET=1, only as a smoke test)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    on_device = {
+        f.name: getattr(common, f.name).to(device)
+        for f in dataclasses.fields(common)
+        if f.name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping")
+    }
+    common = dataclasses.replace(common, **on_device)
+    layer.kv_cache = cache.to(device)
+    split = TritonAttentionBackend()
+    num_splits = decode_num_splits(
+        args.decodes, args.kv_heads, common.block_table.shape[1] * args.block_size, split.block_n
+    )
+    results = {}
+    for label, backend in (
+        (f"{num_splits} splits", split),
+        ("unsplit", TritonAttentionBackend(target_decode_programs=1)),
+    ):
+        time_backend(backend, common, layer, args)  # compiles the kernels
+        results[label] = seconds = time_backend(backend, common, layer, args)
+        rate = read / seconds / 1e9
+        print(f"{label:>10}: {seconds * 1e3:7.3f} ms per layer, K/V read {rate:6.1f} GB/s")
+    print(f"split / unsplit speed-up: {results['unsplit'] / results[f'{num_splits} splits']:.2f}x")
 
 
 def main() -> None:
@@ -80,13 +115,17 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--triton", action="store_true", help="the Triton split KV vs unsplit")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    kernels = load_cpu_attention()
     common, cache, layer = decode_batch(args)
     read = (
         float(common.seq_lens_cpu.sum()) * 2 * args.kv_heads * args.head_dim * cache.element_size()
     )
+    if args.triton:
+        compare_triton_splits(common, cache, layer, args, read)
+        return
+    kernels = load_cpu_attention()
     results = {}
     for backend in (TorchAttentionBackend(), CPUAttentionBackend(kernels)):
         seconds = time_backend(backend, common, layer, args)
