@@ -18,6 +18,7 @@ from worker.logits_processors import (
     apply_logit_bias,
     apply_penalties,
 )
+from worker.sampler_triton import sample_triton, triton_takes
 
 # Temperatures below this are greedy.
 SAMPLING_EPS = 1e-5
@@ -65,16 +66,21 @@ def cpu_kernels() -> ModuleType | None:
 class Sampler(torch.nn.Module):
     """Rows of requests without a seed draw from `generator` (the engine's --seed, the
     same on every rank), or from torch's global generator when it is None. CPU logits
-    are sampled by the C++ kernel when it builds (and `use_cpu_kernel`), else by the
-    torch path, which is also the CUDA path and the reference; both consume the same
+    are sampled by the C++ kernel when it builds (and `use_cpu_kernel`), CUDA logits by
+    the Triton kernel (sampler_triton.py, when `use_triton_kernel` and it takes their
+    dtype), the rest by the torch path, which is also the reference; all consume the same
     uniform draws and pick the same tokens but at rounding-level boundaries."""
 
     def __init__(
-        self, generator: torch.Generator | None = None, use_cpu_kernel: bool = True
+        self,
+        generator: torch.Generator | None = None,
+        use_cpu_kernel: bool = True,
+        use_triton_kernel: bool = True,
     ) -> None:
         super().__init__()
         self.generator = generator
         self.use_cpu_kernel = use_cpu_kernel
+        self.use_triton_kernel = use_triton_kernel
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         processed = process_logits(logits, metadata)
@@ -83,6 +89,12 @@ class Sampler(torch.nn.Module):
             kernels = cpu_kernels()
         if kernels is not None:
             sampled = self._sample_cpu_kernel(kernels, processed, metadata)
+        elif self.use_triton_kernel and triton_takes(processed):
+            u = self._kernel_uniforms(processed, metadata)
+            m = metadata
+            sampled = sample_triton(
+                processed, m.temperature, m.top_k, m.top_p, m.min_p, u, SAMPLING_EPS
+            )
         else:
             sampled = self._sample_torch(processed.float(), metadata)
         logprobs = None
@@ -95,12 +107,15 @@ class Sampler(torch.nn.Module):
     ) -> torch.Tensor:
         if logits.dtype not in (torch.float32, torch.bfloat16) or logits.stride(-1) != 1:
             logits = logits.float().contiguous()
-        if metadata.all_greedy:
-            u = torch.zeros(logits.shape[0])
-        else:
-            u = _draw_uniforms(logits.shape[0], metadata.generators, self.generator, logits.device)
+        u = self._kernel_uniforms(logits, metadata)
         m = metadata
         return kernels.sample(logits, m.temperature, m.top_k, m.top_p, m.min_p, u, SAMPLING_EPS)
+
+    def _kernel_uniforms(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """The kernels' draws: the torch path's, and none when every row is greedy."""
+        if metadata.all_greedy:
+            return torch.zeros(logits.shape[0], device=logits.device)
+        return _draw_uniforms(logits.shape[0], metadata.generators, self.generator, logits.device)
 
     def _sample_torch(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         if metadata.all_greedy:
