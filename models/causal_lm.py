@@ -17,7 +17,8 @@ from models.layers.utils import default_weight_loader
 
 class CausalLM(nn.Module):
     """model(input_ids [T], positions [T]) -> hidden [T, hidden_size];
-    compute_logits(hidden [N, hidden_size]) -> float32 logits [N, vocab_size] on every rank.
+    compute_logits(hidden [N, hidden_size]) -> logits [N, vocab_size] in the model's
+    dtype, on every rank.
 
     A subclass builds the decoder stack (`build_model`: `embed_tokens` and `layers`, each
     layer with `self_attn.attn`) and says each layer's sliding window

@@ -171,5 +171,5 @@ class Gemma3ForCausalLM(CausalLM):
         logits = super().compute_logits(hidden_states)
         cap = getattr(self.config, "final_logit_softcapping", None)
         if cap:
-            logits = torch.tanh(logits / cap) * cap
+            logits = torch.tanh(logits.float() / cap) * cap
         return logits

@@ -221,8 +221,8 @@ def test_bfloat16_load_close_to_fp32(tmp_path):
     pos = torch.arange(len(PROMPT))
     l32 = m32.compute_logits(m32(PROMPT, pos))
     l16 = m16.compute_logits(m16(PROMPT, pos))
-    assert l16.dtype == torch.float32
-    assert (l16 - l32).abs().max() < 0.1
+    assert l16.dtype == torch.bfloat16  # the samplers read them in place
+    assert (l16.float() - l32).abs().max() < 0.1
     assert (l16.argmax(-1) == l32.argmax(-1)).float().mean() > 0.8
 
 
