@@ -11,6 +11,7 @@ layers run their torch code when not).
 
 from __future__ import annotations
 
+import os
 import sys
 from types import ModuleType
 
@@ -26,8 +27,14 @@ _NORM_TILE = 2048
 _SILU_BLOCK = 1024
 
 
+def triton_kernels_enabled() -> bool:
+    """SPLITSERVE_TRITON_KERNELS=0 sends CUDA tensors down the torch code instead (the layers
+    here and the sampler), as SPLITSERVE_CPU_KERNELS=0 does for the C++ kernels."""
+    return os.environ.get("SPLITSERVE_TRITON_KERNELS", "1") not in ("0", "false", "no")
+
+
 def triton_kernels(device: torch.device, dtype: torch.dtype) -> ModuleType | None:
-    if device.type != "cuda" or dtype not in DTYPES:
+    if device.type != "cuda" or dtype not in DTYPES or not triton_kernels_enabled():
         return None
     return sys.modules[__name__]
 

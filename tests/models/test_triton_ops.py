@@ -230,3 +230,15 @@ def test_layers_run_triton_kernels_on_cuda_tensors(triton_calls, dtype):
 def test_layers_never_run_triton_kernels_on_cpu_tensors(triton_calls, dtype):
     run_layers("cpu", dtype)
     assert triton_calls == []
+
+
+def test_the_switch_sends_cuda_tensors_to_the_torch_code(monkeypatch):
+    """SPLITSERVE_TRITON_KERNELS=0: no Triton for the layers nor the sampler (read per call)."""
+    from worker.sampler_triton import triton_takes
+
+    cuda = torch.device("cuda")
+    assert triton_ops.triton_kernels(cuda, torch.bfloat16) is triton_ops
+    monkeypatch.setenv("SPLITSERVE_TRITON_KERNELS", "0")
+    assert triton_ops.triton_kernels(cuda, torch.bfloat16) is None
+    if torch.cuda.is_available():
+        assert not triton_takes(torch.zeros(2, 8, device="cuda"))
