@@ -169,7 +169,7 @@ class Scheduler:
         structured_ids, bitmask = self.structured_output.grammar_bitmask(
             self.requests, num_scheduled_tokens
         )
-        swap_out, swap_in = kv.take_block_copies() if kv.has_host_tier else ([], [])
+        swap_out, swap_in = kv.take_block_copies()
         scheduler_output = SchedulerOutput(
             self.step_id,
             new_reqs,
@@ -395,8 +395,6 @@ class Scheduler:
             num_generated += len(new_token_ids)
             if status is not None:
                 finished = True
-                if request.status == RequestStatus.PREEMPTED:  # its last step was in flight
-                    self.waiting.remove_requests({request_id})
                 self._free_request(request, status)
             outputs.append(
                 EngineCoreOutput(
@@ -434,6 +432,10 @@ class Scheduler:
         return None
 
     def _free_request(self, request: Request, status: RequestStatus) -> None:
+        """A preempted request can finish from the output of a step that was in flight when
+        it was preempted (async scheduling): it leaves the waiting queue too."""
+        if request.status == RequestStatus.PREEMPTED:
+            self.waiting.remove_requests({request.request_id})
         request.status = status
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
