@@ -1,4 +1,5 @@
-// Paged decode attention on CPU, reading K and V in place from the paged cache.
+// Paged decode attention on CPU, reading K and V in place from the paged cache, and the
+// store of a step's K/V rows into that cache.
 //
 // kv_cache is [2, num_blocks, block_size, num_kv_heads, head_dim]. One work item is a
 // (decode request, KV head) pair: the G query heads that share the KV head are
@@ -351,6 +352,46 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache,
   });
 }
 
+// k, v: [T, num_kv_heads, head_dim] with dense rows (rows may be strided, as views of one
+// projection); kv_cache as above; slot_mapping [N <= T] int64 flat slot ids, -1 = skip.
+// Token t's K and V rows are copied to kv_cache[0] and kv_cache[1] at slot_mapping[t].
+void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor kv_cache,
+              torch::Tensor slot_mapping) {
+  TORCH_CHECK(k.device().is_cpu() && v.device().is_cpu() && kv_cache.device().is_cpu(),
+              "store_kv runs on CPU");
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && kv_cache.dim() == 5, "bad ranks");
+  TORCH_CHECK(kv_cache.is_contiguous(), "kv_cache must be dense");
+  TORCH_CHECK(k.scalar_type() == kv_cache.scalar_type() && v.scalar_type() == k.scalar_type(),
+              "k, v and kv_cache must share a dtype");
+  TORCH_CHECK(k.size(1) == kv_cache.size(3) && k.size(2) == kv_cache.size(4) &&
+                  v.sizes() == k.sizes(),
+              "k/v heads do not match the cache");
+  for (const auto& x : {k, v})
+    TORCH_CHECK(x.stride(2) == 1 && x.stride(1) == x.size(2), "k/v rows must be dense");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1,
+              "slot_mapping is int64 [N]");
+  auto slots_t = slot_mapping.contiguous();
+  const int64_t n = slots_t.size(0), num_slots = kv_cache.size(1) * kv_cache.size(2);
+  TORCH_CHECK(n <= k.size(0), "more slots than tokens");
+  const int64_t* slots = slots_t.data_ptr<int64_t>();
+  for (int64_t t = 0; t < n; ++t)
+    TORCH_CHECK(slots[t] < num_slots, "slot ", slots[t], " is outside the cache");
+  const int64_t elem = kv_cache.element_size(), row_bytes = k.size(1) * k.size(2) * elem;
+  char* key_cache = static_cast<char*>(kv_cache.data_ptr());
+  char* value_cache = key_cache + kv_cache.stride(0) * elem;
+  const char* key = static_cast<const char*>(k.data_ptr());
+  const char* value = static_cast<const char*>(v.data_ptr());
+  const int64_t k_stride = k.stride(0) * elem, v_stride = v.stride(0) * elem;
+  at::parallel_for(0, n, 512, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      if (slots[t] < 0) continue;
+      std::memcpy(key_cache + slots[t] * row_bytes, key + t * k_stride, row_bytes);
+      std::memcpy(value_cache + slots[t] * row_bytes, value + t * v_stride, row_bytes);
+    }
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "Paged decode attention reading K/V in place");
+  m.def("store_kv", &store_kv, "Write this step's K/V rows into the paged cache");
 }

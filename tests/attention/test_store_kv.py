@@ -4,6 +4,8 @@ the torch path on the CPU, exactly."""
 import pytest
 import torch
 
+from attention import store_kv
+from attention.backends.cpu_backend import load_cpu_attention
 from attention.store_kv import store_kv_cache
 from attention.triton_store_kv import store_kv_triton
 
@@ -50,3 +52,41 @@ def test_triton_store_kv_equals_torch(
     untouched = torch.ones(flat.shape[1], dtype=torch.bool)
     untouched[slots] = False
     assert torch.equal(flat[:, untouched], cache.view_as(flat)[:, untouched])
+
+
+@pytest.mark.parametrize("path", ["c++", "torch"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens, num_padding", [(1, 0), (37, 5), (1500, 20)])
+def test_cpu_store_kv_writes_each_row_at_its_slot(
+    monkeypatch, path, dtype, num_tokens, num_padding
+):
+    """The C++ store (cpu_attn.cpp) and the torch fallback against a row-by-row copy: every
+    slot gets its token's K and V rows, padding (-1) and every other slot are untouched."""
+    assert load_cpu_attention() is not None, "the C++ kernels must build wherever tests run"
+    if path == "torch":
+        monkeypatch.setattr(store_kv, "load_cpu_attention", lambda: None)
+    gen = torch.Generator().manual_seed(num_tokens)
+    num_kv_heads, head_dim, block_size, num_blocks = 3, 64, 16, 200
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    cache = cache.to(dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slot_mapping = torch.cat([slots, torch.full((num_padding,), -1)])
+    slot_mapping = slot_mapping[torch.randperm(len(slot_mapping), generator=gen)]
+    qkv = torch.randn(len(slot_mapping) + 2, 5, num_kv_heads, head_dim, generator=gen).to(dtype)
+    k, v = qkv[:, 3], qkv[:, 4]  # strided rows, as views of one projection
+    expected = cache.clone()
+    for t, slot in enumerate(slot_mapping.tolist()):
+        if slot >= 0:
+            expected[:, slot // block_size, slot % block_size] = torch.stack([k[t], v[t]])
+    store_kv_cache(k, v, cache, slot_mapping)
+    assert torch.equal(cache, expected)
+
+
+def test_cpu_store_kv_refuses_a_slot_outside_the_cache():
+    kernels = load_cpu_attention()
+    assert kernels is not None
+    cache = torch.zeros(2, 4, 16, 1, 8)
+    k = v = torch.ones(2, 1, 8)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        kernels.store_kv(k, v, cache, torch.tensor([3, 64]))
+    assert not cache.any()
