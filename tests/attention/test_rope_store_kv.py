@@ -66,13 +66,14 @@ class Step:
         q_size, kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
         qkv = torch.randn(num_tokens, q_size + 2 * kv_size, generator=gen).to(dtype)
         self.q, self.k, self.v = qkv.to(device).split([q_size, kv_size, kv_size], dim=-1)
-        self.positions = torch.randint(0, MAX_POSITION, (num_tokens,), generator=gen)
+        positions = torch.randint(0, MAX_POSITION, (num_tokens,), generator=gen)
         slots = torch.randperm(NUM_BLOCKS * block_size, generator=gen)[:num_tokens]
         slots[num_tokens - num_padding :] = -1
-        self.slot_mapping = slots
+        self.positions, self.slot_mapping = positions.to(device), slots.to(device)
         shape = (2, NUM_BLOCKS, block_size, self.num_kv_heads, head_dim)
         self.cache = torch.randn(shape, generator=gen).to(dtype).to(device)
         self.rope = make_rope(head_dim, device)
+        self.cpu_rope = make_rope(head_dim, "cpu")  # the same tables, for the reference
 
     def views(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         n = self.q.shape[0]
@@ -83,19 +84,17 @@ class Step:
         )
 
     def tables(self) -> RopeTables:
-        device = self.q.device
-        rope = self.rope
-        return RopeTables(self.positions.to(device), rope.cos_cache, rope.sin_cache, self.dtype)
+        return RopeTables(self.positions, self.rope.cos_cache, self.rope.sin_cache, self.dtype)
 
     def expected(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(q, k, cache) after the torch code, on the CPU."""
-        cos, sin = self.rope.to("cpu").get_cos_sin(self.positions, self.dtype)
+        cos, sin = self.cpu_rope.get_cos_sin(self.positions.cpu(), self.dtype)
         q = apply_rotary(self.q.cpu(), cos, sin, self.head_dim)
         k = apply_rotary(self.k.cpu(), cos, sin, self.head_dim)
         cache = self.cache.cpu().clone()
         n = q.shape[0]
         shape = (n, self.num_kv_heads, self.head_dim)
-        store_kv_cache(k.view(shape), self.v.cpu().view(shape), cache, self.slot_mapping)
+        store_kv_cache(k.view(shape), self.v.cpu().view(shape), cache, self.slot_mapping.cpu())
         return q, k, cache
 
     def check(self, expected: tuple[torch.Tensor, torch.Tensor, torch.Tensor], cache_before):
@@ -106,10 +105,10 @@ class Step:
         assert_close(self.k, expected_k)
         assert_close(self.cache, expected_cache)
         flat = self.cache.cpu().flatten(1, 2)
-        written = self.slot_mapping[self.slot_mapping >= 0]
+        slot_mapping = self.slot_mapping.cpu()
+        written = slot_mapping[slot_mapping >= 0]
         shape = (self.q.shape[0], self.num_kv_heads, self.head_dim)
-        valid = self.slot_mapping >= 0
-        assert torch.equal(flat[1, written], self.v.cpu().view(shape)[valid])
+        assert torch.equal(flat[1, written], self.v.cpu().view(shape)[slot_mapping >= 0])
         untouched = torch.ones(flat.shape[1], dtype=torch.bool)
         untouched[written] = False
         assert torch.equal(flat[:, untouched], cache_before.flatten(1, 2)[:, untouched])
@@ -135,7 +134,7 @@ def test_fused_kernel_equals_rotary_then_store(
     expected, cache_before = step.expected(), step.cache.cpu().clone()
     tables = step.tables()
     assert rope_store_fits(*step.views(), step.cache, step.slot_mapping, tables)
-    rotate_and_store_kv(*step.views(), step.cache, step.slot_mapping.to(kernel_device), tables)
+    rotate_and_store_kv(*step.views(), step.cache, step.slot_mapping, tables)
     step.check(expected, cache_before)
 
 
@@ -148,14 +147,8 @@ def test_shapes_the_fused_kernel_does_not_take():
     as_float = RopeTables(tables.positions, tables.cos_cache, tables.sin_cache, torch.float32)
     assert not rope_store_fits(q, k, v, cache, slots, as_float)  # the rotation's dtype
     wider = make_rope(128, "cpu")
-    assert not rope_store_fits(
-        q,
-        k,
-        v,
-        cache,
-        slots,
-        RopeTables(tables.positions, wider.cos_cache, wider.sin_cache, q.dtype),
-    )
+    wider_tables = RopeTables(tables.positions, wider.cos_cache, wider.sin_cache, q.dtype)
+    assert not rope_store_fits(q, k, v, cache, slots, wider_tables)  # the head_dim
     as_double = [t.double() for t in (q, k, v, cache)]
     double_tables = RopeTables(tables.positions, tables.cos_cache, tables.sin_cache, torch.float64)
     assert not rope_store_fits(*as_double, slots, double_tables)
@@ -200,9 +193,7 @@ def run_layer(step: Step, rotate: Rotator) -> None:
     layer.kv_cache = step.cache
     backend = RecordingBackend()
     num_tokens = step.q.shape[0]
-    md = SimpleNamespace(
-        slot_mapping=step.slot_mapping.to(step.q.device), num_actual_tokens=num_tokens
-    )
+    md = SimpleNamespace(slot_mapping=step.slot_mapping, num_actual_tokens=num_tokens)
     q, k, v = step.q.clone(), step.k.clone(), step.v.clone()
     with set_forward_context([md], backend):
         out = layer(q, k, v, rotate=rotate)
@@ -229,7 +220,7 @@ def test_layer_rotates_then_stores_a_cpu_cache(store_calls, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_layer_fuses_rotary_and_store_for_a_cuda_cache(store_calls, dtype):
     step = Step("cuda", dtype, 9, (4, 2), 64, 16, num_padding=2)
-    rotator = step.rope.rotator(step.positions.cuda(), dtype)
+    rotator = step.rope.rotator(step.positions, dtype)
     assert rotator.rope_tables is not None
     run_layer(step, rotator)
     assert store_calls == ["rotate_and_store_kv"]
@@ -239,7 +230,7 @@ def test_layer_fuses_rotary_and_store_for_a_cuda_cache(store_calls, dtype):
 def test_the_switch_sends_a_cuda_layer_down_rotation_then_store(store_calls, monkeypatch):
     monkeypatch.setenv("SPLITSERVE_TRITON_KERNELS", "0")
     step = Step("cuda", torch.bfloat16, 9, (4, 2), 64, 16, num_padding=2)
-    rotator = step.rope.rotator(step.positions.cuda(), torch.bfloat16)
+    rotator = step.rope.rotator(step.positions, torch.bfloat16)
     assert rotator.rope_tables is None
     run_layer(step, rotator)
     assert store_calls == ["store_kv_cache"]
