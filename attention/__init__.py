@@ -1,9 +1,10 @@
-"""Attention metadata, the forward context, the store-KV step and the backends."""
+"""Attention metadata, the forward context, the rotary + store-KV step and the backends."""
 
 from attention.backends.base import AttentionBackend
 from attention.forward_context import ForwardContext, get_forward_context, set_forward_context
 from attention.layer import Attention
 from attention.metadata import AttentionMetadata, CommonAttentionMetadata
+from attention.rotation import RopeTables, Rotation
 from attention.selector import BACKEND_NAMES, get_attn_backend
 
 __all__ = [
@@ -13,6 +14,8 @@ __all__ = [
     "AttentionMetadata",
     "CommonAttentionMetadata",
     "ForwardContext",
+    "RopeTables",
+    "Rotation",
     "get_attn_backend",
     "get_forward_context",
     "set_forward_context",

@@ -115,8 +115,7 @@ class LlamaAttention(nn.Module):
             n = q.shape[0]
             q = self.q_norm(q.reshape(n, self.num_heads, self.head_dim)).reshape(n, self.q_size)
             k = self.k_norm(k.reshape(n, self.num_kv_heads, self.head_dim)).reshape(n, self.kv_size)
-        q, k = rotate(q, k)
-        return self.o_proj(self.attn(q, k, v))
+        return self.o_proj(self.attn(q, k, v, rotate=rotate))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -4,28 +4,45 @@ The inverse frequencies are computed as transformers computes them, for the rope
 default, linear, llama3 and yarn, from `config.rope_parameters` (transformers 5) or
 `config.rope_scaling` + `config.rope_theta` (transformers 4). cos/sin for every position
 up to max_position_embeddings are cached in float32. A forward pass asks once for
-`rotary_emb.rotator(positions, dtype)`, the function every layer applies to its q and k:
-the C++ kernel on CPU (cpu_ops.cpp) or the Triton kernel on CUDA (triton_ops.py), in place,
-both in one pass, else `apply_rotary` with cos/sin looked up once (`get_cos_sin`), the
-reference the kernels match (the C++ one bitwise).
+`rotary_emb.rotator(positions, dtype)`, the `Rotator` every layer hands its attention layer
+to apply to its q and k: the C++ kernel on CPU (cpu_ops.cpp) or the Triton kernel on CUDA
+(triton_ops.py), in place, both in one pass, else `apply_rotary` with cos/sin looked up once
+(`get_cos_sin`), the reference the kernels match (the C++ one bitwise). On CUDA the Rotator
+also offers its cos/sin tables, so that the attention layer can rotate q and k in the kernel
+that stores k and v in the KV cache (attention/triton_rope_store.py).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from attention.rotation import RopeTables
 from models.layers import triton_ops
 from models.layers.cpu_ops import cpu_kernels
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
-# (q, k) -> (q, k) rotated; q [T, heads * head_dim], k [T, kv_heads * head_dim].
-Rotator = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+QKRotate = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Rotator:
+    """The rotation of q [T, heads * head_dim] and k [T, kv_heads * head_dim] at one forward
+    pass's positions, for every layer of the pass (an `attention.Rotation`): rotate(q, k) ->
+    (q, k), perhaps in place. `rope_tables` is set where the Triton kernels run, for the
+    attention layer's fused rotary + store-KV kernel."""
+
+    apply: QKRotate
+    rope_tables: RopeTables | None = None
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.apply(q, k)
 
 
 def get_head_dim(config: Any) -> int:
@@ -202,7 +219,7 @@ class RotaryEmbedding(nn.Module):
             def rotate(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
                 return apply_rotary(q, cos, sin, head_dim), apply_rotary(k, cos, sin, head_dim)
 
-        return rotate
+        return Rotator(rotate)
 
     def _triton_rotator(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotator:
         """The Triton kernel, in place; q and k it does not take go through `apply_rotary`."""
@@ -215,7 +232,7 @@ class RotaryEmbedding(nn.Module):
             triton_ops.rotary_embedding(positions, q, k, self.cos_cache, self.sin_cache, head_dim)
             return q, k
 
-        return rotate
+        return Rotator(rotate, RopeTables(positions, self.cos_cache, self.sin_cache, dtype))
 
 
 def apply_rotary(
