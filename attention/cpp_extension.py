@@ -55,11 +55,12 @@ def load_cpp_extension(name: str, *sources: Path) -> ModuleType | None:
 
 
 def _sources_digest(sources: tuple[Path, ...]) -> str:
-    """Names a build by its sources' paths and contents (and the shared header's): ninja
-    rebuilds whenever a source path changes, so two checkouts sharing one folder would
-    rebuild each other's kernels on every switch."""
+    """Names a build by its sources' paths and contents, and those of the headers beside
+    them and the shared header: ninja rebuilds whenever a source path changes, so two
+    checkouts sharing one folder would rebuild each other's kernels on every switch."""
     digest = hashlib.sha1()
-    for path in (*sources, SHARED_HEADER):
+    headers = sorted({h for s in sources for h in Path(s).parent.glob("*.h")} | {SHARED_HEADER})
+    for path in (*sources, *headers):
         digest.update(str(Path(path).resolve()).encode())
         digest.update(Path(path).read_bytes())
     return digest.hexdigest()[:12]

@@ -2,12 +2,15 @@
 // store of a step's K/V rows into that cache.
 //
 // kv_cache is [2, num_blocks, block_size, num_kv_heads, head_dim]. One work item is a
-// (decode request, KV head) pair: the G query heads that share the KV head are
-// handled together, so each K and V row of the request's context is read once per
-// step. Two passes over the context: scores q.k for every visible position (then an
-// exact softmax over them), then the weighted sum of V rows. Storage stays in the
-// cache's dtype; all arithmetic is fp32. Items are spread over the OpenMP threads
-// dynamically, since contexts differ in length.
+// (decode request, KV head) pair, or a whole request when there are enough requests to
+// keep every thread busy: the G query heads that share a KV head are handled together,
+// so each K and V row of the request's context is read once per step. Items are spread
+// over the OpenMP threads dynamically, since contexts differ in length. Three paths:
+//   - AMX (cpu_attn_amx.h): bf16 on CPUs with AMX-BF16, one pass with an online softmax;
+//   - AVX512-BF16 (cpu_attn_bf16.h): bf16 elsewhere, two passes;
+//   - generic (here): every dtype and head size, two passes (scores q.k for every visible
+//     position and an exact softmax over them, then the weighted sum of V rows).
+// Storage stays in the cache's dtype; softmax and accumulation are fp32.
 #include <torch/extension.h>
 
 #include "cpu_math.h"
@@ -136,138 +139,25 @@ void attend_item(const T* q, T* out, const T* cache, const int32_t* blocks, int6
   }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-constexpr bool kHaveBf16Path = true;
+}  // namespace
+
+#include "cpu_attn_bf16.h"
+#include "cpu_attn_amx.h"
+
+namespace {
+
+// Cleared by set_amx (tests of the AVX512-BF16 path, or an escape hatch).
+bool amx_enabled = true;
+
+// Whether a bf16 decode with this layout takes the AMX path (items of at most 16 query
+// heads, chunks of 16 positions within a block).
+bool takes_amx_path(const Layout& L) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  return amx_enabled && L.group <= 16 && L.block_size % 16 == 0 && amx_usable();
 #else
-constexpr bool kHaveBf16Path = false;
+  return false;
 #endif
-constexpr int64_t kWholeRequestsPerThread = 8;
-
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-// bf16 with AVX512-BF16: q.k by VDPBF16PS straight from the bf16 rows (products of two
-// bf16 are exact in fp32), 16 positions at a time, their 16 partial-sum vectors reduced
-// together by a transpose-add tree; V rows widened to fp32 once per position and
-// accumulated for up to 64 / (head_dim / 16) query heads in registers.
-
-inline __m512 widen_bf16(const uint16_t* p) {
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
-
-// Lane t of the result is the sum of the 16 lanes of v[t].
-inline __m512 sum_lanes_16(__m512* v) {
-  __m512 s[8], w[4];
-  for (int i = 0; i < 8; ++i)
-    s[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                         _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {
-    __m512d a = _mm512_castps_pd(s[2 * i]), b = _mm512_castps_pd(s[2 * i + 1]);
-    w[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-                         _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  __m512 y0 = _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88),
-                            _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
-  __m512 y1 = _mm512_add_ps(_mm512_shuffle_f32x4(w[2], w[3], 0x88),
-                            _mm512_shuffle_f32x4(w[2], w[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(y0, y1, 0x88), _mm512_shuffle_f32x4(y0, y1, 0xDD));
-}
-
-// scores[g * n + offset + t] = scale * q_g . k_t for the `count` (<= 16) rows from k.
-template <int D>
-inline void bf16_scores(const uint16_t* q, const uint16_t* k, int64_t row_stride, int count,
-                        int64_t G, float scale, float* scores, int64_t n, int64_t offset) {
-  for (int64_t g = 0; g < G; ++g) {
-    __m512i qv[D / 32];
-    for (int c = 0; c < D / 32; ++c) qv[c] = _mm512_loadu_si512(q + g * D + 32 * c);
-    __m512 acc[16];
-    for (int t = 0; t < 16; ++t) {
-      acc[t] = _mm512_setzero_ps();
-      if (t >= count) continue;
-      for (int c = 0; c < D / 32; ++c)
-        acc[t] = _mm512_dpbf16_ps(acc[t], (__m512bh)qv[c],
-                                  (__m512bh)_mm512_loadu_si512(k + t * row_stride + 32 * c));
-    }
-    __m512 sums = _mm512_mul_ps(sum_lanes_16(acc), _mm512_set1_ps(scale));
-    _mm512_mask_storeu_ps(scores + g * n + offset, (__mmask16)((1u << count) - 1), sums);
-  }
-}
-
-// acc[gb * D + d] = sum over positions of p[gb * n + i] * v_i[d], for GB query heads.
-template <int D, int GB>
-inline void bf16_values(const float* p, int64_t n, const uint16_t* values,
-                        const int32_t* blocks, int64_t first, int64_t seq_len, int64_t kv_head,
-                        const Layout& L, float* acc) {
-  __m512 a[GB][D / 16];
-  for (int gb = 0; gb < GB; ++gb)
-    for (int c = 0; c < D / 16; ++c) a[gb][c] = _mm512_setzero_ps();
-  const int64_t row_stride = L.kv_heads * D;
-  for (int64_t pos = first; pos < seq_len;) {
-    const int64_t end = std::min(seq_len, (pos / L.block_size + 1) * L.block_size);
-    const int64_t block = blocks[pos / L.block_size];
-    const uint16_t* v =
-        values + (block * L.block_size + pos % L.block_size) * row_stride + kv_head * D;
-    for (; pos < end; ++pos, v += row_stride) {
-      __m512 vf[D / 16];
-      for (int c = 0; c < D / 16; ++c) vf[c] = widen_bf16(v + 16 * c);
-      for (int gb = 0; gb < GB; ++gb) {
-        const __m512 w = _mm512_set1_ps(p[gb * n + pos - first]);
-        for (int c = 0; c < D / 16; ++c) a[gb][c] = _mm512_fmadd_ps(w, vf[c], a[gb][c]);
-      }
-    }
-  }
-  for (int gb = 0; gb < GB; ++gb)
-    for (int c = 0; c < D / 16; ++c) _mm512_storeu_ps(acc + gb * D + 16 * c, a[gb][c]);
-}
-
-// KV heads kv_head .. kv_head + heads - 1 of one request. With all of a request's heads
-// in one item, each block's K and V rows are read as one contiguous run.
-template <int D>
-void attend_item_bf16(const at::BFloat16* q_row, at::BFloat16* out, const at::BFloat16* cache_bf16,
-                      const int32_t* blocks, int64_t first, int64_t seq_len, int64_t kv_head,
-                      int64_t heads, float scale, const Layout& L, std::vector<float>& work) {
-  constexpr int GB = D <= 64 ? 4 : (D <= 128 ? 2 : 1);
-  const int64_t G = L.group, n = seq_len - first, row_stride = L.kv_heads * D;
-  const auto* q = reinterpret_cast<const uint16_t*>(q_row) + kv_head * G * D;
-  const auto* cache = reinterpret_cast<const uint16_t*>(cache_bf16) + kv_head * D;
-  work.resize(heads * G * (n + D));
-  float* scores = work.data();
-  float* acc = scores + heads * G * n;
-  for (int64_t pos = first; pos < seq_len;) {
-    const int64_t end =
-        std::min({seq_len, (pos / L.block_size + 1) * L.block_size, pos + int64_t{16}});
-    const int64_t block = blocks[pos / L.block_size];
-    if (pos % L.block_size == 0 || pos == first)
-      prefetch_block(cache, blocks, pos / L.block_size + kPrefetchBlocks, seq_len, 0, D, L, heads);
-    const uint16_t* k = cache + (block * L.block_size + pos % L.block_size) * row_stride;
-    for (int64_t h = 0; h < heads; ++h)
-      bf16_scores<D>(q + h * G * D, k + h * D, row_stride, static_cast<int>(end - pos), G, scale,
-                     scores + h * G * n, n, pos - first);
-    pos = end;
-  }
-  softmax_rows(scores, heads * G, n);
-  const uint16_t* values = cache + L.cache_half;
-  for (int64_t h = 0; h < heads; ++h)
-    for (int64_t g = 0; g < G; g += GB) {
-      const float* p = scores + (h * G + g) * n;
-      float* a = acc + (h * G + g) * D;
-      switch (std::min<int64_t>(GB, G - g)) {
-        case 4:
-          bf16_values<D, 4>(p, n, values, blocks, first, seq_len, h, L, a);
-          break;
-        case 3:
-          bf16_values<D, 3>(p, n, values, blocks, first, seq_len, h, L, a);
-          break;
-        case 2:
-          bf16_values<D, 2>(p, n, values, blocks, first, seq_len, h, L, a);
-          break;
-        default:
-          bf16_values<D, 1>(p, n, values, blocks, first, seq_len, h, L, a);
-      }
-    }
-  at::BFloat16* o = out + kv_head * G * D;
-  for (int64_t i = 0; i < heads * G * D; ++i) o[i] = static_cast<at::BFloat16>(acc[i]);
-}
-#endif
 
 template <typename T, int D>
 void decode_all(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& kv_cache,
@@ -277,8 +167,10 @@ void decode_all(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor&
   // Whole requests per item when there are enough of them to keep every thread busy.
   constexpr bool kBf16Path = std::is_same_v<T, at::BFloat16> && D > 0 && kHaveBf16Path;
   const bool whole = kBf16Path && reqs.size(0) >= kWholeRequestsPerThread * at::get_num_threads();
-  const int64_t heads = whole ? L.kv_heads : 1, items_per_req = L.kv_heads / heads;
-  const int64_t num_items = reqs.size(0) * items_per_req;
+  const bool amx = kBf16Path && takes_amx_path(L);
+  int64_t heads = whole ? L.kv_heads : 1;
+  while (amx && (heads * L.group > 16 || L.kv_heads % heads)) --heads;  // AMX: <= 16 q heads
+  const int64_t items_per_req = L.kv_heads / heads, num_items = reqs.size(0) * items_per_req;
   const T* q_ptr = q.data_ptr<T>();
   T* out_ptr = out.data_ptr<T>();
   const T* cache = kv_cache.data_ptr<T>();
@@ -289,6 +181,9 @@ void decode_all(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor&
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     std::vector<float> work;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (amx) configure_score_tiles(L.group);
+#endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < num_items; ++item) {
       const int64_t i = item / items_per_req, kv_head = (item % items_per_req) * heads;
@@ -299,6 +194,13 @@ void decode_all(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor&
       const int32_t* blocks = table + req * L.table_stride;
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
       if constexpr (kBf16Path) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+        if (amx) {
+          attend_item_amx<D>(q_row, out_row, cache, blocks, first, seq_len, kv_head, heads,
+                             static_cast<float>(scale), L, work);
+          continue;
+        }
+#endif
         attend_item_bf16<D>(q_row, out_row, cache, blocks, first, seq_len, kv_head, heads,
                             static_cast<float>(scale), L, work);
         continue;
@@ -307,6 +209,9 @@ void decode_all(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor&
       attend_item<T, D>(q_row, out_row, cache, blocks, first, seq_len, kv_head,
                         static_cast<float>(scale), L, work);
     }
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (amx) _tile_release();
+#endif
   }
 }
 
@@ -391,7 +296,25 @@ void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor kv_cache,
   });
 }
 
+// Whether bf16 decodes may take the AMX path (where the CPU has it); returns the
+// previous setting.
+bool set_amx(bool enabled) {
+  const bool previous = amx_enabled;
+  amx_enabled = enabled;
+  return previous;
+}
+
+bool has_amx_path() {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  return amx_usable();
+#else
+  return false;
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "Paged decode attention reading K/V in place");
+  m.def("set_amx", &set_amx, "Allow or forbid the AMX decode path; returns the old value");
+  m.def("has_amx_path", &has_amx_path, "Whether this build and CPU can take the AMX path");
   m.def("store_kv", &store_kv, "Write this step's K/V rows into the paged cache");
 }

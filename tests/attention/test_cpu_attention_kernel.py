@@ -1,6 +1,8 @@
 """The C++ paged decode kernel (attention/backends/cpu_attn.cpp) against attention computed
 in float64 over each request's context gathered by hand from random page tables."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -10,11 +12,15 @@ from attention.backends.torch_backend import TorchAttentionBackend
 from ipc.utils import cdiv
 
 
-@pytest.fixture(scope="module")
-def kernels():
+@pytest.fixture(scope="module", params=["amx", "avx512"])
+def kernels(request):
+    """The kernels with the AMX bf16 path allowed, then forbidden (the AVX512-BF16 path;
+    both are the generic path where the CPU lacks them)."""
     module = load_cpu_attention()
     assert module is not None, "the C++ kernels must build wherever the tests run (g++)"
-    return module
+    previous = module.set_amx(request.param == "amx")
+    yield module
+    module.set_amx(previous)
 
 
 def reference(q, cache, table, seq_lens, reqs, rows, scale, window):
@@ -107,6 +113,19 @@ def test_threads_give_the_same_result(kernels):
         kernels.paged_decode(out, q, cache, table, seq_lens, reqs, rows, 0.125, 0)
         outs.append(out)
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("kv_heads, group", [(8, 4), (2, 16), (1, 32)])
+def test_many_query_heads_per_request(kernels, kv_heads, group):
+    """Enough requests for whole-request items; the AMX path splits a request's query heads
+    into items of at most 16, and takes none when one KV head has more than 16."""
+    check(kernels, [1, 17, 40, 130] * 5, kv_heads, group, 64, 16, torch.bfloat16)
+
+
+def test_amx_path_is_built_where_the_cpu_has_it(kernels):
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+    flags = next(line for line in cpuinfo if line.startswith("flags")).split()
+    assert kernels.has_amx_path() == ("amx_bf16" in flags and "amx_tile" in flags)
 
 
 def test_bad_inputs_are_refused(kernels):
