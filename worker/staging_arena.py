@@ -39,10 +39,11 @@ class StagingArena:
     unless `separate` asks for a distinct one (so tests can drive the copy path on CPU).
 
     A step writes host views, `commit`s the rows it uses, then calls `copy_to_device()`
-    once: one copy of the bytes from the arena's start to the end of the last committed
-    row. Only the last slot is copied in part, so a slot whose uncommitted rows must stay
-    invisible on the device (staged block-table rows) goes last, and so does the largest.
-    The device views keep their addresses for the arena's life (CUDA graphs read them).
+    once: one copy of the bytes from the arena's start to the furthest committed row.
+    Slots before that row's slot are copied whole, committed or not, so a slot whose
+    uncommitted rows must stay invisible on the device (staged block-table rows) goes
+    last, and so does the largest. The device views keep their addresses for the arena's
+    life (CUDA graphs read them).
     """
 
     def __init__(

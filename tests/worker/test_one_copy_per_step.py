@@ -155,41 +155,16 @@ def test_every_step_copies_once_from_the_host_arena(checkpoint, mode, monkeypatc
         NewRequestData("b", list(range(30, 50)), seeded, blocks(2, 3, 4), 0),
         NewRequestData("c", [7, 8, 9], greedy, blocks(5), 0),
     ]
-    steps = [  # (kind, SchedulerOutput): b's prompt comes in chunks between decodes
-        ("prefill", _step(0, new, scheduled={"a": 2, "b": 8, "c": 3})),
-        (
-            "mixed",
-            _step(
-                1,
-                cached=_cached({"a": 2, "b": 8, "c": 3}, num_groups),
-                scheduled={"a": 1, "b": 8, "c": 1},
-            ),
-        ),
-        (
-            "mixed",
-            _step(
-                2,
-                cached=_cached({"a": 3, "b": 16, "c": 4}, num_groups),
-                scheduled={"a": 1, "b": 4, "c": 1},
-            ),
-        ),
-        (
-            "decode",
-            _step(
-                3,
-                cached=_cached({"a": 4, "b": 20, "c": 5}, num_groups),
-                scheduled={"a": 1, "b": 1, "c": 1},
-            ),
-        ),
-        (
-            "decode",
-            _step(
-                4,
-                cached=_cached({"a": 5, "b": 21, "c": 6}, num_groups),
-                scheduled={"a": 1, "b": 1, "c": 1},
-            ),
-        ),
+    steps = [("prefill", _step(0, new, scheduled={"a": 2, "b": 8, "c": 3}))]
+    running = [  # (kind, tokens computed before the step, tokens scheduled): b in chunks
+        ("mixed", {"a": 2, "b": 8, "c": 3}, {"a": 1, "b": 8, "c": 1}),
+        ("mixed", {"a": 3, "b": 16, "c": 4}, {"a": 1, "b": 4, "c": 1}),
+        ("decode", {"a": 4, "b": 20, "c": 5}, {"a": 1, "b": 1, "c": 1}),
+        ("decode", {"a": 5, "b": 21, "c": 6}, {"a": 1, "b": 1, "c": 1}),
     ]
+    for step_id, (kind, computed, scheduled) in enumerate(running, start=1):
+        cached = _cached(computed, num_groups)
+        steps.append((kind, _step(step_id, cached=cached, scheduled=scheduled)))
     for kind, scheduler_output in steps:
         with ArenaTraffic(arena) as traffic:
             output = runner.execute_model(scheduler_output)
