@@ -1,11 +1,14 @@
 """A step's batch split into decodes and prefills, computed once on the host."""
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 Rows = slice | torch.Tensor
+# Places a host array on the device as the given dtype.
+ToDevice = Callable[[np.ndarray, torch.dtype], torch.Tensor]
 
 
 @dataclass
@@ -57,17 +60,36 @@ _MAX_DECODE_GROUPS = 4
 _MIN_DECODE_GROUP = 8
 
 
+def max_staged_bytes(max_num_reqs: int, max_num_tokens: int, alignment: int) -> int:
+    """What one split_batch hands `to_device` at most, each array padded to `alignment`:
+    int64 indices, at most four per decode request (its index and row, both again in its
+    decode group), one per prefill request and one per token (prefill rows that are not
+    consecutive), and two int32 cumulative arrays of num_prefills + 1."""
+    num_arrays = 6 + 2 * _MAX_DECODE_GROUPS
+    index_bytes = 8 * (4 * max_num_reqs + max_num_tokens)
+    cumulative_bytes = 2 * 4 * (max_num_reqs + 1)
+    return index_bytes + cumulative_bytes + num_arrays * alignment
+
+
 def split_batch(
-    query_start_loc_cpu: torch.Tensor, seq_lens_cpu: torch.Tensor, device: torch.device
+    query_start_loc_cpu: torch.Tensor,
+    seq_lens_cpu: torch.Tensor,
+    device: torch.device,
+    to_device: ToDevice | None = None,
 ) -> BatchSplit:
+    """The split of a batch given on the host. `to_device` places each index array on the
+    device: by default a copy of its own; the model runner stages them with the step's
+    other inputs, to travel in its one copy."""
     query_start_loc = query_start_loc_cpu.numpy().astype(np.int64)
     seq_lens = seq_lens_cpu.numpy().astype(np.int64)
     query_lens = np.diff(query_start_loc)
     decodes = np.flatnonzero(query_lens == 1)
     prefills = np.flatnonzero(query_lens > 1)
 
-    def to_device(array: np.ndarray, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    def own_copy(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         return torch.from_numpy(array).to(device=device, dtype=dtype, non_blocking=True)
+
+    place = to_device or own_copy
 
     def rows_of(reqs: np.ndarray) -> Rows:
         if len(reqs) == 0:
@@ -76,25 +98,25 @@ def split_batch(
             return slice(int(query_start_loc[reqs[0]]), int(query_start_loc[reqs[-1] + 1]))
         lens = query_lens[reqs]
         offsets = np.arange(lens.sum()) - np.repeat(np.cumsum(lens) - lens, lens)
-        return to_device(np.repeat(query_start_loc[reqs], lens) + offsets)
+        return place(np.repeat(query_start_loc[reqs], lens) + offsets, torch.int64)
 
     def cumulative(lens: np.ndarray) -> torch.Tensor:
-        return to_device(np.concatenate(([0], np.cumsum(lens))), torch.int32)
+        return place(np.concatenate(([0], np.cumsum(lens))), torch.int32)
 
     def decode_groups() -> list[DecodeGroup]:
         by_length = decodes[np.argsort(seq_lens[decodes], kind="stable")]
         num_groups = min(_MAX_DECODE_GROUPS, max(1, len(decodes) // _MIN_DECODE_GROUP))
         return [
-            DecodeGroup(to_device(np.sort(g)), rows_of(np.sort(g)), int(seq_lens[g].max()))
+            DecodeGroup(place(np.sort(g), torch.int64), rows_of(np.sort(g)), int(seq_lens[g].max()))
             for g in np.array_split(by_length, num_groups)
             if len(g)
         ]
 
     return BatchSplit(
-        decode_reqs=to_device(decodes),
+        decode_reqs=place(decodes, torch.int64),
         decode_rows=rows_of(decodes),
         decode_groups=decode_groups(),
-        prefill_reqs=to_device(prefills),
+        prefill_reqs=place(prefills, torch.int64),
         prefill_rows=rows_of(prefills),
         prefill_reqs_cpu=prefills.tolist(),
         max_decode_seq_len=int(seq_lens[decodes].max(initial=0)),

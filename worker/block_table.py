@@ -5,15 +5,20 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from worker.buffers import CpuGpuBuffer
+from worker.buffers import CpuGpuBuffer, StagedTensor
 from worker.slot_mapping import slot_mapping_torch, slot_mapping_triton
+from worker.staging_arena import ArenaSlot
 
 
 class BlockTable:
     """Block ids of every batch row, staged in numpy and committed to the device once
     per step. `np` and `num_blocks_per_row` are the host side; `device_tensor` is what
     the attention kernels and the slot mapping read (a separate tensor even on CPU:
-    rows staged after a commit stay invisible until the next one)."""
+    rows staged after a commit stay invisible until the next one).
+
+    `rows` is where the table stages: the ModelRunner's arena, whose one copy per step
+    carries the committed rows, or by default a pair of its own that commit copies into.
+    """
 
     def __init__(
         self,
@@ -21,13 +26,16 @@ class BlockTable:
         max_num_blocks_per_req: int,
         block_size: int,
         device: torch.device | str,
+        rows: StagedTensor | None = None,
     ) -> None:
         self.block_size = block_size
         self.max_num_blocks_per_req = max_num_blocks_per_req
         self.device = torch.device(device)
-        self._buffer = CpuGpuBuffer(
-            max_num_reqs, max_num_blocks_per_req, dtype=torch.int32, device=device, staged=True
-        )
+        if rows is None:
+            rows = CpuGpuBuffer(
+                max_num_reqs, max_num_blocks_per_req, dtype=torch.int32, device=device, staged=True
+            )
+        self._buffer = rows
         self.np = self._buffer.np
         self.num_blocks_per_row = np.zeros(max_num_reqs, dtype=np.int32)
         self.device_tensor = self._buffer.gpu
@@ -56,8 +64,9 @@ class BlockTable:
         self.num_blocks_per_row[tgt] = num_blocks
 
     def commit(self, num_reqs: int) -> None:
-        """Copy rows 0..num_reqs-1 to the device (asynchronously from pinned memory on CUDA)."""
-        self._buffer.copy_to_gpu(num_reqs)
+        """Rows 0..num_reqs-1 go to the device: with the arena's copy, or copied now
+        (asynchronously from pinned memory on CUDA)."""
+        self._buffer.commit(num_reqs)
 
     def get_device_tensor(self) -> torch.Tensor:
         return self.device_tensor
@@ -84,7 +93,9 @@ class BlockTable:
 
 class MultiGroupBlockTable:
     """One BlockTable per KV cache group, rows in step: a request's blocks arrive as one
-    list per group (`block_ids[g]`), and row moves apply to every group."""
+    list per group (`block_ids[g]`), and row moves apply to every group. With `rows`
+    ([max_num_reqs, num_groups, max_num_blocks_per_req], in the ModelRunner's arena)
+    group g stages in `rows.select(g)`; without, each table in a pair of its own."""
 
     def __init__(
         self,
@@ -93,10 +104,17 @@ class MultiGroupBlockTable:
         block_size: int,
         device: torch.device | str,
         num_groups: int = 1,
+        rows: ArenaSlot | None = None,
     ) -> None:
         self.groups = [
-            BlockTable(max_num_reqs, max_num_blocks_per_req, block_size, device)
-            for _ in range(num_groups)
+            BlockTable(
+                max_num_reqs,
+                max_num_blocks_per_req,
+                block_size,
+                device,
+                None if rows is None else rows.select(g),
+            )
+            for g in range(num_groups)
         ]
 
     def add_row(self, block_ids: Sequence[list[int]], row: int) -> None:

@@ -148,10 +148,10 @@ class CudaGraphRunner:
         buffers.query_start_loc.np[0] = 0
         buffers.pad_decodes(0, n)
         for buffer in (buffers.input_ids, buffers.positions, buffers.seq_lens):
-            buffer.copy_to_gpu(n)
-        buffers.query_start_loc.copy_to_gpu(n + 1)
+            buffer.commit(n)
+        buffers.query_start_loc.commit(n + 1)
         buffers.slot_mapping[:, :n].fill_(PAD_SLOT_ID)
-        buffers.record_copies()
+        buffers.copy_to_device()
 
     def _common(self, size: int, group: int) -> CommonAttentionMetadata:
         buffers = self.buffers

@@ -7,6 +7,7 @@ import torch
 
 from ipc.messages import NewRequestData, SamplingParams
 from worker.block_table import MultiGroupBlockTable
+from worker.buffers import BatchStaging
 from worker.logits_processors import (
     bad_words_table,
     make_allowed_tokens,
@@ -85,7 +86,10 @@ class InputBatch:
         vocab_size: int,
         eos_token_ids: list[int] | tuple[int, ...] = (),
         num_kv_cache_groups: int = 1,
+        staging: BatchStaging | None = None,
     ) -> None:
+        """`staging`: where the sampling settings and block tables go to the device (the
+        ModelRunner's arena); by default pairs of the batch's own."""
         self.max_num_reqs = max_num_reqs
         self.eos_token_ids = list(eos_token_ids)
         self.max_model_len = max_model_len
@@ -119,8 +123,14 @@ class InputBatch:
         # row -> top-k of the rows that want prompt logprobs.
         self.num_prompt_logprobs: dict[int, int] = {}
 
+        self._staging = staging or BatchStaging.standalone(max_num_reqs, device)
         self.block_table = MultiGroupBlockTable(
-            max_num_reqs, max_num_blocks_per_req, block_size, device, num_kv_cache_groups
+            max_num_reqs,
+            max_num_blocks_per_req,
+            block_size,
+            device,
+            num_kv_cache_groups,
+            self._staging.block_tables,
         )
         # (row order, metadata) of the last make_sampling_metadata; None once rows change.
         self._sampling_metadata: tuple[np.ndarray, SamplingMetadata] | None = None
@@ -289,19 +299,23 @@ class InputBatch:
         return blocked
 
     def _build_sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
-        temperature = self.temperature[rows]
+        """The rows' settings are gathered into the staging's host views and committed:
+        in the ModelRunner's arena they reach the device with the step's one copy."""
+        staging, n = self._staging, len(rows)
+        settings = (self.temperature, self.top_p, self.min_p, self.top_k)
+        staged = (staging.temperature, staging.top_p, staging.min_p, staging.top_k)
+        for values, slot in zip(settings, staged, strict=True):
+            np.take(values, rows, out=slot.np[:n])
+        temperature_t, top_p_t, min_p_t, top_k_t = (slot.commit(n) for slot in staged)
+        temperature, top_p, min_p, top_k = (slot.np[:n] for slot in staged)
         is_random = temperature >= SAMPLING_EPS
-        packed = np.stack(
-            [temperature, self.top_p[rows], self.min_p[rows], self.top_k[rows].astype(np.float32)]
-        )
-        temperature_t, top_p_t, min_p_t, top_k_t = torch.from_numpy(packed).to(self.device)
         num_logprobs = self.num_logprobs[rows]
         row_of = {int(row): i for i, row in enumerate(rows)}
         return SamplingMetadata(
             temperature=temperature_t,
-            top_p=top_p_t if (self.top_p[rows][is_random] < 1.0).any() else None,
-            top_k=top_k_t.int() if (self.top_k[rows][is_random] > 0).any() else None,
-            min_p=min_p_t if (self.min_p[rows][is_random] > 0.0).any() else None,
+            top_p=top_p_t if (top_p[is_random] < 1.0).any() else None,
+            top_k=top_k_t if (top_k[is_random] > 0).any() else None,
+            min_p=min_p_t if (min_p[is_random] > 0.0).any() else None,
             all_greedy=not is_random.any(),
             all_random=bool(is_random.all()),
             generators={row_of[row]: g for row, g in self.generators.items() if row in row_of},

@@ -1,13 +1,12 @@
 import logging
 import time
 
-import numpy as np
 import torch
 from transformers import AutoConfig
 
 from attention import get_attn_backend, set_forward_context
 from ipc.config import EngineConfig
-from ipc.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput, TokenLogprobs
+from ipc.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from ipc.utils import cdiv
 from models import kv_cache_shape_info, load_model, resolve_dtype
 from models.layers.cpu_ops import cpu_kernels as layer_cpu_kernels
@@ -21,7 +20,8 @@ from worker.kv_offload import HostKVCache, measure_block_copy_seconds
 from worker.prompt_logprobs import compute_prompt_logprobs, plan_prompt_logprobs
 from worker.sampler import Sampler
 from worker.sampler import cpu_kernels as sampler_cpu_kernels
-from worker.step_inputs import prepare_inputs
+from worker.step_inputs import StepInputs, prepare_inputs
+from worker.step_output import finish_step
 
 _CPU_KV_CACHE_BYTES = 4 << 30
 _CPU_TIMED_PREFILL_TOKENS = 256
@@ -40,9 +40,16 @@ class ModelRunner:
 
     Setup, in order: `determine_num_blocks()` (and `determine_num_host_blocks()`),
     `initialize_kv_cache(num_blocks, num_host_blocks)`, `capture_cuda_graphs()`.
+    `separate_device_arena` runs the step inputs' host-to-device copy on CPU too (tests).
     """
 
-    def __init__(self, config: EngineConfig, device: str | torch.device | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        device: str | torch.device | None = None,
+        *,
+        separate_device_arena: bool = False,
+    ) -> None:
         self.config = config
         self.device = torch.device(device or _default_device(config.device))
         self.hf_config = AutoConfig.from_pretrained(config.model)
@@ -60,24 +67,31 @@ class ModelRunner:
         self.kv_cache_groups = group_layers(
             [layer.sliding_window for layer in self.model.attention_layers()]
         )
+        max_num_blocks_per_req = cdiv(config.max_model_len, config.block_size)
+        self.inputs = InputBuffers(
+            config.max_num_seqs,
+            self.max_num_tokens,
+            max_num_blocks_per_req,
+            self.device,
+            len(self.kv_cache_groups),
+            separate_device_arena=separate_device_arena,
+        )
         self.input_batch = InputBatch(
             max_num_reqs=config.max_num_seqs,
             max_model_len=config.max_model_len,
-            max_num_blocks_per_req=cdiv(config.max_model_len, config.block_size),
+            max_num_blocks_per_req=max_num_blocks_per_req,
             block_size=config.block_size,
             device=self.device,
             vocab_size=config.vocab_size,
             eos_token_ids=config.eos_token_ids or [],
             num_kv_cache_groups=len(self.kv_cache_groups),
+            staging=self.inputs.batch_staging,
         )
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
         if self.device.type == "cpu":  # built now, before READY, not inside the first step
             sampler_cpu_kernels()
             layer_cpu_kernels(self.device, self.dtype)
-        self.inputs = InputBuffers(
-            config.max_num_seqs, self.max_num_tokens, self.device, len(self.kv_cache_groups)
-        )
         self.is_driver = get_tp_rank() == 0
         self.cuda_graphs: CudaGraphRunner | None = None
         self.failed_requests: dict[str, str] = {}
@@ -247,6 +261,7 @@ class ModelRunner:
             self.inputs,
             self.attn_backend,
             self.cuda_graphs,
+            samples=self.is_driver,
         )
         if step.graph_size is not None:
             hidden = self.cuda_graphs.run(step.graph_size)
@@ -261,8 +276,16 @@ class ModelRunner:
         if so.structured_output_request_ids and self.is_driver:
             ids, bitmask = so.structured_output_request_ids, so.grammar_bitmask
             apply_grammar_bitmask(logits, ids, bitmask, self.input_batch.req_ids, step.sample_rows)
-        sampled, logprobs = self._sample(logits, step.sample_rows)
-        out = self._finish_step(scheduler_output.step_id, step.sample_rows, sampled, logprobs)
+        sampled, logprobs = self._sample(logits, step)
+        out = finish_step(
+            self.input_batch,
+            self.requests,
+            scheduler_output.step_id,
+            step.sample_rows,
+            sampled,
+            logprobs,
+            self.failed_requests,
+        )
         out.prompt_logprobs = prompt_logprobs
         return out
 
@@ -341,48 +364,20 @@ class ModelRunner:
         logger.warning("request %s failed on this rank: %s", new.req_id, error)
         self.failed_requests[new.req_id] = error
 
-    def _sample(self, logits: torch.Tensor, rows: np.ndarray):
-        """Rank 0 samples and broadcasts the token ids, so every rank appends the same
-        tokens to its batch."""
-        if len(rows) == 0:
+    def _sample(self, logits: torch.Tensor, step: StepInputs):
+        """Rank 0 samples (by the settings prepare_inputs staged) and broadcasts the token
+        ids, so every rank appends the same tokens to its batch."""
+        if len(step.sample_rows) == 0:
             return [], None
         logprobs = None
         if self.is_driver:
-            out = self.sampler(logits, self.input_batch.make_sampling_metadata(rows))
+            out = self.sampler(logits, step.sampling_metadata)
             sampled, logprobs = out.sampled_token_ids, out.logprobs
         else:
-            sampled = torch.empty(len(rows), dtype=torch.long, device=self.device)
+            sampled = torch.empty(len(step.sample_rows), dtype=torch.long, device=self.device)
         if get_tp_size() > 1:
             tp_broadcast(sampled, src=0)
         return sampled.tolist(), logprobs
-
-    def _finish_step(self, step_id: int, sample_rows, sampled: list[int], logprobs):
-        batch = self.input_batch
-        req_ids = batch.req_ids[: batch.num_reqs]
-        sampled_token_ids: list[list[int]] = [[] for _ in req_ids]
-        if sampled:
-            batch.append_token(sample_rows, np.array(sampled, dtype=np.int32))
-        for row, token_id in zip(sample_rows.tolist(), sampled, strict=True):
-            self.requests[req_ids[row]].output_token_ids.append(token_id)
-            sampled_token_ids[row] = [token_id]
-        return ModelRunnerOutput(
-            step_id,
-            list(req_ids),
-            sampled_token_ids,
-            self._logprobs_per_request(sample_rows, logprobs, len(req_ids)),
-            self.failed_requests,
-        )
-
-    def _logprobs_per_request(self, sample_rows, logprobs, num_reqs: int):
-        if logprobs is None:
-            return None
-        token_ids, values = (t.tolist() for t in logprobs)
-        per_request: list[list[TokenLogprobs] | None] = [None] * num_reqs
-        for i, row in enumerate(sample_rows.tolist()):
-            k = self.input_batch.num_logprobs[row]
-            if k >= 0:
-                per_request[row] = [TokenLogprobs(token_ids[i][: k + 1], values[i][: k + 1])]
-        return per_request
 
 
 def _default_device(name: str) -> str:

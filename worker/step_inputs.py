@@ -1,5 +1,5 @@
 """A step's model inputs: the persistent batch's scheduled tokens, flattened into the
-persistent buffers and copied to the device once."""
+persistent buffers and copied to the device in one copy."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ import numpy as np
 import torch
 
 from attention import AttentionBackend, AttentionMetadata, CommonAttentionMetadata
+from attention.batch_split import BatchSplit, split_batch
 from worker.buffers import InputBuffers
 from worker.cuda_graph import CudaGraphRunner
 from worker.input_batch import InputBatch
+from worker.sampler import SamplingMetadata
 
 
 @dataclass
@@ -25,6 +27,18 @@ class StepInputs:
     graph_size: int | None
     sample_rows: np.ndarray  # batch rows that sample a token this step
     logits_indices: torch.Tensor  # their last token's row in the hidden states
+    sampling_metadata: SamplingMetadata | None  # when this rank samples and a row does
+
+
+@dataclass
+class StagedSplitMetadata(CommonAttentionMetadata):
+    """The step's batch with its split worked out already: its index tensors were staged
+    with the step's other inputs (one copy), and every KV cache group shares it."""
+
+    staged_split: BatchSplit
+
+    def compute_split(self) -> BatchSplit:
+        return self.staged_split
 
 
 def prepare_inputs(
@@ -33,11 +47,14 @@ def prepare_inputs(
     buffers: InputBuffers,
     backend: AttentionBackend,
     cuda_graphs: CudaGraphRunner | None,
+    samples: bool = True,
 ) -> StepInputs:
     """Flatten the scheduled tokens of rows 0..n-1 into one ragged batch.
 
     Row i's tokens are positions num_computed[i] .. num_computed[i] + n_i - 1;
-    input ids come from the row's token table, slots from its block table.
+    input ids come from the row's token table, slots from its block table. Everything
+    the step reads on the device is written into the buffers' host views first (the
+    sampling settings too, when `samples`), then copied at once.
     """
     num_reqs = batch.num_reqs
     num_scheduled = np.array(
@@ -69,13 +86,23 @@ def prepare_inputs(
         buffers.pad_decodes(num_reqs, graph_size)
         num_rows = num_tokens = graph_size
 
-    input_ids = buffers.input_ids.copy_to_gpu(num_tokens)
-    positions = buffers.positions.copy_to_gpu(num_tokens)
-    query_start_loc = buffers.query_start_loc.copy_to_gpu(num_rows + 1)
-    seq_lens = buffers.seq_lens.copy_to_gpu(num_rows)
-    logits_indices = buffers.logits_indices.copy_to_gpu(len(sample_rows))
+    input_ids = buffers.input_ids.commit(num_tokens)
+    positions = buffers.positions.commit(num_tokens)
+    query_start_loc = buffers.query_start_loc.commit(num_rows + 1)
+    seq_lens = buffers.seq_lens.commit(num_rows)
+    logits_indices = buffers.logits_indices.commit(len(sample_rows))
     batch.block_table.commit(num_reqs)
-    buffers.record_copies()
+    sampling_metadata = None
+    if samples and len(sample_rows):
+        sampling_metadata = batch.make_sampling_metadata(sample_rows)
+    query_start_loc_cpu = buffers.query_start_loc.cpu[: num_reqs + 1]
+    seq_lens_cpu = buffers.seq_lens.cpu[:num_reqs]
+    split = None
+    if graph_size is None:
+        stage = buffers.split_scratch.stage
+        split = split_batch(query_start_loc_cpu, seq_lens_cpu, seq_lens.device, stage)
+    buffers.copy_to_device()
+
     slot_mappings = [
         table.compute_slot_mapping(
             query_start_loc[: num_reqs + 1], positions, out=buffers.slot_mapping[g, :num_tokens]
@@ -83,10 +110,10 @@ def prepare_inputs(
         for g, table in enumerate(batch.block_table.groups)
     ]
     attn_metadata = None
-    if graph_size is None:
+    if split is not None:
         attn_metadata = [
             backend.build_metadata(
-                CommonAttentionMetadata(
+                StagedSplitMetadata(
                     num_actual_tokens=total,
                     max_query_len=max_query_len,
                     max_seq_len=int(seq_lens_np.max()),
@@ -94,10 +121,19 @@ def prepare_inputs(
                     seq_lens=seq_lens,
                     block_table=table.get_device_tensor()[:num_reqs],
                     slot_mapping=slot_mapping,
-                    query_start_loc_cpu=buffers.query_start_loc.cpu[: num_reqs + 1],
-                    seq_lens_cpu=buffers.seq_lens.cpu[:num_reqs],
+                    query_start_loc_cpu=query_start_loc_cpu,
+                    seq_lens_cpu=seq_lens_cpu,
+                    staged_split=split,
                 )
             )
             for table, slot_mapping in zip(batch.block_table.groups, slot_mappings, strict=True)
         ]
-    return StepInputs(input_ids, positions, attn_metadata, graph_size, sample_rows, logits_indices)
+    return StepInputs(
+        input_ids,
+        positions,
+        attn_metadata,
+        graph_size,
+        sample_rows,
+        logits_indices,
+        sampling_metadata,
+    )

@@ -15,7 +15,7 @@ def test_on_cpu_the_device_tensor_is_the_host_tensor():
     buffer = CpuGpuBuffer(6, dtype=torch.int64, device="cpu")
     assert buffer.gpu is buffer.cpu and not buffer.cpu.is_pinned()
     buffer.np[:3] = [4, 5, 6]
-    rows = buffer.copy_to_gpu(3)
+    rows = buffer.commit(3)
     assert rows.tolist() == [4, 5, 6] and rows.data_ptr() == buffer.cpu.data_ptr()
 
 
@@ -23,7 +23,7 @@ def test_a_staged_buffer_copies_the_rows_asked_for():
     buffer = CpuGpuBuffer(3, 2, dtype=torch.int32, device="cpu", staged=True)
     assert buffer.gpu is not buffer.cpu
     buffer.np[:] = [[1, 2], [3, 4], [5, 6]]
-    assert buffer.copy_to_gpu(2).tolist() == [[1, 2], [3, 4]]
+    assert buffer.commit(2).tolist() == [[1, 2], [3, 4]]
     assert buffer.gpu.tolist() == [[1, 2], [3, 4], [0, 0]]
 
 
@@ -32,11 +32,13 @@ def test_on_cuda_the_host_side_is_pinned():
     buffer = CpuGpuBuffer(4, dtype=torch.int64, device="cuda")
     assert buffer.cpu.is_pinned() and buffer.gpu.is_cuda
     buffer.np[:] = [1, 2, 3, 4]
-    assert buffer.copy_to_gpu(2).tolist() == [1, 2]
+    assert buffer.commit(2).tolist() == [1, 2]
 
 
 def test_padding_rows_are_one_token_requests():
-    buffers = InputBuffers(max_num_reqs=8, max_num_tokens=8, device=torch.device("cpu"))
+    buffers = InputBuffers(
+        max_num_reqs=8, max_num_tokens=8, max_num_blocks_per_req=2, device=torch.device("cpu")
+    )
     buffers.input_ids.np[:8] = 9
     buffers.query_start_loc.np[:4] = [0, 1, 2, 3]
     buffers.pad_decodes(3, 6)

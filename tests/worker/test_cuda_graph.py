@@ -66,7 +66,7 @@ def _graph_runner(sizes: list[int], max_num_reqs: int = 8) -> CudaGraphRunner:
     return CudaGraphRunner(
         torch.nn.Identity(),
         TorchAttentionBackend(),
-        InputBuffers(max_num_reqs, 16, torch.device("cpu")),
+        InputBuffers(max_num_reqs, 16, 4, torch.device("cpu")),
         [torch.zeros(max_num_reqs, 4, dtype=torch.int32)],
         sizes,
         max_model_len=64,
