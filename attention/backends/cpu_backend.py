@@ -24,8 +24,10 @@ class CPUAttentionMetadata(TorchAttentionMetadata):
 class CPUAttentionBackend(TorchAttentionBackend):
     """Every decode of the step in one kernel call: no page gather, no padding to the
     longest context, each K/V row read once per GQA group, threads over (request, KV
-    head). Prefills keep the torch path: fresh prompts attend to this step's k/v with
-    SDPA's fused kernel, and a cached prefix is gathered once per request."""
+    head). Prefills of bf16 layers without a window go to one AMX kernel call where the CPU
+    has AMX (reading every context position from the cache, prefix or not); elsewhere they
+    keep the torch path: fresh prompts attend to this step's k/v with SDPA's fused kernel,
+    and a cached prefix is gathered once per request."""
 
     name = "cpu"
 
@@ -52,5 +54,27 @@ class CPUAttentionBackend(TorchAttentionBackend):
                 layer.scale,
                 layer.sliding_window or 0,
             )
+        if md.split.num_prefills and self._amx_prefill(layer, q, kv_cache):
+            self._kernels.paged_prefill(
+                out,
+                q,
+                kv_cache,
+                md.block_table,
+                md.seq_lens,
+                md.query_start_loc,
+                md.split.prefill_reqs,
+                layer.scale,
+            )
+            return
         for req in md.split.prefill_reqs_cpu:
             self._prefill(layer, req, q, k, v, kv_cache, md, out)
+
+    def _amx_prefill(self, layer, q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+        """Whether the AMX prefill kernel takes this layer's prefills (bf16, no window)."""
+        return (
+            q.dtype == kv_cache.dtype == torch.bfloat16
+            and layer.sliding_window is None
+            and layer.head_dim in (64, 128)
+            and kv_cache.shape[2] % 16 == 0
+            and self._kernels.has_amx_path()
+        )

@@ -123,9 +123,13 @@ def test_many_query_heads_per_request(kernels, kv_heads, group):
 
 
 def test_amx_path_is_built_where_the_cpu_has_it(kernels):
+    """has_amx_path: built, allowed (set_amx) and granted by the kernel."""
     cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
     flags = next(line for line in cpuinfo if line.startswith("flags")).split()
-    assert kernels.has_amx_path() == ("amx_bf16" in flags and "amx_tile" in flags)
+    allowed = kernels.set_amx(True)
+    kernels.set_amx(allowed)
+    cpu_has_amx = "amx_bf16" in flags and "amx_tile" in flags
+    assert kernels.has_amx_path() == (allowed and cpu_has_amx)
 
 
 def test_bad_inputs_are_refused(kernels):

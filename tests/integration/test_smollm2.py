@@ -35,3 +35,42 @@ def test_chat_equals_transformers_greedy():
         assert out.outputs[0].token_ids == ref
         assert out.outputs[0].text == tokenizer.decode(ref, skip_special_tokens=True)
     assert "Paris" in outs[0].outputs[0].text
+
+
+@pytest.mark.slow
+def test_bf16_engine_tracks_transformers_fp32():
+    """The bf16 CPU kernels (the AMX prefill and decode paths where the CPU has AMX) end to
+    end: prompt logprobs of a real text, read in chunks and with a cached prefix, stay
+    within bf16 noise of transformers in fp32, and every greedy token is one fp32 would
+    also rank at or near the top."""
+    path = default_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    text = " ".join(
+        f"Chapter {i}: the river ran past the mill, and the miller counted {i * 7} sacks."
+        for i in range(12)
+    )
+    prompt = tokenizer.encode(text)  # a few hundred tokens: many 16-row query tiles
+    llm = LLM(
+        path,
+        dtype="bfloat16",
+        max_model_len=1024,
+        kv_cache_memory=256 << 20,
+        max_num_batched_tokens=128,
+    )
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, prompt_logprobs=0)
+    first, again = llm.generate([prompt, prompt], params)  # the second hits the prefix cache
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for out in (first, again):
+        generated = out.outputs[0].token_ids
+        ids = torch.tensor([prompt + generated])
+        with torch.no_grad():
+            logprobs = model(ids).logits[0].log_softmax(-1)
+        targets = ids[0, 1:]
+        ref = logprobs[:-1].gather(1, targets[:, None])[:, 0]
+        ours = torch.tensor([entry.logprobs[0] for entry in out.prompt_logprobs[1:]])
+        gap = (ours - ref[: len(prompt) - 1]).abs()
+        assert gap.mean() < 0.05 and gap.max() < 0.5, (gap.mean(), gap.max())
+        start = len(prompt) - 1
+        for i, token in enumerate(generated):
+            row = logprobs[start + i]
+            assert row[token] > row.max() - 0.3, f"greedy token {i} is far from fp32's choice"

@@ -1,0 +1,148 @@
+// Causal prefill attention over the paged cache with AMX, for bf16 (part of cpu_attn.cpp,
+// included after cpu_attn_amx.h). Each request's queries attend to its context's first
+// seq_len positions, all already in the cache (this step's K/V were stored first), so
+// fresh prompts, cached prefixes and chunked prefills are one case.
+//
+// Work item: (request, query head, tile of 16 query rows). Three passes, all in L1/L2:
+//   1. S^T = K . Q^T per chunk of 16 keys: A = K rows read in place from their page,
+//      B = the tile's Q^T in bf16 pairs, C = [16 keys x 16 queries] fp32;
+//   2. an exact softmax per query (lane) over its visible keys, into bf16 pairs
+//      (transformers' eager attention casts probabilities to the value dtype too);
+//   3. O^T = V^T . P^T per 16 dims, over chunks of 32 keys: A = V^T rows (transposed once
+//      per request and KV head, before the items run), B = the pairs of pass 2.
+#pragma once
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+
+namespace {
+
+// tmm0 = scores, tmm1 = A operand, tmm2 = B operand, tmm3..tmm6 = four output tiles;
+// every tile 16 rows of 64 bytes.
+inline void configure_prefill_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 7; ++t) {
+    config.rows[t] = 16;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+struct PrefillLayout {
+  int64_t block_size, kv_heads, group, q_row_stride, out_row_stride, table_stride, cache_half;
+  int64_t vt_stride;  // keys per V^T row (the longest context, rounded up to 32)
+};
+
+// V^T of one request and KV head: vt[d * vt_stride + k] = V[k][d], zero past seq_len.
+template <int D>
+void transpose_values(const uint16_t* values, const int32_t* blocks, int64_t seq_len,
+                      int64_t kv_head, const PrefillLayout& L, uint16_t* vt) {
+  const int64_t row_stride = L.kv_heads * D;
+  for (int64_t k = 0; k < seq_len; ++k) {
+    const uint16_t* v = values + (blocks[k / L.block_size] * L.block_size + k % L.block_size) *
+                                     row_stride + kv_head * D;
+    for (int64_t d = 0; d < D; ++d) vt[d * L.vt_stride + k] = v[d];
+  }
+  const int64_t padded = (seq_len + 31) / 32 * 32;
+  for (int64_t d = 0; d < D; ++d)
+    std::fill(vt + d * L.vt_stride + seq_len, vt + d * L.vt_stride + padded, uint16_t{0});
+}
+
+// Query rows q_rows[0..n) (n <= 16) of head `head`, at positions first_pos + i.
+template <int D>
+void prefill_tile(const uint16_t* q, uint16_t* out, int64_t n, int64_t first_pos,
+                  const uint16_t* keys, const uint16_t* vt, const int32_t* blocks, int64_t head,
+                  float scale, const PrefillLayout& L, std::vector<float>& work) {
+  const int64_t kv_head = head / L.group, row_stride = L.kv_heads * D;
+  const int64_t num_keys = first_pos + n, padded = (num_keys + 31) / 32 * 32;
+  // work: scores [padded x 16] fp32 | P^T pairs [padded / 2 x 16] | Q^T pairs [D/32][16 x 16]
+  work.resize(padded * 16 + padded * 8 + D * 8);
+  float* scores = work.data();
+  auto* p_pairs = reinterpret_cast<uint32_t*>(scores + padded * 16);
+  auto* q_tiles = reinterpret_cast<uint32_t*>(scores + padded * 24);
+  for (int64_t c = 0; c < D / 32; ++c)
+    for (int64_t r = 0; r < 16; ++r)
+      for (int64_t i = 0; i < 16; ++i) {
+        const uint16_t* pair = q + std::min(i, n - 1) * L.q_row_stride + head * D + 32 * c + 2 * r;
+        q_tiles[(c * 16 + r) * 16 + i] = pair[0] | (uint32_t(pair[1]) << 16);
+      }
+  for (int64_t start = 0; start < num_keys; start += 16) {
+    const uint16_t* k = keys + (blocks[start / L.block_size] * L.block_size +
+                                start % L.block_size) * row_stride + kv_head * D;
+    _tile_zero(0);
+    for (int64_t c = 0; c < D / 32; ++c) {
+      _tile_loadd(1, k + 32 * c, row_stride * 2);
+      _tile_loadd(2, q_tiles + c * 256, 64);
+      _tile_dpbf16ps(0, 1, 2);
+    }
+    _tile_stored(0, scores + start * 16, 64);
+  }
+  // Key k is visible to query lane i when k <= first_pos + i.
+  const __m512i lane_pos = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(first_pos)),
+                                            _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6,
+                                                             5, 4, 3, 2, 1, 0));
+  auto visible = [&](int64_t key) {
+    return _mm512_cmp_epi32_mask(_mm512_set1_epi32(static_cast<int>(key)), lane_pos,
+                                 _MM_CMPINT_LE);
+  };
+  const __m512 vscale = _mm512_set1_ps(scale), minus_inf = _mm512_set1_ps(-INFINITY);
+  __m512 max = minus_inf;
+  for (int64_t key = 0; key < num_keys; ++key) {
+    const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(scores + key * 16), vscale);
+    max = _mm512_mask_max_ps(max, visible(key), max, s);
+  }
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t key = 0; key < padded; key += 2) {
+    __m512 p[2];
+    for (int j = 0; j < 2; ++j) {
+      const int64_t kk = key + j;
+      const __mmask16 m = kk < num_keys ? visible(kk) : __mmask16{0};
+      const __m512 s = _mm512_mul_ps(_mm512_loadu_ps(scores + kk * 16), vscale);
+      p[j] = _mm512_maskz_mov_ps(m, exp_nonpositive16(_mm512_sub_ps(s, max)));
+      sum = _mm512_add_ps(sum, p[j]);
+    }
+    _mm512_storeu_si512(p_pairs + key * 8, pair_rows(p[0], p[1]));
+  }
+  alignas(64) float inv[16];
+  _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), sum));
+  alignas(64) float o[16 * 16];
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    _tile_zero(3);
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    for (int64_t key = 0; key < padded; key += 32) {
+      _tile_loadd(2, p_pairs + key * 8, 64);
+      _tile_loadd(1, vt + (d0 + 0) * L.vt_stride + key, L.vt_stride * 2);
+      _tile_dpbf16ps(3, 1, 2);
+      _tile_loadd(1, vt + (d0 + 16) * L.vt_stride + key, L.vt_stride * 2);
+      _tile_dpbf16ps(4, 1, 2);
+      _tile_loadd(1, vt + (d0 + 32) * L.vt_stride + key, L.vt_stride * 2);
+      _tile_dpbf16ps(5, 1, 2);
+      _tile_loadd(1, vt + (d0 + 48) * L.vt_stride + key, L.vt_stride * 2);
+      _tile_dpbf16ps(6, 1, 2);
+    }
+    for (int t = 0; t < 4; ++t) {
+      switch (t) {  // tile ids must be immediates
+        case 0:
+          _tile_stored(3, o, 64);
+          break;
+        case 1:
+          _tile_stored(4, o, 64);
+          break;
+        case 2:
+          _tile_stored(5, o, 64);
+          break;
+        default:
+          _tile_stored(6, o, 64);
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        at::BFloat16* row = reinterpret_cast<at::BFloat16*>(out + i * L.out_row_stride) +
+                            head * D + d0 + 16 * t;
+        for (int64_t d = 0; d < 16; ++d) row[d] = static_cast<at::BFloat16>(o[d * 16 + i] * inv[i]);
+      }
+    }
+  }
+}
+
+}  // namespace
+#endif

@@ -1,0 +1,99 @@
+"""The C++ AMX prefill kernel (attention/backends/cpu_prefill_amx.h) against causal
+attention computed in float64 over each request's context gathered by hand from random
+page tables: fresh prompts, cached prefixes and chunks, GQA groups, head sizes 64/128."""
+
+import pytest
+import torch
+
+from attention.backends.cpu_backend import load_cpu_attention
+from ipc.utils import cdiv
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    module = load_cpu_attention()
+    assert module is not None, "the C++ kernels must build wherever the tests run (g++)"
+    if not module.has_amx_path():
+        pytest.skip("this CPU has no AMX: the torch prefill path runs instead")
+    return module
+
+
+def prefill_case(query_lens, seq_lens, kv_heads, group, head_dim, block_size, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    num_reqs = len(seq_lens)
+    max_blocks = cdiv(max(seq_lens), block_size) + 1
+    num_blocks = num_reqs * max_blocks + 3
+    table = torch.randperm(num_blocks, generator=gen)[: num_reqs * max_blocks]
+    table = table.view(num_reqs, max_blocks).to(torch.int32)
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen)
+    cache = cache.bfloat16()
+    starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    heads = kv_heads * group
+    fused = torch.randn(int(starts[-1]), (heads + 2 * kv_heads) * head_dim, generator=gen)
+    q = fused.bfloat16()[:, : heads * head_dim].view(-1, heads, head_dim)  # strided rows
+    return q, cache, table, torch.tensor(seq_lens, dtype=torch.int32), starts
+
+
+def reference(q, cache, table, seq_lens, starts, reqs, scale):
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    block_size, group = cache.shape[2], q.shape[1] // cache.shape[3]
+    for r in reqs.tolist():
+        seq_len, rows = int(seq_lens[r]), slice(int(starts[r]), int(starts[r + 1]))
+        pos = torch.arange(seq_len)
+        slots = table[r, pos // block_size].long(), pos % block_size
+        k = cache[0][slots].double().repeat_interleave(group, dim=1)  # [n, heads, dim]
+        v = cache[1][slots].double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[rows].double(), k) * scale
+        query_pos = torch.arange(seq_len - scores.shape[1], seq_len)
+        scores.masked_fill_(pos[None, None, :] > query_pos[None, :, None], float("-inf"))
+        out[rows] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    return out
+
+
+def check(kernels, query_lens, seq_lens, kv_heads, group, head_dim, block_size, reqs=None):
+    q, cache, table, seq_lens, starts = prefill_case(
+        query_lens, seq_lens, kv_heads, group, head_dim, block_size, seed=group + head_dim
+    )
+    reqs = torch.arange(len(query_lens)) if reqs is None else torch.tensor(reqs)
+    out = torch.full_like(q, 7.0)
+    scale = head_dim**-0.5
+    kernels.paged_prefill(out, q, cache, table, seq_lens, starts, reqs, scale)
+    expected = reference(q, cache, table, seq_lens, starts, reqs, scale)
+    written = torch.zeros(q.shape[0], dtype=torch.bool)
+    for r in reqs.tolist():
+        written[int(starts[r]) : int(starts[r + 1])] = True
+    # bf16 probabilities and outputs: a few units of bf16 rounding
+    torch.testing.assert_close(out[written].double(), expected[written], atol=2e-2, rtol=2e-2)
+    assert out[~written].eq(7.0).all(), "rows of other requests must not be written"
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 3, 4, 8])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_fresh_prompts_match_reference(kernels, head_dim, group, block_size):
+    lens = [1, 2, 15, 16, 17, 33, 100, 300]
+    check(kernels, lens, lens, 2, group, head_dim, block_size)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_cached_prefixes_and_chunks(kernels, block_size):
+    """Query rows at the end of longer contexts: prefix hits and later chunks of a prompt."""
+    check(kernels, [5, 40, 1, 64, 17], [100, 41, 77, 64, 500], 3, 3, 64, block_size)
+
+
+def test_only_the_given_requests_are_written(kernels):
+    check(kernels, [3, 20, 2, 30], [3, 50, 9, 30], 1, 4, 64, 16, reqs=[1, 3])
+
+
+def test_long_prompt(kernels):
+    check(kernels, [2048], [2100], 2, 2, 128, 16)
+
+
+def test_bad_inputs_are_refused(kernels):
+    q, cache, table, seq_lens, starts = prefill_case([4], [4], 1, 2, 64, 16)
+    out = torch.zeros_like(q)
+    with pytest.raises(RuntimeError, match="bf16"):
+        kernels.paged_prefill(out.float(), q.float(), cache, table, seq_lens, starts,
+                              torch.tensor([0]), 1.0)
+    with pytest.raises(RuntimeError, match="more queries than context"):
+        kernels.paged_prefill(out, q, cache, table, seq_lens - 1, starts, torch.tensor([0]), 1.0)
