@@ -63,6 +63,12 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
+// As asm naming the whole struct: gcc 12's _tile_loadconfig tells the compiler it reads
+// only the first 8 bytes, which lets it drop stores to the rest (a #GP at LDTILECFG).
+inline void load_tile_config(const TileConfig& config) {
+  asm volatile("ldtilecfg %0" : : "m"(config));
+}
+
 // Tiles of the score product S = K . Q^T of one 16-position chunk and one KV head:
 // tmm0 = S [16 positions x G heads] fp32, tmm1 = K rows [16 x 32 dims] bf16,
 // tmm2 = Q^T [16 dim pairs x G heads] (bf16 pairs).
@@ -74,7 +80,7 @@ inline void configure_score_tiles(int64_t G) {
   config.colsb[1] = 64;
   config.rows[2] = 16;
   config.colsb[2] = static_cast<uint16_t>(G * 4);
-  _tile_loadconfig(&config);
+  load_tile_config(config);
 }
 
 // Lane j of the result is the pair (a[j], b[j]) of bf16: 16 pairs from two rows of 16.

@@ -24,7 +24,31 @@ inline void configure_prefill_tiles() {
     config.rows[t] = 16;
     config.colsb[t] = 64;
   }
-  _tile_loadconfig(&config);
+  load_tile_config(config);
+}
+
+// r[j] becomes column j of the 16 x 16 matrix whose rows were r[0..15].
+inline void transpose16x16(__m512* r) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[4 * i + 0] = _mm512_shuffle_ps(t[4 * i + 0], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i + 0], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 2; ++i)
+    for (int j = 0; j < 4; ++j) {
+      t[8 * i + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
+      t[8 * i + 4 + j] = _mm512_shuffle_f32x4(r[8 * i + j], r[8 * i + 4 + j], 0xDD);
+    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
+    r[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xDD);
+  }
 }
 
 struct PrefillLayout {
@@ -59,12 +83,13 @@ void prefill_tile(const uint16_t* q, uint16_t* out, int64_t n, int64_t first_pos
   float* scores = work.data();
   auto* p_pairs = reinterpret_cast<uint32_t*>(scores + padded * 16);
   auto* q_tiles = reinterpret_cast<uint32_t*>(scores + padded * 24);
-  for (int64_t c = 0; c < D / 32; ++c)
-    for (int64_t r = 0; r < 16; ++r)
-      for (int64_t i = 0; i < 16; ++i) {
-        const uint16_t* pair = q + std::min(i, n - 1) * L.q_row_stride + head * D + 32 * c + 2 * r;
-        q_tiles[(c * 16 + r) * 16 + i] = pair[0] | (uint32_t(pair[1]) << 16);
-      }
+  for (int64_t c = 0; c < D / 32; ++c) {  // tile c, row r, column i: word 16c + r of query i
+    __m512 words[16];
+    for (int64_t i = 0; i < 16; ++i)
+      words[i] = _mm512_loadu_ps(q + std::min(i, n - 1) * L.q_row_stride + head * D + 32 * c);
+    transpose16x16(words);
+    for (int64_t r = 0; r < 16; ++r) _mm512_storeu_ps(q_tiles + (c * 16 + r) * 16, words[r]);
+  }
   for (int64_t start = 0; start < num_keys; start += 16) {
     const uint16_t* k = keys + (blocks[start / L.block_size] * L.block_size +
                                 start % L.block_size) * row_stride + kv_head * D;
@@ -135,10 +160,14 @@ void prefill_tile(const uint16_t* q, uint16_t* out, int64_t n, int64_t first_pos
         default:
           _tile_stored(6, o, 64);
       }
+      __m512 rows[16];  // o is [16 dims x 16 queries]: transposed, a query per vector
+      for (int64_t d = 0; d < 16; ++d) rows[d] = _mm512_load_ps(o + d * 16);
+      transpose16x16(rows);
       for (int64_t i = 0; i < n; ++i) {
-        at::BFloat16* row = reinterpret_cast<at::BFloat16*>(out + i * L.out_row_stride) +
-                            head * D + d0 + 16 * t;
-        for (int64_t d = 0; d < 16; ++d) row[d] = static_cast<at::BFloat16>(o[d * 16 + i] * inv[i]);
+        const __m512 scaled = _mm512_mul_ps(rows[i], _mm512_set1_ps(inv[i]));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * L.out_row_stride + head * D +
+                                                       d0 + 16 * t),
+                            (__m256i)_mm512_cvtneps_pbh(scaled));
       }
     }
   }

@@ -93,7 +93,8 @@ def test_bad_inputs_are_refused(kernels):
     q, cache, table, seq_lens, starts = prefill_case([4], [4], 1, 2, 64, 16)
     out = torch.zeros_like(q)
     with pytest.raises(RuntimeError, match="bf16"):
-        kernels.paged_prefill(out.float(), q.float(), cache, table, seq_lens, starts,
-                              torch.tensor([0]), 1.0)
+        kernels.paged_prefill(
+            out.float(), q.float(), cache, table, seq_lens, starts, torch.tensor([0]), 1.0
+        )
     with pytest.raises(RuntimeError, match="more queries than context"):
         kernels.paged_prefill(out, q, cache, table, seq_lens - 1, starts, torch.tensor([0]), 1.0)
