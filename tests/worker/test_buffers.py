@@ -1,9 +1,13 @@
 """Persistent input buffers: one host/device pair per input, written every step in place."""
 
+import os
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
+import worker.buffers
 from engine_core import EngineConfig
 from ipc.messages import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
 from tests.models.tiny import make_tiny_checkpoint
@@ -111,3 +115,20 @@ def test_zeros_on_huge_pages_is_a_plain_zeroed_tensor():
     assert cache.is_contiguous() and cache.eq(0).all()
     cache[1, 2] = 7
     assert cache.sum().item() == 7 * 4 * 5
+
+
+def _resident_bytes() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.parametrize("populate", ["madvise", "touch"])
+def test_zeros_on_huge_pages_are_faulted_in_at_allocation(monkeypatch, populate):
+    """The cache's pages are resident once allocated (the kernel zeroes them then, not on
+    a step's first write), by MADV_POPULATE_WRITE or, where the kernel refuses it, by
+    touching every page."""
+    if populate == "touch":  # an advice no kernel knows: the fallback
+        monkeypatch.setattr(worker.buffers, "_MADV_POPULATE_WRITE", 10_000)
+    before = _resident_bytes()
+    cache = zeros_on_huge_pages((64, 1 << 20), torch.uint8)
+    assert _resident_bytes() - before >= 60 << 20
+    assert cache.eq(0).all()
