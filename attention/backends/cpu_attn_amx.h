@@ -3,7 +3,8 @@
 // pass over a context in chunks of 16 positions, with an online softmax. Per chunk, AMX
 // computes the scores, the softmax runs across all query heads at once, and VDPBF16PS
 // adds the chunk's probability-weighted V rows two positions at a time, while the K and V
-// lines of the next block are requested a few at a time between positions.
+// lines of the next block are requested a few at a time all through the chunk (a burst
+// of them would stall the core on its 16 line-fill buffers).
 #pragma once
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -174,7 +175,7 @@ void attend_item_amx(const at::BFloat16* q_row, at::BFloat16* out, const at::BFl
           cache + (blocks[ahead / L.block_size] * L.block_size + ahead % L.block_size) * row_stride);
       pf.v = pf.k + L.cache_half * 2;
       pf.bytes = std::min<int64_t>(16, seq_len - ahead) * row_stride * 2;
-      const int64_t steps = heads * ((G + GB - 1) / GB) * ((t1 - t0 + 2) / 2);
+      const int64_t steps = heads * (((G + GB - 1) / GB) * ((t1 - t0 + 2) / 2) + 2);
       pf.per_step = (pf.bytes / 64 + steps - 1) / steps;
     }
     for (int64_t h = 0; h < heads; ++h) {
@@ -185,6 +186,8 @@ void attend_item_amx(const at::BFloat16* q_row, at::BFloat16* out, const at::BFl
         _tile_dpbf16ps(0, 1, 2);
       }
       _tile_stored(0, scores + h * G, 64);
+      pf.step();  // the score phase requests lines too, or the fill buffers idle through it
+      pf.step();
     }
     __m512 s[16];
     __m512 chunk_max = _mm512_set1_ps(-INFINITY);
