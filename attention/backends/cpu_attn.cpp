@@ -22,7 +22,6 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
-#include <utility>
 #include <vector>
 
 namespace {
@@ -140,6 +139,9 @@ void attend_item(const T* q, T* out, const T* cache, const int32_t* blocks, int6
   }
 }
 
+// Cleared by set_amx (tests of the AVX512-BF16 path, or an escape hatch).
+bool amx_enabled = true;
+
 }  // namespace
 
 #include "cpu_attn_bf16.h"
@@ -147,9 +149,6 @@ void attend_item(const T* q, T* out, const T* cache, const int32_t* blocks, int6
 #include "cpu_prefill_amx.h"
 
 namespace {
-
-// Cleared by set_amx (tests of the AVX512-BF16 path, or an escape hatch).
-bool amx_enabled = true;
 
 // Whether a bf16 decode with this layout takes the AMX path (items of at most 16 query
 // heads, chunks of 16 positions within a block).
@@ -296,93 +295,6 @@ void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor kv_cache,
       std::memcpy(value_cache + slots[t] * row_bytes, value + t * v_stride, row_bytes);
     }
   });
-}
-
-// Causal prefill attention for bf16 with AMX (cpu_prefill_amx.h). q, out: [T, num_heads,
-// head_dim] with dense rows; kv_cache as above, holding every context position already;
-// block_table [R, max_blocks] int32 (rows may be strided); seq_lens [R] int32;
-// query_start_loc [R + 1] int32; reqs [P] int64: the prefills, whose query rows are
-// query_start_loc[r] .. query_start_loc[r + 1] - 1, the last positions of their context.
-void paged_prefill(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache,
-                   torch::Tensor block_table, torch::Tensor seq_lens,
-                   torch::Tensor query_start_loc, torch::Tensor reqs, double scale) {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  TORCH_CHECK(amx_enabled && amx_usable(), "paged_prefill needs AMX");
-  TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "paged_prefill runs on CPU");
-  TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && kv_cache.dim() == 5, "bad ranks");
-  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q rows must be dense");
-  TORCH_CHECK(out.stride(2) == 1 && out.stride(1) == out.size(2), "out rows must be dense");
-  TORCH_CHECK(kv_cache.is_contiguous() && block_table.stride(1) == 1, "cache, table rows dense");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && kv_cache.scalar_type() == at::kBFloat16 &&
-                  out.scalar_type() == at::kBFloat16,
-              "paged_prefill takes bf16");
-  TORCH_CHECK(block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
-                  query_start_loc.scalar_type() == at::kInt && reqs.scalar_type() == at::kLong,
-              "int32 table, lengths and offsets; int64 request ids");
-  const int64_t kv_heads = kv_cache.size(3), dim = kv_cache.size(4), heads = q.size(1);
-  TORCH_CHECK(q.size(2) == dim && heads % kv_heads == 0, "head shapes do not match");
-  TORCH_CHECK(dim == 64 || dim == 128, "paged_prefill takes head_dim 64 or 128");
-  TORCH_CHECK(kv_cache.size(2) % 16 == 0, "paged_prefill takes blocks of a multiple of 16");
-  auto lens_t = seq_lens.contiguous(), starts_t = query_start_loc.contiguous();
-  auto reqs_t = reqs.contiguous();
-  const int32_t* lens = lens_t.data_ptr<int32_t>();
-  const int32_t* starts = starts_t.data_ptr<int32_t>();
-  const int64_t* req_ids = reqs_t.data_ptr<int64_t>();
-  const int64_t num_prefills = reqs_t.size(0);
-  int64_t longest = 32;
-  std::vector<std::pair<int64_t, int64_t>> tiles;  // (prefill index, first query row)
-  for (int64_t p = 0; p < num_prefills; ++p) {
-    const int64_t r = req_ids[p];
-    TORCH_CHECK(starts[r + 1] - starts[r] <= lens[r], "more queries than context");
-    longest = std::max<int64_t>(longest, lens[r]);
-    for (int64_t row = starts[r]; row < starts[r + 1]; row += 16) tiles.emplace_back(p, row);
-  }
-  const PrefillLayout L{kv_cache.size(2),  kv_heads,      heads / kv_heads, q.stride(0),
-                        out.stride(0),     block_table.stride(0), kv_cache.stride(0),
-                        (longest + 31) / 32 * 32};
-  auto vt = torch::empty({num_prefills, kv_heads, dim, L.vt_stride}, q.options());
-  const auto* cache = reinterpret_cast<const uint16_t*>(kv_cache.data_ptr());
-  const auto* q_ptr = reinterpret_cast<const uint16_t*>(q.data_ptr());
-  auto* out_ptr = reinterpret_cast<uint16_t*>(out.data_ptr());
-  auto* vt_ptr = reinterpret_cast<uint16_t*>(vt.data_ptr());
-  const int32_t* table = block_table.data_ptr<int32_t>();
-  const int64_t num_items = static_cast<int64_t>(tiles.size()) * heads;
-#pragma omp parallel num_threads(at::get_num_threads())
-  {
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < num_prefills * kv_heads; ++item) {
-      const int64_t p = item / kv_heads, h = item % kv_heads, r = req_ids[p];
-      uint16_t* dst = vt_ptr + item * dim * L.vt_stride;
-      const int32_t* blocks = table + r * L.table_stride;
-      if (dim == 64)
-        transpose_values<64>(cache + L.cache_half, blocks, lens[r], h, L, dst);
-      else
-        transpose_values<128>(cache + L.cache_half, blocks, lens[r], h, L, dst);
-    }
-    configure_prefill_tiles();
-    std::vector<float> work;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < num_items; ++item) {
-      const auto [p, row] = tiles[item / heads];
-      const int64_t head = item % heads, r = req_ids[p];
-      const int64_t n = std::min<int64_t>(16, starts[r + 1] - row);
-      const int64_t first_pos = lens[r] - (starts[r + 1] - row);
-      const uint16_t* v_t = vt_ptr + (p * kv_heads + head / L.group) * dim * L.vt_stride;
-      const int32_t* blocks = table + r * L.table_stride;
-      const uint16_t* q_rows = q_ptr + row * L.q_row_stride;
-      uint16_t* out_rows = out_ptr + row * L.out_row_stride;
-      if (dim == 64)
-        prefill_tile<64>(q_rows, out_rows, n, first_pos, cache, v_t, blocks, head,
-                         static_cast<float>(scale), L, work);
-      else
-        prefill_tile<128>(q_rows, out_rows, n, first_pos, cache, v_t, blocks, head,
-                          static_cast<float>(scale), L, work);
-    }
-    _tile_release();
-  }
-#else
-  TORCH_CHECK(false, "paged_prefill needs AMX");
-#endif
 }
 
 // Whether bf16 decodes may take the AMX path (where the CPU has it); returns the
