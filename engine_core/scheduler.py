@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from engine_core.request import Request, RequestStatus
+from engine_core.request_checks import check_lengths, check_token_ids
 from engine_core.request_queue import make_request_queue
 from engine_core.structured_output import GRAMMAR_REJECTED, StructuredOutputManager
 from ipc.config import EngineConfig, PreemptionMode, SchedulingPolicy
@@ -23,41 +24,13 @@ from ipc.messages import (
     FinishReason,
     ModelRunnerOutput,
     NewRequestData,
-    SamplingParams,
     SchedulerOutput,
     SchedulerStats,
 )
 from ipc.utils import cdiv
 from kv_cache import KVCacheBlocks, KVCacheManager
 
-_INT64 = 2**63
 _GRAMMAR_ERROR = {"error": GRAMMAR_REJECTED, "error_code": ErrorCode.INTERNAL}
-
-
-def check_token_ids(
-    prompt_token_ids: list[int], params: SamplingParams, config: EngineConfig
-) -> str | None:
-    """Why a request's token ids (prompt, stop ids, logit_bias, allowed ids, bad words) or
-    seed cannot run, or None. Every id the workers index a vocabulary-sized tensor with is
-    checked here, at the edge."""
-    vocab_size = config.vocab_size or _INT64
-    if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size:
-        return f"prompt token ids must be in [0, {vocab_size})"
-    bad = [t for t in params.stop_token_ids if not 0 <= t < vocab_size]
-    if bad:
-        return f"stop_token_ids must be in [0, {vocab_size}), got {bad[0]}"
-    bad = [t for t in params.logit_bias if not 0 <= t < vocab_size]
-    if bad:
-        return f"logit_bias token ids must be in [0, {vocab_size}), got {bad[0]}"
-    bad = [t for t in params.allowed_token_ids or () if not 0 <= t < vocab_size]
-    if bad:
-        return f"allowed_token_ids must be in [0, {vocab_size}), got {bad[0]}"
-    bad = [t for ids in params.bad_words_token_ids for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        return f"bad_words_token_ids must be in [0, {vocab_size}), got {bad[0]}"
-    if params.seed is not None and not -_INT64 <= params.seed < 2 * _INT64:
-        return f"seed must be a 64-bit integer, got {params.seed}"
-    return None
 
 
 class Scheduler:
@@ -125,23 +98,11 @@ class Scheduler:
         self.waiting.add(request)
 
     def _check_request(self, request: Request) -> str | None:
-        num_prompt = request.num_prompt_tokens
         if request.request_id in self.requests:
             return f"request id {request.request_id!r} is already in use"
-        if num_prompt == 0:
-            return "the prompt is empty"
-        if num_prompt >= self.max_model_len:
-            return (
-                f"the prompt has {num_prompt} tokens; max_model_len is {self.max_model_len} "
-                "and at least one token must be left for the output"
-            )
-        num_output = request.max_tokens or max(1, request.min_tokens)
-        if num_prompt + num_output > self.max_model_len:
-            return (
-                f"the prompt ({num_prompt} tokens) plus max_tokens ({num_output}) exceeds "
-                f"max_model_len ({self.max_model_len})"
-            )
-        error = check_token_ids(request.prompt_token_ids, request.sampling_params, self.config)
+        error = check_lengths(request, self.max_model_len) or check_token_ids(
+            request.prompt_token_ids, request.sampling_params, self.config
+        )
         structured = request.sampling_params.structured_outputs
         if error is None and structured is not None:
             error = self.structured_output.add_request(request.request_id, structured)
