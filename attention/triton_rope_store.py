@@ -53,8 +53,20 @@ def rope_store_fits(
 
 
 @triton.jit
-def _rotated_halves(first_ptrs, mask, cos, sin, HALF: tl.constexpr):
-    """The neox rotation of the halves at first_ptrs and first_ptrs + HALF, in their dtype."""
+def load_cos_sin(cos_ptr, sin_ptr, position, dims, dims_mask, like_ptr, HALF: tl.constexpr):
+    """cos and sin [HALF_PAD] at `position` from the float32 caches, rounded to like_ptr's
+    dtype as the torch code looks them up, in float32. Shared with the rotary kernel of
+    models/layers/triton_ops.py."""
+    dtype = like_ptr.dtype.element_ty
+    cos = tl.load(cos_ptr + position * HALF + dims, dims_mask, other=0.0)
+    sin = tl.load(sin_ptr + position * HALF + dims, dims_mask, other=0.0)
+    return cos.to(dtype).to(tl.float32), sin.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def rotated_halves(first_ptrs, mask, cos, sin, HALF: tl.constexpr):
+    """The neox rotation of the halves at first_ptrs and first_ptrs + HALF, in their dtype,
+    each product and sum rounded as the torch code rounds them."""
     dtype = first_ptrs.dtype.element_ty
     a = tl.load(first_ptrs, mask, other=0.0).to(tl.float32)
     b = tl.load(first_ptrs + HALF, mask, other=0.0).to(tl.float32)
@@ -93,29 +105,26 @@ def _rope_store_kv_kernel(
     HALF_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
 ):
-    dtype = q_ptr.dtype.element_ty
     half: tl.constexpr = HEAD_DIM // 2
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     dims = tl.arange(0, HALF_PAD)
     dims_mask = dims < half
-    cos = tl.load(cos_ptr + position * half + dims, dims_mask, other=0.0)
-    sin = tl.load(sin_ptr + position * half + dims, dims_mask, other=0.0)
-    cos = cos.to(dtype).to(tl.float32)[None, :]
-    sin = sin.to(dtype).to(tl.float32)[None, :]
+    cos, sin = load_cos_sin(cos_ptr, sin_ptr, position, dims, dims_mask, q_ptr, half)
+    cos, sin = cos[None, :], sin[None, :]
 
     q_heads = tl.arange(0, Q_HEADS_PAD)
     q_mask = (q_heads < Q_HEADS)[:, None] & dims_mask[None, :]
     q_first = q_ptr + token * q_stride_t + q_heads[:, None] * q_stride_h + dims[None, :]
-    q1, q2 = _rotated_halves(q_first, q_mask, cos, sin, half)
+    q1, q2 = rotated_halves(q_first, q_mask, cos, sin, half)
     tl.store(q_first, q1, q_mask)
     tl.store(q_first + half, q2, q_mask)
 
     kv_heads = tl.arange(0, KV_HEADS_PAD)
     kv_mask = (kv_heads < KV_HEADS)[:, None] & dims_mask[None, :]
     k_first = k_ptr + token * k_stride_t + kv_heads[:, None] * k_stride_h + dims[None, :]
-    k1, k2 = _rotated_halves(k_first, kv_mask, cos, sin, half)
+    k1, k2 = rotated_halves(k_first, kv_mask, cos, sin, half)
     tl.store(k_first, k1, kv_mask)
     tl.store(k_first + half, k2, kv_mask)
 

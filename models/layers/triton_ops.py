@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from attention.triton_rope_store import load_cos_sin, rotated_halves
+
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The widest row a norm program holds in registers; wider rows run the torch code.
 MAX_NORM_BLOCK = 65536
@@ -233,19 +235,12 @@ def _rotate_heads(
 ):
     """Neox rotation of the HEADS heads of one token's row, each product and sum rounded to
     the row's dtype as the torch code does."""
-    dtype = row_ptr.dtype.element_ty
     heads = tl.arange(0, HEADS_PAD)
     mask = (heads < HEADS)[:, None] & dims_mask[None, :]
     first = row_ptr + heads[:, None] * HEAD_DIM + dims[None, :]
-    second = first + HEAD_DIM // 2
-    a = tl.load(first, mask, other=0.0).to(tl.float32)
-    b = tl.load(second, mask, other=0.0).to(tl.float32)
-    a_cos = (a * cos[None, :]).to(dtype).to(tl.float32)
-    b_sin = (b * sin[None, :]).to(dtype).to(tl.float32)
-    b_cos = (b * cos[None, :]).to(dtype).to(tl.float32)
-    a_sin = (a * sin[None, :]).to(dtype).to(tl.float32)
-    tl.store(first, (a_cos - b_sin).to(dtype), mask)
-    tl.store(second, (b_cos + a_sin).to(dtype), mask)
+    a, b = rotated_halves(first, mask, cos[None, :], sin[None, :], HEAD_DIM // 2)
+    tl.store(first, a, mask)
+    tl.store(first + HEAD_DIM // 2, b, mask)
 
 
 @triton.jit
@@ -264,16 +259,12 @@ def _rotary_kernel(
     HEAD_DIM: tl.constexpr,
     HALF_PAD: tl.constexpr,
 ):
-    dtype = q_ptr.dtype.element_ty
     half: tl.constexpr = HEAD_DIM // 2
     token = tl.program_id(0).to(tl.int64)
     position = tl.load(positions_ptr + token).to(tl.int64)
     dims = tl.arange(0, HALF_PAD)
     dims_mask = dims < half
-    cos = tl.load(cos_ptr + position * half + dims, dims_mask, other=0.0)
-    sin = tl.load(sin_ptr + position * half + dims, dims_mask, other=0.0)
-    cos = cos.to(dtype).to(tl.float32)
-    sin = sin.to(dtype).to(tl.float32)
+    cos, sin = load_cos_sin(cos_ptr, sin_ptr, position, dims, dims_mask, q_ptr, half)
     _rotate_heads(
         q_ptr + token * q_stride, cos, sin, dims, dims_mask, Q_HEADS, Q_HEADS_PAD, HEAD_DIM
     )
