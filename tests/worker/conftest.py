@@ -1,5 +1,6 @@
-"""A ModelRunner over a tiny random Llama (fp32, 32 KV blocks of 8 tokens), shared by the
-tests of one module that drive the runner with hand-made SchedulerOutputs."""
+"""Shared fixtures: a ModelRunner over a tiny random Llama (fp32, 32 KV blocks of 8 tokens)
+for tests that drive the runner with hand-made SchedulerOutputs, and `checkpoint`, a tiny
+model with one KV cache group and one with two (a module's own `checkpoint` replaces it)."""
 
 import pytest
 
@@ -17,3 +18,20 @@ def runner(tmp_path_factory) -> ModelRunner:
     runner = ModelRunner(config)
     runner.initialize_kv_cache(32)
     return runner
+
+
+# A Llama (one KV cache group) and a Qwen2 with two window layers (two groups, so two
+# block tables and slot mappings per step).
+CHECKPOINTS = {
+    "llama": ("llama", {}),
+    "qwen2-hybrid": (
+        "qwen2",
+        dict(num_hidden_layers=4, use_sliding_window=True, sliding_window=8, max_window_layers=2),
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CHECKPOINTS))
+def checkpoint(request, tmp_path_factory) -> str:
+    arch, overrides = CHECKPOINTS[request.param]
+    return make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), arch, **overrides)

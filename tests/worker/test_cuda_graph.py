@@ -15,7 +15,6 @@ from attention.backends.triton_backend import TritonAttentionBackend
 from engine_core import EngineConfig, EngineCore
 from ipc.messages import EngineCoreRequest, SamplingParams
 from splitserve.executor import InProcessExecutor
-from tests.models.tiny import make_tiny_checkpoint
 from worker.buffers import InputBuffers
 from worker.cuda_graph import (
     CudaGraphRunner,
@@ -26,23 +25,6 @@ from worker.cuda_graph import (
 from worker.model_runner import ModelRunner
 
 SIZES = [1, 2, 4, 8]
-
-
-# A Llama (one KV cache group) and a Qwen2 with two window layers (two groups, so two
-# block tables and slot mappings per captured size).
-CHECKPOINTS = {
-    "llama": ("llama", {}),
-    "qwen2-hybrid": (
-        "qwen2",
-        dict(num_hidden_layers=4, use_sliding_window=True, sliding_window=8, max_window_layers=2),
-    ),
-}
-
-
-@pytest.fixture(scope="module", params=sorted(CHECKPOINTS))
-def checkpoint(request, tmp_path_factory):
-    arch, overrides = CHECKPOINTS[request.param]
-    return make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), arch, **overrides)
 
 
 def test_default_capture_sizes():

@@ -11,27 +11,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ipc.config import EngineConfig
 from ipc.messages import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
-from tests.models.tiny import make_tiny_checkpoint
 from worker import model_runner as model_runner_module
 from worker.model_runner import ModelRunner
 from worker.staging_arena import StagingArena
 
 aten = torch.ops.aten
 COPIES = (aten.copy_.default, aten._to_copy.default, aten.copy.default)
-
-CHECKPOINTS = {
-    "llama": ("llama", {}),
-    "qwen2-hybrid": (  # two KV cache groups: two block tables interleaved in the arena
-        "qwen2",
-        dict(num_hidden_layers=4, use_sliding_window=True, sliding_window=8, max_window_layers=2),
-    ),
-}
-
-
-@pytest.fixture(scope="module", params=sorted(CHECKPOINTS))
-def checkpoint(request, tmp_path_factory):
-    arch, overrides = CHECKPOINTS[request.param]
-    return make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), arch, **overrides)
 
 
 class ArenaTraffic(TorchDispatchMode):
