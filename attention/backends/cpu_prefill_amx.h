@@ -221,11 +221,14 @@ void paged_prefill(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache,
   const PrefillLayout L{kv_cache.size(2),  kv_heads,      heads / kv_heads, q.stride(0),
                         out.stride(0),     block_table.stride(0), kv_cache.stride(0),
                         (longest + 31) / 32 * 32};
-  auto vt = torch::empty({num_prefills, kv_heads, dim, L.vt_stride}, q.options());
+  // V^T of every prefill and KV head, kept between a thread's calls (every layer of a
+  // step asks for the same size), so that no layer maps and unmaps megabytes.
+  static thread_local std::vector<uint16_t> vt;
+  vt.resize(num_prefills * kv_heads * dim * L.vt_stride);
   const auto* cache = reinterpret_cast<const uint16_t*>(kv_cache.data_ptr());
   const auto* q_ptr = reinterpret_cast<const uint16_t*>(q.data_ptr());
   auto* out_ptr = reinterpret_cast<uint16_t*>(out.data_ptr());
-  auto* vt_ptr = reinterpret_cast<uint16_t*>(vt.data_ptr());
+  uint16_t* vt_ptr = vt.data();
   const int32_t* table = block_table.data_ptr<int32_t>();
   const int64_t num_items = static_cast<int64_t>(tiles.size()) * heads;
 #pragma omp parallel num_threads(at::get_num_threads())
