@@ -179,4 +179,5 @@ def rotate_and_store_kv(
         HEAD_DIM=head_dim,
         HALF_PAD=triton.next_power_of_2(head_dim // 2),
         BLOCK_SIZE=block_size,
+        enable_fp_fusion=False,  # no FMA: each product is rounded, as in torch
     )

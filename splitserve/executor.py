@@ -41,12 +41,12 @@ class InProcessExecutor(Executor):
 
     def submit(self, scheduler_output: SchedulerOutput) -> None:
         if self._thread is None:
-            device = self._runner().device
+            on_cuda = self._runner().device.type == "cuda"
             self._thread = ThreadPoolExecutor(
                 1,
                 thread_name_prefix="splitserve-step",
-                initializer=torch.cuda.set_device if device.type == "cuda" else None,
-                initargs=(device,) if device.type == "cuda" else (),
+                initializer=torch.cuda.set_device if on_cuda else None,
+                initargs=(torch.cuda.current_device(),) if on_cuda else (),
             )
         self._submitted.append(self._thread.submit(self.execute_model, scheduler_output))
 

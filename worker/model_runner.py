@@ -108,15 +108,17 @@ class ModelRunner:
         return 2 * num_tensors * self.block_size * self.num_kv_heads * self.head_dim * elem
 
     def determine_num_blocks(self) -> int:
-        """Blocks that fit this rank: `--kv-cache-memory` bytes on CPU; on CUDA, what a
-        profiling forward at max_num_batched_tokens leaves of the memory budget. With a
-        host tier, also measures block_copy_seconds and prefill_token_seconds."""
+        """Blocks that fit this rank: `--kv-cache-memory` bytes when given; else on CUDA,
+        what a profiling forward at max_num_batched_tokens leaves of the memory budget
+        (several engines can then share one GPU), and 4 GiB on CPU. With a host tier, also
+        measures block_copy_seconds and prefill_token_seconds."""
         profiled_seconds_per_token = None
         if self.config.num_gpu_blocks_override is not None:
             num_blocks = self.config.num_gpu_blocks_override
         else:
             if self.device.type == "cuda":
                 budget, profiled_seconds_per_token = self._profile_cuda_memory()
+                budget = self.config.kv_cache_memory or budget
             else:
                 budget = self.config.kv_cache_memory or _CPU_KV_CACHE_BYTES
             num_blocks = int(budget // self.kv_cache_bytes_per_block())

@@ -302,4 +302,5 @@ def rotary_embedding(
         K_HEADS_PAD=triton.next_power_of_2(k_heads),
         HEAD_DIM=head_dim,
         HALF_PAD=triton.next_power_of_2(head_dim // 2),
+        enable_fp_fusion=False,  # no FMA: each product is rounded, as in torch
     )

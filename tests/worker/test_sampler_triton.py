@@ -37,9 +37,12 @@ def uniforms(metadata: SamplingMetadata, rows: int, seed: int, device: str) -> t
     return _draw_uniforms(rows, metadata.generators, generator, torch.device(device))
 
 
-def triton_tokens(logits, metadata, seed, tile=2048) -> torch.Tensor:
+def triton_tokens(logits, metadata, seed, tile=2048, cpu_draws=False) -> torch.Tensor:
+    """The kernel's tokens; with cpu_draws, on the draws the torch path makes for CPU
+    logits (a CUDA generator draws other numbers from the same seed)."""
     m = metadata
-    u = uniforms(m, logits.shape[0], seed, logits.device.type)
+    u = uniforms(m, logits.shape[0], seed, "cpu" if cpu_draws else logits.device.type)
+    u = u.to(logits.device)
     return sample_triton(logits, m.temperature, m.top_k, m.top_p, m.min_p, u, SAMPLING_EPS, tile)
 
 
@@ -80,7 +83,9 @@ def test_same_tokens_as_the_torch_path_and_the_cpp_kernel(kernel_device, dtype, 
     generator = torch.Generator().manual_seed(vocab + tile)
     logits = (torch.randn(rows, vocab, generator=generator) * 3).to(dtype)
     kind, metadata = random_settings(rows, seed=vocab)
-    fast = triton_tokens(logits.to(kernel_device), on_device(metadata, kernel_device), 3, tile)
+    fast = triton_tokens(
+        logits.to(kernel_device), on_device(metadata, kernel_device), 3, tile, cpu_draws=True
+    )
     fast = fast.cpu()
     greedy = torch.from_numpy(kind == 0)
     assert torch.equal(fast[greedy], logits[greedy].float().argmax(-1))
@@ -98,7 +103,9 @@ def test_top_k_keeps_every_logit_tied_with_the_kth(kernel_device):
     generator = torch.Generator().manual_seed(8)
     logits = torch.randint(-20, 20, (rows, vocab), generator=generator).float()
     metadata = make_metadata([1.0] * rows, top_k=[1, 3, 40, 599] * (rows // 4))
-    fast = triton_tokens(logits.to(kernel_device), on_device(metadata, kernel_device), 9, 128)
+    fast = triton_tokens(
+        logits.to(kernel_device), on_device(metadata, kernel_device), 9, 128, cpu_draws=True
+    )
     fast = fast.cpu()
     assert torch.equal(fast, torch_tokens(logits, metadata, 9))
     kth = logits.sort(dim=-1, descending=True).values[torch.arange(rows), metadata.top_k - 1]
