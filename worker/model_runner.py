@@ -1,5 +1,6 @@
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 from transformers import AutoConfig
@@ -248,7 +249,12 @@ class ModelRunner:
         self.cuda_graphs.capture()
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, on_launch: Callable[[], None] | None = None
+    ) -> ModelRunnerOutput:
+        """Run one step. `on_launch` is called once its device work is queued, before the
+        sampled tokens are read back (the in-process step thread answers the previous step
+        there)."""
         # The host sides of the batch and the buffers are rewritten from here on.
         self.inputs.wait_for_copies()
         self._copy_blocks(scheduler_output)
@@ -279,12 +285,14 @@ class ModelRunner:
             ids, bitmask = so.structured_output_request_ids, so.grammar_bitmask
             apply_grammar_bitmask(logits, ids, bitmask, self.input_batch.req_ids, step.sample_rows)
         sampled, logprobs = self._sample(logits, step)
+        if on_launch is not None:
+            on_launch()
         out = finish_step(
             self.input_batch,
             self.requests,
             scheduler_output.step_id,
             step.sample_rows,
-            sampled,
+            sampled.tolist(),
             logprobs,
             self.failed_requests,
         )
@@ -370,7 +378,7 @@ class ModelRunner:
         """Rank 0 samples (by the settings prepare_inputs staged) and broadcasts the token
         ids, so every rank appends the same tokens to its batch."""
         if len(step.sample_rows) == 0:
-            return [], None
+            return torch.empty(0, dtype=torch.long), None
         logprobs = None
         if self.is_driver:
             out = self.sampler(logits, step.sampling_metadata)
@@ -379,7 +387,7 @@ class ModelRunner:
             sampled = torch.empty(len(step.sample_rows), dtype=torch.long, device=self.device)
         if get_tp_size() > 1:
             tp_broadcast(sampled, src=0)
-        return sampled.tolist(), logprobs
+        return sampled, logprobs
 
 
 def _default_device(name: str) -> str:
