@@ -1,6 +1,5 @@
 import gc
 import time
-from collections.abc import Callable
 
 import torch
 
@@ -13,8 +12,8 @@ from worker.model_runner import ModelRunner
 
 class InProcessExecutor(Executor):
     """One ModelRunner in the EngineCore's own process (tensor_parallel_size 1). Submitted
-    steps run on a StepThread, so that the EngineCore's update and scheduling overlap the
-    forward (torch releases the GIL in its kernels and while waiting for the GPU)."""
+    steps run pipelined on a StepThread, so that the EngineCore's update and scheduling and
+    the next step's preparation overlap the GPU's work."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.runner: ModelRunner | None = ModelRunner(config)
@@ -32,23 +31,25 @@ class InProcessExecutor(Executor):
         self.prefill_token_seconds = runner.prefill_token_seconds
         return num_blocks
 
-    def execute_model(
-        self, scheduler_output: SchedulerOutput, on_launch: Callable[[], None] | None = None
-    ) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         start = time.perf_counter()
-        output = self._runner().execute_model(scheduler_output, on_launch)
+        output = self._runner().execute_model(scheduler_output)
         self.last_call = (start, start, time.perf_counter())  # nothing is sent: no broadcast
         return output
 
     def submit(self, scheduler_output: SchedulerOutput) -> None:
         if self._steps is None:
-            self._steps = StepThread(self.execute_model, self._runner().device)
+            runner = self._runner()
+            self._steps = StepThread(runner.launch, runner.finish, runner.device)
         self._steps.submit(scheduler_output)
 
     def collect(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if self._steps is None:
             raise RuntimeError("collect() before any submit()")
-        return self._steps.collect()
+        start = time.perf_counter()
+        output = self._steps.collect()
+        self.last_call = (start, start, time.perf_counter())
+        return output
 
     def shutdown(self) -> None:
         """Drop the runner: its model, KV cache and CUDA graphs are freed, and on CUDA the

@@ -1,14 +1,16 @@
-"""The thread that runs an in-process engine's steps (async scheduling).
+"""The thread that runs an in-process engine's steps under async scheduling, pipelined.
 
 Python runs one thread at a time, so the EngineCore's update and scheduling overlap the
-GPU only while the step thread waits for it. The step thread therefore answers step N
-only once step N+1, if already submitted, has been prepared and launched:
+GPU only while the step thread waits for it, and the GPU stays busy only if the next step
+is queued before the last one ends. The step thread launches step N+1 (its decode rows
+fed from step N's samples on the device) and only then finishes and answers step N:
 
-    step thread:  prepare+launch N+1 | answer N | wait for GPU N+1 | finish N+1 | ...
-    EngineCore:                        update N, schedule N+2, submit | wait for N+1
+    step thread:  launch N+1 | finish N, answer N | (blocked)          | launch N+2 | ...
+    EngineCore:                                   | update N, schedule |
+                                                  | N+2, submit N+2    |
+    GPU:          ... N      | N+1                                     | N+2
 
-Answering N first would set both threads' Python against each other while the GPU
-idles. When nothing is queued as step N finishes, N is answered at once.
+A step that nothing follows is finished when the EngineCore asks for its answer.
 """
 
 from __future__ import annotations
@@ -22,21 +24,24 @@ from concurrent.futures import Future
 import torch
 
 from ipc.messages import ModelRunnerOutput, SchedulerOutput
+from worker.step_output import LaunchedStep
 
-RunStep = Callable[[SchedulerOutput, Callable[[], None]], ModelRunnerOutput]
+Launch = Callable[[SchedulerOutput], LaunchedStep]
+Finish = Callable[[LaunchedStep], ModelRunnerOutput]
+# A submitted step, the answer a collect() waits for, or None: stop.
+_Job = tuple[SchedulerOutput, Future] | Future | None
 
 
 class StepThread:
-    """Runs `run_step(scheduler_output, on_launch)` for each submitted step, in order;
-    run_step calls on_launch once the step's device work is queued and before it waits
-    for it. `collect` returns the answers in submission order."""
+    """Launches each submitted step in order, and finishes a step once the next one is
+    launched or its answer is asked for. `collect` returns the answers in order."""
 
-    def __init__(self, run_step: RunStep, device: torch.device) -> None:
-        self._run_step = run_step
+    def __init__(self, launch: Launch, finish: Finish, device: torch.device) -> None:
+        self._launch, self._finish = launch, finish
         self._cuda_index = None
         if device.type == "cuda":
             self._cuda_index = torch.cuda.current_device() if device.index is None else device.index
-        self._jobs: queue.SimpleQueue[tuple[SchedulerOutput, Future] | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self._submitted: deque[Future] = deque()
         self._thread = threading.Thread(target=self._loop, name="splitserve-step", daemon=True)
         self._thread.start()
@@ -47,7 +52,10 @@ class StepThread:
         self._jobs.put((scheduler_output, future))
 
     def collect(self) -> ModelRunnerOutput:
-        return self._submitted.popleft().result()
+        future = self._submitted.popleft()
+        if not future.done():
+            self._jobs.put(future)  # finish it if no later step is launched first
+        return future.result()
 
     def shutdown(self) -> None:
         """Stop the thread once the step it runs ends; steps not started are dropped."""
@@ -63,28 +71,31 @@ class StepThread:
     def _loop(self) -> None:
         if self._cuda_index is not None:
             torch.cuda.set_device(self._cuda_index)
-        unanswered: list[tuple[Future, ModelRunnerOutput]] = []
+        unfinished: list[tuple[LaunchedStep, Future]] = []  # at most one
 
         def answer() -> None:
-            while unanswered:
-                future, output = unanswered.pop()
-                future.set_result(output)
+            for step, future in unfinished:
+                try:
+                    future.set_result(self._finish(step))
+                except BaseException as e:
+                    future.set_exception(e)
+            unfinished.clear()
 
         while True:
-            try:
-                job = self._jobs.get(block=not unanswered)
-            except queue.Empty:
-                answer()
-                continue
+            job = self._jobs.get()
             if job is None:
                 answer()
                 return
+            if isinstance(job, Future):
+                if not job.done():
+                    answer()
+                continue
             scheduler_output, future = job
             try:
-                output = self._run_step(scheduler_output, answer)
+                step = self._launch(scheduler_output)
             except BaseException as e:
                 answer()
                 future.set_exception(e)
                 continue
-            answer()  # run_step may have ended before it launched anything
-            unanswered.append((future, output))
+            answer()
+            unfinished.append((step, future))

@@ -98,7 +98,7 @@ class InputBuffers:
     torch backend).
 
     Every slot but the block tables is copied whole, used or not: a step copies 24 bytes
-    per max_num_tokens (ids, positions, the split's scratch), about 70 per max_num_reqs,
+    per max_num_tokens (ids, positions, the split's scratch), about 86 per max_num_reqs,
     and the used rows of the block tables.
 
     The copy is asynchronous, so a step must not rewrite the host side while the last
@@ -131,6 +131,10 @@ class InputBuffers:
             SlotSpec("top_k", reqs, torch.int32),
             SlotSpec("input_ids", tokens, torch.int64),
             SlotSpec("positions", tokens, torch.int64),
+            # A pipelined step's rows whose input token is the last step's sample, still
+            # on the device: token index in input_ids, index in that step's samples.
+            SlotSpec("fed_token_indices", reqs, torch.int64),
+            SlotSpec("fed_sample_indices", reqs, torch.int64),
         ]
         separate = device.type == "cuda" or separate_device_arena
         if separate:
@@ -147,6 +151,8 @@ class InputBuffers:
         self.logits_indices = slots["logits_indices"]
         self.input_ids = slots["input_ids"]
         self.positions = slots["positions"]
+        self.fed_token_indices = slots["fed_token_indices"]
+        self.fed_sample_indices = slots["fed_sample_indices"]
         self.split_scratch = StagingScratch(slots.get("split_scratch"))
         self.batch_staging = BatchStaging(
             slots["temperature"],

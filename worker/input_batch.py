@@ -260,6 +260,12 @@ class InputBatch:
             self.num_prompt_logprobs,
         )
 
+    @property
+    def samples_read_tokens(self) -> bool:
+        """Whether a row's sampling reads its tokens so far (min_tokens, penalties, bad
+        words), so a step cannot be prepared before the last one's samples are appended."""
+        return bool(self.min_tokens or self.penalties or self.bad_words)
+
     def append_token(self, row: int | np.ndarray, token_id: int | np.ndarray) -> None:
         """Append one token to a row, or one token to each of an array of distinct rows."""
         self.token_ids[row, self.num_tokens[row]] = token_id

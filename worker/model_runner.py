@@ -1,7 +1,8 @@
 import logging
 import time
-from collections.abc import Callable
+from collections import deque
 
+import numpy as np
 import torch
 from transformers import AutoConfig
 
@@ -21,8 +22,8 @@ from worker.kv_offload import HostKVCache, measure_block_copy_seconds
 from worker.prompt_logprobs import compute_prompt_logprobs, plan_prompt_logprobs
 from worker.sampler import Sampler
 from worker.sampler import cpu_kernels as sampler_cpu_kernels
-from worker.step_inputs import StepInputs, prepare_inputs
-from worker.step_output import finish_step
+from worker.step_inputs import PendingSamples, StepInputs, prepare_inputs
+from worker.step_output import LaunchedStep, finish_step
 
 _CPU_KV_CACHE_BYTES = 4 << 30
 _CPU_TIMED_PREFILL_TOKENS = 256
@@ -96,6 +97,7 @@ class ModelRunner:
         self.is_driver = get_tp_rank() == 0
         self.cuda_graphs: CudaGraphRunner | None = None
         self.failed_requests: dict[str, str] = {}
+        self._unfinished: deque[LaunchedStep] = deque()  # launched, in order
         self.host_kv_cache: HostKVCache | None = None
         # Measured by determine_num_blocks when the host tier is on (else 0): seconds to
         # copy one block one way between the tiers, and to prefill one token.
@@ -248,28 +250,45 @@ class ModelRunner:
         )
         self.cuda_graphs.capture()
 
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and answer it."""
+        return self.finish(self.launch(scheduler_output))
+
     @torch.inference_mode()
-    def execute_model(
-        self, scheduler_output: SchedulerOutput, on_launch: Callable[[], None] | None = None
-    ) -> ModelRunnerOutput:
-        """Run one step. `on_launch` is called once its device work is queued, before the
-        sampled tokens are read back (the in-process step thread answers the previous step
-        there)."""
+    def launch(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
+        """Update the batch, queue the step's forward and sampling on the device and start
+        its samples' copy to the host; `finish` answers it. While the last launched step
+        is unfinished, its samples feed this step's decode rows on the device, so the host
+        prepares this step while the device still runs that one; unless a row's sampling
+        reads the tokens so far (min_tokens, penalties, bad words): that step is finished
+        first."""
         # The host sides of the batch and the buffers are rewritten from here on.
         self.inputs.wait_for_copies()
-        self._copy_blocks(scheduler_output)
-        self._update_states(scheduler_output)
-        if self.input_batch.num_reqs == 0:
-            return ModelRunnerOutput(
-                scheduler_output.step_id, [], [], failed_requests=self.failed_requests
+        so = scheduler_output
+        self._copy_blocks(so)
+        self._update_states(so)
+        batch = self.input_batch
+        pending = None
+        if self._unfinished:
+            if batch.samples_read_tokens:
+                self.finish(self._unfinished[-1])
+            else:
+                last = self._unfinished[-1]
+                pending = PendingSamples(last.samples_by_request(), last.sampled)
+        if batch.num_reqs == 0:
+            launched = LaunchedStep.launch(
+                so.step_id, batch, _NO_ROWS, _NO_SAMPLES, None, {}, self.failed_requests
             )
+            self._unfinished.append(launched)
+            return launched
         step = prepare_inputs(
-            self.input_batch,
-            scheduler_output.num_scheduled_tokens,
+            batch,
+            so.num_scheduled_tokens,
             self.inputs,
             self.attn_backend,
             self.cuda_graphs,
             samples=self.is_driver,
+            pending=pending,
         )
         if step.graph_size is not None:
             hidden = self.cuda_graphs.run(step.graph_size)
@@ -277,27 +296,30 @@ class ModelRunner:
             with set_forward_context(step.attn_metadata, self.attn_backend):
                 hidden = self.model(step.input_ids, step.positions)
         logits = self.model.compute_logits(hidden[step.logits_indices])
-        prompt_logprobs = (
-            self._prompt_logprobs(hidden) if self.input_batch.num_prompt_logprobs else {}
-        )
-        so = scheduler_output
+        prompt_logprobs = self._prompt_logprobs(hidden) if batch.num_prompt_logprobs else {}
         if so.structured_output_request_ids and self.is_driver:
             ids, bitmask = so.structured_output_request_ids, so.grammar_bitmask
-            apply_grammar_bitmask(logits, ids, bitmask, self.input_batch.req_ids, step.sample_rows)
+            apply_grammar_bitmask(logits, ids, bitmask, batch.req_ids, step.sample_rows)
         sampled, logprobs = self._sample(logits, step)
-        if on_launch is not None:
-            on_launch()
-        out = finish_step(
-            self.input_batch,
-            self.requests,
-            scheduler_output.step_id,
+        launched = LaunchedStep.launch(
+            so.step_id,
+            batch,
             step.sample_rows,
-            sampled.tolist(),
+            sampled,
             logprobs,
+            prompt_logprobs,
             self.failed_requests,
         )
-        out.prompt_logprobs = prompt_logprobs
-        return out
+        self._unfinished.append(launched)
+        return launched
+
+    def finish(self, step: LaunchedStep) -> ModelRunnerOutput:
+        """Answer `step`, and first every step launched before it: wait for the samples,
+        append them to their requests and report them."""
+        while step.output is None:
+            oldest = self._unfinished.popleft()
+            oldest.output = finish_step(self.input_batch, self.requests, oldest)
+        return step.output
 
     def _copy_blocks(self, so: SchedulerOutput) -> None:
         """The step's copies between the tiers, before its forward reads the blocks."""
@@ -378,7 +400,7 @@ class ModelRunner:
         """Rank 0 samples (by the settings prepare_inputs staged) and broadcasts the token
         ids, so every rank appends the same tokens to its batch."""
         if len(step.sample_rows) == 0:
-            return torch.empty(0, dtype=torch.long), None
+            return _NO_SAMPLES, None
         logprobs = None
         if self.is_driver:
             out = self.sampler(logits, step.sampling_metadata)
@@ -388,6 +410,10 @@ class ModelRunner:
         if get_tp_size() > 1:
             tp_broadcast(sampled, src=0)
         return sampled, logprobs
+
+
+_NO_ROWS = np.zeros(0, dtype=np.int64)
+_NO_SAMPLES = torch.zeros(0, dtype=torch.long)
 
 
 def _default_device(name: str) -> str:

@@ -31,6 +31,15 @@ class StepInputs:
 
 
 @dataclass
+class PendingSamples:
+    """The samples of a step not finished yet: `index[req_id]` is a request's in
+    `sampled`, on the device."""
+
+    index: dict[str, int]
+    sampled: torch.Tensor
+
+
+@dataclass
 class StagedSplitMetadata(CommonAttentionMetadata):
     """The step's batch with its split worked out already: its index tensors were staged
     with the step's other inputs (one copy), and every KV cache group shares it."""
@@ -48,6 +57,7 @@ def prepare_inputs(
     backend: AttentionBackend,
     cuda_graphs: CudaGraphRunner | None,
     samples: bool = True,
+    pending: PendingSamples | None = None,
 ) -> StepInputs:
     """Flatten the scheduled tokens of rows 0..n-1 into one ragged batch.
 
@@ -55,6 +65,10 @@ def prepare_inputs(
     input ids come from the row's token table, slots from its block table. Everything
     the step reads on the device is written into the buffers' host views first (the
     sampling settings too, when `samples`), then copied at once.
+
+    With `pending` (the last step is launched, not finished), a row whose first scheduled
+    position is past its known tokens starts at that step's sample: the ids are copied
+    from the device samples into input_ids after the host copy.
     """
     num_reqs = batch.num_reqs
     num_scheduled = np.array(
@@ -69,6 +83,15 @@ def prepare_inputs(
     positions_np = buffers.positions.np[:total]
     np.add(num_computed[req_indices], offsets, out=positions_np)
     buffers.input_ids.np[:total] = batch.token_ids[req_indices, positions_np]
+    fed_rows = None
+    if pending is not None:
+        fed_rows = np.flatnonzero(num_computed >= batch.num_tokens[:num_reqs])
+        req_ids = batch.req_ids
+        k = len(fed_rows)
+        buffers.fed_token_indices.np[:k] = (cu_num_tokens - num_scheduled)[fed_rows]
+        buffers.fed_sample_indices.np[:k] = [pending.index[req_ids[r]] for r in fed_rows]
+        fed_tokens = buffers.fed_token_indices.commit(k)
+        fed_samples = buffers.fed_sample_indices.commit(k)
     seq_lens_np = buffers.seq_lens.np[:num_reqs]
     seq_lens_np[:] = num_computed + num_scheduled
     query_start_loc_np = buffers.query_start_loc.np[: num_reqs + 1]
@@ -102,6 +125,8 @@ def prepare_inputs(
         stage = buffers.split_scratch.stage
         split = split_batch(query_start_loc_cpu, seq_lens_cpu, seq_lens.device, stage)
     buffers.copy_to_device()
+    if fed_rows is not None and len(fed_rows):
+        input_ids.index_copy_(0, fed_tokens, pending.sampled.index_select(0, fed_samples))
 
     slot_mappings = [
         table.compute_slot_mapping(

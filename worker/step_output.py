@@ -1,46 +1,115 @@
-"""A step's end: the sampled tokens appended to the persistent batch and their requests,
-and the ModelRunnerOutput that reports them."""
+"""A step's end: its samples copied to the host, appended to their requests and reported.
+
+A launched step's samples travel to the host while the device may already run the next
+step, so they are appended to the rows their requests hold by then (found by request id:
+the next step's update may have moved, removed or finished them)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
+import torch
 
 from ipc.messages import ModelRunnerOutput, TokenLogprobs
 from worker.input_batch import CachedRequestState, InputBatch
+from worker.sampler import LogprobsTensors
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose forward and sampling are queued on the device; `finish_step` answers it."""
+
+    step_id: int
+    req_ids: list[str]  # the batch's rows when it launched
+    sample_rows: np.ndarray  # of those rows, the ones that sampled, in sample order
+    sampled: torch.Tensor  # [len(sample_rows)] on the device
+    host_sampled: torch.Tensor  # their copy on the host, complete once `copied` is
+    copied: torch.cuda.Event | None
+    logprobs: LogprobsTensors | None
+    num_logprobs: np.ndarray | None  # each sample row's logprobs setting
+    prompt_logprobs: dict
+    failed_requests: dict[str, str]
+    output: ModelRunnerOutput | None = None
+
+    @classmethod
+    def launch(
+        cls,
+        step_id: int,
+        batch: InputBatch,
+        sample_rows: np.ndarray,
+        sampled: torch.Tensor,
+        logprobs: LogprobsTensors | None,
+        prompt_logprobs: dict,
+        failed_requests: dict[str, str],
+    ) -> LaunchedStep:
+        """Start the samples' copy to the host (asynchronous from a CUDA device)."""
+        copied = None
+        host_sampled = sampled
+        if sampled.device.type == "cuda":
+            host_sampled = sampled.to("cpu", non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        return cls(
+            step_id,
+            batch.req_ids[: batch.num_reqs],
+            sample_rows,
+            sampled,
+            host_sampled,
+            copied,
+            logprobs,
+            None if logprobs is None else batch.num_logprobs[sample_rows],
+            prompt_logprobs,
+            failed_requests,
+        )
+
+    def samples_by_request(self) -> dict[str, int]:
+        """Request id -> its sample's index in `sampled`."""
+        req_ids = self.req_ids
+        return {req_ids[row]: i for i, row in enumerate(self.sample_rows.tolist())}
 
 
 def finish_step(
-    batch: InputBatch,
-    requests: dict[str, CachedRequestState],
-    step_id: int,
-    sample_rows: np.ndarray,
-    sampled: list[int],
-    logprobs,
-    failed_requests: dict[str, str],
+    batch: InputBatch, requests: dict[str, CachedRequestState], step: LaunchedStep
 ) -> ModelRunnerOutput:
-    req_ids = batch.req_ids[: batch.num_reqs]
-    sampled_token_ids: list[list[int]] = [[] for _ in req_ids]
-    if sampled:
-        batch.append_token(sample_rows, np.array(sampled, dtype=np.int32))
-    for row, token_id in zip(sample_rows.tolist(), sampled, strict=True):
-        requests[req_ids[row]].output_token_ids.append(token_id)
+    """Wait for the step's samples, append each to its request (and to its row, if it
+    still has one) and report them in the step's row order."""
+    if step.copied is not None:
+        step.copied.synchronize()
+    sampled = step.host_sampled.tolist()
+    sampled_token_ids: list[list[int]] = [[] for _ in step.req_ids]
+    rows, tokens = [], []
+    row_of = batch.req_id_to_index
+    for row, token_id in zip(step.sample_rows.tolist(), sampled, strict=True):
+        req_id = step.req_ids[row]
         sampled_token_ids[row] = [token_id]
-    return ModelRunnerOutput(
-        step_id,
-        list(req_ids),
+        state = requests.get(req_id)
+        if state is not None:
+            state.output_token_ids.append(token_id)
+        now = row_of.get(req_id)
+        if now is not None:
+            rows.append(now)
+            tokens.append(token_id)
+    if rows:
+        batch.append_token(np.array(rows), np.array(tokens, dtype=np.int32))
+    output = ModelRunnerOutput(
+        step.step_id,
+        list(step.req_ids),
         sampled_token_ids,
-        _logprobs_per_request(batch, sample_rows, logprobs, len(req_ids)),
-        failed_requests,
+        _logprobs_per_request(step),
+        step.failed_requests,
     )
+    output.prompt_logprobs = step.prompt_logprobs
+    return output
 
 
-def _logprobs_per_request(batch: InputBatch, sample_rows: np.ndarray, logprobs, num_reqs: int):
-    if logprobs is None:
+def _logprobs_per_request(step: LaunchedStep) -> list[list[TokenLogprobs] | None] | None:
+    if step.logprobs is None:
         return None
-    token_ids, values = (t.tolist() for t in logprobs)
-    per_request: list[list[TokenLogprobs] | None] = [None] * num_reqs
-    for i, row in enumerate(sample_rows.tolist()):
-        k = batch.num_logprobs[row]
+    token_ids, values = (t.tolist() for t in step.logprobs)
+    per_request: list[list[TokenLogprobs] | None] = [None] * len(step.req_ids)
+    for i, row in enumerate(step.sample_rows.tolist()):
+        k = int(step.num_logprobs[i])
         if k >= 0:
             per_request[row] = [TokenLogprobs(token_ids[i][: k + 1], values[i][: k + 1])]
     return per_request

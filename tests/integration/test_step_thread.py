@@ -1,5 +1,6 @@
-"""The in-process step thread: answers in submission order, step N answered only once step
-N+1 (already submitted) has launched, at once when nothing follows, errors in their place."""
+"""The in-process step thread: step N+1 is launched before step N is finished, a step
+that nothing follows is finished when its answer is asked for, answers come in order,
+a failed launch raises in its own place."""
 
 import threading
 import time
@@ -13,48 +14,55 @@ CPU = torch.device("cpu")
 
 
 class Steps:
-    """A run_step that records when each step launches; step `hold` waits for `release`."""
+    """launch/finish that log their calls; launching step `hold` waits for `release`."""
 
     def __init__(self, hold=None, fail=None):
-        self.launched = []
+        self.log = []
         self.entered, self.release = threading.Event(), threading.Event()
         self.hold, self.fail = hold, fail
 
-    def __call__(self, step, on_launch):
+    def launch(self, step):
         if step == self.hold:
             self.entered.set()
             assert self.release.wait(5)
         if step == self.fail:
             raise ValueError(f"step {step} failed")
-        self.launched.append(step)
-        on_launch()
+        self.log.append(("launch", step))
+        return step
+
+    def finish(self, step):
+        self.log.append(("finish", step))
         return step * 10
 
+    def thread(self):
+        return StepThread(self.launch, self.finish, CPU)
 
-def test_a_step_is_answered_once_the_next_has_launched():
+
+def test_the_next_step_launches_before_the_last_one_finishes():
     steps = Steps(hold=0)
-    thread = StepThread(steps, CPU)
+    thread = steps.thread()
     thread.submit(0)
     thread.submit(1)
     steps.release.set()
     assert thread.collect() == 0
-    assert steps.launched[:2] == [0, 1]  # step 0's answer came from step 1's launch
     assert thread.collect() == 10
+    assert steps.log == [("launch", 0), ("launch", 1), ("finish", 0), ("finish", 1)]
     thread.shutdown()
 
 
-def test_the_last_step_is_answered_without_a_next_one():
-    thread = StepThread(Steps(), CPU)
+def test_a_step_nothing_follows_is_finished_when_collected():
+    steps = Steps()
+    thread = steps.thread()
     for step in range(3):
         thread.submit(step)
-        assert thread._submitted[0].result(timeout=5) == step * 10
         assert thread.collect() == step * 10
+    assert steps.log == [(name, step) for step in range(3) for name in ("launch", "finish")]
     thread.shutdown()
 
 
-def test_a_failed_step_raises_in_its_place():
+def test_a_failed_launch_raises_in_its_place():
     steps = Steps(hold=0, fail=1)
-    thread = StepThread(steps, CPU)
+    thread = steps.thread()
     for step in range(3):
         thread.submit(step)
     steps.release.set()
@@ -62,12 +70,13 @@ def test_a_failed_step_raises_in_its_place():
     with pytest.raises(ValueError, match="step 1 failed"):
         thread.collect()
     assert thread.collect() == 20
+    assert steps.log == [("launch", 0), ("finish", 0), ("launch", 2), ("finish", 2)]
     thread.shutdown()
 
 
 def test_shutdown_drops_steps_not_started():
     steps = Steps(hold=0)
-    thread = StepThread(steps, CPU)
+    thread = steps.thread()
     for step in range(4):
         thread.submit(step)
     assert steps.entered.wait(5)
@@ -78,4 +87,4 @@ def test_shutdown_drops_steps_not_started():
         time.sleep(0.001)
     steps.release.set()
     stopper.join(5)
-    assert not stopper.is_alive() and steps.launched == [0]
+    assert not stopper.is_alive() and steps.log == [("launch", 0), ("finish", 0)]
