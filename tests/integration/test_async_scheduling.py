@@ -1,7 +1,8 @@
-"""Async scheduling in-process (the step runs on the executor's thread while the next one is
-scheduled): greedy tokens equal transformers' under chunked prefill, preemption and prefix
-hits; stop conditions cut exactly where the synchronous engine cuts; seeded sampling gives
-the same tokens as the synchronous engine (fp32, tiny random checkpoint, CPU)."""
+"""Async scheduling in-process (steps run pipelined on the executor's thread while the next
+one is scheduled): greedy tokens equal transformers' under chunked prefill, preemption and
+prefix hits; stop conditions cut exactly where the synchronous engine cuts; seeded sampling,
+logprobs and every sampling feature give what the synchronous engine gives (fp32, tiny
+random checkpoint, CPU)."""
 
 import pytest
 
@@ -92,3 +93,32 @@ def test_seeded_sampling_equals_the_synchronous_engine(checkpoint):
         results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
         llm.shutdown()
     assert results[0] == results[1]
+
+
+def test_pipelined_steps_equal_the_synchronous_engine_with_every_sampling_feature(checkpoint):
+    """Rows fed from the last step's samples on the device, next to rows whose sampling
+    reads their tokens so far (penalties, min_tokens, bad words: those steps are finished
+    first), with logprobs, seeds, stops and requests ending at different steps."""
+    prompts = random_prompts(8, 3, 30, seed=11)
+    plain = dict(temperature=0.8, top_p=0.9, ignore_eos=True)
+    params = [
+        SamplingParams(seed=1, max_tokens=9, logprobs=2, **plain),
+        SamplingParams(seed=2, max_tokens=12, repetition_penalty=1.3, **plain),
+        SamplingParams(temperature=0, max_tokens=5, logprobs=0),
+        SamplingParams(seed=4, max_tokens=14, **plain),
+        SamplingParams(seed=5, max_tokens=8, frequency_penalty=0.5, presence_penalty=0.2, **plain),
+        SamplingParams(seed=6, max_tokens=10, bad_words_token_ids=[[7], [3, 9]], **plain),
+        SamplingParams(temperature=0, max_tokens=11, min_tokens=6, stop_token_ids=[5, 17]),
+        SamplingParams(seed=8, max_tokens=3, n=2, **plain),
+    ]
+
+    def run(async_scheduling: bool):
+        llm = _engine(checkpoint, async_scheduling, max_num_batched_tokens=24)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        llm.shutdown()
+        return [
+            [(c.token_ids, c.finish_reason, c.logprobs, c.cumulative_logprob) for c in o.outputs]
+            for o in outs
+        ]
+
+    assert run(True) == run(False)
