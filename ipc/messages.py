@@ -375,6 +375,14 @@ class InitKVCache(_Tagged):
     num_host_blocks: int = 0
 
 
+class FinishStep(_Tagged):
+    """Answer step `step_id` as soon as it ends. A worker answers a step once it has
+    launched the next one; the EngineCore sends this when it waits for a step's answer
+    and has sent no later step."""
+
+    step_id: int
+
+
 class Shutdown(_Tagged):
     pass
 

@@ -10,7 +10,8 @@ fed from step N's samples on the device) and only then finishes and answers step
                                                   | N+2, submit N+2    |
     GPU:          ... N      | N+1                                     | N+2
 
-A step that nothing follows is finished when the EngineCore asks for its answer.
+A step already done when the next arrives (always, off CUDA) is answered first; a step
+that nothing follows is finished when the EngineCore asks for its answer.
 """
 
 from __future__ import annotations
@@ -91,6 +92,8 @@ class StepThread:
                     answer()
                 continue
             scheduler_output, future = job
+            if unfinished and unfinished[0][0].done():
+                answer()
             try:
                 step = self._launch(scheduler_output)
             except BaseException as e:

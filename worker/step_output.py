@@ -63,6 +63,11 @@ class LaunchedStep:
             failed_requests,
         )
 
+    def done(self) -> bool:
+        """Whether its samples are on the host already (always, off CUDA): answering it
+        then delays nothing, so it is answered before the next step is prepared."""
+        return self.copied is None or self.copied.query()
+
     def samples_by_request(self) -> dict[str, int]:
         """Request id -> its sample's index in `sampled`."""
         req_ids = self.req_ids

@@ -4,7 +4,8 @@ It connects a DEALER to the engine's workers socket first (so even a failed star
 reported), joins the torch.distributed group, builds its ModelRunner (loading its
 shard) and registers with WorkerReady(rank, num_kv_blocks, pid, hostname, KV cache
 groups, host-tier blocks and measured copy and prefill costs). After InitKVCache (which
-sizes both tiers) it runs every SchedulerOutput it receives; only rank 0 answers with the
+sizes both tiers) it runs every SchedulerOutput it receives, pipelined: a step is answered
+once the next one is launched, or on FinishStep; only rank 0 answers with the
 ModelRunnerOutput. Shutdown ends it with 0; an exception is sent as WorkerError (with
 the traceback) and ends it with 1, as does losing the connection to the EngineCore.
 """
@@ -23,6 +24,7 @@ from ipc.auth import WORKER, Credentials
 from ipc.config import EngineConfig
 from ipc.messages import (
     Decoder,
+    FinishStep,
     InitKVCache,
     SchedulerOutput,
     Shutdown,
@@ -33,6 +35,7 @@ from ipc.messages import (
 from ipc.sockets import make_socket, socket_address
 from models.parallel_state import destroy_distributed, init_distributed
 from worker.model_runner import ModelRunner
+from worker.step_output import LaunchedStep
 
 logger = logging.getLogger(__name__)
 
@@ -97,10 +100,23 @@ def run_worker(
             num_blocks,
             num_host_blocks,
         )
-        decoder = Decoder(SchedulerOutput, InitKVCache, Shutdown)
+        decoder = Decoder(SchedulerOutput, FinishStep, InitKVCache, Shutdown)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
+        # The last launched step: answered once the next one is launched (its samples
+        # feed that one on the device), when the next one arrives after it is done, or
+        # when the EngineCore asks for it.
+        unanswered: LaunchedStep | None = None
+
+        def answer() -> None:
+            nonlocal unanswered
+            if unanswered is not None:
+                output = runner.finish(unanswered)
+                unanswered = None
+                if rank == 0:
+                    sock.send(encode(output))
+
         while True:
             if sock not in dict(poller.poll()):
                 logger.error("rank %d lost its connection to the EngineCore; exiting", rank)
@@ -108,9 +124,14 @@ def run_worker(
             msg = decoder.decode(sock.recv())
             if isinstance(msg, SchedulerOutput):
                 step_id = msg.step_id
-                output = runner.execute_model(msg)
-                if rank == 0:
-                    sock.send(encode(output))
+                if unanswered is not None and unanswered.done():
+                    answer()
+                launched = runner.launch(msg)
+                answer()
+                unanswered = launched
+            elif isinstance(msg, FinishStep):
+                if unanswered is not None and unanswered.step_id == msg.step_id:
+                    answer()
             elif isinstance(msg, InitKVCache):
                 runner.initialize_kv_cache(msg.num_blocks, msg.num_host_blocks)
                 runner.capture_cuda_graphs()

@@ -16,6 +16,7 @@ from ipc.config import EngineConfig
 from ipc.messages import (
     CachedRequestData,
     Decoder,
+    FinishStep,
     InitKVCache,
     ModelRunnerOutput,
     SchedulerOutput,
@@ -26,7 +27,7 @@ from ipc.messages import (
 )
 from ipc.sockets import socket_address
 
-_decoder = Decoder(InitKVCache, SchedulerOutput, Shutdown)
+_decoder = Decoder(InitKVCache, SchedulerOutput, FinishStep, Shutdown)
 
 
 @pytest.fixture
@@ -139,6 +140,23 @@ def test_a_step_sends_the_same_bytes_and_returns_rank_0s_answer(setup):
     assert executor.execute_model(_step(0)) == answer
     frames = [sock.recv() for sock in workers]
     assert frames[0] == frames[1] == encode(_step(0))
+
+
+def test_workers_are_told_to_finish_a_step_only_when_no_later_step_was_sent(setup):
+    executor, workers = setup()
+    _ready(workers, [8, 8])
+    executor.determine_num_blocks()
+    for sock in workers:
+        sock.recv()  # InitKVCache
+    executor.submit(_step(0))
+    executor.submit(_step(1))
+    workers[0].send(encode(ModelRunnerOutput(0, ["a"], [[7]])))
+    assert executor.collect(_step(0)).step_id == 0  # step 1 was sent: no FinishStep
+    workers[0].send(encode(ModelRunnerOutput(1, ["a"], [[8]])))
+    assert executor.collect(_step(1)).step_id == 1
+    for sock in workers:
+        frames = [_decoder.decode(sock.recv()) for _ in range(3)]
+        assert frames == [_step(0), _step(1), FinishStep(1)] and not sock.poll(50)
 
 
 def test_a_worker_error_names_its_rank(setup):

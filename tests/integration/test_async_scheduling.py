@@ -9,11 +9,22 @@ import pytest
 from splitserve import LLM, SamplingParams
 from tests.integration.greedy import generate_greedy, greedy_reference, random_prompts
 from tests.models.tiny import make_tiny_checkpoint
+from worker.step_output import LaunchedStep
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return make_tiny_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
+
+
+@pytest.fixture(autouse=True, params=["pipelined", "done-first"])
+def launch_order(request, monkeypatch):
+    """On CPU a launched step is always done, so it is answered before the next launch;
+    "pipelined" makes steps look unfinished, so the next one is launched first and fed
+    the samples on the device, as on a busy GPU."""
+    if request.param == "pipelined":
+        monkeypatch.setattr(LaunchedStep, "done", lambda self: False)
+    return request.param
 
 
 @pytest.fixture(scope="module")

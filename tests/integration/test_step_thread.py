@@ -1,9 +1,10 @@
-"""The in-process step thread: step N+1 is launched before step N is finished, a step
-that nothing follows is finished when its answer is asked for, answers come in order,
-a failed launch raises in its own place."""
+"""The in-process step thread: step N+1 is launched before step N is finished (unless N is
+done by then), a step that nothing follows is finished when its answer is asked for,
+answers come in order, a failed launch raises in its own place."""
 
 import threading
 import time
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -13,13 +14,23 @@ from splitserve.step_thread import StepThread
 CPU = torch.device("cpu")
 
 
-class Steps:
-    """launch/finish that log their calls; launching step `hold` waits for `release`."""
+@dataclass
+class Launched:
+    step: int
+    is_done: bool
 
-    def __init__(self, hold=None, fail=None):
+    def done(self):
+        return self.is_done
+
+
+class Steps:
+    """launch/finish that log their calls; launching step `hold` waits for `release`;
+    launched steps report `done`."""
+
+    def __init__(self, hold=None, fail=None, done=False):
         self.log = []
         self.entered, self.release = threading.Event(), threading.Event()
-        self.hold, self.fail = hold, fail
+        self.hold, self.fail, self.done = hold, fail, done
 
     def launch(self, step):
         if step == self.hold:
@@ -28,11 +39,11 @@ class Steps:
         if step == self.fail:
             raise ValueError(f"step {step} failed")
         self.log.append(("launch", step))
-        return step
+        return Launched(step, self.done)
 
-    def finish(self, step):
-        self.log.append(("finish", step))
-        return step * 10
+    def finish(self, launched):
+        self.log.append(("finish", launched.step))
+        return launched.step * 10
 
     def thread(self):
         return StepThread(self.launch, self.finish, CPU)
@@ -47,6 +58,17 @@ def test_the_next_step_launches_before_the_last_one_finishes():
     assert thread.collect() == 0
     assert thread.collect() == 10
     assert steps.log == [("launch", 0), ("launch", 1), ("finish", 0), ("finish", 1)]
+    thread.shutdown()
+
+
+def test_a_step_done_when_the_next_arrives_is_finished_first():
+    steps = Steps(hold=0, done=True)
+    thread = steps.thread()
+    thread.submit(0)
+    thread.submit(1)
+    steps.release.set()
+    assert [thread.collect(), thread.collect()] == [0, 10]
+    assert steps.log == [("launch", 0), ("finish", 0), ("launch", 1), ("finish", 1)]
     thread.shutdown()
 
 

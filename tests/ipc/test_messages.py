@@ -12,6 +12,7 @@ from ipc.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
+    FinishStep,
     ModelRunnerOutput,
     NewRequestData,
     SamplingParams,
@@ -76,6 +77,7 @@ TAGGED = [
     ModelRunnerOutput(8, [], []),
     WorkerError(1, "CUDA out of memory", step_id=7),
     WorkerReady(0, 1024),
+    FinishStep(7),
 ]
 TAGGED_TYPES = sorted({type(m) for m in TAGGED}, key=lambda t: t.__name__)
 
