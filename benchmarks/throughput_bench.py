@@ -7,6 +7,11 @@ and the EngineCore's time per step: schedule, broadcast (encode + send to the wo
     python -m benchmarks.throughput_bench --mode llm [--model M] [--tp N] [--dtype D]
     python -m benchmarks.throughput_bench --address ADDR_OR_FILE   # a running launch.py
     python -m benchmarks.throughput_bench --mode llm --baseline    # + transformers, same run
+    python -m benchmarks.throughput_bench --mode llm --compare-async \
+        --prompt-len 100 1024 --output-len 100 1024 --max-model-len 4096   # nano-vllm's bench
+
+With --compare-async the workload runs through two engines one after the other, with
+async scheduling off and on, and the script prints the ratio.
 
 With --baseline the same workload also runs through transformers' `generate` (static
 batches of --hf-batch-size, left-padded, sampling at the same temperature, each batch
@@ -29,27 +34,42 @@ from ipc.messages import SamplingParams, SchedulerStats
 Workload = list[tuple[list[int], SamplingParams]]
 
 
-def make_workload(num_requests: int, seed: int) -> Workload:
+def make_workload(
+    num_requests: int,
+    seed: int,
+    prompt_len: tuple[int, int] = (100, 512),
+    output_len: tuple[int, int] = (100, 256),
+) -> Workload:
     rng = random.Random(seed)
     return [
         (
-            [rng.randrange(10_000) for _ in range(rng.randint(100, 512))],
-            SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(100, 256)),
+            [rng.randrange(10_000) for _ in range(rng.randint(*prompt_len))],
+            SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(*output_len)),
         )
         for _ in range(num_requests)
     ]
 
 
-def run_llm(args: argparse.Namespace, workload: Workload) -> tuple[float, int, StepProfile]:
+def run_llm(
+    args: argparse.Namespace, workload: Workload, async_scheduling: bool | None = None
+) -> tuple[float, int, StepProfile]:
     from splitserve import LLM
 
-    llm = LLM(args.model, dtype=args.dtype, tensor_parallel_size=args.tp)
+    kwargs = {} if args.max_model_len is None else {"max_model_len": args.max_model_len}
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        tensor_parallel_size=args.tp,
+        async_scheduling=async_scheduling,
+        **kwargs,
+    )
     llm.generate([1, 2, 3], SamplingParams(max_tokens=8), use_tqdm=False)
     profile = _instrument(llm.engine)
     prompts, params = zip(*workload, strict=True)
     start = time.perf_counter()
     outputs = llm.generate(list(prompts), list(params), use_tqdm=False)
     elapsed = time.perf_counter() - start
+    llm.shutdown()
     return elapsed, sum(len(o.outputs[0].token_ids) for o in outputs), profile
 
 
@@ -129,10 +149,27 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", choices=DTYPES, help="llm mode")
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prompt-len", type=int, nargs=2, default=(100, 512), metavar=("LO", "HI"))
+    parser.add_argument("--output-len", type=int, nargs=2, default=(100, 256), metavar=("LO", "HI"))
+    parser.add_argument("--max-model-len", type=int, help="llm mode (default: the model's)")
+    parser.add_argument(
+        "--compare-async", action="store_true", help="llm mode: async scheduling off, then on"
+    )
     parser.add_argument("--baseline", action="store_true", help="also run transformers")
     parser.add_argument("--hf-batch-size", type=int, default=32)
     args = parser.parse_args()
-    workload = make_workload(args.num_requests, args.seed)
+    workload = make_workload(args.num_requests, args.seed, args.prompt_len, args.output_len)
+    if args.compare_async:
+        if args.address or args.mode != "llm":
+            parser.error("--compare-async runs engines in this process: llm mode only")
+        results = {mode: run_llm(args, workload, mode) for mode in (False, True)}
+        for mode, (elapsed, output_tokens, profile) in results.items():
+            print(
+                f"async scheduling {'on ' if mode else 'off'}: {output_tokens} output tokens in "
+                f"{elapsed:.2f} s, {output_tokens / elapsed:.1f} tok/s; {profile.summary()}"
+            )
+        print(f"async / lockstep: {results[False][0] / results[True][0]:.3f}x")
+        return
     if args.address:
         elapsed, output_tokens, profile = asyncio.run(run_client(args.address, workload))
         where = f"cluster at {args.address}"
