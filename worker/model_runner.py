@@ -8,15 +8,16 @@ from transformers import AutoConfig
 
 from attention import get_attn_backend, set_forward_context
 from ipc.config import EngineConfig
-from ipc.messages import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from ipc.messages import ModelRunnerOutput, SchedulerOutput
 from ipc.utils import cdiv
 from models import kv_cache_shape_info, load_model, resolve_dtype
 from models.layers.cpu_ops import cpu_kernels as layer_cpu_kernels
 from models.parallel_state import get_tp_rank, get_tp_size, tp_broadcast
+from worker.batch_update import update_batch
 from worker.buffers import InputBuffers, zeros_on_huge_pages
 from worker.cuda_graph import CudaGraphRunner, Mode, capture_sizes, cuda_graphs_off_reason
 from worker.grammar_bitmask import apply_grammar_bitmask
-from worker.input_batch import CachedRequestState, InputBatch, check_new_request
+from worker.input_batch import CachedRequestState, InputBatch
 from worker.kv_cache_groups import group_layers, group_size
 from worker.kv_offload import HostKVCache, measure_block_copy_seconds
 from worker.prompt_logprobs import compute_prompt_logprobs, plan_prompt_logprobs
@@ -98,6 +99,12 @@ class ModelRunner:
         self.cuda_graphs: CudaGraphRunner | None = None
         self.failed_requests: dict[str, str] = {}
         self._unfinished: deque[LaunchedStep] = deque()  # launched, in order
+        # Pinned host memory the samples of the last two launched steps are copied into.
+        self._host_samples = [
+            torch.zeros(config.max_num_seqs, dtype=torch.long, pin_memory=True)
+            for _ in range(2 if self.device.type == "cuda" else 0)
+        ]
+        self._num_launched = 0
         self.host_kv_cache: HostKVCache | None = None
         # Measured by determine_num_blocks when the host tier is on (else 0): seconds to
         # copy one block one way between the tiers, and to prefill one token.
@@ -266,9 +273,11 @@ class ModelRunner:
         self.inputs.wait_for_copies()
         so = scheduler_output
         self._copy_blocks(so)
-        self._update_states(so)
+        self.failed_requests = update_batch(self.input_batch, self.requests, so, self.device)
         batch = self.input_batch
         pending = None
+        if len(self._unfinished) > 1:  # its samples' host buffer is this step's
+            self.finish(self._unfinished[0])
         if self._unfinished:
             if batch.samples_read_tokens:
                 self.finish(self._unfinished[-1])
@@ -301,6 +310,10 @@ class ModelRunner:
             ids, bitmask = so.structured_output_request_ids, so.grammar_bitmask
             apply_grammar_bitmask(logits, ids, bitmask, batch.req_ids, step.sample_rows)
         sampled, logprobs = self._sample(logits, step)
+        host_buffer = None
+        if self._host_samples:
+            host_buffer = self._host_samples[self._num_launched % 2]
+            self._num_launched += 1
         launched = LaunchedStep.launch(
             so.step_id,
             batch,
@@ -309,6 +322,7 @@ class ModelRunner:
             logprobs,
             prompt_logprobs,
             self.failed_requests,
+            host_buffer,
         )
         self._unfinished.append(launched)
         return launched
@@ -345,56 +359,6 @@ class ModelRunner:
         return compute_prompt_logprobs(
             self.model.compute_logits, hidden, plan, self.input_batch.vocab_size, self.is_driver
         )
-
-    def _update_states(self, so: SchedulerOutput) -> None:
-        batch = self.input_batch
-        self.failed_requests = {}
-        for req_id in so.finished_req_ids:
-            self.requests.pop(req_id, None)
-            batch.remove_request(req_id)
-        for req_id in list(batch.req_id_to_index):
-            if req_id not in so.num_scheduled_tokens:
-                batch.remove_request(req_id)
-        for new in so.scheduled_new_reqs:
-            self._add_new_request(new)
-        cached = so.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            state = self.requests.get(req_id)
-            if state is None:  # failed on an earlier step; the engine is finishing it
-                continue
-            state.num_computed_tokens = cached.num_computed_tokens[i]
-            new_block_ids = cached.new_block_ids[i]
-            row = batch.req_id_to_index.get(req_id)
-            if cached.resumed_from_preemption[i]:
-                state.block_ids = [list(ids) for ids in new_block_ids]
-                state.output_token_ids = cached.new_token_ids[i][len(state.prompt_token_ids) :]
-                if row is not None:
-                    batch.remove_request(req_id)
-                batch.add_request(state)
-                continue
-            for ids, new_ids in zip(state.block_ids, new_block_ids, strict=True):
-                ids.extend(new_ids)
-            if row is None:
-                batch.add_request(state)
-            else:
-                batch.num_computed_tokens[row] = state.num_computed_tokens
-                batch.block_table.append_row(new_block_ids, row)
-        batch.condense()
-
-    def _add_new_request(self, new: NewRequestData) -> None:
-        """A request the batch cannot take fails alone: it is reported in this step's
-        output and left out of the forward pass; every rank decides the same way."""
-        try:
-            error = check_new_request(new, self.input_batch.vocab_size)
-            if error is None:
-                state = CachedRequestState.from_new_request(new, self.device)
-                self.input_batch.add_request(state)
-                self.requests[new.req_id] = state
-                return
-        except Exception as e:
-            error = f"{type(e).__name__}: {e}"
-        logger.warning("request %s failed on this rank: %s", new.req_id, error)
-        self.failed_requests[new.req_id] = error
 
     def _sample(self, logits: torch.Tensor, step: StepInputs):
         """Rank 0 samples (by the settings prepare_inputs staged) and broadcasts the token

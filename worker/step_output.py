@@ -42,12 +42,15 @@ class LaunchedStep:
         logprobs: LogprobsTensors | None,
         prompt_logprobs: dict,
         failed_requests: dict[str, str],
+        host_buffer: torch.Tensor | None = None,
     ) -> LaunchedStep:
-        """Start the samples' copy to the host (asynchronous from a CUDA device)."""
+        """Start the samples' copy from a CUDA device into `host_buffer` (pinned, at
+        least as long), asynchronously."""
         copied = None
         host_sampled = sampled
         if sampled.device.type == "cuda":
-            host_sampled = sampled.to("cpu", non_blocking=True)
+            host_sampled = host_buffer[: len(sampled)]
+            host_sampled.copy_(sampled, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record()
         return cls(

@@ -122,7 +122,7 @@ class StandInExecutor(Executor):
         return ModelRunnerOutput(so.step_id, scheduled, sampled)
 
     def _update_states(self, so: SchedulerOutput) -> None:
-        """The workers' view of the requests, as ModelRunner._update_states keeps it
+        """The workers' view of the requests, as worker/batch_update.py keeps it
         (tests/worker/test_stand_in_contract.py holds the two to the same contract)."""
         for request_id in so.finished_req_ids:
             self.states.pop(request_id, None)

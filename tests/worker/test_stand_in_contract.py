@@ -1,5 +1,5 @@
 """The scheduler tests' stand-in workers (tests/engine_core/stand_in_executor.py) keep their
-own view of every request, built from the SchedulerOutputs as ModelRunner._update_states
+own view of every request, built from the SchedulerOutputs as update_batch (worker/batch_update.py)
 builds the real one. Here one EngineCore drives both with the same SchedulerOutputs
 (chunked prefills, prefix-cache hits, preemption and resumption, aborts, replaced
 workers), the stand-in sampling what the real runner sampled; after every step each
