@@ -72,6 +72,21 @@ class BlockPool:
         if self.enable_kv_cache_events:
             self.events.append(BlockRemoved([block_hash]))
 
+    def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop the hashes of blocks whose tokens were never computed: nothing may hit
+        them, and nothing is spilled to the host tier."""
+        for block in blocks:
+            cache_key = block.cache_key
+            if cache_key is None:
+                continue
+            same_key = self.cached_block_hash_to_block[cache_key]
+            del same_key[block.block_id]
+            if not same_key:
+                del self.cached_block_hash_to_block[cache_key]
+            block.reset_hash()
+            if self.enable_kv_cache_events:
+                self.events.append(BlockRemoved([cache_key[0]]))
+
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on cache hits; a hit nobody held leaves the free queue."""
         for block in blocks:

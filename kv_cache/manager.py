@@ -224,12 +224,17 @@ class KVCacheManager:
     def free(self, request: KVCacheRequest) -> None:
         """Free from the tail, position by position across the groups, so the request's tail
         is evicted before its (more shareable) head in every group. A swapped request's host
-        blocks are freed the same way."""
+        blocks are freed the same way. Blocks cached for tokens past its computed ones
+        (scheduled in this step, which then preempted it) are uncached first."""
         if self.host_tier is not None:
             self.host_tier.free_swapped(request.request_id)
-        self._free_device_blocks(request.request_id)
+        self._free_device_blocks(request)
 
-    def _free_device_blocks(self, request_id: str) -> None:
+    def _free_device_blocks(self, request: KVCacheRequest) -> None:
+        request_id = request.request_id
+        if self.enable_caching:
+            for manager in self.single_type_managers:
+                manager.uncache_uncomputed_blocks(request)
         tables = [manager.pop_blocks(request_id) for manager in self.single_type_managers]
         if len(tables) == 1:
             self.block_pool.free_blocks(reversed(tables[0]))
@@ -253,7 +258,7 @@ class KVCacheManager:
             tables.append([self.block_pool.null_block] * num_skipped + blocks[num_skipped:])
         if not self.host_tier.swap_out(request_id, tables, num_tokens):
             return False
-        self._free_device_blocks(request_id)
+        self._free_device_blocks(request)
         return True
 
     def is_swapped(self, request_id: str) -> bool:

@@ -95,6 +95,17 @@ class SingleTypeKVCacheManager:
         )
         self.num_cached_block[request_id] = num_full
 
+    def uncache_uncomputed_blocks(self, request: KVCacheRequest) -> None:
+        """Blocks the request cached for tokens it has not computed (they were scheduled
+        in this step, then the request was preempted) lose their hashes."""
+        request_id = request.request_id
+        num_cached = self.num_cached_block.get(request_id, 0)
+        num_computed = request.num_computed_tokens // self.block_size
+        if num_cached <= num_computed:
+            return
+        self.block_pool.uncache_blocks(self.req_to_blocks[request_id][num_computed:num_cached])
+        self.num_cached_block[request_id] = num_computed
+
     def pop_blocks(self, request_id: str) -> list[KVCacheBlock]:
         """Forget the request and hand back its block list, still referenced: the caller
         frees it (KVCacheManager interleaves the groups)."""

@@ -345,3 +345,22 @@ def test_reset_prefix_cache_covers_both_tiers():
     assert manager.reset_prefix_cache()
     assert not host.cached_block_hash_to_block and not device.cached_block_hash_to_block
     assert all(b.cache_key is None for b in host.blocks + device.blocks)
+
+
+def test_a_swap_copies_and_spills_only_computed_blocks():
+    """Swapped out in the step that scheduled 8 more of its tokens (two blocks cached for
+    them): the host gets its computed block, the two uncomputed blocks lose their hashes,
+    and evicting them later spills nothing."""
+    manager = make_manager(6, 4)
+    a = FakeRequest("a", list(range(14)), BS)
+    manager.allocate_slots(a, 4)
+    a.num_computed_tokens = 4
+    assert manager.allocate_slots(a, 10).get_block_ids() == [[2, 3, 4]]
+    assert manager.swap_out(a)
+    assert manager.take_block_copies() == ([(1, 1)], [])
+    device = manager.block_pool
+    assert keys(device, [1, 2, 3, 4]) == [(a.block_hashes[0], 0), None, None, None]
+    assert free_ids(manager) == [5, 4, 3, 2, 1]
+    b = FakeRequest("b", list(range(50, 66)), BS)
+    assert prefill(manager, b).get_block_ids() == [[5, 4, 3, 2]]
+    assert manager.num_spilled_blocks == 0 and manager.take_block_copies() == ([], [])

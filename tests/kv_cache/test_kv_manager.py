@@ -266,3 +266,41 @@ def test_everything_freed_returns_all_blocks():
         manager.free(request)
     assert manager.block_pool.get_num_free_blocks() == 9
     assert all(b.ref_cnt == 0 for b in manager.block_pool.blocks)
+
+
+def test_blocks_cached_for_tokens_never_computed_lose_their_hashes_on_free():
+    """A request preempted in the step that scheduled its tokens (the priority policy can
+    pick one scheduled earlier in the step): the blocks allocate_slots cached for those
+    tokens hold no KV, so freeing it uncaches them; its computed blocks stay cached."""
+    manager = make_manager(enable_kv_cache_events=True)
+    a = FakeRequest("a", list(range(14)), BS)
+    manager.allocate_slots(a, 4)
+    a.num_computed_tokens = 4
+    assert manager.allocate_slots(a, 10).get_block_ids() == [[2, 3, 4]]
+    pool = manager.block_pool
+    assert [pool.blocks[i].block_hash for i in (1, 2, 3, 4)] == a.block_hashes + [None]
+    manager.take_events()
+    manager.free(a)  # before the step ran: 4 tokens computed
+    assert manager.take_events() == [
+        BlockRemoved([a.block_hashes[1]]),
+        BlockRemoved([a.block_hashes[2]]),
+    ]
+    assert [pool.blocks[i].block_hash for i in (1, 2, 3, 4)] == [
+        a.block_hashes[0],
+        None,
+        None,
+        None,
+    ]
+    assert free_ids(manager) == [5, 6, 7, 8, 9, 4, 3, 2, 1]
+    hits, num_hit_tokens = manager.get_computed_blocks(FakeRequest("b", list(range(14)), BS))
+    assert hits.get_block_ids() == [[1]] and num_hit_tokens == 4
+    check_invariants(manager, {})
+
+
+def test_a_finished_request_keeps_every_computed_block_cached():
+    manager = make_manager()
+    a = FakeRequest("a", list(range(14)), BS)
+    admit(manager, a)
+    manager.free(a)
+    hits, num_hit_tokens = manager.get_computed_blocks(FakeRequest("b", list(range(14)), BS))
+    assert hits.get_block_ids() == [[1, 2, 3]] and num_hit_tokens == 12
