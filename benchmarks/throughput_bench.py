@@ -112,7 +112,7 @@ def run_transformers(args: argparse.Namespace, workload: Workload) -> float:
 def _instrument(engine) -> StepProfile:
     """Time engine.step by phase, as the EngineCore process does."""
     executor = engine.executor
-    profile = StepProfile()
+    profile = StepProfile(engine_was_idle=True)  # not the wait since the warm-up
     engine.step = functools.partial(profile.timed_step, engine.step, executor)
     return profile
 
@@ -137,6 +137,7 @@ def _profile(before: SchedulerStats, after: SchedulerStats) -> StepProfile:
         after.broadcast_time - before.broadcast_time,
         after.wait_time - before.wait_time,
         after.update_time - before.update_time,
+        after.worker_idle_time - before.worker_idle_time,
     )
 
 

@@ -83,6 +83,7 @@ class EngineCoreProc:
         try:
             while not self._drained():
                 busy = self.engine.has_unfinished_requests()
+                self.profile.engine_was_idle |= not busy
                 self._handle_input(block=not busy and self._drain_deadline is None)
                 if self.engine.has_unfinished_requests():
                     self._step()

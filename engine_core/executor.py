@@ -14,6 +14,8 @@ class Executor(ABC):
     # (called, sent, answered) perf_counter times of the last execute_model that ran the
     # model; StepProfile reads and clears it. None when the executor does not time calls.
     last_call: tuple[float, float, float] | None = None
+    # Seconds rank 0 waited for that step with its device idle (ModelRunnerOutput).
+    last_worker_idle: float = 0.0
     # Each KV cache group's sliding window (None: full attention), in the order block ids
     # travel in; set by determine_num_blocks.
     kv_cache_groups: list[int | None] = [None]

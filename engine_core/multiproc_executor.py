@@ -264,6 +264,7 @@ class MultiprocExecutor(Executor):
                         f"expected {scheduler_output.step_id}"
                     )
                 self.last_call = (start, sent, time.perf_counter())
+                self.last_worker_idle = msg.worker_idle_time
                 return msg
             logger.warning("ignored %s from a worker during a step", type(msg).__name__)
 

@@ -262,6 +262,9 @@ class SchedulerStats(_Wire):
     num_swapped_in_blocks: int = 0
     num_spilled_blocks: int = 0
     host_cache_hits: int = 0
+    # Cumulative seconds rank 0 waited for the next step with its device idle: the part
+    # of the EngineCore's work (and transport) that async scheduling did not hide.
+    worker_idle_time: float = 0.0
 
 
 class EngineCoreOutputs(_Tagged):
@@ -339,6 +342,8 @@ class ModelRunnerOutput(_Tagged):
     logprobs: list[list[TokenLogprobs] | None] | None = None
     failed_requests: dict[str, str] = {}
     prompt_logprobs: dict[str, PromptLogprobs] = {}
+    # Seconds rank 0 waited for this step with nothing left running on its device.
+    worker_idle_time: float = 0.0
 
 
 class WorkerError(_Tagged):

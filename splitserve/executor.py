@@ -19,6 +19,7 @@ class InProcessExecutor(Executor):
         self.runner: ModelRunner | None = ModelRunner(config)
         self.overlaps_steps = self.runner.device.type == "cuda"
         self._steps: StepThread | None = None
+        self._last_end: float | None = None  # when the last lockstep step ended
 
     def determine_num_blocks(self) -> int:
         runner = self._runner()
@@ -34,7 +35,9 @@ class InProcessExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         start = time.perf_counter()
         output = self._runner().execute_model(scheduler_output)
-        self.last_call = (start, start, time.perf_counter())  # nothing is sent: no broadcast
+        self._last_end, last_end = time.perf_counter(), self._last_end
+        self.last_call = (start, start, self._last_end)  # nothing is sent: no broadcast
+        self.last_worker_idle = 0.0 if last_end is None else start - last_end
         return output
 
     def submit(self, scheduler_output: SchedulerOutput) -> None:
@@ -49,6 +52,7 @@ class InProcessExecutor(Executor):
         start = time.perf_counter()
         output = self._steps.collect()
         self.last_call = (start, start, time.perf_counter())
+        self.last_worker_idle = output.worker_idle_time
         return output
 
     def shutdown(self) -> None:

@@ -25,12 +25,15 @@ from concurrent.futures import Future
 import torch
 
 from ipc.messages import ModelRunnerOutput, SchedulerOutput
-from worker.step_output import LaunchedStep
+from worker.step_output import IdleClock, LaunchedStep
 
 Launch = Callable[[SchedulerOutput], LaunchedStep]
 Finish = Callable[[LaunchedStep], ModelRunnerOutput]
 # A submitted step, the answer a collect() waits for, or None: stop.
 _Job = tuple[SchedulerOutput, Future] | Future | None
+# While the launched step runs, the wait for the next one looks every _POLL_S whether it is
+# done: from then on the device is idle.
+_POLL_S = 0.001
 
 
 class StepThread:
@@ -82,8 +85,13 @@ class StepThread:
                     future.set_exception(e)
             unfinished.clear()
 
+        idle = IdleClock()
         while True:
-            job = self._jobs.get()
+            running = unfinished[0][0] if unfinished else None
+            try:
+                job = self._jobs.get(timeout=_POLL_S if idle.waiting(running) else None)
+            except queue.Empty:  # the launched step may be done by now
+                continue
             if job is None:
                 answer()
                 return
@@ -92,6 +100,7 @@ class StepThread:
                     answer()
                 continue
             scheduler_output, future = job
+            idle_before = idle.take()
             if unfinished and unfinished[0][0].done():
                 answer()
             try:
@@ -100,5 +109,6 @@ class StepThread:
                 answer()
                 future.set_exception(e)
                 continue
+            step.idle_before = idle_before
             answer()
             unfinished.append((step, future))

@@ -6,6 +6,7 @@ the next step's update may have moved, removed or finished them)."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +32,7 @@ class LaunchedStep:
     prompt_logprobs: dict
     failed_requests: dict[str, str]
     output: ModelRunnerOutput | None = None
+    idle_before: float = 0.0  # seconds the device sat idle waiting for this step
 
     @classmethod
     def launch(
@@ -77,6 +79,25 @@ class LaunchedStep:
         return {req_ids[row]: i for i, row in enumerate(self.sample_rows.tolist())}
 
 
+class IdleClock:
+    """How long a worker's device has had nothing to run while the worker waited for its
+    next step. `waiting(unanswered)` before each wait starts the clock once the launched
+    work is done (and says whether to keep polling for that); `take()` when a step
+    arrives returns the idle seconds and stops it."""
+
+    def __init__(self) -> None:
+        self._since: float | None = None
+
+    def waiting(self, unanswered: LaunchedStep | None) -> bool:
+        if self._since is None and (unanswered is None or unanswered.done()):
+            self._since = time.perf_counter()
+        return self._since is None
+
+    def take(self) -> float:
+        since, self._since = self._since, None
+        return 0.0 if since is None else time.perf_counter() - since
+
+
 def finish_step(
     batch: InputBatch, requests: dict[str, CachedRequestState], step: LaunchedStep
 ) -> ModelRunnerOutput:
@@ -108,6 +129,7 @@ def finish_step(
         step.failed_requests,
     )
     output.prompt_logprobs = step.prompt_logprobs
+    output.worker_idle_time = step.idle_before
     return output
 
 

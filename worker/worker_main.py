@@ -35,7 +35,7 @@ from ipc.messages import (
 from ipc.sockets import make_socket, socket_address
 from models.parallel_state import destroy_distributed, init_distributed
 from worker.model_runner import ModelRunner
-from worker.step_output import LaunchedStep
+from worker.step_output import IdleClock, LaunchedStep
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +45,11 @@ _HANDSHAKE_FAILED = (
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 )
+
+
+# While the launched step runs, the wait for the next one looks every _POLL_MS whether it
+# is done: from then on the device is idle.
+_POLL_MS = 1
 
 
 def run_worker(
@@ -117,16 +122,22 @@ def run_worker(
                 if rank == 0:
                     sock.send(encode(output))
 
+        idle = IdleClock()
         while True:
-            if sock not in dict(poller.poll()):
+            ready = dict(poller.poll(_POLL_MS if idle.waiting(unanswered) else None))
+            if not ready:  # the launched step may be done by now
+                continue
+            if sock not in ready:
                 logger.error("rank %d lost its connection to the EngineCore; exiting", rank)
                 return 1
             msg = decoder.decode(sock.recv())
             if isinstance(msg, SchedulerOutput):
                 step_id = msg.step_id
+                idle_before = idle.take()
                 if unanswered is not None and unanswered.done():
                     answer()
                 launched = runner.launch(msg)
+                launched.idle_before = idle_before
                 answer()
                 unanswered = launched
             elif isinstance(msg, FinishStep):
