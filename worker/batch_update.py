@@ -48,13 +48,16 @@ def update_batch(
                 batch.remove_request(req_id)
             batch.add_request(state)
             continue
-        for ids, new_ids in zip(state.block_ids, new_block_ids, strict=True):
-            ids.extend(new_ids)
+        grows = any(new_block_ids)  # most decode steps add no block
+        if grows:
+            for ids, new_ids in zip(state.block_ids, new_block_ids, strict=True):
+                ids.extend(new_ids)
         if row is None:
             batch.add_request(state)
         else:
             batch.num_computed_tokens[row] = state.num_computed_tokens
-            batch.block_table.append_row(new_block_ids, row)
+            if grows:
+                batch.block_table.append_row(new_block_ids, row)
     batch.condense()
     return failed
 

@@ -106,21 +106,17 @@ def finish_step(
     if step.copied is not None:
         step.copied.synchronize()
     sampled = step.host_sampled.tolist()
-    sampled_token_ids: list[list[int]] = [[] for _ in step.req_ids]
-    rows, tokens = [], []
-    row_of = batch.req_id_to_index
+    req_ids = step.req_ids
+    sampled_token_ids: list[list[int]] = [[] for _ in req_ids]
     for row, token_id in zip(step.sample_rows.tolist(), sampled, strict=True):
-        req_id = step.req_ids[row]
         sampled_token_ids[row] = [token_id]
-        state = requests.get(req_id)
+        state = requests.get(req_ids[row])
         if state is not None:
             state.output_token_ids.append(token_id)
-        now = row_of.get(req_id)
-        if now is not None:
-            rows.append(now)
-            tokens.append(token_id)
-    if rows:
-        batch.append_token(np.array(rows), np.array(tokens, dtype=np.int32))
+    if sampled and batch.req_ids[: batch.num_reqs] == req_ids:  # no row moved since launch
+        batch.append_token(step.sample_rows, np.array(sampled, dtype=np.int32))
+    elif sampled:
+        _append_to_current_rows(batch, [req_ids[row] for row in step.sample_rows], sampled)
     output = ModelRunnerOutput(
         step.step_id,
         list(step.req_ids),
@@ -131,6 +127,16 @@ def finish_step(
     output.prompt_logprobs = step.prompt_logprobs
     output.worker_idle_time = step.idle_before
     return output
+
+
+def _append_to_current_rows(batch: InputBatch, req_ids: list[str], sampled: list[int]) -> None:
+    row_of = batch.req_id_to_index
+    rows = [row_of.get(req_id) for req_id in req_ids]
+    kept = [i for i, row in enumerate(rows) if row is not None]
+    if kept:
+        batch.append_token(
+            np.array([rows[i] for i in kept]), np.array([sampled[i] for i in kept], dtype=np.int32)
+        )
 
 
 def _logprobs_per_request(step: LaunchedStep) -> list[list[TokenLogprobs] | None] | None:
