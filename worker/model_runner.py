@@ -97,7 +97,6 @@ class ModelRunner:
             layer_cpu_kernels(self.device, self.dtype)
         self.is_driver = get_tp_rank() == 0
         self.cuda_graphs: CudaGraphRunner | None = None
-        self.failed_requests: dict[str, str] = {}
         self._unfinished: deque[LaunchedStep] = deque()  # launched, in order
         # Pinned host memory the samples of the last two launched steps are copied into.
         self._host_samples = [
@@ -273,7 +272,7 @@ class ModelRunner:
         self.inputs.wait_for_copies()
         so = scheduler_output
         self._copy_blocks(so)
-        self.failed_requests = update_batch(self.input_batch, self.requests, so, self.device)
+        failed = update_batch(self.input_batch, self.requests, so, self.device)
         batch = self.input_batch
         pending = None
         if len(self._unfinished) > 1:  # its samples' host buffer is this step's
@@ -286,7 +285,7 @@ class ModelRunner:
                 pending = PendingSamples(last.samples_by_request(), last.sampled)
         if batch.num_reqs == 0:
             launched = LaunchedStep.launch(
-                so.step_id, batch, _NO_ROWS, _NO_SAMPLES, None, {}, self.failed_requests
+                so.step_id, batch, _NO_ROWS, _NO_SAMPLES, None, {}, failed
             )
             self._unfinished.append(launched)
             return launched
@@ -321,7 +320,7 @@ class ModelRunner:
             sampled,
             logprobs,
             prompt_logprobs,
-            self.failed_requests,
+            failed,
             host_buffer,
         )
         self._unfinished.append(launched)
