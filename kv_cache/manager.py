@@ -74,6 +74,7 @@ class KVCacheManager:
             m for m in self.single_type_managers if isinstance(m, SlidingWindowManager)
         )
         self._no_hits: tuple[list[KVCacheBlock], ...] = tuple([] for _ in self.group_windows)
+        self._no_new_blocks = KVCacheBlocks(tuple([] for _ in self.group_windows))  # read only
         self.prefix_cache_stats = PrefixCacheStats()
         self.host_tier = (
             HostTier(num_host_blocks, self.block_pool, block_size) if num_host_blocks else None
@@ -184,6 +185,10 @@ class KVCacheManager:
         """
         if num_new_tokens <= 0:
             raise ValueError("num_new_tokens must be greater than 0")
+        if new_computed_blocks is None and not num_lookahead_tokens and not self.window_managers:
+            in_place = self._allocate_in_place(request, num_new_tokens)
+            if in_place is not None:
+                return in_place
         managers = self.single_type_managers
         if new_computed_blocks is None:
             hits = self._no_hits
@@ -220,6 +225,24 @@ class KVCacheManager:
             for manager in managers:
                 manager.cache_blocks(request, num_cacheable)
         return KVCacheBlocks(new_blocks)
+
+    def _allocate_in_place(
+        self, request: KVCacheRequest, num_new_tokens: int
+    ) -> KVCacheBlocks | None:
+        """The decode case, with full attention only: when the request's blocks already
+        have room for the new tokens, nothing is allocated; the blocks they fill are
+        cached. None when a block is needed (the general path then runs)."""
+        request_id = request.request_id
+        num_tokens = request.num_computed_tokens + num_new_tokens
+        num_needed = min(num_tokens, self.max_model_len)
+        for manager in self.single_type_managers:
+            if num_needed > len(manager.req_to_blocks.get(request_id, ())) * self.block_size:
+                return None
+        if self.enable_caching:
+            num_cacheable = min(num_tokens, request.num_tokens)
+            for manager in self.single_type_managers:
+                manager.cache_blocks(request, num_cacheable)
+        return self._no_new_blocks
 
     def free(self, request: KVCacheRequest) -> None:
         """Free from the tail, position by position across the groups, so the request's tail
