@@ -59,13 +59,15 @@ class BlockPool:
             block.ref_cnt = 1
         return blocks
 
-    def _evict_cached_block(self, block: KVCacheBlock) -> None:
+    def _evict_cached_block(self, block: KVCacheBlock, spill: bool = True) -> None:
+        """Drop the block's hash; the last copy of a key goes to `on_last_copy_evicted`
+        (the host tier) when `spill`."""
         cache_key = block.cache_key
         same_key = self.cached_block_hash_to_block[cache_key]
         del same_key[block.block_id]
         if not same_key:
             del self.cached_block_hash_to_block[cache_key]
-            if self.on_last_copy_evicted is not None:
+            if spill and self.on_last_copy_evicted is not None:
                 self.on_last_copy_evicted(block)
         block.reset_hash()
         block_hash = cache_key[0]
@@ -76,16 +78,8 @@ class BlockPool:
         """Drop the hashes of blocks whose tokens were never computed: nothing may hit
         them, and nothing is spilled to the host tier."""
         for block in blocks:
-            cache_key = block.cache_key
-            if cache_key is None:
-                continue
-            same_key = self.cached_block_hash_to_block[cache_key]
-            del same_key[block.block_id]
-            if not same_key:
-                del self.cached_block_hash_to_block[cache_key]
-            block.reset_hash()
-            if self.enable_kv_cache_events:
-                self.events.append(BlockRemoved([cache_key[0]]))
+            if block.cache_key is not None:
+                self._evict_cached_block(block, spill=False)
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on cache hits; a hit nobody held leaves the free queue."""

@@ -35,9 +35,10 @@ class InProcessExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         start = time.perf_counter()
         output = self._runner().execute_model(scheduler_output)
-        self._last_end, last_end = time.perf_counter(), self._last_end
-        self.last_call = (start, start, self._last_end)  # nothing is sent: no broadcast
-        self.last_worker_idle = 0.0 if last_end is None else start - last_end
+        end = time.perf_counter()
+        self.last_call = (start, start, end)  # nothing is sent: no broadcast
+        self.last_worker_idle = 0.0 if self._last_end is None else start - self._last_end
+        self._last_end = end
         return output
 
     def submit(self, scheduler_output: SchedulerOutput) -> None:

@@ -25,15 +25,12 @@ from concurrent.futures import Future
 import torch
 
 from ipc.messages import ModelRunnerOutput, SchedulerOutput
-from worker.step_output import IdleClock, LaunchedStep
+from worker.step_output import POLL_SECONDS, IdleClock, LaunchedStep
 
 Launch = Callable[[SchedulerOutput], LaunchedStep]
 Finish = Callable[[LaunchedStep], ModelRunnerOutput]
 # A submitted step, the answer a collect() waits for, or None: stop.
 _Job = tuple[SchedulerOutput, Future] | Future | None
-# While the launched step runs, the wait for the next one looks every _POLL_S whether it is
-# done: from then on the device is idle.
-_POLL_S = 0.001
 
 
 class StepThread:
@@ -89,7 +86,7 @@ class StepThread:
         while True:
             running = unfinished[0][0] if unfinished else None
             try:
-                job = self._jobs.get(timeout=_POLL_S if idle.waiting(running) else None)
+                job = self._jobs.get(timeout=POLL_SECONDS if idle.waiting(running) else None)
             except queue.Empty:  # the launched step may be done by now
                 continue
             if job is None:

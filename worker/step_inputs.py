@@ -83,15 +83,15 @@ def prepare_inputs(
     positions_np = buffers.positions.np[:total]
     np.add(num_computed[req_indices], offsets, out=positions_np)
     buffers.input_ids.np[:total] = batch.token_ids[req_indices, positions_np]
-    fed_rows = None
-    if pending is not None:
-        fed_rows = np.flatnonzero(num_computed >= batch.num_tokens[:num_reqs])
-        req_ids = batch.req_ids
-        k = len(fed_rows)
+    fed = None  # (token indices, sample indices) on the device
+    fed_rows = (
+        [] if pending is None else np.flatnonzero(num_computed >= batch.num_tokens[:num_reqs])
+    )
+    if len(fed_rows):
+        req_ids, k = batch.req_ids, len(fed_rows)
         buffers.fed_token_indices.np[:k] = (cu_num_tokens - num_scheduled)[fed_rows]
         buffers.fed_sample_indices.np[:k] = [pending.index[req_ids[r]] for r in fed_rows]
-        fed_tokens = buffers.fed_token_indices.commit(k)
-        fed_samples = buffers.fed_sample_indices.commit(k)
+        fed = buffers.fed_token_indices.commit(k), buffers.fed_sample_indices.commit(k)
     seq_lens_np = buffers.seq_lens.np[:num_reqs]
     seq_lens_np[:] = num_computed + num_scheduled
     query_start_loc_np = buffers.query_start_loc.np[: num_reqs + 1]
@@ -125,8 +125,8 @@ def prepare_inputs(
         stage = buffers.split_scratch.stage
         split = split_batch(query_start_loc_cpu, seq_lens_cpu, seq_lens.device, stage)
     buffers.copy_to_device()
-    if fed_rows is not None and len(fed_rows):
-        input_ids.index_copy_(0, fed_tokens, pending.sampled.index_select(0, fed_samples))
+    if fed is not None:
+        input_ids.index_copy_(0, fed[0], pending.sampled.index_select(0, fed[1]))
 
     slot_mappings = [
         table.compute_slot_mapping(

@@ -79,6 +79,11 @@ class LaunchedStep:
         return {req_ids[row]: i for i, row in enumerate(self.sample_rows.tolist())}
 
 
+# While a launched step runs, a worker waiting for the next one looks this often (seconds)
+# whether it is done: from then on the device is idle.
+POLL_SECONDS = 0.001
+
+
 class IdleClock:
     """How long a worker's device has had nothing to run while the worker waited for its
     next step. `waiting(unanswered)` before each wait starts the clock once the launched

@@ -35,7 +35,7 @@ from ipc.messages import (
 from ipc.sockets import make_socket, socket_address
 from models.parallel_state import destroy_distributed, init_distributed
 from worker.model_runner import ModelRunner
-from worker.step_output import IdleClock, LaunchedStep
+from worker.step_output import POLL_SECONDS, IdleClock, LaunchedStep
 
 logger = logging.getLogger(__name__)
 
@@ -45,11 +45,6 @@ _HANDSHAKE_FAILED = (
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 )
-
-
-# While the launched step runs, the wait for the next one looks every _POLL_MS whether it
-# is done: from then on the device is idle.
-_POLL_MS = 1
 
 
 def run_worker(
@@ -124,7 +119,8 @@ def run_worker(
 
         idle = IdleClock()
         while True:
-            ready = dict(poller.poll(_POLL_MS if idle.waiting(unanswered) else None))
+            poll_ms = round(1e3 * POLL_SECONDS) if idle.waiting(unanswered) else None
+            ready = dict(poller.poll(poll_ms))
             if not ready:  # the launched step may be done by now
                 continue
             if sock not in ready:

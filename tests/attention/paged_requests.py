@@ -22,6 +22,24 @@ def reference_attention(q, k, v, scale: float, sliding_window: int | None) -> to
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 
+def random_pages(seq_lens, kv_heads, head_dim, block_size, dtype, gen, spare_per_req, spare):
+    """A cache of random pages, and a block table giving each request scattered pages for
+    its tokens plus `spare_per_req`, out of `spare` more pages than the table names."""
+    num_reqs = len(seq_lens)
+    max_blocks = cdiv(max(seq_lens), block_size) + spare_per_req
+    num_blocks = num_reqs * max_blocks + spare
+    table = torch.randperm(num_blocks, generator=gen)[: num_reqs * max_blocks]
+    table = table.view(num_reqs, max_blocks).to(torch.int32)
+    shape = (2, num_blocks, block_size, kv_heads, head_dim)
+    return torch.randn(shape, generator=gen).to(dtype), table
+
+
+def strided_q(num_rows, heads, kv_heads, head_dim, dtype, gen):
+    """Random q [num_rows, heads, head_dim] as the q part of fused QKV rows (strided)."""
+    fused = torch.randn(num_rows, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    return fused[:, : heads * head_dim].view(num_rows, heads, head_dim)
+
+
 class PagedRequests:
     """Requests of the given total lengths, with random q/k/v for every position and
     random, non-contiguous blocks drawn from a cache of num_blocks pages filled with

@@ -5,11 +5,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from paged_requests import random_pages, strided_q
 
 from attention import get_attn_backend
 from attention.backends.cpu_backend import CPUAttentionBackend, load_cpu_attention
 from attention.backends.torch_backend import TorchAttentionBackend
-from ipc.utils import cdiv
 
 
 @pytest.fixture(scope="module", params=["amx", "avx512"])
@@ -44,16 +44,9 @@ def decode_case(seq_lens, kv_heads, group, head_dim, block_size, dtype, seed=0, 
     strided q (as a view of a fused QKV output)."""
     gen = torch.Generator().manual_seed(seed)
     num_reqs = len(seq_lens)
-    max_blocks = cdiv(max(seq_lens), block_size) + 2
-    num_blocks = num_reqs * max_blocks + 5
-    table = torch.randperm(num_blocks, generator=gen)[: num_reqs * max_blocks]
-    table = table.view(num_reqs, max_blocks).to(torch.int32)
-    shape = (2, num_blocks, block_size, kv_heads, head_dim)
-    cache = torch.randn(shape, generator=gen).to(dtype)
+    cache, table = random_pages(seq_lens, kv_heads, head_dim, block_size, dtype, gen, 2, 5)
     num_rows = num_reqs + extra_rows
-    heads = kv_heads * group
-    fused = torch.randn(num_rows, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
-    q = fused[:, : heads * head_dim].view(num_rows, heads, head_dim)
+    q = strided_q(num_rows, kv_heads * group, kv_heads, head_dim, dtype, gen)
     reqs = torch.randperm(num_reqs, generator=gen)
     rows = torch.randperm(num_rows, generator=gen)[:num_reqs]
     return q, cache, table, torch.tensor(seq_lens, dtype=torch.int32), reqs, rows

@@ -4,9 +4,9 @@ page tables: fresh prompts, cached prefixes and chunks, GQA groups, head sizes 6
 
 import pytest
 import torch
+from paged_requests import random_pages, strided_q
 
 from attention.backends.cpu_backend import load_cpu_attention
-from ipc.utils import cdiv
 
 
 @pytest.fixture(scope="module")
@@ -20,17 +20,10 @@ def kernels():
 
 def prefill_case(query_lens, seq_lens, kv_heads, group, head_dim, block_size, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    num_reqs = len(seq_lens)
-    max_blocks = cdiv(max(seq_lens), block_size) + 1
-    num_blocks = num_reqs * max_blocks + 3
-    table = torch.randperm(num_blocks, generator=gen)[: num_reqs * max_blocks]
-    table = table.view(num_reqs, max_blocks).to(torch.int32)
-    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen)
-    cache = cache.bfloat16()
+    bf16 = torch.bfloat16
+    cache, table = random_pages(seq_lens, kv_heads, head_dim, block_size, bf16, gen, 1, 3)
     starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
-    heads = kv_heads * group
-    fused = torch.randn(int(starts[-1]), (heads + 2 * kv_heads) * head_dim, generator=gen)
-    q = fused.bfloat16()[:, : heads * head_dim].view(-1, heads, head_dim)  # strided rows
+    q = strided_q(int(starts[-1]), kv_heads * group, kv_heads, head_dim, bf16, gen)
     return q, cache, table, torch.tensor(seq_lens, dtype=torch.int32), starts
 
 

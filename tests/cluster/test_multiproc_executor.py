@@ -66,6 +66,16 @@ def _ready(workers, blocks, pids=None):
         sock.send(encode(WorkerReady(rank, blocks[rank], pid, socket.gethostname())))
 
 
+def _registered(setup):
+    """An executor whose two workers registered and took their InitKVCache."""
+    executor, workers = setup()
+    _ready(workers, [8, 8])
+    executor.determine_num_blocks()
+    for sock in workers:
+        sock.recv()
+    return executor, workers
+
+
 def _step(step_id: int) -> SchedulerOutput:
     return SchedulerOutput(step_id, [], CachedRequestData(), {"a": 1}, 1)
 
@@ -129,11 +139,7 @@ def test_new_workers_get_the_host_blocks_in_use_or_fail_holding_fewer(setup, new
 
 
 def test_a_step_sends_the_same_bytes_and_returns_rank_0s_answer(setup):
-    executor, workers = setup()
-    _ready(workers, [8, 8])
-    executor.determine_num_blocks()
-    for sock in workers:
-        sock.recv()  # InitKVCache
+    executor, workers = _registered(setup)
     answer = ModelRunnerOutput(0, ["a"], [[7]])
     workers[1].send(encode(ModelRunnerOutput(0, ["a"], [[666]])))  # not the driver: ignored
     workers[0].send(encode(answer))
@@ -143,11 +149,7 @@ def test_a_step_sends_the_same_bytes_and_returns_rank_0s_answer(setup):
 
 
 def test_workers_are_told_to_finish_a_step_only_when_no_later_step_was_sent(setup):
-    executor, workers = setup()
-    _ready(workers, [8, 8])
-    executor.determine_num_blocks()
-    for sock in workers:
-        sock.recv()  # InitKVCache
+    executor, workers = _registered(setup)
     executor.submit(_step(0))
     executor.submit(_step(1))
     workers[0].send(encode(ModelRunnerOutput(0, ["a"], [[7]])))
