@@ -2,16 +2,20 @@
 against the C++ kernel (cpu backend), in the same process, on SmolLM2's shape by default
 (9 query heads, 3 KV heads, head_dim 64, bf16, block 16), contexts uniform in [lo, hi].
 With --triton, on a GPU: the Triton backend's decode launch split over the context
-(flash-decoding, as its heuristic picks) against the unsplit launch.
+(flash-decoding, as its heuristic picks) against the unsplit launch. With --sweep: the
+decode launch over key tile widths, num_warps and num_stages, against the default.
 
     python -m benchmarks.attention_bench [--decodes 256] [--context 100 512] [--threads 2]
     python -m benchmarks.attention_bench --triton --decodes 4 --context 4096 32768
+    python -m benchmarks.attention_bench --sweep --decodes 256 --context 100 2048 \
+        --heads 16 --kv-heads 8 --head-dim 128      # Qwen3-0.6B, nano-vllm's decode mix
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import time
 
 import torch
@@ -19,7 +23,11 @@ import torch
 from attention import Attention, CommonAttentionMetadata, set_forward_context
 from attention.backends.cpu_backend import CPUAttentionBackend, load_cpu_attention
 from attention.backends.torch_backend import TorchAttentionBackend
-from attention.backends.triton_backend import TritonAttentionBackend, decode_num_splits
+from attention.backends.triton_backend import (
+    DecodeLaunch,
+    TritonAttentionBackend,
+    decode_num_splits,
+)
 from ipc.utils import cdiv
 from worker.buffers import zeros_on_huge_pages
 
@@ -77,31 +85,52 @@ def time_backend(backend, common, layer, args) -> float:
     return best
 
 
-def compare_triton_splits(common, cache, layer, args, read: float) -> None:
-    """The Triton backend with its context split against without, on the GPU (without
-    one, under TRITON_INTERPRET=1, only as a smoke test)."""
+def triton_on_device(common, cache, layer):
+    """The batch's device tensors and the cache on the GPU (without one, under
+    TRITON_INTERPRET=1, on the CPU: a smoke test only)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     on_device = {
         f.name: getattr(common, f.name).to(device)
         for f in dataclasses.fields(common)
         if f.name in ("query_start_loc", "seq_lens", "block_table", "slot_mapping")
     }
-    common = dataclasses.replace(common, **on_device)
     layer.kv_cache = cache.to(device)
-    split = TritonAttentionBackend()
-    num_splits = decode_num_splits(
-        args.decodes, args.kv_heads, common.block_table.shape[1] * args.block_size, split.block_n
-    )
+    return dataclasses.replace(common, **on_device)
+
+
+def time_triton(common, layer, args, read: float, label: str, backend) -> float:
+    time_backend(backend, common, layer, args)  # compiles the kernels
+    seconds = time_backend(backend, common, layer, args)
+    rate = read / seconds / 1e9
+    print(f"{label:>28}: {seconds * 1e3:7.3f} ms per layer, K/V read {rate:6.1f} GB/s")
+    return seconds
+
+
+def compare_triton_splits(common, layer, args, read: float) -> None:
+    """The Triton backend with its context split against without."""
+    backend = TritonAttentionBackend()
+    max_context = common.block_table.shape[1] * args.block_size
+    num_splits = decode_num_splits(args.decodes, args.kv_heads, max_context, backend.decode.block_n)
+    split = time_triton(common, layer, args, read, f"{num_splits} splits", backend)
+    unsplit = TritonAttentionBackend(target_decode_programs=1)
+    unsplit = time_triton(common, layer, args, read, "unsplit", unsplit)
+    print(f"split / unsplit speed-up: {unsplit / split:.2f}x")
+
+
+def sweep_triton_decode(common, layer, args, read: float) -> None:
+    """The decode launch over key tile widths, warps and pipeline stages (splits as the
+    heuristic picks for each width), then the fastest against the default."""
+    default = time_triton(common, layer, args, read, "default", TritonAttentionBackend())
     results = {}
-    for label, backend in (
-        (f"{num_splits} splits", split),
-        ("unsplit", TritonAttentionBackend(target_decode_programs=1)),
+    for block_n, num_warps, num_stages in itertools.product(
+        args.sweep_block_n, args.sweep_warps, args.sweep_stages
     ):
-        time_backend(backend, common, layer, args)  # compiles the kernels
-        results[label] = seconds = time_backend(backend, common, layer, args)
-        rate = read / seconds / 1e9
-        print(f"{label:>10}: {seconds * 1e3:7.3f} ms per layer, K/V read {rate:6.1f} GB/s")
-    print(f"split / unsplit speed-up: {results['unsplit'] / results[f'{num_splits} splits']:.2f}x")
+        launch = DecodeLaunch(block_n, num_warps, num_stages)
+        label = f"block_n {block_n} warps {num_warps} stages {num_stages}"
+        backend = TritonAttentionBackend(decode=launch)
+        results[launch] = time_triton(common, layer, args, read, label, backend)
+    best = min(results, key=results.get)
+    print(f"fastest: {best}, {default / results[best]:.2f}x the default")
 
 
 def main() -> None:
@@ -116,14 +145,19 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--triton", action="store_true", help="the Triton split KV vs unsplit")
+    p.add_argument("--sweep", action="store_true", help="the Triton decode launch's options")
+    p.add_argument("--sweep-block-n", type=int, nargs="+", default=(16, 32, 64, 128))
+    p.add_argument("--sweep-warps", type=int, nargs="+", default=(2, 4, 8))
+    p.add_argument("--sweep-stages", type=int, nargs="+", default=(1, 2, 3, 4))
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     common, cache, layer = decode_batch(args)
     read = (
         float(common.seq_lens_cpu.sum()) * 2 * args.kv_heads * args.head_dim * cache.element_size()
     )
-    if args.triton:
-        compare_triton_splits(common, cache, layer, args, read)
+    if args.triton or args.sweep:
+        common = triton_on_device(common, cache, layer)
+        (sweep_triton_decode if args.sweep else compare_triton_splits)(common, layer, args, read)
         return
     kernels = load_cpu_attention()
     results = {}

@@ -1,5 +1,7 @@
 """Paged attention with this project's own Triton kernels."""
 
+from dataclasses import dataclass
+
 import torch
 import triton
 
@@ -43,6 +45,17 @@ def decode_num_splits(
     return splits if splits >= 2 else 1
 
 
+@dataclass(frozen=True)
+class DecodeLaunch:
+    """How the decode kernel is launched: the width of its key tiles and Triton's
+    num_warps / num_stages (None: Triton's defaults). `attention_bench --triton --sweep`
+    times the choices on a GPU."""
+
+    block_n: int = 32
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+
 class TritonAttentionBackend(AttentionBackend):
     """Launches the decode kernel over the decodes and the prefill kernel over the
     prefills (fresh prompts, cached prefixes and chunks alike); each reads the step's
@@ -62,9 +75,11 @@ class TritonAttentionBackend(AttentionBackend):
         prefill_block_q: int = 16,
         block_n: int = 32,
         target_decode_programs: int = TARGET_DECODE_PROGRAMS,
+        decode: DecodeLaunch | None = None,
     ) -> None:
         self.prefill_block_q = prefill_block_q
         self.block_n = block_n
+        self.decode = decode or DecodeLaunch(block_n)
         self.target_decode_programs = target_decode_programs
         self._partials: dict[tuple, SplitPartials] = {}
 
@@ -79,18 +94,25 @@ class TritonAttentionBackend(AttentionBackend):
             seq_lens=md.seq_lens,
             scale=layer.scale,
             sliding_window=layer.sliding_window,
-            block_n=self.block_n,
         )
         if split.num_decodes:
             partials = self._decode_partials(split.num_decodes, q, kv_cache, md.block_table)
             paged_attention(
-                req_ids=split.decode_reqs, max_query_len=1, block_q=1, partials=partials, **common
+                req_ids=split.decode_reqs,
+                max_query_len=1,
+                block_q=1,
+                block_n=self.decode.block_n,
+                partials=partials,
+                num_warps=self.decode.num_warps,
+                num_stages=self.decode.num_stages,
+                **common,
             )
         if split.num_prefills:
             paged_attention(
                 req_ids=split.prefill_reqs,
                 max_query_len=split.max_prefill_query_len,
                 block_q=self.prefill_block_q,
+                block_n=self.block_n,
                 **common,
             )
 
@@ -102,7 +124,11 @@ class TritonAttentionBackend(AttentionBackend):
         _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
         max_context_len = block_table.shape[1] * block_size
         num_splits = decode_num_splits(
-            num_decodes, num_kv_heads, max_context_len, self.block_n, self.target_decode_programs
+            num_decodes,
+            num_kv_heads,
+            max_context_len,
+            self.decode.block_n,
+            self.target_decode_programs,
         )
         if num_splits == 1:
             return None

@@ -221,12 +221,15 @@ def paged_attention(
     block_q: int,
     block_n: int = 32,
     partials: SplitPartials | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> None:
     """Attend the query tokens of requests req_ids, writing their rows of out.
 
     q/out [T, num_heads, head_dim], kv_cache [2, num_blocks, block_size, num_kv_heads,
     head_dim], last dims contiguous. block_q = 1 is the decode kernel; a decode launch
-    given `partials` splits each context into partials.num_splits ranges.
+    given `partials` splits each context into partials.num_splits ranges. num_warps and
+    num_stages go to Triton's launcher (None: its defaults).
     """
     key_cache, value_cache = kv_cache.unbind(0)
     _, block_size, num_kv_heads, head_dim = key_cache.shape
@@ -241,6 +244,7 @@ def paged_attention(
     scratch = (out, out, out) if partials is None else (partials.max, partials.sum, partials.acc)
     num_q_tiles = triton.cdiv(max_query_len, block_q)
     grid = (req_ids.shape[0], num_q_tiles * num_splits, num_kv_heads)
+    tuning = {"num_warps": num_warps, "num_stages": num_stages}
     _paged_attention_kernel[grid](
         q,
         out,
@@ -275,6 +279,7 @@ def paged_attention(
         # round the inputs to tf32 (about 1e-3 off on a GPU).
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         NUM_SPLITS=num_splits,
+        **{name: value for name, value in tuning.items() if value is not None},
     )
     if partials is not None:
         _combine_splits_kernel[(req_ids.shape[0], num_heads)](

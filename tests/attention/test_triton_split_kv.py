@@ -9,6 +9,7 @@ from paged_requests import PagedRequests
 
 from attention.backends.triton_backend import (
     MAX_DECODE_SPLITS,
+    DecodeLaunch,
     TritonAttentionBackend,
     decode_num_splits,
 )
@@ -179,3 +180,28 @@ def test_backend_splits_small_decode_batches(kernel_device):
     unsplit = reqs.run_step(ref, schedule, num_padding=2)
     for out, expected in zip(outs, unsplit, strict=True):
         torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "launch",
+    [DecodeLaunch(16, num_warps=2, num_stages=1), DecodeLaunch(64, num_warps=8, num_stages=3)],
+    ids=str,
+)
+@pytest.mark.parametrize("target_programs", [1, 48])
+def test_decode_launch_options(kernel_device, launch, target_programs):
+    """The decode launch's tile width, warps and stages (attention_bench --sweep's
+    choices), split or not, attend as the float64 reference does."""
+    seq_lens = [70, 3, 300, 41]
+    reqs = PagedRequests(seq_lens, 8, 2, 16, 4, device=kernel_device)
+    schedule = [(i, n - 1, 1) for i, n in enumerate(seq_lens)]
+    max_context = reqs.block_table.shape[1] * 4
+    num_splits = decode_num_splits(4, 2, max_context, launch.block_n, target_programs)
+    assert (num_splits > 1) == (target_programs > 1)
+    for req, start, _ in schedule:
+        reqs.cache_prefix(req, start)
+    backend = TritonAttentionBackend(target_decode_programs=target_programs, decode=launch)
+    outs = reqs.run_step(backend, schedule, num_padding=2)
+    for (req, start, query_len), out in zip(schedule, outs, strict=True):
+        expected = reqs.expected(req, start, query_len).to(out.dtype)
+        torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
+    assert [key[2] for key in backend._partials] == ([num_splits] if num_splits > 1 else [])

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The GPU measurements issue 12 still owes, as one prepared run on a lent GPU machine.
+# Here, from the project root: ../shared/gpu/prepare.sh (wheels and tokenizer into .gpu/).
+# There, with .gpu carried, in two calls of under 10 minutes each:
+#   bash benchmarks/gpu_check.sh tests                    # the suite, natively (~4 min)
+#   bash benchmarks/gpu_check.sh "llm cluster sweep"      # the figures (~6 min)
+# Steps:
+#   tests    the suite but the slow tests, 4 pytest workers sharing the GPU
+#   llm      nano-vllm's workload (Qwen3-0.6B shape, 256 requests, prompts and outputs of
+#            100-1024 tokens) through LLM, lockstep then async scheduling, same process
+#   cluster  launch.py + throughput_bench over ZMQ, lockstep then async: output tok/s and
+#            rank 0's idle share while it waits for the EngineCore (target <= 3 %)
+#   sweep    the Triton decode launch's tile width / warps / stages on that workload's
+#            decode mix (256 decodes, contexts 100-2048), against the default
+#   profile  one decode step at 256 running: wall time, host phases, top GPU kernels
+# Logs land in $OUT.
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .gpu/whl/*.whl > "$OUT/pip.log" 2>&1 || { tail "$OUT/pip.log"; exit 1; }
+export PYTHONPATH=/tmp/site:$(pwd)
+G=$(pwd)/.gpu Q=/tmp/qwen3-0.6b
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"
+git log --oneline -1 2>/dev/null
+python3 -c "import sys; sys.path.insert(0, '$G'); from gpu_bench import make; make('qwen3-0.6b')"
+
+cluster_run() {  # $1: --async-scheduling or --no-async-scheduling
+  rm -f /tmp/addr
+  python3 launch.py --model $Q --dtype bfloat16 --no-api --address-file /tmp/addr "$1" \
+    > "$OUT/cluster$1.log" 2>&1 &
+  local pid=$!
+  for _ in $(seq 150); do [ -s /tmp/addr ] && break; sleep 1; done
+  echo "--- cluster $1"
+  timeout 120 python3 -m benchmarks.throughput_bench --address /tmp/addr --num-requests 256 \
+    --prompt-len 100 1024 --output-len 100 1024 2>&1 | tail -5
+  kill -INT $pid; wait $pid
+}
+
+for s in ${1:-tests}; do
+  echo "=== $s $(date +%T)"
+  case $s in
+    tests)
+      timeout 500 python3 -m pytest -q -p no:cacheprovider -m "not slow" -n 4 --timeout 150 \
+        tests > "$OUT/tests.log" 2>&1
+      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -40 ;;
+    llm)
+      timeout 240 python3 -m benchmarks.throughput_bench --mode llm --compare-async --model $Q \
+        --dtype bfloat16 --num-requests 256 --prompt-len 100 1024 --output-len 100 1024 \
+        --max-model-len 4096 2>&1 | tee "$OUT/llm.log" | grep -v -E "^(INFO|WARNING)" | tail -14 ;;
+    cluster)
+      cluster_run --no-async-scheduling
+      cluster_run --async-scheduling ;;
+    sweep)
+      timeout 150 python3 -m benchmarks.attention_bench --sweep --decodes 256 \
+        --context 100 2048 --heads 16 --kv-heads 8 --head-dim 128 --threads 16 \
+        --sweep-block-n 16 32 64 --sweep-warps 2 4 8 --sweep-stages 1 2 3 2>&1 | tail -30 ;;
+    profile)
+      timeout 200 python3 "$G/gpu_profile.py" 2>&1 | grep -v -E "Writing|Loading" \
+        | tee "$OUT/profile.log" | tail -40 ;;
+  esac
+done
+echo "=== done $(date +%T)"
