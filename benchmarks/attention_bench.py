@@ -38,6 +38,8 @@ def decode_batch(
     gen = torch.Generator().manual_seed(0)
     n, bs = args.decodes, args.block_size
     seq_lens = torch.randint(args.context[0], args.context[1] + 1, (n,), generator=gen)
+    if args.longest_first:
+        seq_lens = seq_lens.sort(descending=True).values
     max_blocks = cdiv(int(seq_lens.max()), bs)
     num_blocks = n * max_blocks + 1
     table = (torch.randperm(num_blocks - 1, generator=gen)[: n * max_blocks] + 1).view(
@@ -146,6 +148,12 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--triton", action="store_true", help="the Triton split KV vs unsplit")
     p.add_argument("--sweep", action="store_true", help="the Triton decode launch's options")
+    p.add_argument(
+        "--longest-first",
+        action="store_true",
+        help="requests in descending context order (default: random), so the longest "
+        "programs are dispatched first",
+    )
     p.add_argument("--sweep-block-n", type=int, nargs="+", default=(16, 32, 64, 128))
     p.add_argument("--sweep-warps", type=int, nargs="+", default=(2, 4, 8))
     p.add_argument("--sweep-stages", type=int, nargs="+", default=(1, 2, 3, 4))

@@ -11,7 +11,8 @@
 #   cluster  launch.py + throughput_bench over ZMQ, lockstep then async: output tok/s and
 #            rank 0's idle share while it waits for the EngineCore (target <= 3 %)
 #   sweep    the Triton decode launch's tile width / warps / stages on that workload's
-#            decode mix (256 decodes, contexts 100-2048), against the default
+#            decode mix (256 decodes, contexts 100-2048), against the default; then the
+#            same with the longest contexts dispatched first
 #   profile  one decode step at 256 running: wall time, host phases, top GPU kernels
 # Logs land in $OUT.
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -53,7 +54,11 @@ for s in ${1:-tests}; do
     sweep)
       timeout 150 python3 -m benchmarks.attention_bench --sweep --decodes 256 \
         --context 100 2048 --heads 16 --kv-heads 8 --head-dim 128 --threads 16 \
-        --sweep-block-n 16 32 64 --sweep-warps 2 4 8 --sweep-stages 1 2 3 2>&1 | tail -30 ;;
+        --sweep-block-n 16 32 64 --sweep-warps 2 4 8 --sweep-stages 1 2 3 2>&1 | tail -30
+      echo "--- the same decodes, longest context first"
+      timeout 60 python3 -m benchmarks.attention_bench --sweep --longest-first --decodes 256 \
+        --context 100 2048 --heads 16 --kv-heads 8 --head-dim 128 --threads 16 \
+        --sweep-block-n 32 64 --sweep-warps 4 --sweep-stages 2 3 2>&1 | tail -6 ;;
     profile)
       timeout 200 python3 "$G/gpu_profile.py" 2>&1 | grep -v -E "Writing|Loading" \
         | tee "$OUT/profile.log" | tail -40 ;;
