@@ -55,7 +55,11 @@ def run_llm(
 ) -> tuple[float, int, StepProfile]:
     from splitserve import LLM
 
-    kwargs = {} if args.max_model_len is None else {"max_model_len": args.max_model_len}
+    kwargs = {
+        name: value
+        for name in ("max_model_len", "max_num_batched_tokens")
+        if (value := getattr(args, name)) is not None
+    }
     llm = LLM(
         args.model,
         dtype=args.dtype,
@@ -153,6 +157,9 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, nargs=2, default=(100, 512), metavar=("LO", "HI"))
     parser.add_argument("--output-len", type=int, nargs=2, default=(100, 256), metavar=("LO", "HI"))
     parser.add_argument("--max-model-len", type=int, help="llm mode (default: the model's)")
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, help="llm mode (default: the engine's)"
+    )
     parser.add_argument(
         "--compare-async", action="store_true", help="llm mode: async scheduling off, then on"
     )

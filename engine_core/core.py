@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -19,13 +20,14 @@ logger = logging.getLogger(__name__)
 
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor) -> None:
-        self.config = config
         self.executor = executor
         try:
             self.num_blocks = executor.determine_num_blocks()
         except BaseException:
             executor.shutdown()
             raise
+        budget = config.token_budget(executor.device_type)  # the workers' device is known now
+        self.config = config = dataclasses.replace(config, max_num_batched_tokens=budget)
         self.kv_cache_manager = KVCacheManager(
             self.num_blocks,
             config.block_size,
@@ -43,8 +45,8 @@ class EngineCore:
         self.num_worker_restarts = 0
         self._restart_times: deque[float] = deque()
         overlap = config.async_scheduling
-        if overlap is None:
-            overlap = executor.overlaps_steps
+        if overlap is None:  # a CPU step runs on the cores this process schedules with
+            overlap = executor.device_type == "cuda"
         # Steps sent and not yet answered; async scheduling leaves one in flight.
         self.in_flight: deque[SchedulerOutput] = deque()
         self.max_in_flight = 1 if overlap else 0

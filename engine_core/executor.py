@@ -19,9 +19,10 @@ class Executor(ABC):
     # Each KV cache group's sliding window (None: full attention), in the order block ids
     # travel in; set by determine_num_blocks.
     kv_cache_groups: list[int | None] = [None]
-    # Whether a submitted step runs while this process goes on, so that async scheduling
-    # helps (GPU workers); set by determine_num_blocks.
-    overlaps_steps: bool = False
+    # The workers' device type, "cuda" only when every rank runs on CUDA: then a submitted
+    # step runs while this process goes on, so async scheduling helps. It also picks the
+    # default token budget (EngineConfig.token_budget). Set by determine_num_blocks.
+    device_type: str = "cpu"
     # The KV host tier (config.kv_offload_memory; 0 blocks: off) and the workers' measured
     # seconds to copy one block one way and to prefill one token; set by
     # determine_num_blocks.

@@ -133,8 +133,8 @@ class MultiprocExecutor(Executor):
         self.num_host_blocks = min(w.num_host_blocks for w in self.workers)
         self.block_copy_seconds = max(w.block_copy_seconds for w in self.workers)
         self.prefill_token_seconds = max(w.prefill_token_seconds for w in self.workers)
-        # A CPU step runs on the cores the EngineCore would schedule with: nothing overlaps.
-        self.overlaps_steps = all(w.device_type == "cuda" for w in self.workers)
+        on_cuda = all(w.device_type == "cuda" for w in self.workers)
+        self.device_type = "cuda" if on_cuda else "cpu"
         self._broadcast(encode(InitKVCache(num_blocks, self.num_host_blocks)))
         logger.info(
             "%d worker(s) ready (KV blocks per rank: %s; host blocks: %s); using %d and %d",

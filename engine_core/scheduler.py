@@ -51,6 +51,10 @@ class Scheduler:
         self.prefill_token_seconds = prefill_token_seconds
         self.max_model_len = config.max_model_len
         self.max_num_seqs = config.max_num_seqs
+        if config.max_num_batched_tokens is None:
+            raise ValueError(
+                "the scheduler needs max_num_batched_tokens (EngineConfig.token_budget)"
+            )
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.block_size = config.block_size
         blocks_per_request = _max_blocks_per_request(config, kv_cache_manager.group_windows)

@@ -17,7 +17,7 @@ class InProcessExecutor(Executor):
 
     def __init__(self, config: EngineConfig) -> None:
         self.runner: ModelRunner | None = ModelRunner(config)
-        self.overlaps_steps = self.runner.device.type == "cuda"
+        self.device_type = self.runner.device.type
         self._steps: StepThread | None = None
         self._last_end: float | None = None  # when the last lockstep step ended
 

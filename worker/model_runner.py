@@ -66,7 +66,7 @@ class ModelRunner:
         )
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len
-        self.max_num_tokens = config.max_num_batched_tokens
+        self.max_num_tokens = config.token_budget(self.device.type)
         self.kv_cache_groups = group_layers(
             [layer.sliding_window for layer in self.model.attention_layers()]
         )

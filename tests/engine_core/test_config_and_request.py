@@ -21,10 +21,21 @@ from kv_cache import block_hashes
 
 def test_config_without_a_model_folder():
     config = EngineConfig(max_model_len=128)
-    assert config.max_num_batched_tokens == 8192 and config.eos_token_ids == []
+    assert config.max_num_batched_tokens is None and config.eos_token_ids == []
     assert config.tokenizer is None and config.vocab_size is None
     no_chunking = EngineConfig(max_model_len=128, enable_chunked_prefill=False)
     assert no_chunking.max_num_batched_tokens == 128
+
+
+def test_token_budget_defaults_by_device_unless_given():
+    """Without --max-num-batched-tokens each side resolves the budget for its device;
+    a given one (or max-model-len without chunked prefill) holds everywhere."""
+    config = EngineConfig(max_model_len=128)
+    assert config.token_budget("cpu") == 2048 and config.token_budget("cuda") == 8192
+    given = EngineConfig(max_model_len=128, max_num_batched_tokens=300)
+    assert given.token_budget("cpu") == given.token_budget("cuda") == 300
+    no_chunking = EngineConfig(max_model_len=128, enable_chunked_prefill=False)
+    assert no_chunking.token_budget("cpu") == no_chunking.token_budget("cuda") == 128
 
 
 def test_config_reads_the_model_folder(tmp_path):

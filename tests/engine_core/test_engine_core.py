@@ -21,6 +21,23 @@ def test_the_kv_cache_takes_the_executor_block_count():
     assert engine.kv_cache_manager.block_pool.num_blocks == 40
 
 
+@pytest.mark.parametrize(
+    ("device_type", "given", "budget", "overlaps"),
+    [("cpu", None, 2048, False), ("cuda", None, 8192, True), ("cuda", 48, 48, True)],
+)
+def test_the_workers_device_picks_the_default_token_budget_and_overlap(
+    device_type, given, budget, overlaps
+):
+    """A budget not given is the default for the device the workers reported; a given one
+    holds. GPU workers overlap steps, so async scheduling is on there by default."""
+    executor = StandInExecutor(40)
+    executor.device_type = device_type
+    engine = EngineCore(make_config(max_num_batched_tokens=given), executor)
+    assert engine.scheduler.max_num_batched_tokens == budget
+    assert engine.config.max_num_batched_tokens == budget
+    assert (engine.max_in_flight > 0) == overlaps
+
+
 def test_a_kv_cache_too_small_for_one_request_is_refused():
     # max_model_len 64 in blocks of 4 needs 16 blocks besides the null block.
     EngineCore(make_config(), StandInExecutor(17))

@@ -132,3 +132,12 @@ def test_zeros_on_huge_pages_are_faulted_in_at_allocation(monkeypatch, populate)
     cache = zeros_on_huge_pages((64, 1 << 20), torch.uint8)
     assert _resident_bytes() - before >= 60 << 20
     assert cache.eq(0).all()
+
+
+def test_the_runner_sizes_its_token_buffers_by_its_device_budget(runner):
+    """Without --max-num-batched-tokens the runner's step inputs hold its device's default
+    budget, the one the EngineCore's scheduler resolves from the same device."""
+    expected = {"cpu": 2048, "cuda": 8192}[runner.device.type]
+    assert runner.config.max_num_batched_tokens is None
+    assert runner.max_num_tokens == runner.config.token_budget(runner.device.type) == expected
+    assert runner.inputs.input_ids.np.shape == runner.inputs.positions.np.shape == (expected,)
