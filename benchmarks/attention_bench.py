@@ -24,6 +24,7 @@ from attention import Attention, CommonAttentionMetadata, set_forward_context
 from attention.backends.cpu_backend import CPUAttentionBackend, load_cpu_attention
 from attention.backends.torch_backend import TorchAttentionBackend
 from attention.backends.triton_backend import (
+    TARGET_DECODE_PROGRAMS,
     DecodeLaunch,
     TritonAttentionBackend,
     decode_num_splits,
@@ -104,7 +105,7 @@ def time_triton(common, layer, args, read: float, label: str, backend) -> float:
     time_backend(backend, common, layer, args)  # compiles the kernels
     seconds = time_backend(backend, common, layer, args)
     rate = read / seconds / 1e9
-    print(f"{label:>28}: {seconds * 1e3:7.3f} ms per layer, K/V read {rate:6.1f} GB/s")
+    print(f"{label:>40}: {seconds * 1e3:7.3f} ms per layer, K/V read {rate:6.1f} GB/s")
     return seconds
 
 
@@ -120,17 +121,20 @@ def compare_triton_splits(common, layer, args, read: float) -> None:
 
 
 def sweep_triton_decode(common, layer, args, read: float) -> None:
-    """The decode launch over key tile widths, warps and pipeline stages (splits as the
-    heuristic picks for each width), then the fastest against the default."""
+    """The decode launch over key tile widths, warps, pipeline stages and split targets
+    (the splits the heuristic picks for each width and target), then the fastest against
+    the default."""
     default = time_triton(common, layer, args, read, "default", TritonAttentionBackend())
+    max_context = common.block_table.shape[1] * args.block_size
     results = {}
-    for block_n, num_warps, num_stages in itertools.product(
-        args.sweep_block_n, args.sweep_warps, args.sweep_stages
+    for block_n, num_warps, num_stages, target in itertools.product(
+        args.sweep_block_n, args.sweep_warps, args.sweep_stages, args.sweep_targets
     ):
         launch = DecodeLaunch(block_n, num_warps, num_stages)
-        label = f"block_n {block_n} warps {num_warps} stages {num_stages}"
-        backend = TritonAttentionBackend(decode=launch)
-        results[launch] = time_triton(common, layer, args, read, label, backend)
+        splits = decode_num_splits(args.decodes, args.kv_heads, max_context, block_n, target)
+        label = f"block_n {block_n} warps {num_warps} stages {num_stages} splits {splits}"
+        backend = TritonAttentionBackend(target_decode_programs=target, decode=launch)
+        results[label] = time_triton(common, layer, args, read, label, backend)
     best = min(results, key=results.get)
     print(f"fastest: {best}, {default / results[best]:.2f}x the default")
 
@@ -157,6 +161,13 @@ def main() -> None:
     p.add_argument("--sweep-block-n", type=int, nargs="+", default=(16, 32, 64, 128))
     p.add_argument("--sweep-warps", type=int, nargs="+", default=(2, 4, 8))
     p.add_argument("--sweep-stages", type=int, nargs="+", default=(1, 2, 3, 4))
+    p.add_argument(
+        "--sweep-targets",
+        type=int,
+        nargs="+",
+        default=(TARGET_DECODE_PROGRAMS,),
+        help="programs a decode launch splits to fill (the heuristic's target)",
+    )
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     common, cache, layer = decode_batch(args)

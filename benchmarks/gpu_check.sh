@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # The GPU measurements issue 12 still owes, as one prepared run on a lent GPU machine.
 # Here, from the project root: ../shared/gpu/prepare.sh (wheels and tokenizer into .gpu/).
-# There, with .gpu carried, in two calls of under 10 minutes each:
-#   bash benchmarks/gpu_check.sh tests                    # the suite, natively (~4 min)
-#   bash benchmarks/gpu_check.sh "llm cluster sweep"      # the figures (~6 min)
+# There, with .gpu carried, one call per line, most wanted first (each well under the
+# 10-minute limit of a call; estimates, not yet timed on a GPU):
+#   bash benchmarks/gpu_check.sh "llm cluster"    # issue 12's targets (~4 min)
+#   bash benchmarks/gpu_check.sh sweep            # the decode kernel's launch options (~4 min)
+#   bash benchmarks/gpu_check.sh tests            # the suite, natively (~5 min)
 # Steps:
 #   tests    the suite but the slow tests, 4 pytest workers sharing the GPU
 #   llm      nano-vllm's workload (Qwen3-0.6B shape, 256 requests, prompts and outputs of
 #            100-1024 tokens) through LLM, lockstep then async scheduling, same process
 #   cluster  launch.py + throughput_bench over ZMQ, lockstep then async: output tok/s and
 #            rank 0's idle share while it waits for the EngineCore (target <= 3 %)
-#   sweep    the Triton decode launch's tile width / warps / stages on that workload's
+#   sweep    the Triton decode launch (tile width, warps, stages, splits) on that workload's
 #            decode mix (256 decodes, contexts 100-2048), against the default; then the
 #            same with the longest contexts dispatched first
 #   profile  one decode step at 256 running: wall time, host phases, top GPU kernels
@@ -52,9 +54,10 @@ for s in ${1:-tests}; do
       cluster_run --no-async-scheduling
       cluster_run --async-scheduling ;;
     sweep)
-      timeout 150 python3 -m benchmarks.attention_bench --sweep --decodes 256 \
+      timeout 200 python3 -m benchmarks.attention_bench --sweep --decodes 256 \
         --context 100 2048 --heads 16 --kv-heads 8 --head-dim 128 --threads 16 \
-        --sweep-block-n 16 32 64 --sweep-warps 2 4 8 --sweep-stages 1 2 3 2>&1 | tail -30
+        --sweep-block-n 16 32 64 --sweep-warps 2 4 8 --sweep-stages 2 3 \
+        --sweep-targets 256 4096 2>&1 | tail -60
       echo "--- the same decodes, longest context first"
       timeout 60 python3 -m benchmarks.attention_bench --sweep --longest-first --decodes 256 \
         --context 100 2048 --heads 16 --kv-heads 8 --head-dim 128 --threads 16 \
