@@ -20,6 +20,7 @@ from safetensors import safe_open
 from torch import nn
 
 from ipc.config import DTYPES
+from models.layers.cpu_linear import pack_linear_weights
 from models.layers.linear import kv_heads_per_rank
 from models.layers.rotary import get_head_dim
 from models.llama import LlamaForCausalLM
@@ -164,4 +165,5 @@ def load_model(
     missing = sorted(set(dict(model.named_parameters())) - loaded)
     if missing:
         raise ValueError(f"checkpoint {model_path} has no weights for {missing}")
+    pack_linear_weights(model)
     return model.eval()

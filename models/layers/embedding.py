@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ipc.utils import cdiv
+from models.layers.cpu_linear import linear
 from models.layers.utils import (
     ShardedModule,
     copy_weight,
@@ -93,6 +94,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     embedding's weight shard (same Parameter).
     """
 
+    packed_weight: torch.Tensor | None = None  # for small batches on the CPU: cpu_linear.py
+
     def tie_weights(self, embedding: VocabParallelEmbedding) -> ParallelLMHead:
         if embedding.num_embeddings_padded != self.num_embeddings_padded:
             raise ValueError("tied embedding and lm head must have the same vocabulary")
@@ -103,7 +106,7 @@ class ParallelLMHead(VocabParallelEmbedding):
         """Full-vocab logits [N, num_embeddings] in the weights' dtype, on every rank. The
         samplers and logprobs read them as they are and compute in float32 (a float32
         copy of a 256 x 49,152 batch cost 3.4 % of a CPU decode step)."""
-        logits = F.linear(hidden_states, self.weight)
+        logits = linear(hidden_states, self.weight, None, self.packed_weight)
         logits = tp_all_gather(logits, dim=-1)
         if logits.shape[-1] != self.num_embeddings:
             logits = logits[..., : self.num_embeddings]

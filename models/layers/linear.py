@@ -13,9 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from models.layers.cpu_linear import linear
 from models.layers.utils import (
     ShardedModule,
     copy_weight,
@@ -32,6 +32,8 @@ class ColumnParallelLinear(ShardedModule):
     """y = x A^T + b with A's rows (output features) split across ranks: the output is
     this rank's slice [.., output_size / tp]."""
 
+    packed_weight: torch.Tensor | None = None  # for small batches on the CPU: cpu_linear.py
+
     def __init__(
         self, input_size: int, output_size: int, bias: bool = True, prefix: str = ""
     ) -> None:
@@ -47,7 +49,7 @@ class ColumnParallelLinear(ShardedModule):
         self.load_rank_slice(param, loaded_weight, shard_id, dim=0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed_weight)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -167,6 +169,8 @@ class RowParallelLinear(ShardedModule):
     this rank's slice [.., input_size / tp]. Partial outputs are all-reduced and the
     bias is added once, after the reduction."""
 
+    packed_weight: torch.Tensor | None = None  # for small batches on the CPU: cpu_linear.py
+
     def __init__(
         self, input_size: int, output_size: int, bias: bool = True, prefix: str = ""
     ) -> None:
@@ -182,8 +186,8 @@ class RowParallelLinear(ShardedModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = tp_all_reduce(F.linear(x, self.weight))
+            return linear(x, self.weight, self.bias, self.packed_weight)
+        out = tp_all_reduce(linear(x, self.weight, None, self.packed_weight))
         return out if self.bias is None else out + self.bias
 
 
