@@ -6,6 +6,11 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 namespace splitserve {
 
 // A bfloat16's bits are the top half of a float's.
@@ -35,5 +40,27 @@ inline float exp_nonpositive(float y) {
   std::memcpy(&scale, &bits, sizeof scale);
   return y < -87.0f ? 0.0f : p * scale;
 }
+
+#if defined(__AMX_TILE__)
+// Linux hands out the AMX tile state only to processes that ask for it.
+inline bool amx_usable() {
+  static const bool usable = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                     18 /* XFEATURE_XTILEDATA */) == 0;
+  return usable;
+}
+
+// LDTILECFG's operand: each tile's rows and bytes per row (0 and 0: unused).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// As asm naming the whole struct: gcc 12's _tile_loadconfig tells the compiler it reads
+// only the first 8 bytes, which lets it drop stores to the rest (a #GP at LDTILECFG).
+inline void load_tile_config(const TileConfig& config) {
+  asm volatile("ldtilecfg %0" : : "m"(config));
+}
+#endif
 
 }  // namespace splitserve

@@ -8,9 +8,6 @@
 #pragma once
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <cmath>
 
 namespace {
@@ -51,24 +48,9 @@ struct PrefetchStream {
 // Blocks the next chunk's prefetches reach ahead (measured: 1 beats 2 and 4 here).
 constexpr int64_t kAmxPrefetchBlocks = 1;
 
-// Linux hands out the AMX tile state only to processes that ask for it.
-inline bool amx_usable() {
-  static const bool usable = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
-                                     18 /* XFEATURE_XTILEDATA */) == 0;
-  return usable;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// As asm naming the whole struct: gcc 12's _tile_loadconfig tells the compiler it reads
-// only the first 8 bytes, which lets it drop stores to the rest (a #GP at LDTILECFG).
-inline void load_tile_config(const TileConfig& config) {
-  asm volatile("ldtilecfg %0" : : "m"(config));
-}
+using splitserve::amx_usable;
+using splitserve::load_tile_config;
+using splitserve::TileConfig;
 
 // Tiles of the score product S = K . Q^T of one 16-position chunk and one KV head:
 // tmm0 = S [16 positions x G heads] fp32, tmm1 = K rows [16 x 32 dims] bf16,

@@ -14,9 +14,9 @@
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
 #include <torch/extension.h>
-#include <unistd.h>
+
+#include "cpu_math.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -29,23 +29,9 @@ constexpr int64_t kTileN = 16;  // output features per weight tile
 constexpr int64_t kTileK = 32;  // input features per weight tile
 constexpr int64_t kChunkRows = 32;  // rows of x the C tiles hold: two blocks of 16
 
-// Linux hands out the AMX tile state only to processes that ask for it.
-bool amx_usable() {
-  static const bool usable = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
-                                     18 /* XFEATURE_XTILEDATA */) == 0;
-  return usable;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// As asm naming the whole struct (gcc 12's _tile_loadconfig lets the compiler drop stores).
-inline void load_tile_config(const TileConfig& config) {
-  asm volatile("ldtilecfg %0" : : "m"(config));
-}
+using splitserve::amx_usable;
+using splitserve::load_tile_config;
+using splitserve::TileConfig;
 
 void check_weight(const torch::Tensor& w, const char* name) {
   TORCH_CHECK(w.scalar_type() == torch::kBFloat16, name, " must be bfloat16");
