@@ -37,7 +37,8 @@ def linear_kernels() -> ModuleType | None:
 
 def pack_linear_weights(model: nn.Module) -> int:
     """Pack the weight of every module with a `packed_weight` attribute that the kernel
-    takes (bf16 on the CPU, both sizes multiples of 32); returns how many it packed."""
+    takes (bf16 on the CPU, both sizes multiples of 32); returns how many it packed. The
+    packed copies do not follow later changes to the weights: pack again after any."""
     modules = [m for m in model.modules() if hasattr(m, "packed_weight")]
     weights = [m.weight for m in modules]
     if not any(w.device.type == "cpu" and w.dtype == torch.bfloat16 for w in weights):
