@@ -70,8 +70,12 @@ def _tp_worker(rank: int, world_size: int, port: int, paths: dict, out_dir: str)
             info = [(a.num_heads, a.num_kv_heads, a.sliding_window) for a in layers]
             with torch.no_grad():
                 logits = model.compute_logits(model(PROMPT, torch.arange(len(PROMPT))))
+                # bf16: on AMX CPUs the shards' linear layers run the packed-weight kernel
+                bf16 = load_model(path, torch.bfloat16)
+                bf16_logits = bf16.compute_logits(bf16(PROMPT, torch.arange(len(PROMPT))))
+            packed = [m for m in bf16.modules() if getattr(m, "packed_weight", None) is not None]
             torch.save(
-                {"logits": logits, "attn": info},
+                {"logits": logits, "attn": info, "bf16": bf16_logits, "packed": len(packed)},
                 os.path.join(out_dir, f"{case}.rank{rank}.pt"),
             )
         torch.distributed.barrier()
@@ -87,6 +91,7 @@ def _tp_worker(rank: int, world_size: int, port: int, paths: dict, out_dir: str)
 
 def test_tp2_matches_tp1(tmp_path):
     from models import kv_cache_shape_info, layer_sliding_windows, load_config, load_model
+    from models.layers.cpu_linear import linear_kernels
 
     paths = {
         case: make_tiny_checkpoint(tmp_path, arch, name=case, **overrides)
@@ -98,14 +103,23 @@ def test_tp2_matches_tp1(tmp_path):
 
     for case, path in paths.items():
         model = load_model(path, torch.float32)
+        bf16 = load_model(path, torch.bfloat16)
+        for module in bf16.modules():  # the reference: F.linear everywhere
+            if hasattr(module, "packed_weight"):
+                module.packed_weight = None
         with torch.no_grad():
             expected = model.compute_logits(model(PROMPT, torch.arange(len(PROMPT))))
+            expected_bf16 = bf16.compute_logits(bf16(PROMPT, torch.arange(len(PROMPT))))
         config = load_config(path)
         num_layers, kv_per_rank, head_dim = kv_cache_shape_info(config, 2)
         for rank in range(2):
             got = torch.load(out_dir / f"{case}.rank{rank}.pt")
             assert got["logits"].shape == expected.shape == (len(PROMPT), 288)
             torch.testing.assert_close(got["logits"], expected, atol=1e-4, rtol=1e-4)
+            # bf16 (partial sums all-reduced in bf16) about as far from float32 as tp 1's
+            assert got["packed"] > 0 or linear_kernels() is None
+            bf16_error = (expected_bf16.float() - expected).abs().max()
+            assert (got["bf16"].float() - expected).abs().max() <= 2 * bf16_error + 1e-3
             assert len(got["attn"]) == num_layers
             for num_heads, num_kv_heads, _ in got["attn"]:
                 assert num_heads == 2
