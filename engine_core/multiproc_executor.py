@@ -2,11 +2,11 @@
 
 It owns the workers ROUTER of the engine address. Each worker connects a DEALER and
 registers with WorkerReady; every rank then gets InitKVCache with the smallest block
-counts (device and host tier). A step encodes the SchedulerOutput once, sends the same
-bytes to every rank and waits for rank 0's ModelRunnerOutput. A WorkerError from any rank,
-or a worker process that is gone, raises WorkerFailure naming the rank: the wait polls
-with a short timeout and checks the workers' pids (on this host), so it never hangs on a
-dead worker.
+counts (device and host tier) and answers KVCacheReady once its cache exists. A step
+encodes the SchedulerOutput once, sends the same bytes to every rank and waits for rank
+0's ModelRunnerOutput. A WorkerError from any rank, or a worker process that is gone,
+raises WorkerFailure naming the rank: the wait polls with a short timeout and checks the
+workers' pids (on this host), so it never hangs on a dead worker.
 
 Once the workers registered, frames from any other identity are dropped with a log line:
 a stranger on the workers socket can neither end the cluster nor answer a step. On tcp the
@@ -37,6 +37,7 @@ from ipc.messages import (
     Decoder,
     FinishStep,
     InitKVCache,
+    KVCacheReady,
     ModelRunnerOutput,
     SchedulerOutput,
     Shutdown,
@@ -106,7 +107,7 @@ class MultiprocExecutor(Executor):
         self._request_new_workers = request_new_workers
         self._processes: list[subprocess.Popen] = []
         self._hostname = socket.gethostname()
-        self._decoder = Decoder(ModelRunnerOutput, WorkerError, WorkerReady)
+        self._decoder = Decoder(ModelRunnerOutput, WorkerError, WorkerReady, KVCacheReady)
         self._strangers: set[bytes] = set()
         self._replaced: set[bytes] = set()  # identities of workers replaced since
         self._ctx = engine_context(credentials)
@@ -135,7 +136,7 @@ class MultiprocExecutor(Executor):
         self.prefill_token_seconds = max(w.prefill_token_seconds for w in self.workers)
         on_cuda = all(w.device_type == "cuda" for w in self.workers)
         self.device_type = "cuda" if on_cuda else "cpu"
-        self._broadcast(encode(InitKVCache(num_blocks, self.num_host_blocks)))
+        self._init_kv_caches(num_blocks)
         logger.info(
             "%d worker(s) ready (KV blocks per rank: %s; host blocks: %s); using %d and %d",
             self.world_size,
@@ -179,8 +180,35 @@ class MultiprocExecutor(Executor):
                 f"the new workers hold {fits} host KV blocks, fewer than the "
                 f"{self.num_host_blocks} in use"
             )
-        self._broadcast(encode(InitKVCache(num_blocks, self.num_host_blocks)))
+        self._init_kv_caches(num_blocks)
         logger.info("%d new worker(s) ready", self.world_size)
+
+    def _init_kv_caches(self, num_blocks: int) -> None:
+        """Send every rank InitKVCache and wait for all their KVCacheReady: allocating
+        the cache (and capturing CUDA graphs) takes seconds, which must not fall on the
+        first step."""
+        self._broadcast(encode(InitKVCache(num_blocks, self.num_host_blocks)))
+        waiting = set(range(self.world_size))
+        deadline = time.monotonic() + self.ready_timeout
+        while waiting:
+            if time.monotonic() > deadline:
+                self._fail(
+                    f"timed out after {self.ready_timeout:g} s waiting for rank(s) "
+                    f"{sorted(waiting)} to allocate their KV cache"
+                )
+            received = self._receive()
+            if received is None:
+                continue
+            identity, msg = received
+            if isinstance(msg, WorkerError):
+                self._fail_with(msg)
+            rank = next(w.rank for w in self.workers if w.identity == identity)
+            if isinstance(msg, KVCacheReady) and msg.rank == rank:
+                waiting.discard(rank)
+            else:
+                logger.warning(
+                    "ignored %s from rank %d before KVCacheReady", type(msg).__name__, rank
+                )
 
     def _register_workers(self) -> None:
         ready: dict[int, WorkerInfo] = {}

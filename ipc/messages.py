@@ -370,6 +370,13 @@ class WorkerReady(_Tagged):
     device_type: str = "cpu"
 
 
+class KVCacheReady(_Tagged):
+    """A rank's answer to InitKVCache: its KV cache is allocated (and on CUDA its graphs
+    captured), so it can run steps. The EngineCore reports ready only after every rank's."""
+
+    rank: int
+
+
 # EngineCore -> workers, outside steps
 
 

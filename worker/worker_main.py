@@ -26,6 +26,7 @@ from ipc.messages import (
     Decoder,
     FinishStep,
     InitKVCache,
+    KVCacheReady,
     SchedulerOutput,
     Shutdown,
     WorkerError,
@@ -142,6 +143,7 @@ def run_worker(
             elif isinstance(msg, InitKVCache):
                 runner.initialize_kv_cache(msg.num_blocks, msg.num_host_blocks)
                 runner.capture_cuda_graphs()
+                sock.send(encode(KVCacheReady(rank)))
             else:
                 destroy_distributed()
                 return 0

@@ -15,6 +15,9 @@ from engine_core.multiproc_executor import MultiprocExecutor
 from ipc.config import EngineConfig
 from ipc.messages import (
     CachedRequestData,
+    Decoder,
+    InitKVCache,
+    KVCacheReady,
     ModelRunnerOutput,
     SchedulerOutput,
     WorkerError,
@@ -50,6 +53,14 @@ def _ready(rank: int, blocks: int = 8) -> bytes:
     return encode(WorkerReady(rank, blocks, os.getpid(), socket.gethostname()))
 
 
+def _answer_init_kv_cache(*ranks: zmq.Socket) -> None:
+    """Each fake rank takes its InitKVCache and answers KVCacheReady, as a worker does."""
+    decoder = Decoder(InitKVCache)
+    for rank, sock in enumerate(ranks):
+        assert sock.poll(5000) and isinstance(decoder.decode(sock.recv()), InitKVCache)
+        sock.send(encode(KVCacheReady(rank)))
+
+
 def _step(step_id: int) -> SchedulerOutput:
     return SchedulerOutput(step_id, [], CachedRequestData(), {"a": 1}, 1)
 
@@ -63,6 +74,7 @@ def test_a_second_worker_ready_for_a_rank_is_ignored(cluster, caplog):
         stranger.send(_ready(0, blocks=1))  # another peer for a rank that is taken
         time.sleep(0.3)  # all three are read before rank 1 registers
         rank1.send(_ready(1, blocks=8))
+        _answer_init_kv_cache(rank0, rank1)
         assert num_blocks.result() == 8
     assert [w.identity for w in executor.workers] == [b"fake-0", b"fake-1"]
     assert caplog.text.count("ignored a second WorkerReady") == 2
@@ -70,9 +82,12 @@ def test_a_second_worker_ready_for_a_rank_is_ignored(cluster, caplog):
 
 def test_after_registration_a_stranger_is_not_heard(cluster, caplog):
     executor, (rank0, rank1, stranger) = cluster
-    rank0.send(_ready(0))
-    rank1.send(_ready(1))
-    executor.determine_num_blocks()
+    with ThreadPoolExecutor(1) as pool:
+        num_blocks = pool.submit(executor.determine_num_blocks)
+        rank0.send(_ready(0))
+        rank1.send(_ready(1))
+        _answer_init_kv_cache(rank0, rank1)
+        assert num_blocks.result() == 8
     stranger.send(encode(WorkerError(0, "forged", 0)))
     stranger.send(_ready(0))
     executor.check_workers()  # a WorkerError from a worker would raise here

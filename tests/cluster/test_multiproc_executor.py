@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import zmq
@@ -18,6 +19,7 @@ from ipc.messages import (
     Decoder,
     FinishStep,
     InitKVCache,
+    KVCacheReady,
     ModelRunnerOutput,
     SchedulerOutput,
     Shutdown,
@@ -66,13 +68,25 @@ def _ready(workers, blocks, pids=None):
         sock.send(encode(WorkerReady(rank, blocks[rank], pid, socket.gethostname())))
 
 
+def init_kv_caches(call, workers):
+    """Run `call` (determine_num_blocks or replace_workers) while each fake worker takes
+    its InitKVCache and answers KVCacheReady, as a worker does once its cache exists.
+    Returns what `call` returned and the InitKVCache each worker got."""
+    with ThreadPoolExecutor(1) as pool:
+        result = pool.submit(call)
+        inits = []
+        for rank, sock in enumerate(workers):
+            assert sock.poll(5000), f"rank {rank} got no InitKVCache"
+            inits.append(_decoder.decode(sock.recv()))
+            sock.send(encode(KVCacheReady(rank)))
+        return result.result(timeout=5), inits
+
+
 def _registered(setup):
-    """An executor whose two workers registered and took their InitKVCache."""
+    """An executor whose two workers registered and allocated their KV caches."""
     executor, workers = setup()
     _ready(workers, [8, 8])
-    executor.determine_num_blocks()
-    for sock in workers:
-        sock.recv()
+    init_kv_caches(executor.determine_num_blocks, workers)
     return executor, workers
 
 
@@ -84,9 +98,32 @@ def _step(step_id: int) -> SchedulerOutput:
 def test_every_rank_gets_the_smallest_block_count(setup, override, expected):
     executor, workers = setup(num_gpu_blocks_override=override)
     _ready(workers, [50, 30])
-    assert executor.determine_num_blocks() == expected
-    for sock in workers:
-        assert sock.poll(1000) and _decoder.decode(sock.recv()) == InitKVCache(expected)
+    num_blocks, inits = init_kv_caches(executor.determine_num_blocks, workers)
+    assert num_blocks == expected and inits == [InitKVCache(expected)] * 2
+
+
+def test_the_executor_is_ready_only_once_every_rank_has_its_kv_cache(setup):
+    """determine_num_blocks returns (and the engine reports ready) only after every rank's
+    KVCacheReady, so the first step never waits for a cache being allocated."""
+    executor, workers = setup()
+    _ready(workers, [8, 8])
+    with ThreadPoolExecutor(1) as pool:
+        num_blocks = pool.submit(executor.determine_num_blocks)
+        for sock in workers:
+            assert sock.poll(5000) and _decoder.decode(sock.recv()) == InitKVCache(8)
+        workers[0].send(encode(KVCacheReady(0)))
+        workers[1].send(encode(ModelRunnerOutput(0, ["a"], [[1]])))  # not an answer to it
+        assert not workers[1].poll(150)
+        assert not num_blocks.done()
+        workers[1].send(encode(KVCacheReady(1)))
+        assert num_blocks.result(timeout=5) == 8
+
+
+def test_a_rank_that_never_allocates_its_kv_cache_times_out(setup):
+    executor, workers = setup()
+    _ready(workers, [8, 8])
+    with pytest.raises(WorkerFailure, match=r"rank\(s\) \[0, 1\] to allocate their KV cache"):
+        executor.determine_num_blocks()
 
 
 def test_the_host_tier_is_the_smallest_over_ranks_and_the_costs_the_largest(setup):
@@ -102,11 +139,10 @@ def test_the_host_tier_is_the_smallest_over_ranks_and_the_costs_the_largest(setu
             prefill_token_seconds=[3e-4, 5e-4][rank],
         )
         sock.send(encode(ready))
-    assert executor.determine_num_blocks() == 40
+    num_blocks, inits = init_kv_caches(executor.determine_num_blocks, workers)
+    assert num_blocks == 40 and inits == [InitKVCache(40, 70)] * 2
     assert executor.num_host_blocks == 70
     assert (executor.block_copy_seconds, executor.prefill_token_seconds) == (2e-5, 5e-4)
-    for sock in workers:
-        assert sock.poll(1000) and _decoder.decode(sock.recv()) == InitKVCache(40, 70)
 
 
 @pytest.mark.parametrize("new_host_blocks", [70, 69])
@@ -114,7 +150,7 @@ def test_new_workers_get_the_host_blocks_in_use_or_fail_holding_fewer(setup, new
     executor, workers = setup()
     for rank, sock in enumerate(workers):
         sock.send(encode(WorkerReady(rank, 40, os.getpid(), "", num_host_blocks=70)))
-    executor.determine_num_blocks()
+    init_kv_caches(executor.determine_num_blocks, workers)
     ctx = zmq.Context()
     fresh = []
     try:
@@ -129,9 +165,8 @@ def test_new_workers_get_the_host_blocks_in_use_or_fail_holding_fewer(setup, new
             with pytest.raises(WorkerFailure, match="hold 69 host KV blocks, fewer than the 70"):
                 executor.replace_workers(30)
         else:
-            executor.replace_workers(30)
-            for sock in fresh:
-                assert sock.poll(1000) and _decoder.decode(sock.recv()) == InitKVCache(30, 70)
+            _, inits = init_kv_caches(lambda: executor.replace_workers(30), fresh)
+            assert inits == [InitKVCache(30, 70)] * 2
     finally:
         for sock in fresh:
             sock.close()
@@ -162,9 +197,7 @@ def test_workers_are_told_to_finish_a_step_only_when_no_later_step_was_sent(setu
 
 
 def test_a_worker_error_names_its_rank(setup):
-    executor, workers = setup()
-    _ready(workers, [8, 8])
-    executor.determine_num_blocks()
+    executor, workers = _registered(setup)
     workers[1].send(encode(WorkerError(1, "Traceback ...\nValueError: boom", 0)))
     with pytest.raises(WorkerFailure, match=r"(?s)worker rank 1 failed at step 0:\n.*boom"):
         executor.execute_model(_step(0))
@@ -175,7 +208,7 @@ def test_a_dead_worker_is_noticed_while_waiting(setup):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     _ready(workers, [8, 8], pids=[os.getpid(), dead.pid])
-    executor.determine_num_blocks()
+    init_kv_caches(executor.determine_num_blocks, workers)
     with pytest.raises(WorkerFailure, match=rf"worker rank 1 \(pid {dead.pid}\) died"):
         executor.execute_model(_step(0))
 

@@ -13,6 +13,8 @@ from ipc.messages import (
     EngineCoreRequest,
     FinishReason,
     FinishStep,
+    InitKVCache,
+    KVCacheReady,
     ModelRunnerOutput,
     NewRequestData,
     SamplingParams,
@@ -77,6 +79,8 @@ TAGGED = [
     ModelRunnerOutput(8, [], []),
     WorkerError(1, "CUDA out of memory", step_id=7),
     WorkerReady(0, 1024),
+    KVCacheReady(1),
+    InitKVCache(40, 70),
     FinishStep(7),
 ]
 TAGGED_TYPES = sorted({type(m) for m in TAGGED}, key=lambda t: t.__name__)
