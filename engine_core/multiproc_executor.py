@@ -22,7 +22,7 @@ import socket
 import subprocess
 import time
 import weakref
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -189,19 +189,10 @@ class MultiprocExecutor(Executor):
         first step."""
         self._broadcast(encode(InitKVCache(num_blocks, self.num_host_blocks)))
         waiting = set(range(self.world_size))
-        deadline = time.monotonic() + self.ready_timeout
-        while waiting:
-            if time.monotonic() > deadline:
-                self._fail(
-                    f"timed out after {self.ready_timeout:g} s waiting for rank(s) "
-                    f"{sorted(waiting)} to allocate their KV cache"
-                )
-            received = self._receive()
-            if received is None:
-                continue
-            identity, msg = received
-            if isinstance(msg, WorkerError):
-                self._fail_with(msg)
+        for identity, msg in self._handshake(
+            lambda: sorted(waiting),
+            lambda ranks: f"rank(s) {ranks} to allocate their KV cache",
+        ):
             rank = next(w.rank for w in self.workers if w.identity == identity)
             if isinstance(msg, KVCacheReady) and msg.rank == rank:
                 waiting.discard(rank)
@@ -210,22 +201,30 @@ class MultiprocExecutor(Executor):
                     "ignored %s from rank %d before KVCacheReady", type(msg).__name__, rank
                 )
 
-    def _register_workers(self) -> None:
-        ready: dict[int, WorkerInfo] = {}
+    def _handshake(
+        self, pending: Callable[[], list[int]], waited_for: Callable[[list[int]], str]
+    ) -> Iterator[tuple[bytes, msgspec.Struct]]:
+        """The workers' (identity, message) until no rank is `pending()`. A WorkerError
+        fails, and so does the ready timeout, naming what the pending ranks owe."""
         deadline = time.monotonic() + self.ready_timeout
-        while len(ready) < self.world_size:
+        while missing := pending():
             if time.monotonic() > deadline:
-                missing = sorted(set(range(self.world_size)) - set(ready))
                 self._fail(
-                    f"timed out after {self.ready_timeout:g} s waiting for workers at "
-                    f"{self.address}: no WorkerReady from rank(s) {missing}"
+                    f"timed out after {self.ready_timeout:g} s waiting for " + waited_for(missing)
                 )
             received = self._receive()
             if received is None:
                 continue
-            identity, msg = received
-            if isinstance(msg, WorkerError):
-                self._fail_with(msg)
+            if isinstance(received[1], WorkerError):
+                self._fail_with(received[1])
+            yield received
+
+    def _register_workers(self) -> None:
+        ready: dict[int, WorkerInfo] = {}
+        for identity, msg in self._handshake(
+            lambda: sorted(set(range(self.world_size)) - set(ready)),
+            lambda ranks: f"workers at {self.address}: no WorkerReady from rank(s) {ranks}",
+        ):
             if not isinstance(msg, WorkerReady):
                 logger.warning("ignored %s from a worker that is not ready", type(msg).__name__)
             elif not 0 <= msg.rank < self.world_size:

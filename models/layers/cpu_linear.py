@@ -39,20 +39,23 @@ def pack_linear_weights(model: nn.Module) -> int:
     """Pack the weight of every module with a `packed_weight` attribute that the kernel
     takes (bf16 on the CPU, both sizes multiples of 32); returns how many it packed. The
     packed copies do not follow later changes to the weights: pack again after any."""
-    modules = [m for m in model.modules() if hasattr(m, "packed_weight")]
-    weights = [m.weight for m in modules]
-    if not any(w.device.type == "cpu" and w.dtype == torch.bfloat16 for w in weights):
-        return 0
-    ops = linear_kernels()
+    modules = [m for m in model.modules() if hasattr(m, "packed_weight") and _fits(m.weight)]
+    ops = linear_kernels() if modules else None
     if ops is None:
         return 0
-    count = 0
-    for module, w in zip(modules, weights, strict=True):
-        fits = w.dim() == 2 and w.shape[0] % 32 == 0 and w.shape[1] % 32 == 0
-        if fits and w.device.type == "cpu" and w.dtype == torch.bfloat16:
-            module.packed_weight = ops.pack_weight(w.detach())
-            count += 1
-    return count
+    for module in modules:
+        module.packed_weight = ops.pack_weight(module.weight.detach())
+    return len(modules)
+
+
+def _fits(w: torch.Tensor) -> bool:
+    return (
+        w.device.type == "cpu"
+        and w.dtype == torch.bfloat16
+        and w.dim() == 2
+        and w.shape[0] % 32 == 0
+        and w.shape[1] % 32 == 0
+    )
 
 
 def linear(
