@@ -55,6 +55,7 @@ class TokenizerLike(Protocol):
         messages: list[Message],
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
+        continue_final_message: bool = False,
     ) -> str: ...
 
     def encode_chat(
@@ -62,6 +63,7 @@ class TokenizerLike(Protocol):
         messages: list[Message],
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]: ...
 
     @property
@@ -126,19 +128,31 @@ class Tokenizer:
         messages: list[Message],
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
+        continue_final_message: bool = False,
         tokenize: bool = False,
     ) -> str | list[int]:
         """The conversation as the model's prompt text (token ids with tokenize=True,
         without added special tokens: the template writes them). `tools` (OpenAI's tool
-        definitions) reach the template as transformers passes them."""
+        definitions) reach the template as transformers passes them. With
+        `continue_final_message` the text ends with the final message's content, left
+        open for the model to continue (transformers' option of that name)."""
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template")
+        if continue_final_message:
+            if add_generation_prompt:
+                raise ValueError(
+                    "continue_final_message and add_generation_prompt cannot both be set"
+                )
+            end = _placeholder_nonce(messages)
+            messages = [*messages[:-1], _with_end(messages[-1], end)]
         text = self._compiled_template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             **({} if tools is None else {"tools": tools}),
             **self.special_tokens,
         )
+        if continue_final_message:
+            text = _open_final_message(text, end)
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
     @functools.cached_property
@@ -158,19 +172,23 @@ class Tokenizer:
         messages: list[Message],
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
         """The conversation's prompt token ids, with special-token text inside the messages
         encoded as plain text. Without such text, exactly
-        `encode(apply_chat_template(messages), add_special_tokens=False)`."""
+        `encode(apply_chat_template(messages, ...), add_special_tokens=False)`."""
         specials = self._special_texts
+        options = (add_generation_prompt, tools, continue_final_message)
         if not _holds([messages, tools], specials):
-            return self.apply_chat_template(messages, add_generation_prompt, tools, tokenize=True)
+            return self.apply_chat_template(messages, *options, tokenize=True)
         # Hide the messages' special-token text behind placeholders while the template
         # renders, so every special token left in the text is the template's own.
         nonce = _placeholder_nonce([messages, tools])
         hidden = [_hide(m, specials, nonce) for m in messages]
         hidden_tools = _hide(tools, specials, nonce)
-        text = self.apply_chat_template(hidden, add_generation_prompt, hidden_tools)
+        text = self.apply_chat_template(
+            hidden, add_generation_prompt, hidden_tools, continue_final_message
+        )
         ids: list[int] = []
         for i, piece in enumerate(self._special_pattern.split(text)):
             if i % 2:
@@ -328,6 +346,23 @@ def _hide(value: Any, texts: list[str], nonce: str) -> Any:
     if isinstance(value, list):
         return [_hide(v, texts, nonce) for v in value]
     return value
+
+
+def _with_end(message: Message, end: str) -> Message:
+    """The message with `end` and a space after its content (a template that trims the
+    content drops the space)."""
+    if not isinstance(message.get("content"), str):
+        raise ValueError("continue_final_message: the final message has no text content")
+    return {**message, "content": f"{message['content']}{end} "}
+
+
+def _open_final_message(text: str, end: str) -> str:
+    """The rendered chat cut where the final message's content ends (`end` marks it);
+    when the template trimmed that content, its trailing whitespace goes too."""
+    at = text.rfind(end)
+    if at < 0:
+        raise ValueError("continue_final_message: the chat template left the final message out")
+    return text[:at] if text.startswith(f"{end} ", at) else text[:at].rstrip()
 
 
 def _reveal(text: str, texts: list[str], nonce: str) -> str:

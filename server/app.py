@@ -23,9 +23,10 @@ from server.auth import BearerAuth, authenticated_key, tenant_cache_salt
 from server.errors import add_error_handlers
 from server.inputs import (
     PromptLimits,
+    chat_echo,
     chat_prompt_ids,
-    completion_prompt_ids,
-    echo_text,
+    completion_prompts,
+    echo_texts,
     sampling_params,
 )
 from server.limits import DEFAULT_MAX_REQUEST_BODY_BYTES, BodyLimit
@@ -34,11 +35,13 @@ from server.protocol import APIError, ChatCompletionRequest, CompletionRequest, 
 from server.request_ids import RequestIdHeader, request_id
 from server.responses import ChatResponses, CompletionResponses, ResponseBuilder
 from server.streaming import (
+    PromptStream,
     Submission,
     cancel_on_disconnect,
     complete,
     engine_outputs,
     event_stream,
+    first_outputs,
 )
 from server.structured_output import check_structured_outputs
 from server.tokenizer_routes import add_tokenizer_routes
@@ -112,6 +115,9 @@ def build_app(
         if request.prompt_logprobs is not None and request.stream:
             message = "`prompt_logprobs` is not available with `stream` (as in vLLM)"
             raise APIError(400, message, "prompt_logprobs")
+        if request.stream_options is not None and not request.stream:
+            message = "`stream_options` can only be given with `stream: true`"
+            raise APIError(400, message, "stream_options")
 
     async def off_loop(work: Callable[..., T], *args) -> T:
         """Tokenizing (a long prompt takes seconds) never holds up the event loop."""
@@ -124,46 +130,44 @@ def build_app(
         return tenant_cache_salt(authenticated_key(raw), request.cache_salt)
 
     def responses_for(
-        kind: type[ResponseBuilder], prefix: str, raw: Request, request: SamplingFields
+        kind: type[ResponseBuilder], response_id: str, request: SamplingFields
     ) -> ResponseBuilder:
-        response_id = f"{prefix}-{request_id(raw, request.request_id)}"
         builder = kind(response_id, served_model_name, tokenizer, enable_prompt_tokens_details)
         builder.show_prompt_logprobs = request.prompt_logprobs is not None
+        builder.return_token_ids = bool(request.return_token_ids)
+        builder.tokens_as_ids = bool(request.return_tokens_as_token_ids)
         return builder
 
     async def answer(
         raw: Request,
         request: SamplingFields,
-        builder: ResponseBuilder,
-        prompt_token_ids: list[int],
+        prompts: list[tuple[ResponseBuilder, list[int], SamplingParams]],
         want_logprobs: bool,
-        params: SamplingParams,
         arrival: float,
     ) -> Response:
-        builder.num_choices = params.n
-        submission = Submission(
-            prompt_token_ids,
-            params,
-            builder.request_id,
-            arrival,
-            cache_salt(raw, request),
-            request.priority or 0,
-        )
-        outputs = engine_outputs(client, submission, metrics)
-        num_prompt_tokens = len(prompt_token_ids)
+        """Runs each (builder, prompt token ids, params) as its own engine request (a
+        batch's as `<id>-<i>`) and answers them as one response."""
+        streams = []
+        for i, (builder, prompt_token_ids, params) in enumerate(prompts):
+            builder.num_choices = params.n
+            builder.prompt_token_ids = prompt_token_ids
+            engine_id = builder.request_id if len(prompts) == 1 else f"{builder.request_id}-{i}"
+            submission = Submission(
+                prompt_token_ids,
+                params,
+                engine_id,
+                arrival,
+                cache_salt(raw, request),
+                request.priority or 0,
+            )
+            outputs = engine_outputs(client, submission, metrics)
+            streams.append(PromptStream(outputs, builder, len(prompt_token_ids)))
         if not request.stream:
-            work = complete(outputs, builder, num_prompt_tokens, want_logprobs)
+            work = complete(streams, want_logprobs)
             return JSONResponse(await cancel_on_disconnect(raw, work))
-        # The first output is awaited here so a request the engine rejects is an HTTP error.
-        first = await cancel_on_disconnect(raw, anext(outputs, None))
+        firsts = await cancel_on_disconnect(raw, first_outputs(streams))
         events = event_stream(
-            first,
-            outputs,
-            builder,
-            num_prompt_tokens,
-            want_logprobs,
-            request.include_usage,
-            request.continuous_usage,
+            streams, firsts, want_logprobs, request.include_usage, request.continuous_usage
         )
         return StreamingResponse(events, media_type="text/event-stream")
 
@@ -171,24 +175,27 @@ def build_app(
     async def completions(request: CompletionRequest, raw: Request) -> Response:
         arrival = time.perf_counter()
         check_request(request)
-        prompt_token_ids = await off_loop(completion_prompt_ids, request, tokenizer, limits)
-        params = sampling_params(
-            request,
-            len(prompt_token_ids),
-            request.max_tokens,
-            request.logprobs,
-            limits,
-            sampling_defaults,
-        )
-        responses = responses_for(CompletionResponses, "cmpl", raw, request)
+        prompts = await off_loop(completion_prompts, request, tokenizer, limits)
+        response_id = f"cmpl-{request_id(raw, request.request_id)}"
+        builders = [responses_for(CompletionResponses, response_id, request) for _ in prompts]
         if request.echo:
-            responses.echo = await off_loop(echo_text, request, prompt_token_ids, tokenizer)
-            responses.echo_logprobs = request.logprobs is not None
-            responses.prompt_token_ids = prompt_token_ids
-        want_logprobs = request.logprobs is not None
-        return await answer(
-            raw, request, responses, prompt_token_ids, want_logprobs, params, arrival
-        )
+            texts = await off_loop(echo_texts, request, prompts, tokenizer)
+            for builder, text in zip(builders, texts, strict=True):
+                builder.echo = text
+                builder.echo_logprobs = request.logprobs is not None
+        parts = []
+        for builder, prompt_token_ids in zip(builders, prompts, strict=True):
+            params = sampling_params(
+                request,
+                len(prompt_token_ids),
+                request.max_tokens,
+                request.logprobs,
+                limits,
+                sampling_defaults,
+            )
+            builder.first_index = len(parts) * params.n
+            parts.append((builder, prompt_token_ids, params))
+        return await answer(raw, request, parts, request.logprobs is not None, arrival)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, raw: Request) -> Response:
@@ -218,12 +225,12 @@ def build_app(
                 )
                 raise APIError(400, message, "tool_choice")
             params = msgspec.structs.replace(params, structured_outputs=forced_calls)
-        responses = responses_for(ChatResponses, "chatcmpl", raw, request)
+        response_id = f"chatcmpl-{request_id(raw, request.request_id)}"
+        responses = responses_for(ChatResponses, response_id, request)
         responses.tools = tools
-        want_logprobs = bool(request.logprobs)
-        return await answer(
-            raw, request, responses, prompt_token_ids, want_logprobs, params, arrival
-        )
+        responses.echo = chat_echo(request)
+        parts = [(responses, prompt_token_ids, params)]
+        return await answer(raw, request, parts, bool(request.logprobs), arrival)
 
     @app.get("/v1/models")
     async def models() -> dict:

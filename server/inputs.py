@@ -18,6 +18,7 @@ from server.structured_output import structured_outputs_params
 from server.tools import ToolChoice, template_inputs
 
 T = TypeVar("T")
+MAX_BATCHED_PROMPTS = 1024  # prompts in one completions request
 
 
 @dataclass(frozen=True)
@@ -55,15 +56,31 @@ class PromptLimits:
             raise APIError(400, message, param)
 
 
-def completion_prompt_ids(
+def completion_prompts(
     request: CompletionRequest, tokenizer: TokenizerLike, limits: PromptLimits
-) -> list[int]:
+) -> list[list[int]]:
+    """Each prompt's token ids: `prompt` is a text, token ids, or a batch of either (each
+    prompt of a batch its own engine request, as in vLLM)."""
     prompt = request.prompt
-    if prompt and isinstance(prompt, list) and isinstance(prompt[0], str | list):
-        if len(prompt) != 1:
-            raise APIError(400, "batched prompts are not supported: send one per request", "prompt")
-        prompt = prompt[0]
+    batch = prompt if _is_batch(prompt) else [prompt]
+    if len(batch) > MAX_BATCHED_PROMPTS:
+        message = f"at most {MAX_BATCHED_PROMPTS} prompts per request, got {len(batch)}"
+        raise APIError(400, message, "prompt")
     keep = _truncation(request, limits)
+    return [_prompt_ids(one, request, keep, tokenizer, limits) for one in batch]
+
+
+def _is_batch(prompt: str | list) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], str | list)
+
+
+def _prompt_ids(
+    prompt: str | list[int],
+    request: CompletionRequest,
+    keep: int | None,
+    tokenizer: TokenizerLike,
+    limits: PromptLimits,
+) -> list[int]:
     if isinstance(prompt, str):
         if keep is None:
             limits.check_text(prompt, "prompt")
@@ -88,12 +105,12 @@ def chat_prompt_ids(
     messages, template_tools = template_inputs(
         chat_messages(request.messages), tools, tokenizer, tool_parser
     )
+    options = (request.add_generation_prompt, request.continue_final_message)
     keep = _truncation(request, limits)
     if keep is None:
-        return chat_ids(messages, request.add_generation_prompt, tokenizer, limits, template_tools)
+        return chat_ids(messages, *options, tokenizer, limits, template_tools)
     unbounded = PromptLimits()  # the prompt is cut to fit instead
-    ids = chat_ids(messages, request.add_generation_prompt, tokenizer, unbounded, template_tools)
-    return ids[-keep:]
+    return chat_ids(messages, *options, tokenizer, unbounded, template_tools)[-keep:]
 
 
 def _truncation(request: CompletionRequest | ChatCompletionRequest, limits: PromptLimits):
@@ -113,20 +130,24 @@ def _truncation(request: CompletionRequest | ChatCompletionRequest, limits: Prom
 def chat_ids(
     messages: list[Message],
     add_generation_prompt: bool | None,
+    continue_final_message: bool | None,
     tokenizer: TokenizerLike,
     limits: PromptLimits,
     tools: list[dict] | None = None,
 ) -> list[int]:
     """The chat template applied to `messages` (and `tools`, for a template that reads
-    them)."""
+    them); `continue_final_message` leaves the final message open (a 400 with
+    `add_generation_prompt`, as in vLLM)."""
     generation_prompt = add_generation_prompt is not False
+    if continue_final_message and generation_prompt:
+        message = "`continue_final_message` needs `add_generation_prompt: false`"
+        raise APIError(400, message, "continue_final_message")
+    options = (generation_prompt, tools, bool(continue_final_message))
     if limits.too_long("".join(m["content"] for m in messages) + json.dumps(tools or "")):
         # A template may leave messages out: the prompt it renders is what must fit.
-        text = _by_template(
-            lambda: tokenizer.apply_chat_template(messages, generation_prompt, tools)
-        )
+        text = _by_template(lambda: tokenizer.apply_chat_template(messages, *options))
         limits.check_text(text, "messages")
-    return _by_template(lambda: tokenizer.encode_chat(messages, generation_prompt, tools))
+    return _by_template(lambda: tokenizer.encode_chat(messages, *options))
 
 
 def _by_template(render: Callable[[], T]) -> T:
@@ -134,6 +155,14 @@ def _by_template(render: Callable[[], T]) -> T:
         return render()
     except Exception as e:  # a template may raise anything (jinja's raise_exception among them)
         raise APIError(400, f"the chat template rejected the messages: {e}", "messages") from e
+
+
+def chat_echo(request: ChatCompletionRequest) -> str:
+    """What `echo` puts before each choice's content: the final message's content when
+    the assistant wrote it (as in vLLM), else nothing."""
+    if not request.echo or request.messages[-1].role != "assistant":
+        return ""
+    return _message(request.messages[-1])["content"]
 
 
 def chat_messages(chat: list[ChatMessage]) -> list[Message]:
@@ -167,17 +196,18 @@ def _template_call(call: dict) -> dict:
     return {**call, "function": {**call["function"], "arguments": arguments}}
 
 
-def echo_text(
-    request: CompletionRequest, prompt_token_ids: list[int], tokenizer: TokenizerLike
-) -> str:
-    """The prompt as `echo` puts it before the completion: as sent, or decoded (token
+def echo_texts(
+    request: CompletionRequest, prompts: list[list[int]], tokenizer: TokenizerLike
+) -> list[str]:
+    """Each prompt as `echo` puts it before its completions: as sent, or decoded (token
     ids, or a truncated prompt)."""
-    prompt = request.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
-    if isinstance(prompt, str) and request.truncate_prompt_tokens is None:
-        return prompt
-    return tokenizer.decode(prompt_token_ids, skip_special_tokens=False)
+    sent = request.prompt if _is_batch(request.prompt) else [request.prompt]
+    return [
+        text
+        if isinstance(text, str) and request.truncate_prompt_tokens is None
+        else tokenizer.decode(token_ids, skip_special_tokens=False)
+        for text, token_ids in zip(sent, prompts, strict=True)
+    ]
 
 
 def sampling_params(

@@ -6,7 +6,10 @@ number belongs is a 400, not a coercion). vLLM's extra fields are honoured: `ign
 `min_tokens`, `top_k`, `min_p`, `stop_token_ids`, `skip_special_tokens`,
 `repetition_penalty`, `allowed_token_ids`, `bad_words`, `prompt_logprobs` (not with
 `stream`: a 400), `include_stop_str_in_output`, `priority`, `request_id`,
-`truncate_prompt_tokens`, `stream_options.continuous_usage_stats`;
+`truncate_prompt_tokens`, `stream_options.continuous_usage_stats` (only with `stream`, as
+in vLLM), `return_token_ids`, `return_tokens_as_token_ids`; a completions `prompt` may be a
+batch (a list of texts or of token id lists), its choices numbered prompt by prompt; chat's
+`continue_final_message` (not with `add_generation_prompt`) and `echo`;
 structured output: OpenAI's `response_format` (json_object, json_schema) and vLLM's
 `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` and `structured_outputs`
 (one of them per request; server/structured_output.py); `cache_salt` keeps a request's
@@ -20,10 +23,9 @@ Refused unless given the value that asks for nothing (null always does; see NO_O
 both endpoints: beam search (`use_beam_search`, `length_penalty`), `structural_tag`, the
 choice of a structured output backend or whitespace (`guided_decoding_backend`,
 `guided_whitespace_pattern`: llguidance is the one backend), `logits_processors`,
-`spaces_between_special_tokens: false`, `return_tokens_as_token_ids`, `return_token_ids`,
-`kv_transfer_params`, `vllm_xargs`; completions: `suffix`, `prompt_embeds`; chat: the
-deprecated `functions` and `function_call` (tools are honoured, see server/tools.py),
-`echo`, `add_special_tokens`, `continue_final_message`, `chat_template`,
+`spaces_between_special_tokens: false`, `kv_transfer_params`, `vllm_xargs`; completions:
+`suffix`, `prompt_embeds`; chat: the deprecated `functions` and `function_call` (tools
+are honoured, see server/tools.py), `add_special_tokens`, `chat_template`,
 `chat_template_kwargs`, `documents`, multimodal input (`modalities` other than text,
 `audio`, non-text content parts, `mm_processor_kwargs`, `media_io_kwargs`),
 `reasoning_effort`, `verbosity`, `include_reasoning: false`, `prediction`,
@@ -160,8 +162,6 @@ class SamplingFields(RequestBody):
         "guided_whitespace_pattern": (),
         "logits_processors": ([],),
         "spaces_between_special_tokens": (True,),
-        "return_tokens_as_token_ids": (False,),
-        "return_token_ids": (False,),
         "kv_transfer_params": (),
         "vllm_xargs": (),
     }
@@ -200,6 +200,8 @@ class SamplingFields(RequestBody):
     guided_choice: Choices | None = None
     guided_grammar: Text | None = None
     structured_outputs: StructuredOutputs | None = None
+    return_token_ids: bool | None = False  # the prompt's and each choice's token ids
+    return_tokens_as_token_ids: bool | None = False  # logprobs name tokens "token_id:<id>"
 
     @property
     def include_usage(self) -> bool:
@@ -282,9 +284,7 @@ class ChatCompletionRequest(SamplingFields):
         **SamplingFields.NO_OP_VALUES,
         "functions": ([],),
         "function_call": ("none", "auto"),
-        "echo": (False,),
         "add_special_tokens": (False,),
-        "continue_final_message": (False,),
         "chat_template": (),
         "chat_template_kwargs": ({},),
         "documents": (),
@@ -307,6 +307,8 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool | None = False
     top_logprobs: Int64 | None = None
     add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False  # the model goes on with the final message
+    echo: bool | None = False  # the final message's content leads each choice's, if assistant
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # false: at most one call

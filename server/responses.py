@@ -35,6 +35,10 @@ class ResponseBuilder:
         self.num_choices = 1
         self.prompt_token_ids: list[int] = []
         self.show_prompt_logprobs = False  # the request's `prompt_logprobs`
+        self.first_index = 0  # choice 0's index in the response (a batch's later prompts)
+        self.return_token_ids = False  # vLLM's: the prompt's and each choice's token ids
+        self.tokens_as_ids = False  # vLLM's return_tokens_as_token_ids: "token_id:<id>"
+        self._held_token_ids: dict[int, list[int]] = {}  # by choice, of chunks not sent
         self._prompt_logprobs: list[TokenLogprobs | None] = []
         self._prompt_logprobs_sent: dict[int, int] = {}  # choice index -> entries answered
 
@@ -71,7 +75,10 @@ class ResponseBuilder:
     def response(self, choices: list[CompletionOutput], usage: dict) -> dict:
         """The whole response; each choice's logprobs None unless asked for."""
         body = [
-            self._choice(c.index, c.text, c.logprobs, c.finish_reason, c.stop_reason)
+            self._numbered(
+                self._choice(c.index, c.text, c.logprobs, c.finish_reason, c.stop_reason),
+                c.token_ids,
+            )
             for c in choices
         ]
         return {**self._envelope(self.object_name, body), "usage": usage}
@@ -80,13 +87,29 @@ class ResponseBuilder:
         self,
         index: int,
         text: str,
+        token_ids: list[int],
         logprobs: list[TokenLogprobs] | None,
         finish_reason: str | None = None,
         stop_reason: int | str | None = None,
     ) -> dict | None:
-        """A chunk, or None when there is nothing to send yet."""
+        """A chunk, or None when there is nothing to send yet (its token ids then go with
+        the choice's next chunk)."""
+        token_ids = self._held_token_ids.pop(index, []) + list(token_ids)
         choice = self._chunk_choice(index, text, logprobs, finish_reason, stop_reason)
-        return None if choice is None else self._envelope(self.chunk_object_name, [choice])
+        if choice is None:
+            self._held_token_ids[index] = token_ids
+            return None
+        return self._envelope(self.chunk_object_name, [self._numbered(choice, token_ids)])
+
+    def _numbered(self, choice: dict, token_ids: list[int]) -> dict:
+        """The choice with its index in the response and, asked for, its token ids."""
+        if self.return_token_ids:
+            self._add_token_ids(choice, token_ids)
+        choice["index"] += self.first_index
+        return choice
+
+    def _add_token_ids(self, choice: dict, token_ids: list[int]) -> None:
+        choice["token_ids"] = list(token_ids)
 
     def first_chunks(self) -> list[dict]:
         return []
@@ -111,6 +134,10 @@ class ResponseBuilder:
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def _logprob_token(self, token_id: int) -> str:
+        """How a logprobs entry names a token."""
+        return f"token_id:{token_id}" if self.tokens_as_ids else self._token_text(token_id)
+
     def _choice(self, index, text, logprobs, finish_reason, stop_reason) -> dict:
         raise NotImplementedError
 
@@ -132,6 +159,7 @@ class CompletionResponses(ResponseBuilder):
         self.echo = ""
         self.echo_logprobs = False
         self._echoed: set[int] = set()
+        self._ids_sent: set[int] = set()  # choices that were sent the prompt's token ids
 
     def _choice(self, index, text, logprobs, finish_reason, stop_reason) -> dict:
         if self.echo and index not in self._echoed:
@@ -153,6 +181,13 @@ class CompletionResponses(ResponseBuilder):
 
     _chunk_choice = _choice
 
+    def _add_token_ids(self, choice: dict, token_ids: list[int]) -> None:
+        """The prompt's token ids ride with each choice's first chunk (vLLM's shape)."""
+        first = choice["index"] not in self._ids_sent
+        self._ids_sent.add(choice["index"])
+        choice["prompt_token_ids"] = self.prompt_token_ids if first else None
+        super()._add_token_ids(choice, token_ids)
+
     def _logprobs(self, index: int, entries: list[TokenLogprobs | None]) -> dict:
         """OpenAI's legacy shape; each top_logprobs dict holds the sampled token and the
         top-k, so it has up to k + 1 entries. A None entry is the echoed first prompt
@@ -161,7 +196,7 @@ class CompletionResponses(ResponseBuilder):
         offset = self.text_offsets.get(index, 0)
         for entry in entries:
             token_id = self.prompt_token_ids[0] if entry is None else entry.token_ids[0]
-            token = self._token_text(token_id)
+            token = self._logprob_token(token_id)
             tokens.append(token)
             offsets.append(offset)
             offset += len(token)
@@ -171,7 +206,7 @@ class CompletionResponses(ResponseBuilder):
                 continue
             token_logprobs.append(entry.logprobs[0])
             pairs = zip(entry.token_ids, entry.logprobs, strict=True)
-            top.append({self._token_text(t): lp for t, lp in pairs})
+            top.append({self._logprob_token(t): lp for t, lp in pairs})
         self.text_offsets[index] = offset
         return {
             "tokens": tokens,
@@ -183,7 +218,8 @@ class CompletionResponses(ResponseBuilder):
 
 class ChatResponses(ResponseBuilder):
     """`tools`: what the request asks of tools (server/tools.py); the text becomes tool
-    calls through it."""
+    calls through it. `echo`: text that leads each choice's content (vLLM's chat echo:
+    the final message's, when it is the assistant's)."""
 
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
@@ -191,10 +227,13 @@ class ChatResponses(ResponseBuilder):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.tools: ToolChoice | None = None
+        self.echo = ""
         self._tool_outputs: dict[int, ToolCallOutput] = {}  # by choice index, streaming
 
     def response(self, choices: list[CompletionOutput], usage: dict) -> dict:
         body = super().response(choices, usage)
+        if self.return_token_ids:
+            body["prompt_token_ids"] = self.prompt_token_ids
         if self.show_prompt_logprobs:
             body["prompt_logprobs"] = self._prompt_logprobs_field(self._take_prompt_logprobs(0))
         return body
@@ -203,6 +242,8 @@ class ChatResponses(ResponseBuilder):
         message = {"role": "assistant", "content": text}
         if self.tools is not None:
             message, finish_reason = self.tools.output().message(text, finish_reason)
+        if self.echo:
+            message["content"] = self.echo + (message["content"] or "")
         return {
             "index": index,
             "message": message,
@@ -233,20 +274,21 @@ class ChatResponses(ResponseBuilder):
         }
 
     def first_chunks(self) -> list[dict]:
-        return [
-            self._envelope(
-                self.chunk_object_name,
-                [
-                    {
-                        "index": index,
-                        "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None,
-                        "finish_reason": None,
-                    }
-                ],
-            )
-            for index in range(self.num_choices)
-        ]
+        """The role of each choice (with return_token_ids, the prompt's token ids too),
+        then its echo."""
+        chunks = []
+        for index in range(self.num_choices):
+            chunk = self._delta_chunk(index, {"role": "assistant", "content": ""})
+            if self.return_token_ids:
+                chunk["prompt_token_ids"] = self.prompt_token_ids
+            chunks.append(chunk)
+            if self.echo:
+                chunks.append(self._delta_chunk(index, {"content": self.echo}))
+        return chunks
+
+    def _delta_chunk(self, index: int, delta: dict) -> dict:
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+        return self._envelope(self.chunk_object_name, [choice])
 
     def _logprobs(self, entries: list[TokenLogprobs]) -> dict:
         content = []
@@ -261,7 +303,7 @@ class ChatResponses(ResponseBuilder):
         return {"content": content, "refusal": None}
 
     def _logprob(self, token_id: int, logprob: float) -> dict:
-        token = self._token_text(token_id)
+        token = self._logprob_token(token_id)
         return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
 

@@ -102,89 +102,198 @@ async def _whole(client, *args, **kwargs) -> AsyncIterator[RequestOutput]:
     yield await client.generate(*args, **kwargs)
 
 
-async def complete(
-    outputs: AsyncIterator[RequestOutput],
-    builder: ResponseBuilder,
-    num_prompt_tokens: int,
-    want_logprobs: bool,
-) -> dict:
-    """The whole response of a non-streaming request: its choices' deltas joined."""
+@dataclass
+class PromptStream:
+    """One prompt's engine outputs, the builder that answers them, and its token counts."""
+
+    outputs: AsyncIterator[RequestOutput]
+    builder: ResponseBuilder
+    num_prompt_tokens: int
+    num_tokens: int = 0
+    num_cached_tokens: int = 0
+
+    def usage(self, num_tokens: int | None = None) -> dict:
+        """Its usage so far (`num_tokens`: of one choice, vLLM's continuous usage)."""
+        num_tokens = self.num_tokens if num_tokens is None else num_tokens
+        return self.builder.usage(self.num_prompt_tokens, num_tokens, self.num_cached_tokens)
+
+
+async def complete(prompts: list[PromptStream], want_logprobs: bool) -> dict:
+    """The whole response of a non-streaming request: each prompt's choices in turn."""
+    responses = await _all([_complete(p, want_logprobs) for p in prompts])
+    choices = [choice for response in responses for choice in response["choices"]]
+    usage = _total([response["usage"] for response in responses])
+    return {**responses[0], "choices": choices, "usage": usage}
+
+
+async def _complete(prompt: PromptStream, want_logprobs: bool) -> dict:
+    """One prompt's response: its choices' deltas joined."""
     texts: dict[int, list[str]] = defaultdict(list)
+    token_ids: dict[int, list[int]] = defaultdict(list)
     logprobs: dict[int, list[TokenLogprobs]] = defaultdict(list)
     ends: dict[int, CompletionOutput] = {}  # each choice's last delta
-    num_tokens = 0
-    async with aclosing(outputs):
-        async for out in outputs:
-            builder.add_prompt_logprobs(out.prompt_logprobs)
+    async with aclosing(prompt.outputs):
+        async for out in prompt.outputs:
+            prompt.builder.add_prompt_logprobs(out.prompt_logprobs)
+            prompt.num_cached_tokens = out.num_cached_tokens
             for delta in out.outputs:
                 texts[delta.index].append(delta.text)
-                num_tokens += len(delta.token_ids)
+                token_ids[delta.index].extend(delta.token_ids)
+                prompt.num_tokens += len(delta.token_ids)
                 logprobs[delta.index].extend(delta.logprobs or ())
                 ends[delta.index] = delta
-            last = out
     choices = [
         CompletionOutput(
             index,
             "".join(texts[index]),
-            [],
+            token_ids[index],
             ends[index].finish_reason,
             logprobs[index] if want_logprobs else None,
             ends[index].stop_reason,
         )
         for index in sorted(ends)
     ]
-    usage = builder.usage(num_prompt_tokens, num_tokens, last.num_cached_tokens)
-    return builder.response(choices, usage)
+    return prompt.builder.response(choices, prompt.usage())
+
+
+async def first_outputs(prompts: list[PromptStream]) -> list[RequestOutput | None]:
+    """Each prompt's first output (so a request the engine rejects is an HTTP error before
+    any chunk); if one fails, every prompt's outputs are closed (their requests aborted)."""
+    try:
+        return await _all([anext(p.outputs, None) for p in prompts])
+    except BaseException:
+        for prompt in prompts:
+            await prompt.outputs.aclose()
+        raise
 
 
 async def event_stream(
-    first: RequestOutput | None,
-    outputs: AsyncIterator[RequestOutput],
-    builder: ResponseBuilder,
-    num_prompt_tokens: int,
+    prompts: list[PromptStream],
+    firsts: list[RequestOutput | None],
     want_logprobs: bool,
     include_usage: bool,
     continuous_usage: bool = False,
 ) -> AsyncIterator[str]:
-    """Server-sent events of OpenAI chunks, `first` (already taken from `outputs`) first,
-    then an optional usage chunk, then `data: [DONE]`; with `continuous_usage` (vLLM's)
-    every chunk carries the usage so far. An error after the first chunk ends the chunks
-    with an error event (then `data: [DONE]`)."""
-    num_tokens = 0
-    num_cached_tokens = 0
-    async with aclosing(outputs):
-        out = first
+    """Server-sent events of OpenAI chunks, each prompt's as they come (its first output,
+    already taken from its outputs, first), then an optional usage chunk, then
+    `data: [DONE]`; with `continuous_usage` (vLLM's) every chunk carries its prompt's and
+    choice's usage so far. An error after the first chunk ends the chunks with an error
+    event (then `data: [DONE]`)."""
+    chunks = _interleaved(
+        [
+            _chunks(prompt, first, want_logprobs, continuous_usage)
+            for prompt, first in zip(prompts, firsts, strict=True)
+        ]
+    )
+    async with aclosing(chunks):
         try:
-            for chunk in builder.first_chunks():
+            async for chunk in chunks:
                 yield _event(chunk)
-            while out is not None:
-                num_cached_tokens = out.num_cached_tokens
-                builder.add_prompt_logprobs(out.prompt_logprobs)
-                for delta in out.outputs:
-                    num_tokens += len(delta.token_ids)
-                    logprobs = delta.logprobs if want_logprobs else None
-                    finished = delta.finish_reason is not None
-                    if delta.text or logprobs or finished:
-                        end = (delta.finish_reason, delta.stop_reason) if finished else ()
-                        chunk = builder.chunk(delta.index, delta.text, logprobs, *end)
-                        if chunk is None:  # held back (a tool call may be starting)
-                            continue
-                        if continuous_usage:
-                            usage = builder.usage(num_prompt_tokens, num_tokens, num_cached_tokens)
-                            chunk["usage"] = usage
-                        yield _event(chunk)
-                out = await anext(outputs, None)
         except APIError as e:
             yield _event(e.body())
             include_usage = False
         except Exception:
-            logger.exception("request %s failed while streaming", builder.request_id)
+            logger.exception("request %s failed while streaming", prompts[0].builder.request_id)
             yield _event(APIError(500, UNEXPECTED).body())
             include_usage = False
     if include_usage:
-        usage = builder.usage(num_prompt_tokens, num_tokens, num_cached_tokens)
-        yield _event(builder.usage_chunk(usage))
+        usage = _total([prompt.usage() for prompt in prompts])
+        yield _event(prompts[0].builder.usage_chunk(usage))
     yield "data: [DONE]\n\n"
+
+
+async def _chunks(
+    prompt: PromptStream,
+    first: RequestOutput | None,
+    want_logprobs: bool,
+    continuous_usage: bool,
+) -> AsyncIterator[dict]:
+    """One prompt's chunks."""
+    builder = prompt.builder
+    choice_tokens: dict[int, int] = defaultdict(int)
+    async with aclosing(prompt.outputs):
+        for chunk in builder.first_chunks():
+            yield chunk
+        out = first
+        while out is not None:
+            prompt.num_cached_tokens = out.num_cached_tokens
+            builder.add_prompt_logprobs(out.prompt_logprobs)
+            for delta in out.outputs:
+                prompt.num_tokens += len(delta.token_ids)
+                choice_tokens[delta.index] += len(delta.token_ids)
+                logprobs = delta.logprobs if want_logprobs else None
+                finished = delta.finish_reason is not None
+                token_ids = delta.token_ids if builder.return_token_ids else ()
+                if delta.text or logprobs or finished or token_ids:
+                    end = (delta.finish_reason, delta.stop_reason) if finished else ()
+                    chunk = builder.chunk(delta.index, delta.text, delta.token_ids, logprobs, *end)
+                    if chunk is None:  # held back (a tool call may be starting)
+                        continue
+                    if continuous_usage:
+                        chunk["usage"] = prompt.usage(choice_tokens[delta.index])
+                    yield chunk
+            out = await anext(prompt.outputs, None)
+
+
+async def _interleaved(streams: list[AsyncIterator[T]]) -> AsyncIterator[T]:
+    """The items of every stream as they come, each stream's in its order. An error in one
+    stream ends them all; closing this closes them all."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]):
+            async for item in streams[0]:
+                yield item
+        return
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
+    ended = object()
+
+    async def pump(stream: AsyncIterator[T]) -> None:
+        try:
+            async with aclosing(stream):
+                async for item in stream:
+                    await queue.put((item, None))
+        except Exception as e:
+            await queue.put((None, e))
+        else:
+            await queue.put((ended, None))
+
+    tasks = [asyncio.ensure_future(pump(stream)) for stream in streams]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is ended:
+                remaining -= 1
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.wait(tasks)
+
+
+async def _all(works: list[Awaitable[T]]) -> list[T]:
+    """Every result, in order; at the first error (or a cancel) the rest are cancelled."""
+    tasks = [asyncio.ensure_future(work) for work in works]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.wait(tasks)
+
+
+def _total(usages: list[dict]) -> dict:
+    """The usage of several prompts: their counts added up."""
+    total = dict(usages[0])
+    for usage in usages[1:]:
+        for key, value in usage.items():
+            if isinstance(value, dict):
+                total[key] = {k: total[key][k] + v for k, v in value.items()}
+            else:
+                total[key] += value
+    return total
 
 
 def _event(payload: dict) -> str:

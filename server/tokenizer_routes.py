@@ -25,6 +25,7 @@ class TokenizeRequest(RequestBody):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
     tools: list[ToolDefinition] | None = None  # rendered as a chat with these tools renders
 
     @model_validator(mode="after")
@@ -87,5 +88,5 @@ def _chat_tokens(
     messages, template_tools = template_inputs(
         chat_messages(request.messages), tools, tokenizer, tool_parser
     )
-    generation_prompt = request.add_generation_prompt
-    return chat_ids(messages, generation_prompt, tokenizer, PromptLimits(), template_tools)
+    options = (request.add_generation_prompt, request.continue_final_message)
+    return chat_ids(messages, *options, tokenizer, PromptLimits(), template_tools)

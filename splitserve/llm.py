@@ -61,9 +61,16 @@ class LLM:
         messages: list[Message] | list[list[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
+        """`continue_final_message` (with add_generation_prompt=False): the model goes on
+        with the final message instead of starting a new one."""
         conversations = [messages] if isinstance(messages[0], dict) else messages
-        prompts = [chat_token_ids(self.tokenizer, conv) for conv in conversations]
+        prompts = [
+            chat_token_ids(self.tokenizer, conv, add_generation_prompt, continue_final_message)
+            for conv in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def shutdown(self) -> None:

@@ -137,8 +137,15 @@ def prompt_token_ids(tokenizer: TokenizerLike | None, prompt: Prompt) -> list[in
     return tokenizer.encode(prompt)
 
 
-def chat_token_ids(tokenizer: TokenizerLike | None, messages: list[Message]) -> list[int]:
+def chat_token_ids(
+    tokenizer: TokenizerLike | None,
+    messages: list[Message],
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+) -> list[int]:
     """The chat template applied; message content is text (never special tokens)."""
     if tokenizer is None:
         raise ValueError("chat needs a tokenizer")
-    return tokenizer.encode_chat(messages, add_generation_prompt=True)
+    return tokenizer.encode_chat(
+        messages, add_generation_prompt, continue_final_message=continue_final_message
+    )

@@ -22,10 +22,17 @@ def test_chat_equals_transformers_greedy():
     llm = LLM(path, dtype="float32", max_model_len=1024, kv_cache_memory=256 << 20)
     outs = llm.chat(conversations, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
 
+    # The model goes on with an answer it was given the start of.
+    started = [{"role": "user", "content": QUESTIONS[0]}, {"role": "assistant", "content": "It"}]
+    options = {"add_generation_prompt": False, "continue_final_message": True}
+    conversations.append(started)
+    outs += llm.chat(started, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), **options)
+
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     for conv, out in zip(conversations, outs, strict=True):
-        text = tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=False)
+        kwargs = options if conv is started else {"add_generation_prompt": True}
+        text = tokenizer.apply_chat_template(conv, tokenize=False, **kwargs)
         ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
         with torch.no_grad():
             ref = model.generate(

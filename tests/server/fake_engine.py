@@ -48,15 +48,27 @@ class CharTokenizer:
     chat_template_takes_tools = False
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, tools=None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools=None,
+        continue_final_message: bool = False,
     ) -> str:
+        assert not (add_generation_prompt and continue_final_message)
         text = "<s>" + "".join(f"[{m['role']}] {m['content']}\n" for m in messages)
+        if continue_final_message:
+            return text[:-1]
         return text + "[assistant] " * add_generation_prompt
 
     def encode_chat(
-        self, messages: list[dict], add_generation_prompt: bool = True, tools=None
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools=None,
+        continue_final_message: bool = False,
     ) -> list[int]:
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), False)
+        options = (add_generation_prompt, tools, continue_final_message)
+        return self.encode(self.apply_chat_template(messages, *options), False)
 
 
 class FakeEngineClient:

@@ -23,7 +23,7 @@ MESSAGES = [{"role": "user", "content": "abc"}]
 
 
 def completion(oai, **kwargs):
-    return oai.completions.create(model="llama", prompt="abc", **{**SAMPLED, **kwargs})
+    return oai.completions.create(model="llama", **{"prompt": "abc", **SAMPLED, **kwargs})
 
 
 def test_completion_choices_are_the_seeded_single_requests(oai, stats_client):  # noqa: F811
@@ -35,6 +35,19 @@ def test_completion_choices_are_the_seeded_single_requests(oai, stats_client):  
     assert out.usage.completion_tokens == 3 * 12
     assert all(c.finish_reason == "length" for c in out.choices)
     assert wait_idle(stats_client).kv_cache_usage == 0.0
+
+
+def test_a_batch_numbers_each_prompts_choices_after_the_last_prompts(oai):
+    prompts = ["abc", "xyz"]
+    out = completion(oai, prompt=prompts, n=2)
+    singles = [c.text for p in prompts for c in completion(oai, prompt=p, n=2).choices]
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert [c.text for c in out.choices] == singles
+    streamed = defaultdict(str)
+    for chunk in completion(oai, prompt=prompts, n=2, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert [streamed[i] for i in range(4)] == singles
 
 
 def test_chat_stream_carries_every_choice_and_finishes_each_once(oai):

@@ -20,8 +20,6 @@ REFUSED_BOTH = [
     ("guided_whitespace_pattern", " "),
     ("logits_processors", ["p"]),
     ("spaces_between_special_tokens", False),
-    ("return_tokens_as_token_ids", True),
-    ("return_token_ids", True),
     ("kv_transfer_params", {"a": 1}),
     ("vllm_xargs", {"a": 1}),
 ]
@@ -29,9 +27,7 @@ REFUSED_COMPLETIONS = [("suffix", "end"), ("prompt_embeds", "AAAA")]
 REFUSED_CHAT = [
     ("functions", [TOOL["function"]]),
     ("function_call", {"name": "f"}),
-    ("echo", True),
     ("add_special_tokens", True),
-    ("continue_final_message", True),
     ("chat_template", "{{ messages }}"),
     ("chat_template_kwargs", {"enable_thinking": False}),
     ("documents", [{"text": "d"}]),

@@ -218,3 +218,19 @@ def test_a_template_with_a_tools_section_gets_the_tools():
     assert rendered_messages == messages and tools == TOOLS
     text = tokenizer.apply_chat_template(rendered_messages, tools=tools)
     assert text == "TOOLS:get_weather;user:hi|assistant:[get_weather(Rome)]|"
+
+
+def test_streamed_token_ids_survive_a_held_back_tool_call(serve):
+    """Text held back as a possible tool call still sends its token ids, with the next
+    chunk of its choice."""
+    engine, client = serve(HERMES_REPLY, **AUTO)
+    chunks = client.chat.completions.create(
+        model="m",
+        messages=ASK,
+        tools=TOOLS,
+        stream=True,
+        max_tokens=len(HERMES_REPLY),
+        extra_body={"return_token_ids": True},
+    )
+    token_ids = [i for c in chunks for i in c.choices[0].model_extra.get("token_ids") or ()]
+    assert token_ids == engine.tokenizer.encode(HERMES_REPLY, add_special_tokens=False)

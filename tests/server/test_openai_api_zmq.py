@@ -4,6 +4,8 @@ the tests that need logprobs or engine token counters, which that engine does no
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from ipc.client import AsyncEngineClient
@@ -23,6 +25,17 @@ from tests.server.test_api_features import (  # noqa: F401  (collected again wit
 from tests.server.test_api_refusals import (  # noqa: F401  (collected again with this engine)
     test_no_op_values_are_accepted,
     test_unknown_fields_are_400_naming_them,
+)
+from tests.server.test_api_vllm_extras import (  # noqa: F401  (collected again with this engine)
+    test_a_batch_echoes_each_prompt_before_its_choices,
+    test_a_batch_of_prompts_answers_each_in_turn,
+    test_a_batch_with_one_bad_prompt_is_refused_whole,
+    test_a_streamed_batch_ends_with_the_usage_of_all_its_prompts,
+    test_chat_return_token_ids_puts_the_prompt_ids_at_the_top,
+    test_continue_final_message_lets_the_model_go_on_with_it,
+    test_disconnecting_from_a_streamed_batch_aborts_each_prompt,
+    test_return_token_ids_gives_the_prompt_and_choice_token_ids,
+    test_stream_options_without_stream_are_400,
 )
 from tests.server.test_input_validation import (  # noqa: F401  (collected again with this engine)
     COMPLETION_FIELDS,
@@ -72,6 +85,24 @@ def test_engine_refusal_is_400_with_its_message(http, engine, stream):
     response = http.post("/v1/completions", json=body)
     assert response.status_code == 400
     assert response.json()["error"]["message"] == FAIL_MESSAGE
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_batch_the_engine_refuses_in_part_is_400_and_leaves_nothing_running(http, engine, stream):
+    body = {
+        "model": engine.model_name,
+        "prompt": [[5, 6], [FAIL_TOKEN, 5], [7]],
+        "max_tokens": 50,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+    response = http.post("/v1/completions", json=body)
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == FAIL_MESSAGE
+    deadline = time.monotonic() + 10
+    while engine.client._core._requests:
+        assert time.monotonic() < deadline, "the batch's other requests stayed registered"
+        time.sleep(0.02)
 
 
 def test_metrics_carry_the_engine_stats(http, engine):

@@ -1,0 +1,258 @@
+"""vLLM's batched completions (`prompt` as a list of prompts), `return_token_ids`,
+`return_tokens_as_token_ids`, and chat's `continue_final_message` and `echo`. Expected
+answers come from the engine client itself, so these tests hold for any engine behind the
+`engine` fixture (the echo test: any whose reply does not depend on the prompt)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+
+import pytest
+
+from server.inputs import MAX_BATCHED_PROMPTS
+from tests.server.test_input_validation import assert_400_naming
+from tests.server.test_openai_api import chat_ids, engine_answer
+
+PROMPTS = ["Once upon a time", "The sky is", "Hi"]
+USER = {"role": "user", "content": "Hi"}
+
+
+def events(response) -> list[dict]:
+    """The JSON chunks of a server-sent event stream, [DONE] left out."""
+    lines = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def joined(chunks: list[dict], field: str) -> dict[int, object]:
+    """Each choice's `field` joined over the chunks, by choice index."""
+    out = defaultdict(lambda: "" if field == "text" else [])
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            out[choice["index"]] += choice[field]
+    return dict(out)
+
+
+@pytest.mark.parametrize("as_ids", [False, True])
+def test_a_batch_of_prompts_answers_each_in_turn(http, live_server, engine, as_ids):
+    ids = [engine.tokenizer.encode(p) for p in PROMPTS]
+    want = [engine_answer(live_server, engine, i, max_tokens=6, ignore_eos=True) for i in ids]
+    body = {
+        "model": engine.model_name,
+        "prompt": ids if as_ids else PROMPTS,
+        "max_tokens": 6,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+
+    got = http.post("/v1/completions", json=body).json()
+    chunks = events(http.post("/v1/completions", json=body | {"stream": True}))
+
+    assert [c["index"] for c in got["choices"]] == list(range(len(PROMPTS)))
+    assert [c["text"] for c in got["choices"]] == [w.text for w in want]
+    assert joined(chunks, "text") == {c["index"]: c["text"] for c in got["choices"]}
+    assert len({chunk["id"] for chunk in chunks} | {got["id"]}) == 2  # one id per response
+    assert got["usage"] == {
+        "prompt_tokens": sum(map(len, ids)),
+        "completion_tokens": len(PROMPTS) * 6,
+        "total_tokens": sum(map(len, ids)) + len(PROMPTS) * 6,
+    }
+
+
+def test_a_streamed_batch_ends_with_the_usage_of_all_its_prompts(http, engine):
+    ids = [engine.tokenizer.encode(p) for p in PROMPTS]
+    body = {
+        "model": engine.model_name,
+        "prompt": PROMPTS,
+        "max_tokens": 4,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    chunks = events(http.post("/v1/completions", json=body))
+
+    *choice_chunks, last = chunks
+    assert last["choices"] == [] and last["usage"]["prompt_tokens"] == sum(map(len, ids))
+    assert last["usage"]["completion_tokens"] == 4 * len(PROMPTS)
+    # Continuous usage is the chunk's own prompt and choice, as in vLLM.
+    for chunk in choice_chunks:
+        index = chunk["choices"][0]["index"]
+        assert chunk["usage"]["prompt_tokens"] == len(ids[index])
+    finals = [c for c in choice_chunks if c["choices"][0]["finish_reason"] is not None]
+    assert sorted(c["usage"]["completion_tokens"] for c in finals) == [4] * len(PROMPTS)
+
+
+def test_a_batch_echoes_each_prompt_before_its_choices(http, engine):
+    body = {"model": engine.model_name, "prompt": PROMPTS, "max_tokens": 2, "echo": True}
+    for stream in (False, True):
+        response = http.post("/v1/completions", json=body | {"stream": stream})
+        texts = joined(events(response), "text") if stream else response.json()["choices"]
+        if not stream:
+            texts = {c["index"]: c["text"] for c in texts}
+        assert [texts[i].startswith(p) for i, p in enumerate(PROMPTS)] == [True] * len(PROMPTS)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "why"),
+    [
+        ([[5, 6], []], "a prompt of the batch is empty"),
+        (["Hi", "word " * 10_000], "a prompt of the batch is too long"),
+        ([[5]] * (MAX_BATCHED_PROMPTS + 1), "more prompts than a request may hold"),
+    ],
+)
+def test_a_batch_with_one_bad_prompt_is_refused_whole(http, engine, prompt, why):
+    before = dict(engine.client._core._requests) if hasattr(engine.client, "_core") else None
+    body = {"model": engine.model_name, "prompt": prompt, "max_tokens": 2}
+    assert_400_naming(http.post("/v1/completions", json=body), "prompt")
+    if before is not None:
+        assert engine.client._core._requests == before, why
+
+
+def test_disconnecting_from_a_streamed_batch_aborts_each_prompt(http, engine):
+    body = {
+        "model": engine.model_name,
+        "prompt": ["Go", "On"],
+        "max_tokens": engine.max_model_len // 2,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        lines = response.iter_lines()
+        response_id = json.loads(next(line for line in lines if line)[6:])["id"]
+    deadline = time.monotonic() + 10
+    while not (engine.aborted(f"{response_id}-0") and engine.aborted(f"{response_id}-1")):
+        assert time.monotonic() < deadline, "the engine never saw both aborts"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_return_token_ids_gives_the_prompt_and_choice_token_ids(http, live_server, engine, stream):
+    ids = engine.tokenizer.encode("Once upon a time")
+    want = engine_answer(live_server, engine, ids, max_tokens=5, ignore_eos=True)
+    body = {
+        "model": engine.model_name,
+        "prompt": "Once upon a time",
+        "max_tokens": 5,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "stream": stream,
+    }
+    response = http.post("/v1/completions", json=body)
+    if stream:
+        choices = [chunk["choices"][0] for chunk in events(response)]
+        assert [c["prompt_token_ids"] for c in choices] == [ids] + [None] * (len(choices) - 1)
+        assert joined(events(response), "token_ids") == {0: want.token_ids}
+    else:
+        choice = response.json()["choices"][0]
+        assert choice["prompt_token_ids"] == ids and choice["token_ids"] == want.token_ids
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_return_token_ids_puts_the_prompt_ids_at_the_top(http, live_server, engine, stream):
+    messages = [{"role": "user", "content": "Name a colour."}]
+    prompt_ids = chat_ids(engine, messages)
+    want = engine_answer(live_server, engine, prompt_ids, max_tokens=4, ignore_eos=True)
+    body = {
+        "model": engine.model_name,
+        "messages": messages,
+        "max_tokens": 4,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "stream": stream,
+    }
+    response = http.post("/v1/chat/completions", json=body)
+    if stream:
+        first, *rest = events(response)
+        assert first["prompt_token_ids"] == prompt_ids
+        assert joined(rest, "token_ids") == {0: want.token_ids}
+    else:
+        got = response.json()
+        assert got["prompt_token_ids"] == prompt_ids
+        assert got["choices"][0]["token_ids"] == want.token_ids
+
+
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(http, live_server, engine):
+    ids = engine.tokenizer.encode("The sky is")
+    want = engine_answer(live_server, engine, ids, max_tokens=3, ignore_eos=True, logprobs=1)
+    common = {"model": engine.model_name, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    flag = {"return_tokens_as_token_ids": True}
+    body = common | flag | {"prompt": ids, "logprobs": 1}
+    logprobs = http.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == [f"token_id:{t}" for t in want.token_ids]
+    for top, entry in zip(logprobs["top_logprobs"], want.logprobs, strict=True):
+        assert set(top) == {f"token_id:{t}" for t in entry.token_ids}
+
+    messages = [{"role": "user", "content": "Name a colour."}]
+    want = engine_answer(
+        live_server, engine, chat_ids(engine, messages), max_tokens=3, ignore_eos=True, logprobs=1
+    )
+    body = common | flag | {"messages": messages, "logprobs": True, "top_logprobs": 1}
+    content = http.post("/v1/chat/completions", json=body).json()["choices"][0]["logprobs"]
+    assert [c["token"] for c in content["content"]] == [f"token_id:{t}" for t in want.token_ids]
+    assert content["content"][0]["bytes"] == list(f"token_id:{want.token_ids[0]}".encode())
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_stream_options_without_stream_are_400(http, engine, path):
+    body = {"model": engine.model_name, "max_tokens": 2, "prompt": "Hi"}
+    if "chat" in path:
+        body = {"model": engine.model_name, "max_tokens": 2, "messages": [USER]}
+    body["stream_options"] = {"include_usage": True}
+    assert_400_naming(http.post(path, json=body), "stream_options")
+
+
+STARTED = [USER, {"role": "assistant", "content": "Well, the"}]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_continue_final_message_lets_the_model_go_on_with_it(http, live_server, engine, stream):
+    prompt_ids = engine.tokenizer.encode_chat(STARTED, False, continue_final_message=True)
+    want = engine_answer(live_server, engine, prompt_ids, max_tokens=5, ignore_eos=True)
+    body = {
+        "model": engine.model_name,
+        "messages": STARTED,
+        "max_tokens": 5,
+        "temperature": 0,
+        "ignore_eos": True,
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+        "return_token_ids": True,
+        "stream": stream,
+    }
+    response = http.post("/v1/chat/completions", json=body)
+    if stream:
+        chunks = events(response)
+        assert chunks[0]["prompt_token_ids"] == prompt_ids
+        text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    else:
+        assert response.json()["prompt_token_ids"] == prompt_ids
+        text = response.json()["choices"][0]["message"]["content"]
+    assert text == want.text
+
+    tokenize = {"messages": STARTED, "add_generation_prompt": False}
+    tokenized = http.post("/tokenize", json=tokenize | {"continue_final_message": True})
+    assert tokenized.json()["tokens"] == prompt_ids
+    del body["add_generation_prompt"]  # true by default: the two exclude each other
+    assert_400_naming(http.post("/v1/chat/completions", json=body), "continue_final_message")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_echo_puts_an_assistant_final_message_first(http, engine, stream):
+    base = {"model": engine.model_name, "max_tokens": 3, "temperature": 0, "stream": stream}
+    base |= {"n": 1, "echo": True, "add_generation_prompt": False}
+
+    def contents(messages) -> list[str]:
+        response = http.post("/v1/chat/completions", json=base | {"messages": messages})
+        if not stream:
+            return [response.json()["choices"][0]["message"]["content"]]
+        return [c["choices"][0]["delta"].get("content", "") for c in events(response)]
+
+    echoed, plain = contents(STARTED), contents([USER])
+    if stream:  # the echo is its own chunk, after the role's
+        assert echoed[:2] == ["", "Well, the"] and echoed[2:] == plain[1:]
+    else:
+        assert echoed == ["Well, the" + plain[0]]
