@@ -34,3 +34,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    prompt: str | None = None  # the prompt's text, when it was given as text

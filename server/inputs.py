@@ -259,6 +259,8 @@ def sampling_params(
     except ValueError as e:
         field = str(e).split(" ", 1)[0]
         param = field if field in SamplingParams.__struct_fields__ else None
+        if param == "logprobs" and isinstance(request, ChatCompletionRequest):
+            param = "top_logprobs"  # chat's count of logprobs
         raise APIError(400, str(e), param) from None
 
 

@@ -17,7 +17,7 @@ from ipc.client.request_state import (
 from ipc.config import EngineConfig
 from ipc.messages import EngineCoreRequest, FinishReason, SamplingParams
 from ipc.outputs import RequestOutput
-from ipc.tokenizer import Message
+from ipc.tokenizer import Message, TokenizerLike
 
 
 class LLM:
@@ -54,7 +54,8 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError("sampling_params must be one, or one per prompt")
         token_ids = [prompt_token_ids(self.tokenizer, p) for p in prompts]
-        return self._run(token_ids, sampling_params, use_tqdm)
+        texts = [p if isinstance(p, str) else None for p in prompts]
+        return self._run(token_ids, sampling_params, use_tqdm, texts)
 
     def chat(
         self,
@@ -71,7 +72,13 @@ class LLM:
             chat_token_ids(self.tokenizer, conv, add_generation_prompt, continue_final_message)
             for conv in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        outputs = self.generate(prompts, sampling_params, use_tqdm)
+        for out in outputs:  # the rendered conversation, as vLLM reports it
+            out.prompt = self.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
+        return outputs
+
+    def get_tokenizer(self) -> TokenizerLike:
+        return self.tokenizer
 
     def shutdown(self) -> None:
         """Stop the worker processes, or release the model and its KV cache when it runs
@@ -79,17 +86,19 @@ class LLM:
         self.engine.shutdown()
 
     def _run(
-        self, token_ids: list[list[int]], params: Sequence[SamplingParams], use_tqdm: bool
+        self,
+        token_ids: list[list[int]],
+        params: Sequence[SamplingParams],
+        use_tqdm: bool,
+        texts: list[str | None],
     ) -> list[RequestOutput]:
         params = [with_bad_words_token_ids(sp, self.tokenizer) for sp in params]
         results: list[RequestState | ParentRequest] = []
         states: dict[str, RequestState] = {}  # by the engine's request ids
-        for ids, sp in zip(token_ids, params, strict=True):
+        for ids, sp, text in zip(token_ids, params, texts, strict=True):
             request = EngineCoreRequest(str(next(self._ids)), ids, sp, time.time())
-            if is_parallel(sp):
-                results.append(ParentRequest(request, self.tokenizer, queue=None))
-            else:
-                results.append(RequestState(request, self.tokenizer, queue=None))
+            kind = ParentRequest if is_parallel(sp) else RequestState
+            results.append(kind(request, self.tokenizer, None, text))
             for state in engine_states(results[-1]):
                 states[state.request.request_id] = state
                 self.engine.add_request(state.request)

@@ -157,10 +157,9 @@ class ClientCore:
             priority,
             cache_salt,
         )
-        if is_parallel(params):
-            state = ParentRequest(request, self.tokenizer, queue)
-        else:
-            state = RequestState(request, self.tokenizer, queue)
+        text = prompt if isinstance(prompt, str) else None
+        kind = ParentRequest if is_parallel(params) else RequestState
+        state = kind(request, self.tokenizer, queue, text)
         children = engine_states(state)
         with self._lock:
             self.check_connected()

@@ -75,7 +75,11 @@ class ParentRequest:
     child is."""
 
     def __init__(
-        self, request: EngineCoreRequest, tokenizer: TokenizerLike | None, queue: Sink
+        self,
+        request: EngineCoreRequest,
+        tokenizer: TokenizerLike | None,
+        queue: Sink,
+        prompt: str | None = None,
     ) -> None:
         self.request = request
         self.queue = queue
@@ -84,7 +88,7 @@ class ParentRequest:
             child.parent = self
             child.result.outputs[0].index = index
         self.num_live = len(self.children)
-        self.result = RequestOutput(request.request_id, request.prompt_token_ids)
+        self.result = RequestOutput(request.request_id, request.prompt_token_ids, prompt=prompt)
         if request.sampling_params.prompt_logprobs is not None:
             self.result.prompt_logprobs = self.children[0].result.prompt_logprobs
 
@@ -110,6 +114,7 @@ class ParentRequest:
             result.num_cached_tokens,
             result.error,
             delta.prompt_logprobs,
+            result.prompt,
         )
 
     def abort(self) -> RequestOutput:
@@ -121,7 +126,12 @@ class ParentRequest:
                 choices += self.apply(child, out).outputs
         result = self.result
         return RequestOutput(
-            result.request_id, result.prompt_token_ids, choices, True, result.num_cached_tokens
+            result.request_id,
+            result.prompt_token_ids,
+            choices,
+            True,
+            result.num_cached_tokens,
+            prompt=result.prompt,
         )
 
     def _finish(self) -> None:

@@ -32,7 +32,11 @@ class RequestState:
     """One live request: its cumulative result and where its deltas go."""
 
     def __init__(
-        self, request: EngineCoreRequest, tokenizer: TokenizerLike | None, queue: Sink
+        self,
+        request: EngineCoreRequest,
+        tokenizer: TokenizerLike | None,
+        queue: Sink,
+        prompt: str | None = None,
     ) -> None:
         params = request.sampling_params
         self.request = request
@@ -52,7 +56,10 @@ class RequestState:
         self.stopped_by_string = False
         self.include_stop = params.include_stop_str_in_output
         self.result = RequestOutput(
-            request.request_id, request.prompt_token_ids, [CompletionOutput(0, "", [])]
+            request.request_id,
+            request.prompt_token_ids,
+            [CompletionOutput(0, "", [])],
+            prompt=prompt,
         )
         if params.prompt_logprobs is not None:
             self.result.prompt_logprobs = []
@@ -103,6 +110,7 @@ class RequestState:
             result.num_cached_tokens,
             result.error,
             prompt_logprobs,
+            result.prompt,
         )
 
     def _add_prompt_logprobs(self, out: EngineCoreOutput) -> list | None:

@@ -259,6 +259,13 @@ def test_invalid_parameters_raise_bad_request_in_the_openai_client(oai, engine):
         oai.chat.completions.create(model=engine.model_name, messages=MESSAGES, top_logprobs=2)
 
 
+@pytest.mark.parametrize("top_logprobs", [21, -1])
+def test_chat_top_logprobs_out_of_range_is_400_naming_it(http, engine, top_logprobs):
+    body = {"model": engine.model_name, "messages": MESSAGES, "logprobs": True}
+    response = http.post("/v1/chat/completions", json=body | {"top_logprobs": top_logprobs})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "top_logprobs"
+
+
 def test_malformed_bodies_are_400(http):
     assert http.post("/v1/completions", content=b"{not json").status_code == 400
     assert http.post("/v1/completions", json={"max_tokens": 3}).json()["error"]["param"] == "prompt"
