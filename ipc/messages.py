@@ -185,7 +185,7 @@ class SamplingParams(_Wire):
 class TokenLogprobs(_Wire):
     """Logprobs at one position: index 0 is the sampled token (for prompt logprobs, the
     prompt's token), then the top-k. `rank`: token 0's rank in the vocabulary (1 = most
-    likely), where known (prompt logprobs)."""
+    likely)."""
 
     token_ids: list[int]
     logprobs: list[float]

@@ -1,6 +1,34 @@
+"""What the clients and LLM give back, in vLLM's shapes: a RequestOutput per request,
+with a CompletionOutput per choice; logprobs as one {token id: Logprob} per position."""
+
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ipc.messages import TokenLogprobs
+
+
+@dataclass
+class Logprob:
+    """A token's logprob, its rank in the vocabulary (1 = most likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+def logprobs_by_token(
+    entry: TokenLogprobs, decode: Callable[[int], str] | None = None
+) -> dict[int, Logprob]:
+    """One position's logprobs as vLLM gives them: the sampled token (or the prompt's) first,
+    with its rank, then the top-k ranked 1..k (each token once)."""
+    first, *top = entry.token_ids
+    out = {first: Logprob(entry.logprobs[0], entry.rank)}
+    for rank, (token, logprob) in enumerate(zip(top, entry.logprobs[1:], strict=True), 1):
+        out.setdefault(token, Logprob(logprob, rank))
+    if decode is not None:
+        for token, logprob in out.items():
+            logprob.decoded_token = decode(token)
+    return out
 
 
 @dataclass
@@ -9,7 +37,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
-    logprobs: list[TokenLogprobs] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
     # What ended a "stop": the stop string or stop token id (None for EOS, as in vLLM).
     stop_reason: int | str | None = None
     # The sum of the sampled tokens' logprobs (None without logprobs).
@@ -23,9 +51,9 @@ class RequestOutput:
     that changed); from a blocking call it holds everything.
 
     `prompt_logprobs` (when asked for): one entry per prompt token, None for the first,
-    then TokenLogprobs whose index 0 is the prompt token (with its `rank`), then the
-    top-k at its position. In a stream each delta holds the entries that arrived with
-    it (the first delta starts with the None), so the deltas' lists add up to the whole."""
+    then {token id: Logprob} of the prompt's token (first) and the top-k at its position.
+    In a stream each delta holds the entries that arrived with it (the first delta starts
+    with the None), so the deltas' lists add up to the whole."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -33,5 +61,5 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     error: str | None = None
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt: str | None = None  # the prompt's text, when it was given as text

@@ -229,6 +229,7 @@ def build_app(
         responses = responses_for(ChatResponses, response_id, request)
         responses.tools = tools
         responses.echo = chat_echo(request)
+        responses.top_logprobs = request.top_logprobs or 0
         parts = [(responses, prompt_token_ids, params)]
         return await answer(raw, request, parts, bool(request.logprobs), arrival)
 

@@ -5,19 +5,22 @@ the state that runs across chunks (each choice's text offset for logprobs, the p
 logprobs that arrived and which choices answered them). A request with n > 1 has choices
 0..n-1; each chunk carries one choice's delta, with its index.
 
-Prompt logprobs take vLLM's shape: a list with null for the first prompt token, then for
-each token {"<token id>": {"logprob", "rank", "decoded_token"}} of the prompt's token and
-the top-k at its position; in each completion choice, at the top of a chat response.
+Logprobs arrive as the clients give them: one {token id: Logprob} per position, the
+sampled (or prompt) token first. Prompt logprobs take vLLM's shape: a list with null for
+the first prompt token, then for each token {"<token id>": {"logprob", "rank",
+"decoded_token"}} of the prompt's token and the top-k at its position; in each completion
+choice, at the top of a chat response.
 """
 
 from __future__ import annotations
 
 import time
 
-from ipc.messages import TokenLogprobs
-from ipc.outputs import CompletionOutput
+from ipc.outputs import CompletionOutput, Logprob
 from ipc.tokenizer import TokenizerLike
 from server.tools import ToolCallOutput, ToolChoice
+
+Logprobs = dict[int, Logprob]  # one position's, by token id
 
 
 class ResponseBuilder:
@@ -39,28 +42,26 @@ class ResponseBuilder:
         self.return_token_ids = False  # vLLM's: the prompt's and each choice's token ids
         self.tokens_as_ids = False  # vLLM's return_tokens_as_token_ids: "token_id:<id>"
         self._held_token_ids: dict[int, list[int]] = {}  # by choice, of chunks not sent
-        self._prompt_logprobs: list[TokenLogprobs | None] = []
+        self._prompt_logprobs: list[Logprobs | None] = []
         self._prompt_logprobs_sent: dict[int, int] = {}  # choice index -> entries answered
 
-    def add_prompt_logprobs(self, entries: list[TokenLogprobs | None] | None) -> None:
+    def add_prompt_logprobs(self, entries: list[Logprobs | None] | None) -> None:
         """Prompt logprobs that arrived; each choice's next response or chunk answers them."""
         self._prompt_logprobs.extend(entries or ())
 
-    def _take_prompt_logprobs(self, index: int) -> list[TokenLogprobs | None]:
+    def _take_prompt_logprobs(self, index: int) -> list[Logprobs | None]:
         """The prompt logprobs choice `index` has not answered yet."""
         sent = self._prompt_logprobs_sent.get(index, 0)
         self._prompt_logprobs_sent[index] = len(self._prompt_logprobs)
         return self._prompt_logprobs[sent:]
 
-    def _prompt_logprobs_field(self, entries: list[TokenLogprobs | None]) -> list[dict | None]:
+    def _prompt_logprobs_field(self, entries: list[Logprobs | None]) -> list[dict | None]:
         return [None if entry is None else self._ranked(entry) for entry in entries]
 
-    def _ranked(self, entry: TokenLogprobs) -> dict:
-        """The prompt's token with its rank, then the top-k ranked 1..k."""
-        ranks = [entry.rank, *range(1, len(entry.token_ids))]
+    def _ranked(self, entry: Logprobs) -> dict:
         return {
-            str(t): {"logprob": lp, "rank": rank, "decoded_token": self._token_text(t)}
-            for t, lp, rank in zip(entry.token_ids, entry.logprobs, ranks, strict=True)
+            str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": self._text(t, lp)}
+            for t, lp in entry.items()
         }
 
     def _envelope(self, object_name: str, choices: list[dict]) -> dict:
@@ -88,7 +89,7 @@ class ResponseBuilder:
         index: int,
         text: str,
         token_ids: list[int],
-        logprobs: list[TokenLogprobs] | None,
+        logprobs: list[Logprobs] | None,
         finish_reason: str | None = None,
         stop_reason: int | str | None = None,
     ) -> dict | None:
@@ -131,12 +132,15 @@ class ResponseBuilder:
             usage["prompt_tokens_details"] = {"cached_tokens": num_cached_tokens}
         return usage
 
-    def _token_text(self, token_id: int) -> str:
+    def _text(self, token_id: int, logprob: Logprob | None = None) -> str:
+        """A token's text: its logprob's decoded_token, or decoded here."""
+        if logprob is not None and logprob.decoded_token is not None:
+            return logprob.decoded_token
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _logprob_token(self, token_id: int) -> str:
+    def _logprob_token(self, token_id: int, logprob: Logprob | None = None) -> str:
         """How a logprobs entry names a token."""
-        return f"token_id:{token_id}" if self.tokens_as_ids else self._token_text(token_id)
+        return f"token_id:{token_id}" if self.tokens_as_ids else self._text(token_id, logprob)
 
     def _choice(self, index, text, logprobs, finish_reason, stop_reason) -> dict:
         raise NotImplementedError
@@ -188,15 +192,18 @@ class CompletionResponses(ResponseBuilder):
         choice["prompt_token_ids"] = self.prompt_token_ids if first else None
         super()._add_token_ids(choice, token_ids)
 
-    def _logprobs(self, index: int, entries: list[TokenLogprobs | None]) -> dict:
+    def _logprobs(self, index: int, entries: list[Logprobs | None]) -> dict:
         """OpenAI's legacy shape; each top_logprobs dict holds the sampled token and the
         top-k, so it has up to k + 1 entries. A None entry is the echoed first prompt
         token, which has no logprob."""
         tokens, offsets, token_logprobs, top = [], [], [], []
         offset = self.text_offsets.get(index, 0)
         for entry in entries:
-            token_id = self.prompt_token_ids[0] if entry is None else entry.token_ids[0]
-            token = self._logprob_token(token_id)
+            if entry is None:
+                token = self._logprob_token(self.prompt_token_ids[0])
+            else:
+                token_id, logprob = next(iter(entry.items()))
+                token = self._logprob_token(token_id, logprob)
             tokens.append(token)
             offsets.append(offset)
             offset += len(token)
@@ -204,9 +211,8 @@ class CompletionResponses(ResponseBuilder):
                 token_logprobs.append(None)
                 top.append(None)
                 continue
-            token_logprobs.append(entry.logprobs[0])
-            pairs = zip(entry.token_ids, entry.logprobs, strict=True)
-            top.append({self._logprob_token(t): lp for t, lp in pairs})
+            token_logprobs.append(logprob.logprob)
+            top.append({self._logprob_token(t, lp): lp.logprob for t, lp in entry.items()})
         self.text_offsets[index] = offset
         return {
             "tokens": tokens,
@@ -228,6 +234,7 @@ class ChatResponses(ResponseBuilder):
         super().__init__(*args, **kwargs)
         self.tools: ToolChoice | None = None
         self.echo = ""
+        self.top_logprobs = 0  # the request's
         self._tool_outputs: dict[int, ToolCallOutput] = {}  # by choice index, streaming
 
     def response(self, choices: list[CompletionOutput], usage: dict) -> dict:
@@ -290,21 +297,18 @@ class ChatResponses(ResponseBuilder):
         choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
         return self._envelope(self.chunk_object_name, [choice])
 
-    def _logprobs(self, entries: list[TokenLogprobs]) -> dict:
+    def _logprobs(self, entries: list[Logprobs]) -> dict:
+        """Each sampled token, with the top_logprobs most likely tokens at its position."""
         content = []
         for entry in entries:
-            top = [
-                self._logprob(t, lp)
-                for t, lp in zip(entry.token_ids[1:], entry.logprobs[1:], strict=True)
-            ]
-            content.append(
-                {**self._logprob(entry.token_ids[0], entry.logprobs[0]), "top_logprobs": top}
-            )
+            ranked = sorted(entry.items(), key=lambda item: item[1].rank)
+            top = [self._logprob(t, lp) for t, lp in ranked[: self.top_logprobs]]
+            content.append({**self._logprob(*next(iter(entry.items()))), "top_logprobs": top})
         return {"content": content, "refusal": None}
 
-    def _logprob(self, token_id: int, logprob: float) -> dict:
-        token = self._logprob_token(token_id)
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+    def _logprob(self, token_id: int, logprob: Logprob) -> dict:
+        token = self._logprob_token(token_id, logprob)
+        return {"token": token, "logprob": logprob.logprob, "bytes": list(token.encode())}
 
 
 def _merge_deltas(first: dict, second: dict) -> dict:

@@ -23,8 +23,8 @@ from fastapi import Request
 
 from ipc.client import EngineDeadError, RequestError
 from ipc.client.parallel_sampling import num_candidates
-from ipc.messages import SamplingParams, TokenLogprobs
-from ipc.outputs import CompletionOutput, RequestOutput
+from ipc.messages import SamplingParams
+from ipc.outputs import CompletionOutput, Logprob, RequestOutput
 from server.errors import UNEXPECTED, ClientDisconnected, engine_error
 from server.metrics import ServerMetrics
 from server.protocol import APIError
@@ -130,7 +130,7 @@ async def _complete(prompt: PromptStream, want_logprobs: bool) -> dict:
     """One prompt's response: its choices' deltas joined."""
     texts: dict[int, list[str]] = defaultdict(list)
     token_ids: dict[int, list[int]] = defaultdict(list)
-    logprobs: dict[int, list[TokenLogprobs]] = defaultdict(list)
+    logprobs: dict[int, list[dict[int, Logprob]]] = defaultdict(list)
     ends: dict[int, CompletionOutput] = {}  # each choice's last delta
     async with aclosing(prompt.outputs):
         async for out in prompt.outputs:

@@ -3,13 +3,14 @@
 from importlib import import_module
 
 from ipc.messages import SamplingParams, StructuredOutputsParams
-from ipc.outputs import CompletionOutput, RequestOutput
+from ipc.outputs import CompletionOutput, Logprob, RequestOutput
 
 __all__ = [
     "LLM",
     "AsyncEngineClient",
     "CompletionOutput",
     "EngineClient",
+    "Logprob",
     "RequestOutput",
     "SamplingParams",
     "StructuredOutputsParams",

@@ -46,10 +46,12 @@ class SamplingMetadata:
 
 
 class LogprobsTensors(NamedTuple):
-    """Column 0 is the sampled token, then the top-k by raw logprob."""
+    """Column 0 is the sampled token, then the top-k by raw logprob; `ranks`: each sampled
+    token's rank in the vocabulary (1 = most likely)."""
 
     token_ids: torch.Tensor
     logprobs: torch.Tensor
+    ranks: torch.Tensor
 
 
 @dataclass
@@ -236,4 +238,5 @@ def _gather_logprobs(logits: torch.Tensor, sampled: torch.Tensor, k: int) -> Log
     return LogprobsTensors(
         token_ids=torch.cat([sampled, top_ids], dim=1),
         logprobs=torch.cat([sampled_logprobs, top_logprobs], dim=1),
+        ranks=(logprobs > sampled_logprobs).sum(dim=-1) + 1,
     )

@@ -147,10 +147,11 @@ def _append_to_current_rows(batch: InputBatch, req_ids: list[str], sampled: list
 def _logprobs_per_request(step: LaunchedStep) -> list[list[TokenLogprobs] | None] | None:
     if step.logprobs is None:
         return None
-    token_ids, values = (t.tolist() for t in step.logprobs)
+    token_ids, values, ranks = (t.tolist() for t in step.logprobs)
     per_request: list[list[TokenLogprobs] | None] = [None] * len(step.req_ids)
     for i, row in enumerate(step.sample_rows.tolist()):
         k = int(step.num_logprobs[i])
         if k >= 0:
-            per_request[row] = [TokenLogprobs(token_ids[i][: k + 1], values[i][: k + 1])]
+            entry = TokenLogprobs(token_ids[i][: k + 1], values[i][: k + 1], ranks[i])
+            per_request[row] = [entry]
     return per_request

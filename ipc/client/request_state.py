@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from ipc.detokenizer import IncrementalDetokenizer
 from ipc.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
-from ipc.outputs import CompletionOutput, RequestOutput
+from ipc.outputs import CompletionOutput, RequestOutput, logprobs_by_token
 from ipc.tokenizer import Message, Tokenizer, TokenizerLike
 
 if TYPE_CHECKING:
@@ -41,6 +41,7 @@ class RequestState:
         params = request.sampling_params
         self.request = request
         self.queue = queue
+        self.tokenizer = tokenizer
         self.detokenizer = (
             None
             if tokenizer is None
@@ -73,8 +74,10 @@ class RequestState:
         which goes on, must be told to abort it."""
         result, completion = self.result, self.result.outputs[0]
         completion.token_ids.extend(out.new_token_ids)
+        logprobs = None
         if out.logprobs:
-            completion.logprobs = (completion.logprobs or []) + out.logprobs
+            logprobs = [logprobs_by_token(entry, self._decode) for entry in out.logprobs]
+            completion.logprobs = (completion.logprobs or []) + logprobs
             completion.cumulative_logprob = (completion.cumulative_logprob or 0.0) + sum(
                 entry.logprobs[0] for entry in out.logprobs
             )
@@ -100,7 +103,7 @@ class RequestState:
             result.error = out.error
             result.finished = True
         delta = CompletionOutput(
-            0, text, list(out.new_token_ids), finish_reason, out.logprobs, stop_reason
+            0, text, list(out.new_token_ids), finish_reason, logprobs, stop_reason
         )
         return RequestOutput(
             result.request_id,
@@ -118,9 +121,16 @@ class RequestState:
         so_far = self.result.prompt_logprobs
         if so_far is None:
             return None
-        new = ([] if so_far else [None]) + (out.prompt_logprobs or [])
+        entries = [logprobs_by_token(entry, self._decode) for entry in out.prompt_logprobs or ()]
+        new = ([] if so_far else [None]) + entries
         so_far.extend(new)
         return new or None
+
+    def _decode(self, token_id: int) -> str | None:
+        """A logprob's token as text (vLLM's decoded_token)."""
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _stop_token(self, out: EngineCoreOutput) -> int | None:
         """The stop token id that ended the request (None for EOS or no stop token)."""

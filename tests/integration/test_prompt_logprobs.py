@@ -63,13 +63,14 @@ def check_prompt_logprobs(out, k: int, expected: np.ndarray) -> None:
     assert len(entries) == len(prompt) and entries[0] is None
     for p in range(1, len(prompt)):
         entry, ref = entries[p], expected[p - 1]
-        assert entry.token_ids[0] == prompt[p]
-        target = ref[prompt[p]]
-        assert entry.logprobs[0] == pytest.approx(target, abs=ATOL)
+        assert next(iter(entry)) == prompt[p]  # the prompt's token first
+        got, target = entry[prompt[p]], ref[prompt[p]]
+        assert got.logprob == pytest.approx(target, abs=ATOL)
         # The rank, where ties within the tolerance could order either way.
-        assert (ref > target + ATOL).sum() + 1 <= entry.rank <= (ref > target - ATOL).sum() + 1
-        top_ids, top_logprobs = entry.token_ids[1:], entry.logprobs[1:]
-        assert len(top_ids) == k == len(set(top_ids))
+        assert (ref > target + ATOL).sum() + 1 <= got.rank <= (ref > target - ATOL).sum() + 1
+        top = sorted(entry.items(), key=lambda item: item[1].rank)[:k]
+        top_ids, top_logprobs = [t for t, _ in top], [lp.logprob for _, lp in top]
+        assert len(top) == k and set(entry) - set(top_ids) <= {prompt[p]}
         np.testing.assert_allclose(top_logprobs, np.sort(ref)[::-1][:k], atol=ATOL)
         np.testing.assert_allclose(ref[top_ids], top_logprobs, atol=ATOL)
 

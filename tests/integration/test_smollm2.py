@@ -74,7 +74,8 @@ def test_bf16_engine_tracks_transformers_fp32():
             logprobs = model(ids).logits[0].log_softmax(-1)
         targets = ids[0, 1:]
         ref = logprobs[:-1].gather(1, targets[:, None])[:, 0]
-        ours = torch.tensor([entry.logprobs[0] for entry in out.prompt_logprobs[1:]])
+        pairs = zip(prompt[1:], out.prompt_logprobs[1:], strict=True)
+        ours = torch.tensor([entry[token].logprob for token, entry in pairs])
         gap = (ours - ref[: len(prompt) - 1]).abs()
         assert gap.mean() < 0.05 and gap.max() < 0.5, (gap.mean(), gap.max())
         start = len(prompt) - 1

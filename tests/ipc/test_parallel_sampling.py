@@ -131,7 +131,8 @@ def test_a_lost_engine_fails_the_parent_once(core):
 
 
 def _lp(*values: float) -> list[TokenLogprobs]:
-    return [TokenLogprobs([i], [v]) for i, v in enumerate(values)]
+    """The sampled token 7's logprobs."""
+    return [TokenLogprobs([7], [v]) for v in values]
 
 
 @pytest.mark.parametrize("user_logprobs", [None, 1])
@@ -154,7 +155,8 @@ def test_best_of_keeps_the_n_highest_cumulative_logprobs(user_logprobs):
     if user_logprobs is None:
         assert all(c.logprobs is None for c in outputs)
     else:
-        assert [[e.logprobs[0] for e in c.logprobs] for c in outputs] == [[-0.5], [-0.25, -1.0]]
+        sampled = [[e[7].logprob for e in c.logprobs] for c in outputs]
+        assert sampled == [[-0.5], [-0.25, -1.0]]
 
 
 def test_the_fake_engine_through_both_clients():

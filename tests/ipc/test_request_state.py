@@ -1,6 +1,6 @@
 """RequestState's stop handling, as vLLM's: the stop string or stop token that ended a
 request is its stop_reason (None for EOS); it stays in the text only with
-include_stop_str_in_output, streamed or not."""
+include_stop_str_in_output, streamed or not. Logprobs come out in vLLM's shape."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from ipc.messages import (
     SamplingParams,
     TokenLogprobs,
 )
+from ipc.outputs import Logprob
 from tests.server.fake_engine import EOS, CharTokenizer
 
 TOKENIZER = CharTokenizer()
@@ -85,8 +86,19 @@ def test_prompt_logprobs_add_up_over_deltas_with_none_first():
     first = state.apply(EngineCoreOutput("r", [], prompt_logprobs=chunks[0]))
     second = state.apply(EngineCoreOutput("r", [5], prompt_logprobs=chunks[1]))
     last = state.apply(EngineCoreOutput("r", [6], FinishReason.LENGTH))
-    assert first.prompt_logprobs == [None, *chunks[0]]
-    assert second.prompt_logprobs == chunks[1] and last.prompt_logprobs is None
-    assert state.result.prompt_logprobs == [None, *chunks[0], *chunks[1]]
+
+    def text(token_id: int) -> str:
+        return TOKENIZER.decode([token_id], skip_special_tokens=False)
+
+    # vLLM's shape: the prompt's token first with its rank, then the top-k ranked 1..k.
+    by_token = [
+        {8: Logprob(-1.0, 2, text(8)), 3: Logprob(-0.5, 1, text(3))},
+        {9: Logprob(-2.0, 3, text(9)), 3: Logprob(-0.5, 1, text(3))},
+        {10: Logprob(-0.1, 1, text(10))},  # in its own top-1: once
+    ]
+    assert first.prompt_logprobs == [None, by_token[0]]
+    assert second.prompt_logprobs == by_token[1:] and last.prompt_logprobs is None
+    assert state.result.prompt_logprobs == [None, *by_token]
+    assert list(state.result.prompt_logprobs[1]) == [8, 3]  # the prompt's token first
     plain = RequestState(EngineCoreRequest("p", [7], SamplingParams(), 0.0), TOKENIZER, None)
     assert plain.apply(EngineCoreOutput("p", [5], FinishReason.LENGTH)).prompt_logprobs is None

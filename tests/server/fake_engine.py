@@ -186,9 +186,11 @@ class FakeEngineClient:
 
     @staticmethod
     def _logprobs(token: int, params: SamplingParams) -> TokenLogprobs:
-        """The sampled token at -0.25, then top-k tokens token+1.. at -1, -2, ..."""
-        top = list(range(1, params.logprobs + 1))
-        return TokenLogprobs([token] + [token + k for k in top], [-0.25] + [-float(k) for k in top])
+        """The sampled token at -0.25 (rank 1), then the top-k: itself, then tokens
+        token+1.. at -1, -2, ..."""
+        top = list(range(params.logprobs))
+        logprobs = [-0.25] + [-float(k) or -0.25 for k in top]
+        return TokenLogprobs([token] + [token + k for k in top], logprobs, 1)
 
     @staticmethod
     def prompt_logprobs(prompt_ids: list[int], k: int) -> list[TokenLogprobs]:

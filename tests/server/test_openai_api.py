@@ -176,11 +176,10 @@ def test_completion_logprobs_in_openai_shape(oai, live_server, engine):
 
     logprobs = got.choices[0].logprobs
     assert logprobs.tokens == [token(t) for t in want.token_ids]
-    assert logprobs.token_logprobs == pytest.approx([e.logprobs[0] for e in want.logprobs])
+    sampled = [entry[t].logprob for t, entry in zip(want.token_ids, want.logprobs, strict=True)]
+    assert logprobs.token_logprobs == pytest.approx(sampled)
     for top, entry in zip(logprobs.top_logprobs, want.logprobs, strict=True):
-        assert top == pytest.approx(
-            {token(t): lp for t, lp in zip(entry.token_ids, entry.logprobs, strict=True)}
-        )
+        assert top == pytest.approx({token(t): lp.logprob for t, lp in entry.items()})
     lengths = [len(t) for t in logprobs.tokens]
     assert logprobs.text_offset == [sum(lengths[:i]) for i in range(len(lengths))]
 
@@ -201,11 +200,14 @@ def test_chat_logprobs_in_openai_shape(oai, live_server, engine):
     )
 
     content = got.choices[0].logprobs.content
-    assert [c.logprob for c in content] == pytest.approx([e.logprobs[0] for e in want.logprobs])
-    for c, entry in zip(content, want.logprobs, strict=True):
-        assert c.token == engine.tokenizer.decode([entry.token_ids[0]], skip_special_tokens=False)
+    sampled = [entry[t] for t, entry in zip(want.token_ids, want.logprobs, strict=True)]
+    assert [c.logprob for c in content] == pytest.approx([lp.logprob for lp in sampled])
+    for c, token_id, entry in zip(content, want.token_ids, want.logprobs, strict=True):
+        assert c.token == engine.tokenizer.decode([token_id], skip_special_tokens=False)
         assert c.bytes == list(c.token.encode())
-        assert [t.logprob for t in c.top_logprobs] == pytest.approx(entry.logprobs[1:])
+        top = sorted(entry.values(), key=lambda lp: lp.rank)[:3]  # the 3 most likely
+        assert [t.logprob for t in c.top_logprobs] == pytest.approx([lp.logprob for lp in top])
+        assert [t.token for t in c.top_logprobs] == [lp.decoded_token for lp in top]
 
 
 def test_sse_wire_format_ends_with_done(http, engine):

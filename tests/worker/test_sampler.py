@@ -192,13 +192,17 @@ def test_logprobs_are_raw_log_softmax(sampler):
     reference = torch.log_softmax(logits.double(), dim=-1).numpy()
     metadata = make_metadata([0.0, 0.5, 1.0, 2.0, 1.0, 0.0], top_k=[0, 3, 0, 0, 2, 0], logprobs=5)
     out = sampler(logits, metadata)
-    token_ids, logprobs = out.logprobs
+    token_ids, logprobs, ranks = out.logprobs
     assert token_ids.shape == logprobs.shape == (6, 6)
     assert torch.equal(token_ids[:, 0], out.sampled_token_ids)
     np.testing.assert_array_equal(token_ids[:, 1:].numpy(), np.argsort(-reference, axis=1)[:, :5])
     np.testing.assert_allclose(
         logprobs.numpy(), np.take_along_axis(reference, token_ids.numpy(), axis=1), atol=1e-5
     )
+    # Each sampled token's rank: 1 + the tokens more likely than it.
+    order = np.argsort(-reference, axis=1)
+    want = [int(np.nonzero(order[i] == t)[0][0]) + 1 for i, t in enumerate(token_ids[:, 0])]
+    assert ranks.tolist() == want and ranks.tolist()[0] == 1  # row 0 is greedy
     only_sampled = sampler(logits, make_metadata([0.0] * 6, logprobs=0)).logprobs
     assert only_sampled.token_ids.shape == (6, 1)
     assert sampler(logits, make_metadata([0.0] * 6)).logprobs is None
