@@ -25,7 +25,7 @@ test: lint
 test-fast: lint
 	$(PY) -m pytest -q -m "not slow"
 
-# make serve ARGS="--tp 3 --api-port 8000"; without --model it serves the default model,
+# make serve ARGS="--tp 3 --port 8000"; without --model it serves the default model,
 # converted once into the user cache.
 serve: venv
 	$(if $(findstring --model,$(ARGS)),,$(PY) -m models.default)

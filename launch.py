@@ -1,6 +1,6 @@
 """Start and supervise a splitserve cluster.
 
-    python launch.py [--model PATH] [--tp N] [engine args] [--no-api | api args]
+    python launch.py [MODEL | --model PATH] [--tp N] [engine args] [--no-api | api args]
 
 starts one EngineCore process, N worker processes and the OpenAI-compatible HTTP
 server, prints "splitserve ready: ..." once the engine has every worker's READY, and
@@ -49,10 +49,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="all: the whole cluster, supervised; otherwise that one process (default: all)",
     )
     p.add_argument(
-        "--host", help="serve the engine on tcp://HOST:PORT (default: a fresh ipc:// address)"
+        "model_tag",
+        nargs="?",
+        metavar="MODEL",
+        help="the model folder, as in `vllm serve MODEL` (the same as --model; default: none)",
     )
     p.add_argument(
-        "--port", type=int, help="first of 3 ports: input, output, workers (default: a free one)"
+        "--engine-host",
+        help="serve the engine on tcp://HOST:PORT (default: a fresh ipc:// address)",
+    )
+    p.add_argument(
+        "--engine-port",
+        type=int,
+        help="first of 3 ports: input, output, workers (default: a free one)",
     )
     p.add_argument(
         "--address-file", help="write the engine address here once it is ready (default: none)"
@@ -87,10 +96,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, checked; a positional MODEL becomes --model."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            parser.error(f"the model is given twice: {args.model_tag} and --model {args.model}")
+        args.model = args.model_tag
     check_server_args(parser, args)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if args.role != "all":
         return run_role(args)
     config = engine_config(args)

@@ -18,8 +18,12 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024
 def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The HTTP server's flags (launch.py shares them)."""
     group = parser.add_argument_group("OpenAI-compatible API server")
-    group.add_argument("--api-host", default="0.0.0.0", help="default: %(default)s")
-    group.add_argument("--api-port", type=int, default=8000, help="default: %(default)s")
+    group.add_argument(
+        "--host", "--api-host", dest="api_host", default="0.0.0.0", help="default: %(default)s"
+    )
+    group.add_argument(
+        "--port", "--api-port", dest="api_port", type=int, default=8000, help="default: %(default)s"
+    )
     group.add_argument(
         "--api-key",
         action="append",

@@ -22,14 +22,14 @@ from splitserve.engine_args import engine_config
 
 
 def engine_address(args: argparse.Namespace) -> str:
-    """--engine-address, else tcp://--host:--port (a free port if none), else a fresh ipc
-    address."""
+    """--engine-address, else tcp://--engine-host:--engine-port (a free port if none), else
+    a fresh ipc address."""
     if args.engine_address:
         return args.engine_address
-    if args.host is None and args.port is None:
+    if args.engine_host is None and args.engine_port is None:
         return new_ipc_address()
-    host = args.host or "127.0.0.1"
-    return f"tcp://{host}:{args.port or free_tcp_port(host)}"
+    host = args.engine_host or "127.0.0.1"
+    return f"tcp://{host}:{args.engine_port or free_tcp_port(host)}"
 
 
 def run_role(args: argparse.Namespace) -> int:

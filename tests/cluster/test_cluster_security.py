@@ -1,6 +1,6 @@
 """Who may talk to a cluster, and how much it takes from them.
 
-On tcp (`--host 127.0.0.1`): every socket of the engine and the workers is on that host
+On tcp (`--engine-host 127.0.0.1`): every socket of the engine and the workers is on that host
 (the engine's ports, the workers' rendezvous and gloo's), only holders of the client
 key reach the client sockets, and the client key does not open the workers socket. On
 ipc: a stranger on the workers socket cannot end the cluster, a client that stops
@@ -40,7 +40,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
 @pytest.fixture(scope="module")
 def tcp_cluster(qwen3_path, tmp_path_factory):
     folder = tmp_path_factory.mktemp("qwen3-tcp")
-    with launch_cluster(folder, qwen3_path, "--tp", "2", "--host", "127.0.0.1") as cluster:
+    with launch_cluster(folder, qwen3_path, "--tp", "2", "--engine-host", "127.0.0.1") as cluster:
         yield cluster
 
 

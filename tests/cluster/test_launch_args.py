@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 
 from ipc.config import DTYPES, EngineConfig, parse_bytes
-from launch import build_parser
+from launch import build_parser, parse_args
 from splitserve.engine_args import engine_config, engine_options
+from splitserve.roles import engine_address
 from tests.models.tiny import make_tiny_checkpoint
 
 
@@ -99,3 +100,18 @@ def test_a_config_from_json_reads_no_model_folder(tmp_path):
     as_dict = dataclasses.asdict(config)
     (Path(model) / "config.json").unlink()
     assert EngineConfig(**as_dict) == config
+
+
+def test_vllm_serve_style_flags_name_the_model_and_the_http_port(tmp_path):
+    """As `vllm serve MODEL --host H --port P`: the model positionally, --host/--port for
+    the HTTP server; the engine's own tcp address has --engine-host/--engine-port."""
+    model = make_tiny_checkpoint(tmp_path, "llama", tokenizer=False)
+    args = parse_args([model, "--host", "127.0.0.1", "--port", "9000"])
+    assert (args.api_host, args.api_port) == ("127.0.0.1", 9000)
+    assert engine_config(args).model == model
+    assert engine_address(args).startswith("ipc://")
+    args = parse_args(["--model", model, "--engine-host", "127.0.0.1", "--engine-port", "7000"])
+    assert engine_address(args) == "tcp://127.0.0.1:7000" and args.api_port == 8000
+    assert parse_args(["--api-port", "9001", model, "--model", model]).api_port == 9001
+    with pytest.raises(SystemExit):
+        parse_args([model, "--model", str(tmp_path)])
