@@ -82,7 +82,10 @@ class Tokenizer:
         self.chat_template = chat_template
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike) -> Tokenizer:
+    def from_pretrained(
+        cls, path: str | os.PathLike, chat_template: str | None = None
+    ) -> Tokenizer:
+        """The folder's tokenizer; `chat_template`, when given, replaces the folder's."""
         folder = Path(path)
         if not (folder / "tokenizer.json").is_file():
             raise FileNotFoundError(f"{folder} has no tokenizer.json")
@@ -95,7 +98,9 @@ class Tokenizer:
             if config.get(name) is not None
         }
         template_file = folder / "chat_template.jinja"
-        if template_file.is_file():
+        if chat_template is not None:
+            template = chat_template
+        elif template_file.is_file():
             template = template_file.read_text()
         else:
             template = _default_template(config.get("chat_template"))

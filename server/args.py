@@ -5,9 +5,13 @@ without loading fastapi."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+from pathlib import Path
 from typing import Any
+
+import jinja2
 
 from server.tool_parsers import TOOL_PARSERS
 
@@ -82,6 +86,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "llama3_json (Llama 3.x) (default: none)",
     )
     group.add_argument(
+        "--chat-template",
+        type=_chat_template,
+        help="a Jinja chat template, or a file holding one, for chats with a model that has "
+        "none or to replace its own (vLLM's) (default: the tokenizer's)",
+    )
+    group.add_argument(
         "--enable-request-id-headers",
         action="store_true",
         help="accepted for vLLM's command lines: X-Request-Id is always answered here "
@@ -97,6 +107,22 @@ def check_server_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
         parser.error("--salt-cache-by-api-key needs --api-key")
     if options["enable_auto_tool_choice"] and not options["tool_call_parser"]:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser")
+
+
+def _chat_template(text: str) -> str:
+    """The template a file holds, else the text itself when it is a template (as vLLM
+    reads --chat-template); a template Jinja cannot parse is refused here, at start."""
+    path = Path(text)
+    with contextlib.suppress(OSError, ValueError):
+        if path.is_file():
+            text = path.read_text()
+        elif not any(mark in text for mark in ("{{", "{%")):
+            raise argparse.ArgumentTypeError(f"no such template file: {text!r}")
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise argparse.ArgumentTypeError(f"the chat template does not parse: {e}") from None
+    return text
 
 
 def _json_list(text: str) -> list[str]:
@@ -125,6 +151,7 @@ def server_options(args: argparse.Namespace) -> dict[str, Any]:
         "cors": _cors(given),
         "enable_auto_tool_choice": given["enable_auto_tool_choice"],
         "tool_call_parser": given["tool_call_parser"],
+        "chat_template": given["chat_template"],
     }
 
 
@@ -157,6 +184,8 @@ def server_child_args(args: argparse.Namespace) -> tuple[list[str], dict[str, st
             argv.append("--" + flag.replace("_", "-"))
     if options["tool_call_parser"]:
         argv += ["--tool-call-parser", options["tool_call_parser"]]
+    if options["chat_template"]:
+        argv += ["--chat-template", options["chat_template"]]
     argv += ["--max-request-body-bytes", str(options["max_request_body_bytes"])]
     cors = options["cors"]
     if cors is not None:

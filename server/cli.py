@@ -30,12 +30,14 @@ def run_server(
     port: int = 8000,
     served_model_name: str | None = None,
     credentials: Credentials | str | os.PathLike | None = None,
+    chat_template: str | None = None,
     **app_options: Any,
 ) -> None:
     """Serve the API until SIGINT/SIGTERM. The model name defaults to the tokenizer
     folder's name, the sampling defaults to its generation_config.json's; `credentials`
-    (a file or Credentials) are needed on a tcp engine; `app_options` are build_app's."""
-    tokenizer = Tokenizer.from_pretrained(tokenizer_path)
+    (a file or Credentials) are needed on a tcp engine; `chat_template` replaces the
+    tokenizer's; `app_options` are build_app's."""
+    tokenizer = Tokenizer.from_pretrained(tokenizer_path, chat_template)
     client = AsyncEngineClient(engine_address, tokenizer=tokenizer, credentials=credentials)
     if app_options.get("sampling_defaults") is None:
         app_options["sampling_defaults"] = generation_defaults(tokenizer_path)
