@@ -25,6 +25,7 @@ from ipc.client import EngineDeadError, RequestError
 from ipc.client.parallel_sampling import num_candidates
 from ipc.messages import SamplingParams
 from ipc.outputs import CompletionOutput, Logprob, RequestOutput
+from server.aio import gather_or_cancel, interleaved
 from server.errors import UNEXPECTED, ClientDisconnected, engine_error
 from server.metrics import ServerMetrics
 from server.protocol import APIError
@@ -120,7 +121,7 @@ class PromptStream:
 
 async def complete(prompts: list[PromptStream], want_logprobs: bool) -> dict:
     """The whole response of a non-streaming request: each prompt's choices in turn."""
-    responses = await _all([_complete(p, want_logprobs) for p in prompts])
+    responses = await gather_or_cancel([_complete(p, want_logprobs) for p in prompts])
     choices = [choice for response in responses for choice in response["choices"]]
     usage = _total([response["usage"] for response in responses])
     return {**responses[0], "choices": choices, "usage": usage}
@@ -160,7 +161,7 @@ async def first_outputs(prompts: list[PromptStream]) -> list[RequestOutput | Non
     """Each prompt's first output (so a request the engine rejects is an HTTP error before
     any chunk); if one fails, every prompt's outputs are closed (their requests aborted)."""
     try:
-        return await _all([anext(p.outputs, None) for p in prompts])
+        return await gather_or_cancel([anext(p.outputs, None) for p in prompts])
     except BaseException:
         for prompt in prompts:
             await prompt.outputs.aclose()
@@ -179,7 +180,7 @@ async def event_stream(
     `data: [DONE]`; with `continuous_usage` (vLLM's) every chunk carries its prompt's and
     choice's usage so far. An error after the first chunk ends the chunks with an error
     event (then `data: [DONE]`)."""
-    chunks = _interleaved(
+    chunks = interleaved(
         [
             _chunks(prompt, first, want_logprobs, continuous_usage)
             for prompt, first in zip(prompts, firsts, strict=True)
@@ -233,55 +234,6 @@ async def _chunks(
                         chunk["usage"] = prompt.usage(choice_tokens[delta.index])
                     yield chunk
             out = await anext(prompt.outputs, None)
-
-
-async def _interleaved(streams: list[AsyncIterator[T]]) -> AsyncIterator[T]:
-    """The items of every stream as they come, each stream's in its order. An error in one
-    stream ends them all; closing this closes them all."""
-    if len(streams) == 1:
-        async with aclosing(streams[0]):
-            async for item in streams[0]:
-                yield item
-        return
-    queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
-    ended = object()
-
-    async def pump(stream: AsyncIterator[T]) -> None:
-        try:
-            async with aclosing(stream):
-                async for item in stream:
-                    await queue.put((item, None))
-        except Exception as e:
-            await queue.put((None, e))
-        else:
-            await queue.put((ended, None))
-
-    tasks = [asyncio.ensure_future(pump(stream)) for stream in streams]
-    try:
-        remaining = len(tasks)
-        while remaining:
-            item, error = await queue.get()
-            if error is not None:
-                raise error
-            if item is ended:
-                remaining -= 1
-            else:
-                yield item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.wait(tasks)
-
-
-async def _all(works: list[Awaitable[T]]) -> list[T]:
-    """Every result, in order; at the first error (or a cancel) the rest are cancelled."""
-    tasks = [asyncio.ensure_future(work) for work in works]
-    try:
-        return await asyncio.gather(*tasks)
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.wait(tasks)
 
 
 def _total(usages: list[dict]) -> dict:

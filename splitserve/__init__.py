@@ -14,11 +14,19 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "StructuredOutputsParams",
+    "TextPrompt",
+    "TokensPrompt",
 ]
 
 # Imported on first use, so that a worker process (launch.py --role worker imports
 # splitserve's modules) loads neither the EngineCore nor the clients.
-_WHERE = {"LLM": "splitserve.llm", "EngineClient": "ipc.client", "AsyncEngineClient": "ipc.client"}
+_WHERE = {
+    "LLM": "splitserve.llm",
+    "EngineClient": "ipc.client",
+    "AsyncEngineClient": "ipc.client",
+    "TextPrompt": "ipc.client.request_state",
+    "TokensPrompt": "ipc.client.request_state",
+}
 
 
 def __getattr__(name: str):

@@ -12,6 +12,7 @@ from ipc.client.request_state import (
     RequestState,
     chat_token_ids,
     load_tokenizer,
+    prompt_text,
     prompt_token_ids,
 )
 from ipc.config import EngineConfig
@@ -45,7 +46,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str | dict) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None:
             sampling_params = SamplingParams(**self.config.sampling_defaults)
@@ -54,7 +55,7 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise ValueError("sampling_params must be one, or one per prompt")
         token_ids = [prompt_token_ids(self.tokenizer, p) for p in prompts]
-        texts = [p if isinstance(p, str) else None for p in prompts]
+        texts = [prompt_text(p) for p in prompts]
         return self._run(token_ids, sampling_params, use_tqdm, texts)
 
     def chat(

@@ -39,6 +39,7 @@ from ipc.client.request_state import (
     Sink,
     chat_token_ids,
     load_tokenizer,
+    prompt_text,
     prompt_token_ids,
 )
 from ipc.messages import (
@@ -157,7 +158,7 @@ class ClientCore:
             priority,
             cache_salt,
         )
-        text = prompt if isinstance(prompt, str) else None
+        text = prompt_text(prompt)
         kind = ParentRequest if is_parallel(params) else RequestState
         state = kind(request, self.tokenizer, queue, text)
         children = engine_states(state)

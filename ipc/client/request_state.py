@@ -4,7 +4,7 @@ into a RequestOutput (incremental detokenization, stop strings)."""
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypedDict
 
 from ipc.detokenizer import IncrementalDetokenizer
 from ipc.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
@@ -14,7 +14,20 @@ from ipc.tokenizer import Message, Tokenizer, TokenizerLike
 if TYPE_CHECKING:
     from ipc.client.parallel_sampling import ParentRequest
 
-Prompt = str | list[int]
+
+class TextPrompt(TypedDict):
+    """vLLM's prompt dict of a text."""
+
+    prompt: str
+
+
+class TokensPrompt(TypedDict):
+    """vLLM's prompt dict of token ids."""
+
+    prompt_token_ids: list[int]
+
+
+Prompt = str | list[int] | TextPrompt | TokensPrompt
 _STOP_STRING_WINS = (None, FinishReason.STOP, FinishReason.LENGTH)
 
 
@@ -148,11 +161,33 @@ class RequestState:
 
 
 def prompt_token_ids(tokenizer: TokenizerLike | None, prompt: Prompt) -> list[int]:
+    if isinstance(prompt, dict):
+        prompt = _prompt_of_dict(prompt)
     if not isinstance(prompt, str):
         return list(prompt)
     if tokenizer is None:
         raise ValueError("a text prompt needs a tokenizer; pass token ids or a tokenizer")
     return tokenizer.encode(prompt)
+
+
+def prompt_text(prompt: Prompt) -> str | None:
+    """The prompt's text, when it was given as text."""
+    if isinstance(prompt, dict):
+        prompt = _prompt_of_dict(prompt)
+    return prompt if isinstance(prompt, str) else None
+
+
+def _prompt_of_dict(prompt: dict) -> str | list[int]:
+    """The text or token ids of a TextPrompt or TokensPrompt; anything else in the dict
+    (vLLM's multimodal data, embeddings) is refused, not ignored."""
+    if set(prompt) == {"prompt"}:
+        return prompt["prompt"]
+    if set(prompt) == {"prompt_token_ids"}:
+        return prompt["prompt_token_ids"]
+    keys = ", ".join(sorted(map(str, prompt)))
+    raise ValueError(
+        f"a prompt dict holds either 'prompt' or 'prompt_token_ids' and nothing else, got {keys}"
+    )
 
 
 def chat_token_ids(

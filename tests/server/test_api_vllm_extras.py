@@ -9,6 +9,7 @@ import json
 import time
 from collections import defaultdict
 
+import httpx
 import pytest
 
 from server.inputs import MAX_BATCHED_PROMPTS
@@ -123,6 +124,22 @@ def test_disconnecting_from_a_streamed_batch_aborts_each_prompt(http, engine):
         response_id = json.loads(next(line for line in lines if line)[6:])["id"]
     deadline = time.monotonic() + 10
     while not (engine.aborted(f"{response_id}-0") and engine.aborted(f"{response_id}-1")):
+        assert time.monotonic() < deadline, "the engine never saw both aborts"
+        time.sleep(0.02)
+
+
+def test_disconnecting_from_a_whole_batch_aborts_each_prompt(http, engine):
+    body = {
+        "model": engine.model_name,
+        "prompt": ["Go", "On"],
+        "max_tokens": engine.max_model_len // 2,
+        "ignore_eos": True,
+    }
+    headers = {"X-Request-Id": "left-early"}
+    with pytest.raises(httpx.ReadTimeout):
+        http.post("/v1/completions", json=body, headers=headers, timeout=0.5)
+    deadline = time.monotonic() + 10
+    while not (engine.aborted("cmpl-left-early-0") and engine.aborted("cmpl-left-early-1")):
         assert time.monotonic() < deadline, "the engine never saw both aborts"
         time.sleep(0.02)
 

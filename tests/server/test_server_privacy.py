@@ -123,6 +123,7 @@ def test_server_flags_and_their_defaults(monkeypatch):
         "cors": None,
         "enable_auto_tool_choice": False,
         "tool_call_parser": None,
+        "chat_template": None,
     }
     monkeypatch.setenv("SPLITSERVE_API_KEY", "a, b")
     assert server_options(parse([]))["api_keys"] == ["a", "b"]
