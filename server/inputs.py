@@ -18,7 +18,7 @@ from server.structured_output import structured_outputs_params
 from server.tools import ToolChoice, template_inputs
 
 T = TypeVar("T")
-MAX_BATCHED_PROMPTS = 1024  # prompts in one completions request
+MAX_BATCHED_SEQUENCES = 4096  # of a batch of prompts: prompts × choices (n or best_of)
 
 
 @dataclass(frozen=True)
@@ -63,8 +63,12 @@ def completion_prompts(
     prompt of a batch its own engine request, as in vLLM)."""
     prompt = request.prompt
     batch = prompt if _is_batch(prompt) else [prompt]
-    if len(batch) > MAX_BATCHED_PROMPTS:
-        message = f"at most {MAX_BATCHED_PROMPTS} prompts per request, got {len(batch)}"
+    choices = max(request.n or 1, request.best_of or 1)  # n alone is checked with the rest
+    if len(batch) > 1 and len(batch) * choices > MAX_BATCHED_SEQUENCES:
+        message = (
+            f"a request runs at most {MAX_BATCHED_SEQUENCES} sequences (prompts × n or "
+            f"best_of), got {len(batch)} × {choices}"
+        )
         raise APIError(400, message, "prompt")
     keep = _truncation(request, limits)
     return [_prompt_ids(one, request, keep, tokenizer, limits) for one in batch]

@@ -12,7 +12,7 @@ from collections import defaultdict
 import httpx
 import pytest
 
-from server.inputs import MAX_BATCHED_PROMPTS
+from server.inputs import MAX_BATCHED_SEQUENCES
 from tests.server.test_input_validation import assert_400_naming
 from tests.server.test_openai_api import chat_ids, engine_answer
 
@@ -96,16 +96,17 @@ def test_a_batch_echoes_each_prompt_before_its_choices(http, engine):
 
 
 @pytest.mark.parametrize(
-    ("prompt", "why"),
+    ("extra", "why"),
     [
-        ([[5, 6], []], "a prompt of the batch is empty"),
-        (["Hi", "word " * 10_000], "a prompt of the batch is too long"),
-        ([[5]] * (MAX_BATCHED_PROMPTS + 1), "more prompts than a request may hold"),
+        ({"prompt": [[5, 6], []]}, "a prompt of the batch is empty"),
+        ({"prompt": ["Hi", "word " * 10_000]}, "a prompt of the batch is too long"),
+        ({"prompt": [[5]] * (MAX_BATCHED_SEQUENCES + 1)}, "more sequences than a request runs"),
+        ({"prompt": [[5]] * 33, "n": 128}, "33 prompts of 128 choices: more sequences too"),
     ],
 )
-def test_a_batch_with_one_bad_prompt_is_refused_whole(http, engine, prompt, why):
+def test_a_batch_with_one_bad_prompt_is_refused_whole(http, engine, extra, why):
     before = dict(engine.client._core._requests) if hasattr(engine.client, "_core") else None
-    body = {"model": engine.model_name, "prompt": prompt, "max_tokens": 2}
+    body = {"model": engine.model_name, "max_tokens": 2, **extra}
     assert_400_naming(http.post("/v1/completions", json=body), "prompt")
     if before is not None:
         assert engine.client._core._requests == before, why
