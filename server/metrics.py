@@ -7,6 +7,8 @@ registry, so several apps (tests) can live in one process.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -33,6 +35,20 @@ def token_buckets(max_value: int) -> tuple[int, ...]:
                 return tuple(buckets)
             buckets.append(mantissa * scale)
         scale *= 10
+
+
+@dataclass
+class FinishedRequest:
+    """What the server saw of one finished request (its choices' token counts; the time
+    from its first token to its last, None without tokens)."""
+
+    seconds: float
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    choice_tokens: list[int]
+    n: int
+    max_tokens: int | None
+    decode_seconds: float | None
 
 
 class EngineStatsCollector:
@@ -97,6 +113,25 @@ class ServerMetrics:
             "e2e_request_latency_seconds": ("Time from arrival to the request's end.", E2E_BUCKETS),
             "request_prompt_tokens": ("Prompt tokens of each finished request.", tokens),
             "request_generation_tokens": ("Tokens generated for each finished request.", tokens),
+            "request_max_num_generation_tokens": (
+                "Tokens generated for the longest choice of each finished request.",
+                tokens,
+            ),
+            "request_prefill_kv_computed_tokens": (
+                "Prompt tokens each finished request computed (not found in the prefix cache).",
+                tokens,
+            ),
+            "request_params_n": ("The n of each finished request.", token_buckets(128)),
+            "request_params_max_tokens": ("The max_tokens of each finished request.", tokens),
+            "request_time_per_output_token_seconds": (
+                "Each finished request's mean time between tokens (after the first).",
+                ITL_BUCKETS,
+            ),
+            "request_decode_time_seconds": (
+                "Each finished request's time from its first token to its last, as the "
+                "server saw them.",
+                E2E_BUCKETS,
+            ),
         }
         self._histograms = {
             name: Histogram(
@@ -110,6 +145,12 @@ class ServerMetrics:
             [LABEL, "finished_reason"],
             registry=self.registry,
         )
+        self._cached_tokens = Counter(
+            PREFIX + "prompt_tokens_cached",
+            "Prompt tokens of finished requests found in the prefix cache.",
+            [LABEL],
+            registry=self.registry,
+        ).labels(model_name)
 
     def observe_first_token(self, seconds: float) -> None:
         self._histograms["time_to_first_token_seconds"].observe(seconds)
@@ -118,12 +159,25 @@ class ServerMetrics:
         self._histograms["inter_token_latency_seconds"].observe(seconds)
         self._histograms["time_per_output_token_seconds"].observe(seconds)
 
-    def observe_finished(
-        self, finish_reason: str, seconds: float, num_prompt_tokens: int, num_tokens: int
-    ) -> None:
-        self._histograms["e2e_request_latency_seconds"].observe(seconds)
-        self._histograms["request_prompt_tokens"].observe(num_prompt_tokens)
-        self._histograms["request_generation_tokens"].observe(num_tokens)
+    def observe_finished(self, finish_reason: str, request: FinishedRequest) -> None:
+        observe = {name: h.observe for name, h in self._histograms.items()}
+        observe["e2e_request_latency_seconds"](request.seconds)
+        observe["request_prompt_tokens"](request.num_prompt_tokens)
+        observe["request_generation_tokens"](sum(request.choice_tokens))
+        observe["request_max_num_generation_tokens"](max(request.choice_tokens, default=0))
+        computed = request.num_prompt_tokens - request.num_cached_tokens
+        observe["request_prefill_kv_computed_tokens"](computed)
+        observe["request_params_n"](request.n)
+        if request.max_tokens is not None:
+            observe["request_params_max_tokens"](request.max_tokens)
+        if request.decode_seconds is not None:
+            observe["request_decode_time_seconds"](request.decode_seconds)
+            longest = max(request.choice_tokens)
+            if longest > 1:
+                observe["request_time_per_output_token_seconds"](
+                    request.decode_seconds / (longest - 1)
+                )
+        self._cached_tokens.inc(request.num_cached_tokens)
         self._success.labels(self.model_name, finish_reason).inc()
 
     def render(self, stats: SchedulerStats | None) -> bytes:

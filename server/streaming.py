@@ -27,7 +27,7 @@ from ipc.messages import SamplingParams
 from ipc.outputs import CompletionOutput, Logprob, RequestOutput
 from server.aio import gather_or_cancel, interleaved
 from server.errors import UNEXPECTED, ClientDisconnected, engine_error
-from server.metrics import ServerMetrics
+from server.metrics import FinishedRequest, ServerMetrics
 from server.protocol import APIError
 from server.responses import ResponseBuilder
 
@@ -56,10 +56,11 @@ async def engine_outputs(
     """The engine client's stream of deltas, timed into the metrics; its errors become
     APIErrors. A request with best_of > n cannot stream: its one output is the answer."""
     s = submission
-    last_token_time = None
+    first_token_time = last_token_time = None
     finish_reason = "abort"
     started = False
-    num_tokens = 0
+    choice_tokens: dict[int, int] = defaultdict(int)
+    num_cached_tokens = 0
     try:
         run = client.stream
         if num_candidates(s.params) > s.params.n:
@@ -74,11 +75,15 @@ async def engine_outputs(
         async with aclosing(stream):
             async for out in stream:
                 now = time.perf_counter()
-                num_new = sum(len(choice.token_ids) for choice in out.outputs)
+                num_new = 0
+                for choice in out.outputs:
+                    choice_tokens[choice.index] += len(choice.token_ids)
+                    num_new += len(choice.token_ids)
+                num_cached_tokens = out.num_cached_tokens
                 if num_new:
-                    num_tokens += num_new
                     if last_token_time is None:
                         metrics.observe_first_token(now - s.arrival)
+                        first_token_time = now
                     else:
                         metrics.observe_inter_token(now - last_token_time)
                     last_token_time = now
@@ -94,8 +99,21 @@ async def engine_outputs(
         raise APIError(400, str(e)) from e
     finally:
         if finish_reason is not None:
-            seconds = time.perf_counter() - s.arrival
-            metrics.observe_finished(finish_reason, seconds, len(s.prompt_token_ids), num_tokens)
+            decode = None  # unknown without tokens, or when they all came at once (best_of)
+            if first_token_time is not None and (
+                last_token_time > first_token_time or max(choice_tokens.values()) == 1
+            ):
+                decode = last_token_time - first_token_time
+            finished = FinishedRequest(
+                time.perf_counter() - s.arrival,
+                len(s.prompt_token_ids),
+                num_cached_tokens,
+                list(choice_tokens.values()),
+                s.params.n,
+                s.params.max_tokens,
+                decode,
+            )
+            metrics.observe_finished(finish_reason, finished)
 
 
 async def _whole(client, *args, **kwargs) -> AsyncIterator[RequestOutput]:

@@ -26,6 +26,13 @@ VLLM_METRICS = [
     "e2e_request_latency_seconds_count",
     "request_prompt_tokens_count",
     "request_generation_tokens_count",
+    "request_max_num_generation_tokens_count",
+    "request_prefill_kv_computed_tokens_count",
+    "request_params_n_count",
+    "request_params_max_tokens_count",
+    "request_time_per_output_token_seconds_count",
+    "request_decode_time_seconds_count",
+    "prompt_tokens_cached_total",
 ]
 
 

@@ -143,3 +143,26 @@ def test_smollm2_chat_with_n_3(tmp_path):
     assert len({c.message.content for c in sampled.choices}) > 1
     assert len({c.message.content for c in greedy.choices}) == 1
     assert 3 <= sampled.usage.completion_tokens <= 3 * 16
+
+
+def test_request_metrics_count_each_request_once_with_its_choices(oai, http):
+    from tests.server.test_openai_api import _metrics
+
+    def sums() -> dict[str, float]:
+        found = _metrics(http)
+        return {name: value for (name, _), value in found.items() if name.endswith("_sum")}
+
+    before = sums()
+    out = completion(oai, n=2, max_tokens=12)
+    after = sums()
+
+    def grew(name: str) -> float:
+        key = f"splitserve:{name}_sum"
+        return after[key] - before.get(key, 0.0)
+
+    assert grew("request_params_n") == 2 and grew("request_params_max_tokens") == 12
+    assert grew("request_generation_tokens") == 24 == out.usage.completion_tokens
+    assert grew("request_max_num_generation_tokens") == 12
+    computed = grew("request_prefill_kv_computed_tokens")
+    assert 1 <= computed <= out.usage.prompt_tokens
+    assert grew("request_decode_time_seconds") > 0
