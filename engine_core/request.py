@@ -10,6 +10,7 @@ from ipc.messages import (
     EngineCoreRequest,
     FinishReason,
     PromptLogprobs,
+    RequestTimes,
     SamplingParams,
     TokenLogprobs,
 )
@@ -80,6 +81,11 @@ class Request:
         # Prompt tokens found in the prefix cache when the request was first scheduled.
         self.num_cached_tokens = 0
         self.num_preemptions = 0
+        # time.monotonic() when the EngineCore took it, first scheduled it, sampled its
+        # first token: its RequestTimes when it finishes.
+        self.queued_time = time.monotonic()
+        self.scheduled_time: float | None = None
+        self.first_token_time: float | None = None
         # Prompt tokens whose logprobs were sent (tokens 1..n): a recomputed prompt
         # sends only those after them.
         self.num_prompt_logprobs_sent = 0
@@ -87,6 +93,17 @@ class Request:
         self.on_workers = False
         self.block_hashes: list[bytes] = []
         self._hash_block_size: int | None = None
+
+    def times(self) -> RequestTimes | None:
+        """Its phases so far (the decode up to now); None before its first token."""
+        if self.scheduled_time is None or self.first_token_time is None:
+            return None
+        now = time.monotonic()
+        return RequestTimes(
+            self.scheduled_time - self.queued_time,
+            self.first_token_time - self.scheduled_time,
+            now - self.first_token_time,
+        )
 
     @classmethod
     def from_engine_core_request(

@@ -9,6 +9,7 @@ copied back, or freed and later recomputed, whichever costs less.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 
 from engine_core.request import Request, RequestStatus
@@ -257,6 +258,8 @@ class Scheduler:
                     )
                 )
                 request.on_workers = True
+            if request.scheduled_time is None:
+                request.scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
         return new_reqs, resumed
 
@@ -347,6 +350,7 @@ class Scheduler:
             request.num_output_placeholders -= 1
             if not request.output_token_ids:
                 self.num_prompt_tokens += request.num_prompt_tokens
+                request.first_token_time = time.monotonic()
             new_token_ids = []
             status = None
             for token_id in token_ids:
@@ -369,6 +373,7 @@ class Scheduler:
                     request.num_cached_tokens,
                     logprobs[i][: len(new_token_ids)] if logprobs and logprobs[i] else None,
                     prompt_logprobs=prompt_logprobs.pop(request_id, None) or None,
+                    times=None if status is None else request.times(),
                     **_GRAMMAR_ERROR if status == RequestStatus.FINISHED_ERROR else {},
                 )
             )

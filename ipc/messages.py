@@ -226,6 +226,15 @@ class UtilityRequest(_Tagged):
 # EngineCore -> client
 
 
+class RequestTimes(_Wire):
+    """A finished request's phases as the EngineCore timed them, in seconds: waiting to be
+    first scheduled, from then to its first token, and from that to its last."""
+
+    queued: float
+    prefill: float
+    decode: float
+
+
 class EngineCoreOutput(_Wire):
     request_id: str
     new_token_ids: list[int]
@@ -236,6 +245,7 @@ class EngineCoreOutput(_Wire):
     error_code: ErrorCode = ErrorCode.INVALID_REQUEST
     # The prompt logprobs not sent before, in prompt order from prompt token 1.
     prompt_logprobs: list[TokenLogprobs] | None = None
+    times: RequestTimes | None = None  # on the last output of a request that generated
 
 
 class SchedulerStats(_Wire):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from ipc.messages import SchedulerStats
+from ipc.messages import RequestTimes, SchedulerStats
 
 PREFIX = "splitserve:"
 # fmt: off
@@ -39,8 +39,7 @@ def token_buckets(max_value: int) -> tuple[int, ...]:
 
 @dataclass
 class FinishedRequest:
-    """What the server saw of one finished request (its choices' token counts; the time
-    from its first token to its last, None without tokens)."""
+    """What the server saw of one finished request (its choices' token counts)."""
 
     seconds: float
     num_prompt_tokens: int
@@ -48,7 +47,6 @@ class FinishedRequest:
     choice_tokens: list[int]
     n: int
     max_tokens: int | None
-    decode_seconds: float | None
 
 
 class EngineStatsCollector:
@@ -124,12 +122,26 @@ class ServerMetrics:
             "request_params_n": ("The n of each finished request.", token_buckets(128)),
             "request_params_max_tokens": ("The max_tokens of each finished request.", tokens),
             "request_time_per_output_token_seconds": (
-                "Each finished request's mean time between tokens (after the first).",
+                "Each finished request's mean time between tokens (after the first), in the "
+                "EngineCore.",
                 ITL_BUCKETS,
             ),
             "request_decode_time_seconds": (
-                "Each finished request's time from its first token to its last, as the "
-                "server saw them.",
+                "Time from each finished request's first token to its last, in the EngineCore.",
+                E2E_BUCKETS,
+            ),
+            "request_queue_time_seconds": (
+                "Time each finished request waited in the EngineCore to be first scheduled.",
+                E2E_BUCKETS,
+            ),
+            "request_prefill_time_seconds": (
+                "Time from each finished request's first scheduling to its first token, in "
+                "the EngineCore.",
+                E2E_BUCKETS,
+            ),
+            "request_inference_time_seconds": (
+                "Time from each finished request's first scheduling to its last token, in "
+                "the EngineCore.",
                 E2E_BUCKETS,
             ),
         }
@@ -170,15 +182,19 @@ class ServerMetrics:
         observe["request_params_n"](request.n)
         if request.max_tokens is not None:
             observe["request_params_max_tokens"](request.max_tokens)
-        if request.decode_seconds is not None:
-            observe["request_decode_time_seconds"](request.decode_seconds)
-            longest = max(request.choice_tokens)
-            if longest > 1:
-                observe["request_time_per_output_token_seconds"](
-                    request.decode_seconds / (longest - 1)
-                )
         self._cached_tokens.inc(request.num_cached_tokens)
         self._success.labels(self.model_name, finish_reason).inc()
+
+    def observe_engine_times(self, times: RequestTimes, num_tokens: int) -> None:
+        """One engine request's phases and its `num_tokens` (each choice's, with n > 1, as
+        vLLM counts them)."""
+        observe = {name: h.observe for name, h in self._histograms.items()}
+        observe["request_queue_time_seconds"](times.queued)
+        observe["request_prefill_time_seconds"](times.prefill)
+        observe["request_decode_time_seconds"](times.decode)
+        observe["request_inference_time_seconds"](times.prefill + times.decode)
+        if num_tokens > 1:
+            observe["request_time_per_output_token_seconds"](times.decode / (num_tokens - 1))
 
     def render(self, stats: SchedulerStats | None) -> bytes:
         self.engine.stats = stats

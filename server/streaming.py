@@ -56,7 +56,7 @@ async def engine_outputs(
     """The engine client's stream of deltas, timed into the metrics; its errors become
     APIErrors. A request with best_of > n cannot stream: its one output is the answer."""
     s = submission
-    first_token_time = last_token_time = None
+    last_token_time = None
     finish_reason = "abort"
     started = False
     choice_tokens: dict[int, int] = defaultdict(int)
@@ -83,10 +83,12 @@ async def engine_outputs(
                 if num_new:
                     if last_token_time is None:
                         metrics.observe_first_token(now - s.arrival)
-                        first_token_time = now
                     else:
                         metrics.observe_inter_token(now - last_token_time)
                     last_token_time = now
+                if out.times is not None:  # an engine request (a choice, with n > 1) ended
+                    index = out.outputs[0].index if out.outputs else 0
+                    metrics.observe_engine_times(out.times, choice_tokens[index])
                 if out.finished:
                     finish_reason = next((c.finish_reason for c in out.outputs), None) or "abort"
                 started = True
@@ -99,11 +101,6 @@ async def engine_outputs(
         raise APIError(400, str(e)) from e
     finally:
         if finish_reason is not None:
-            decode = None  # unknown without tokens, or when they all came at once (best_of)
-            if first_token_time is not None and (
-                last_token_time > first_token_time or max(choice_tokens.values()) == 1
-            ):
-                decode = last_token_time - first_token_time
             finished = FinishedRequest(
                 time.perf_counter() - s.arrival,
                 len(s.prompt_token_ids),
@@ -111,7 +108,6 @@ async def engine_outputs(
                 list(choice_tokens.values()),
                 s.params.n,
                 s.params.max_tokens,
-                decode,
             )
             metrics.observe_finished(finish_reason, finished)
 

@@ -115,6 +115,7 @@ class ParentRequest:
             result.error,
             delta.prompt_logprobs,
             result.prompt,
+            delta.times,
         )
 
     def abort(self) -> RequestOutput:

@@ -84,3 +84,49 @@ def test_engine_core_imports_no_torch_nor_worker_packages():
         cwd=Path(__file__).resolve().parents[2],
     )
     assert result.stdout.strip() == "[]"
+
+
+class Clock:
+    """time.monotonic for the EngineCore: the test moves it."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_finished_request_carries_its_queue_prefill_and_decode_times(monkeypatch):
+    """Only the last output of a request has its RequestTimes: from being taken to its
+    first scheduling, from then to its first token, from that to its last. With one
+    request at a time, b waits for a's three steps; each step here takes a second."""
+    clock = Clock()
+    monkeypatch.setattr("engine_core.request.time.monotonic", clock)
+    monkeypatch.setattr("engine_core.scheduler.time.monotonic", clock)
+    engine, _ = make_engine(max_num_seqs=1)
+    engine.add_request(make_request("a", 5, max_tokens=3))
+    engine.add_request(make_request("b", 5, max_tokens=2))
+    times = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step().outputs:
+            if out.finish_reason is None:
+                assert out.times is None
+            else:
+                times[out.request_id] = out.times
+        clock.now += 1.0
+    assert (times["a"].queued, times["a"].prefill, times["a"].decode) == (0.0, 0.0, 2.0)
+    assert (times["b"].queued, times["b"].prefill, times["b"].decode) == (3.0, 0.0, 1.0)
+
+
+def test_a_chunked_prefill_counts_its_steps_as_prefill_time(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr("engine_core.request.time.monotonic", clock)
+    monkeypatch.setattr("engine_core.scheduler.time.monotonic", clock)
+    engine, _ = make_engine(max_num_batched_tokens=16)
+    engine.add_request(make_request("long", 40, max_tokens=2))  # prefill in 3 chunks
+    while engine.has_unfinished_requests():
+        for out in engine.step().outputs:
+            if out.finish_reason is not None:
+                times = out.times
+        clock.now += 1.0
+    assert (times.queued, times.prefill, times.decode) == (0.0, 2.0, 1.0)

@@ -32,6 +32,9 @@ VLLM_METRICS = [
     "request_params_max_tokens_count",
     "request_time_per_output_token_seconds_count",
     "request_decode_time_seconds_count",
+    "request_queue_time_seconds_count",
+    "request_prefill_time_seconds_count",
+    "request_inference_time_seconds_count",
     "prompt_tokens_cached_total",
 ]
 

@@ -150,14 +150,16 @@ def test_request_metrics_count_each_request_once_with_its_choices(oai, http):
 
     def sums() -> dict[str, float]:
         found = _metrics(http)
-        return {name: value for (name, _), value in found.items() if name.endswith("_sum")}
+        return {
+            name: value for (name, _), value in found.items() if name.endswith(("_sum", "_count"))
+        }
 
     before = sums()
     out = completion(oai, n=2, max_tokens=12)
     after = sums()
 
-    def grew(name: str) -> float:
-        key = f"splitserve:{name}_sum"
+    def grew(name: str, part: str = "sum") -> float:
+        key = f"splitserve:{name}_{part}"
         return after[key] - before.get(key, 0.0)
 
     assert grew("request_params_n") == 2 and grew("request_params_max_tokens") == 12
@@ -165,4 +167,9 @@ def test_request_metrics_count_each_request_once_with_its_choices(oai, http):
     assert grew("request_max_num_generation_tokens") == 12
     computed = grew("request_prefill_kv_computed_tokens")
     assert 1 <= computed <= out.usage.prompt_tokens
+    # The EngineCore's phase times: one per engine request, each choice's, as in vLLM.
+    phases = ("queue", "prefill", "decode", "inference")
+    assert [grew(f"request_{phase}_time_seconds", "count") for phase in phases] == [2] * 4
     assert grew("request_decode_time_seconds") > 0
+    assert grew("request_inference_time_seconds") >= grew("request_decode_time_seconds")
+    assert grew("request_time_per_output_token_seconds", "count") == 2
