@@ -17,17 +17,25 @@ import functools
 import json
 import os
 import re
-import secrets
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
 import jinja2
 import jinja2.meta
 import tokenizers
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-Message = dict[str, Any]  # one chat message: {"role": ..., "content": ...}
+from ipc.chat_template import (
+    Message,
+    default_template,
+    environment,
+    hide,
+    holds,
+    open_final_message,
+    placeholder_nonce,
+    reveal,
+    with_end,
+)
+
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 # Longer texts are encoded with encode_batch, which releases the GIL while it works
 # (encode holds it), so other threads (an event loop) keep running.
@@ -103,7 +111,7 @@ class Tokenizer:
         elif template_file.is_file():
             template = template_file.read_text()
         else:
-            template = _default_template(config.get("chat_template"))
+            template = default_template(config.get("chat_template"))
         return cls(backend, special_tokens, template)
 
     @property
@@ -148,8 +156,8 @@ class Tokenizer:
                 raise ValueError(
                     "continue_final_message and add_generation_prompt cannot both be set"
                 )
-            end = _placeholder_nonce(messages)
-            messages = [*messages[:-1], _with_end(messages[-1], end)]
+            end = placeholder_nonce(messages)
+            messages = [*messages[:-1], with_end(messages[-1], end)]
         text = self._compiled_template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
@@ -157,19 +165,19 @@ class Tokenizer:
             **self.special_tokens,
         )
         if continue_final_message:
-            text = _open_final_message(text, end)
+            text = open_final_message(text, end)
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
     @functools.cached_property
     def _compiled_template(self) -> jinja2.Template:
-        return _environment().from_string(self.chat_template)
+        return environment().from_string(self.chat_template)
 
     @functools.cached_property
     def chat_template_takes_tools(self) -> bool:
         """Whether the chat template reads `tools` (has a tools section)."""
         if self.chat_template is None:
             return False
-        parsed = _environment().parse(self.chat_template)
+        parsed = environment().parse(self.chat_template)
         return "tools" in jinja2.meta.find_undeclared_variables(parsed)
 
     def encode_chat(
@@ -184,13 +192,13 @@ class Tokenizer:
         `encode(apply_chat_template(messages, ...), add_special_tokens=False)`."""
         specials = self._special_texts
         options = (add_generation_prompt, tools, continue_final_message)
-        if not _holds([messages, tools], specials):
+        if not holds([messages, tools], specials):
             return self.apply_chat_template(messages, *options, tokenize=True)
         # Hide the messages' special-token text behind placeholders while the template
         # renders, so every special token left in the text is the template's own.
-        nonce = _placeholder_nonce([messages, tools])
-        hidden = [_hide(m, specials, nonce) for m in messages]
-        hidden_tools = _hide(tools, specials, nonce)
+        nonce = placeholder_nonce([messages, tools])
+        hidden = [hide(m, specials, nonce) for m in messages]
+        hidden_tools = hide(tools, specials, nonce)
         text = self.apply_chat_template(
             hidden, add_generation_prompt, hidden_tools, continue_final_message
         )
@@ -200,7 +208,7 @@ class Tokenizer:
                 token = piece if piece in specials else piece.strip()  # stripped whitespace
                 ids.append(self.backend.token_to_id(token))
             elif piece:
-                plain = _reveal(piece, specials, nonce)
+                plain = reveal(piece, specials, nonce)
                 ids += _encode(self._plain_backend, plain, add_special_tokens=False)
         return ids
 
@@ -305,73 +313,10 @@ def _token_text(token: str | dict[str, Any]) -> str:
     return token["content"] if isinstance(token, dict) else token
 
 
-def _default_template(template: str | list[dict[str, str]] | None) -> str | None:
-    """tokenizer_config.json holds one template, or a list of named ones."""
-    if isinstance(template, list):
-        named = {t["name"]: t["template"] for t in template}
-        return named.get("default")
-    return template
-
-
 def _encode(backend: tokenizers.Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
     if len(text) > _LONG_TEXT_CHARS:
         return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
     return backend.encode(text, add_special_tokens=add_special_tokens).ids
-
-
-def _holds(value: Any, texts: list[str]) -> bool:
-    """Whether a message (any string inside it) holds one of `texts`."""
-    if isinstance(value, str):
-        return any(text in value for text in texts)
-    if isinstance(value, dict):
-        return any(_holds(v, texts) for v in value.values())
-    if isinstance(value, list):
-        return any(_holds(v, texts) for v in value)
-    return False
-
-
-def _placeholder_nonce(messages: Any) -> str:
-    """Private-use characters that appear in no message; placeholders are built from it."""
-    while True:
-        nonce = "".join(chr(0xE000 + b) for b in secrets.token_bytes(8))
-        if not _holds(messages, [nonce]):
-            return nonce
-
-
-def _hide(value: Any, texts: list[str], nonce: str) -> Any:
-    """`value` with each of `texts` replaced by its placeholder (no letter or space, so a
-    template's trim, upper or lower leaves it whole)."""
-    if isinstance(value, str):
-        if not any(text in value for text in texts):
-            return value
-        pattern = "|".join(map(re.escape, texts))
-        return re.sub(pattern, lambda m: f"{nonce}{chr(0xF000 + texts.index(m[0]))}", value)
-    if isinstance(value, dict):
-        return {k: _hide(v, texts, nonce) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_hide(v, texts, nonce) for v in value]
-    return value
-
-
-def _with_end(message: Message, end: str) -> Message:
-    """The message with `end` and a space after its content (a template that trims the
-    content drops the space)."""
-    if not isinstance(message.get("content"), str):
-        raise ValueError("continue_final_message: the final message has no text content")
-    return {**message, "content": f"{message['content']}{end} "}
-
-
-def _open_final_message(text: str, end: str) -> str:
-    """The rendered chat cut where the final message's content ends (`end` marks it);
-    when the template trimmed that content, its trailing whitespace goes too."""
-    at = text.rfind(end)
-    if at < 0:
-        raise ValueError("continue_final_message: the chat template left the final message out")
-    return text[:at] if text.startswith(f"{end} ", at) else text[:at].rstrip()
-
-
-def _reveal(text: str, texts: list[str], nonce: str) -> str:
-    return re.sub(f"{re.escape(nonce)}(.)", lambda m: texts[ord(m[1]) - 0xF000], text, flags=re.S)
 
 
 def _normalizer_shrink(normalizer: dict | None) -> int | None:
@@ -405,21 +350,3 @@ def _is_byte_level(pre_tokenizer: dict | None) -> bool:
     if pre_tokenizer["type"] == "Sequence":
         return any(map(_is_byte_level, pre_tokenizer["pretokenizers"]))
     return pre_tokenizer["type"] == "ByteLevel"
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.TemplateError(message)
-
-
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, **kw: Any) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, **kw)
-
-
-def _environment() -> jinja2.Environment:
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env

@@ -13,6 +13,7 @@ from typing import Any
 
 import jinja2
 
+from ipc.chat_template import environment
 from server.tool_parsers import TOOL_PARSERS
 
 API_KEY_ENV = "SPLITSERVE_API_KEY"
@@ -119,7 +120,7 @@ def _chat_template(text: str) -> str:
         elif not any(mark in text for mark in ("{{", "{%")):
             raise argparse.ArgumentTypeError(f"no such template file: {text!r}")
     try:
-        jinja2.Environment().parse(text)
+        environment().parse(text)  # the environment templates render in (loop controls too)
     except jinja2.TemplateSyntaxError as e:
         raise argparse.ArgumentTypeError(f"the chat template does not parse: {e}") from None
     return text

@@ -17,7 +17,11 @@ from ipc.tokenizer import Tokenizer
 from server.args import add_server_args, server_child_args
 from tests.ipc.client_fakes import FakeEngine, tiny_tokenizer_path
 
-TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+# {% break %} needs the loop controls transformers' environment has.
+TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}"
+    "{% if loop.index > 5 %}{% break %}{% endif %}{% endfor %}"
+)
 
 
 def free_port() -> int:
