@@ -6,7 +6,6 @@ answers come from the engine client itself, so these tests hold for any engine b
 from __future__ import annotations
 
 import json
-import time
 from collections import defaultdict
 
 import httpx
@@ -14,10 +13,22 @@ import pytest
 
 from server.inputs import MAX_BATCHED_SEQUENCES
 from tests.server.test_input_validation import assert_400_naming
-from tests.server.test_openai_api import chat_ids, engine_answer
+from tests.server.test_openai_api import (
+    chat_ids,
+    engine_answer,
+    first_chunk_id,
+    long_completion,
+    wait_for_aborts,
+)
 
 PROMPTS = ["Once upon a time", "The sky is", "Hi"]
 USER = {"role": "user", "content": "Hi"}
+
+
+def greedy(engine, max_tokens: int, **fields) -> dict:
+    """A greedy request body for `max_tokens` tokens, EOS ignored."""
+    common = {"model": engine.model_name, "temperature": 0, "ignore_eos": True}
+    return {**common, "max_tokens": max_tokens, **fields}
 
 
 def events(response) -> list[dict]:
@@ -113,51 +124,23 @@ def test_a_batch_with_one_bad_prompt_is_refused_whole(http, engine, extra, why):
 
 
 def test_disconnecting_from_a_streamed_batch_aborts_each_prompt(http, engine):
-    body = {
-        "model": engine.model_name,
-        "prompt": ["Go", "On"],
-        "max_tokens": engine.max_model_len // 2,
-        "stream": True,
-        "ignore_eos": True,
-    }
-    with http.stream("POST", "/v1/completions", json=body) as response:
-        lines = response.iter_lines()
-        response_id = json.loads(next(line for line in lines if line)[6:])["id"]
-    deadline = time.monotonic() + 10
-    while not (engine.aborted(f"{response_id}-0") and engine.aborted(f"{response_id}-1")):
-        assert time.monotonic() < deadline, "the engine never saw both aborts"
-        time.sleep(0.02)
+    response_id = first_chunk_id(http, long_completion(engine, ["Go", "On"], stream=True))
+    wait_for_aborts(engine, f"{response_id}-0", f"{response_id}-1")
 
 
 def test_disconnecting_from_a_whole_batch_aborts_each_prompt(http, engine):
-    body = {
-        "model": engine.model_name,
-        "prompt": ["Go", "On"],
-        "max_tokens": engine.max_model_len // 2,
-        "ignore_eos": True,
-    }
+    body = long_completion(engine, ["Go", "On"], stream=False)
     headers = {"X-Request-Id": "left-early"}
     with pytest.raises(httpx.ReadTimeout):
         http.post("/v1/completions", json=body, headers=headers, timeout=0.5)
-    deadline = time.monotonic() + 10
-    while not (engine.aborted("cmpl-left-early-0") and engine.aborted("cmpl-left-early-1")):
-        assert time.monotonic() < deadline, "the engine never saw both aborts"
-        time.sleep(0.02)
+    wait_for_aborts(engine, "cmpl-left-early-0", "cmpl-left-early-1")
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_return_token_ids_gives_the_prompt_and_choice_token_ids(http, live_server, engine, stream):
     ids = engine.tokenizer.encode("Once upon a time")
     want = engine_answer(live_server, engine, ids, max_tokens=5, ignore_eos=True)
-    body = {
-        "model": engine.model_name,
-        "prompt": "Once upon a time",
-        "max_tokens": 5,
-        "temperature": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-        "stream": stream,
-    }
+    body = greedy(engine, 5, prompt="Once upon a time", return_token_ids=True, stream=stream)
     response = http.post("/v1/completions", json=body)
     if stream:
         choices = [chunk["choices"][0] for chunk in events(response)]
@@ -173,15 +156,7 @@ def test_chat_return_token_ids_puts_the_prompt_ids_at_the_top(http, live_server,
     messages = [{"role": "user", "content": "Name a colour."}]
     prompt_ids = chat_ids(engine, messages)
     want = engine_answer(live_server, engine, prompt_ids, max_tokens=4, ignore_eos=True)
-    body = {
-        "model": engine.model_name,
-        "messages": messages,
-        "max_tokens": 4,
-        "temperature": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-        "stream": stream,
-    }
+    body = greedy(engine, 4, messages=messages, return_token_ids=True, stream=stream)
     response = http.post("/v1/chat/completions", json=body)
     if stream:
         first, *rest = events(response)

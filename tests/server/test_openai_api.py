@@ -351,18 +351,26 @@ def test_metrics_parse_and_move_after_a_request(oai, http, engine):
         assert (f"splitserve:{gauge}", (("model_name", engine.model_name),)) in after
 
 
-def test_disconnect_mid_stream_aborts_the_request(http, engine):
-    body = {
-        "model": engine.model_name,
-        "prompt": "Go",
-        "max_tokens": engine.max_model_len // 2,
-        "stream": True,
-        "ignore_eos": True,
-    }
+def long_completion(engine, prompt: str | list[str], stream: bool) -> dict:
+    """A body that runs long enough to leave in the middle of."""
+    max_tokens = engine.max_model_len // 2
+    return {"model": engine.model_name, "prompt": prompt, "max_tokens": max_tokens,
+            "stream": stream, "ignore_eos": True}  # fmt: skip
+
+
+def first_chunk_id(http, body: dict) -> str:
+    """The id of a stream's first chunk; the connection is closed after it."""
     with http.stream("POST", "/v1/completions", json=body) as response:
         lines = response.iter_lines()
-        request_id = json.loads(next(line for line in lines if line)[6:])["id"]
+        return json.loads(next(line for line in lines if line)[6:])["id"]
+
+
+def wait_for_aborts(engine, *request_ids: str) -> None:
     deadline = time.monotonic() + 10
-    while not engine.aborted(request_id):
-        assert time.monotonic() < deadline, "the engine never saw the abort"
+    while not all(map(engine.aborted, request_ids)):
+        assert time.monotonic() < deadline, f"the engine never saw {request_ids} aborted"
         time.sleep(0.02)
+
+
+def test_disconnect_mid_stream_aborts_the_request(http, engine):
+    wait_for_aborts(engine, first_chunk_id(http, long_completion(engine, "Go", stream=True)))
