@@ -10,7 +10,7 @@ from ipc.messages import (
     EngineCoreRequest,
     FinishReason,
     PromptLogprobs,
-    RequestTimes,
+    RequestStats,
     SamplingParams,
     TokenLogprobs,
 )
@@ -82,7 +82,7 @@ class Request:
         self.num_cached_tokens = 0
         self.num_preemptions = 0
         # time.monotonic() when the EngineCore took it, first scheduled it, sampled its
-        # first token: its RequestTimes when it finishes.
+        # first token: its RequestStats when it finishes.
         self.queued_time = time.monotonic()
         self.scheduled_time: float | None = None
         self.first_token_time: float | None = None
@@ -94,15 +94,16 @@ class Request:
         self.block_hashes: list[bytes] = []
         self._hash_block_size: int | None = None
 
-    def times(self) -> RequestTimes | None:
+    def stats(self) -> RequestStats | None:
         """Its phases so far (the decode up to now); None before its first token."""
         if self.scheduled_time is None or self.first_token_time is None:
             return None
         now = time.monotonic()
-        return RequestTimes(
+        return RequestStats(
             self.scheduled_time - self.queued_time,
             self.first_token_time - self.scheduled_time,
             now - self.first_token_time,
+            self.num_preemptions,
         )
 
     @classmethod

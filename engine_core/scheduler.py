@@ -9,6 +9,7 @@ copied back, or freed and later recomputed, whichever costs less.
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Iterable, Sequence
 
@@ -18,6 +19,7 @@ from engine_core.request_queue import make_request_queue
 from engine_core.structured_output import GRAMMAR_REJECTED, StructuredOutputManager
 from ipc.config import EngineConfig, PreemptionMode, SchedulingPolicy
 from ipc.messages import (
+    ITERATION_TOKEN_BUCKETS,
     CachedRequestData,
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -78,6 +80,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self.iteration_tokens = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
+        self.iteration_tokens_sum = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.host_cache_hits = 0
@@ -136,12 +140,16 @@ class Scheduler:
             self.requests, num_scheduled_tokens
         )
         swap_out, swap_in = kv.take_block_copies()
+        total = sum(num_scheduled_tokens.values())
+        if total:
+            self.iteration_tokens[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, total)] += 1
+            self.iteration_tokens_sum += total
         scheduler_output = SchedulerOutput(
             self.step_id,
             new_reqs,
             cached_reqs,
             num_scheduled_tokens,
-            sum(num_scheduled_tokens.values()),
+            total,
             self.finished_req_ids,
             structured_ids,
             bitmask,
@@ -373,7 +381,7 @@ class Scheduler:
                     request.num_cached_tokens,
                     logprobs[i][: len(new_token_ids)] if logprobs and logprobs[i] else None,
                     prompt_logprobs=prompt_logprobs.pop(request_id, None) or None,
-                    times=None if status is None else request.times(),
+                    request_stats=None if status is None else request.stats(),
                     **_GRAMMAR_ERROR if status == RequestStatus.FINISHED_ERROR else {},
                 )
             )
@@ -455,6 +463,8 @@ class Scheduler:
             num_swapped_in_blocks=self.kv_cache_manager.num_swapped_in_blocks,
             num_spilled_blocks=self.kv_cache_manager.num_spilled_blocks,
             host_cache_hits=self.host_cache_hits,
+            iteration_tokens=list(self.iteration_tokens),
+            iteration_tokens_sum=self.iteration_tokens_sum,
         )
 
 

@@ -226,13 +226,14 @@ class UtilityRequest(_Tagged):
 # EngineCore -> client
 
 
-class RequestTimes(_Wire):
-    """A finished request's phases as the EngineCore timed them, in seconds: waiting to be
-    first scheduled, from then to its first token, and from that to its last."""
+class RequestStats(_Wire):
+    """A finished request as the EngineCore saw it: seconds waiting to be first scheduled,
+    from then to its first token, and from that to its last; times it was preempted."""
 
     queued: float
     prefill: float
     decode: float
+    num_preemptions: int = 0
 
 
 class EngineCoreOutput(_Wire):
@@ -245,7 +246,10 @@ class EngineCoreOutput(_Wire):
     error_code: ErrorCode = ErrorCode.INVALID_REQUEST
     # The prompt logprobs not sent before, in prompt order from prompt token 1.
     prompt_logprobs: list[TokenLogprobs] | None = None
-    times: RequestTimes | None = None  # on the last output of a request that generated
+    request_stats: RequestStats | None = None  # on the last output of one that generated
+
+
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 class SchedulerStats(_Wire):
@@ -275,6 +279,11 @@ class SchedulerStats(_Wire):
     # Cumulative seconds rank 0 waited for the next step with its device idle: the part
     # of the EngineCore's work (and transport) that async scheduling did not hide.
     worker_idle_time: float = 0.0
+    # Steps by the tokens they scheduled: iteration_tokens[i] steps had more than
+    # ITERATION_TOKEN_BUCKETS[i - 1] and at most ITERATION_TOKEN_BUCKETS[i] (the last
+    # entry: more than every bound); and those steps' tokens, summed.
+    iteration_tokens: list[int] = []
+    iteration_tokens_sum: int = 0
 
 
 class EngineCoreOutputs(_Tagged):

@@ -4,7 +4,7 @@ with a CompletionOutput per choice; logprobs as one {token id: Logprob} per posi
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ipc.messages import RequestTimes, TokenLogprobs
+from ipc.messages import RequestStats, TokenLogprobs
 
 
 @dataclass
@@ -55,8 +55,9 @@ class RequestOutput:
     In a stream each delta holds the entries that arrived with it (the first delta starts
     with the None), so the deltas' lists add up to the whole.
 
-    `times`: how long the finished request waited, prefilled and decoded in the EngineCore
-    (on the delta that finishes it; with n > 1, each choice's on the delta finishing it)."""
+    `request_stats`: how long the finished request waited, prefilled and decoded in the
+    EngineCore, and how often it was preempted (on the delta that finishes it; with n > 1,
+    each choice's on the delta finishing it)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -66,4 +67,4 @@ class RequestOutput:
     error: str | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt: str | None = None  # the prompt's text, when it was given as text
-    times: RequestTimes | None = None
+    request_stats: RequestStats | None = None

@@ -7,12 +7,13 @@ registry, so several apps (tests) can live in one process.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from ipc.messages import RequestTimes, SchedulerStats
+from ipc.messages import ITERATION_TOKEN_BUCKETS, RequestStats, SchedulerStats
 
 PREFIX = "splitserve:"
 # fmt: off
@@ -90,6 +91,18 @@ class EngineStatsCollector:
                 metric = family(PREFIX + name, doc, labels=[LABEL])
                 metric.add_metric([self.model_name], value)
                 yield metric
+        yield self._iteration_tokens(s)
+
+    def _iteration_tokens(self, s: SchedulerStats) -> HistogramMetricFamily:
+        """Tokens per engine step, from the EngineCore's counts per bucket."""
+        metric = HistogramMetricFamily(
+            PREFIX + "iteration_tokens_total", "Tokens scheduled per engine step.", labels=[LABEL]
+        )
+        counts = s.iteration_tokens or [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
+        bounds = [str(float(b)) for b in ITERATION_TOKEN_BUCKETS] + ["+Inf"]
+        buckets = list(zip(bounds, itertools.accumulate(counts), strict=True))
+        metric.add_metric([self.model_name], buckets, s.iteration_tokens_sum)
+        return metric
 
 
 class ServerMetrics:
@@ -139,6 +152,10 @@ class ServerMetrics:
                 "the EngineCore.",
                 E2E_BUCKETS,
             ),
+            "request_num_preemptions": (
+                "Times each finished request was preempted.",
+                (0, 1, 2, 5, 10, 20, 50, 100),
+            ),
             "request_inference_time_seconds": (
                 "Time from each finished request's first scheduling to its last token, in "
                 "the EngineCore.",
@@ -185,16 +202,17 @@ class ServerMetrics:
         self._cached_tokens.inc(request.num_cached_tokens)
         self._success.labels(self.model_name, finish_reason).inc()
 
-    def observe_engine_times(self, times: RequestTimes, num_tokens: int) -> None:
-        """One engine request's phases and its `num_tokens` (each choice's, with n > 1, as
-        vLLM counts them)."""
+    def observe_request_stats(self, stats: RequestStats, num_tokens: int) -> None:
+        """One engine request's phases, preemptions and `num_tokens` (each choice's, with
+        n > 1, as vLLM counts them)."""
         observe = {name: h.observe for name, h in self._histograms.items()}
-        observe["request_queue_time_seconds"](times.queued)
-        observe["request_prefill_time_seconds"](times.prefill)
-        observe["request_decode_time_seconds"](times.decode)
-        observe["request_inference_time_seconds"](times.prefill + times.decode)
+        observe["request_queue_time_seconds"](stats.queued)
+        observe["request_prefill_time_seconds"](stats.prefill)
+        observe["request_decode_time_seconds"](stats.decode)
+        observe["request_inference_time_seconds"](stats.prefill + stats.decode)
+        observe["request_num_preemptions"](stats.num_preemptions)
         if num_tokens > 1:
-            observe["request_time_per_output_token_seconds"](times.decode / (num_tokens - 1))
+            observe["request_time_per_output_token_seconds"](stats.decode / (num_tokens - 1))
 
     def render(self, stats: SchedulerStats | None) -> bytes:
         self.engine.stats = stats

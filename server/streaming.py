@@ -86,9 +86,9 @@ async def engine_outputs(
                     else:
                         metrics.observe_inter_token(now - last_token_time)
                     last_token_time = now
-                if out.times is not None:  # an engine request (a choice, with n > 1) ended
+                if out.request_stats is not None:  # an engine request (a choice, with n > 1) ended
                     index = out.outputs[0].index if out.outputs else 0
-                    metrics.observe_engine_times(out.times, choice_tokens[index])
+                    metrics.observe_request_stats(out.request_stats, choice_tokens[index])
                 if out.finished:
                     finish_reason = next((c.finish_reason for c in out.outputs), None) or "abort"
                 started = True

@@ -115,7 +115,7 @@ class ParentRequest:
             result.error,
             delta.prompt_logprobs,
             result.prompt,
-            delta.times,
+            delta.request_stats,
         )
 
     def abort(self) -> RequestOutput:

@@ -114,7 +114,7 @@ class RequestState:
             completion.finish_reason = finish_reason
             completion.stop_reason = stop_reason
             result.error = out.error
-            result.times = out.times
+            result.request_stats = out.request_stats
             result.finished = True
         delta = CompletionOutput(
             0, text, list(out.new_token_ids), finish_reason, logprobs, stop_reason
@@ -128,7 +128,7 @@ class RequestState:
             result.error,
             prompt_logprobs,
             result.prompt,
-            out.times,
+            out.request_stats,
         )
 
     def _add_prompt_logprobs(self, out: EngineCoreOutput) -> list | None:

@@ -97,7 +97,7 @@ class Clock:
 
 
 def test_a_finished_request_carries_its_queue_prefill_and_decode_times(monkeypatch):
-    """Only the last output of a request has its RequestTimes: from being taken to its
+    """Only the last output of a request has its RequestStats: from being taken to its
     first scheduling, from then to its first token, from that to its last. With one
     request at a time, b waits for a's three steps; each step here takes a second."""
     clock = Clock()
@@ -110,9 +110,9 @@ def test_a_finished_request_carries_its_queue_prefill_and_decode_times(monkeypat
     while engine.has_unfinished_requests():
         for out in engine.step().outputs:
             if out.finish_reason is None:
-                assert out.times is None
+                assert out.request_stats is None
             else:
-                times[out.request_id] = out.times
+                times[out.request_id] = out.request_stats
         clock.now += 1.0
     assert (times["a"].queued, times["a"].prefill, times["a"].decode) == (0.0, 0.0, 2.0)
     assert (times["b"].queued, times["b"].prefill, times["b"].decode) == (3.0, 0.0, 1.0)
@@ -127,6 +127,6 @@ def test_a_chunked_prefill_counts_its_steps_as_prefill_time(monkeypatch):
     while engine.has_unfinished_requests():
         for out in engine.step().outputs:
             if out.finish_reason is not None:
-                times = out.times
+                times = out.request_stats
         clock.now += 1.0
     assert (times.queued, times.prefill, times.decode) == (0.0, 2.0, 1.0)

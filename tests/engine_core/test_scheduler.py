@@ -7,7 +7,7 @@ executor replays the worker's view of every step and checks it against the KV ca
 from stand_in_executor import collect, make_engine, make_request, run_to_completion
 
 from engine_core import RequestStatus
-from ipc.messages import FinishReason
+from ipc.messages import ITERATION_TOKEN_BUCKETS, FinishReason
 
 
 def position_token(request_id: str, token_ids: list[int]) -> int:
@@ -246,3 +246,32 @@ def test_stats_count_requests_tokens_and_kv_usage():
     assert (stats.num_running, stats.num_waiting, stats.kv_cache_usage) == (0, 0, 0.0)
     assert stats.num_prompt_tokens == 30 and stats.num_generation_tokens == 9
     assert stats.prefix_cache_queries == 30 and stats.num_preemptions == 0
+
+
+def test_a_preempted_request_reports_its_preemptions_when_it_finishes():
+    engine, _ = make_engine(num_blocks=17, max_num_seqs=2, sample=position_token)
+    engine.add_request(make_request("A", 24, arrival_time=0, max_tokens=30))
+    engine.add_request(make_request("B", 24, arrival_time=1, max_tokens=30))
+    preemptions = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step().outputs:
+            if out.finish_reason is not None:
+                preemptions[out.request_id] = out.request_stats.num_preemptions
+    assert preemptions["A"] == 0 and preemptions["B"] >= 1
+    assert sum(preemptions.values()) == engine.get_stats().num_preemptions
+
+
+def test_iteration_tokens_count_each_step_in_its_bucket():
+    engine, executor = make_engine(max_num_batched_tokens=16)
+    # Steps of 16, 16, 8 + 3 (long's last chunk beside short's prompt), 2 and 1 decodes.
+    engine.add_request(make_request("long", 40, max_tokens=3))
+    engine.add_request(make_request("short", 3, max_tokens=2))
+    run_to_completion(engine)
+    totals = [o.total_num_scheduled_tokens for o in executor.outputs]
+    totals = [t for t in totals if t]
+    assert totals == [16, 16, 11, 2, 1]
+    stats = engine.get_stats()
+    want = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
+    for total in totals:
+        want[next(i for i, b in enumerate(ITERATION_TOKEN_BUCKETS) if total <= b)] += 1
+    assert stats.iteration_tokens == want and stats.iteration_tokens_sum == sum(totals) == 46

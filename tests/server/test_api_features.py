@@ -35,6 +35,8 @@ VLLM_METRICS = [
     "request_queue_time_seconds_count",
     "request_prefill_time_seconds_count",
     "request_inference_time_seconds_count",
+    "request_num_preemptions_count",
+    "iteration_tokens_total_count",
     "prompt_tokens_cached_total",
 ]
 

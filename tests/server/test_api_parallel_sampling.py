@@ -173,3 +173,5 @@ def test_request_metrics_count_each_request_once_with_its_choices(oai, http):
     assert grew("request_decode_time_seconds") > 0
     assert grew("request_inference_time_seconds") >= grew("request_decode_time_seconds")
     assert grew("request_time_per_output_token_seconds", "count") == 2
+    assert grew("request_num_preemptions", "count") == 2
+    assert grew("iteration_tokens_total", "count") >= 12  # one step per token, at least
