@@ -52,6 +52,8 @@ async def interleaved(streams: list[AsyncIterator[T]]) -> AsyncIterator[T]:
 
 async def gather_or_cancel(works: list[Awaitable[T]]) -> list[T]:
     """Every result, in order; at the first error (or a cancel) the rest are cancelled."""
+    if len(works) == 1:
+        return [await works[0]]
     tasks = [asyncio.ensure_future(work) for work in works]
     try:
         return await asyncio.gather(*tasks)

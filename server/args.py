@@ -5,7 +5,6 @@ without loading fastapi."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 from pathlib import Path
@@ -113,12 +112,14 @@ def check_server_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
 def _chat_template(text: str) -> str:
     """The template a file holds, else the text itself when it is a template (as vLLM
     reads --chat-template); a template Jinja cannot parse is refused here, at start."""
-    path = Path(text)
-    with contextlib.suppress(OSError, ValueError):
-        if path.is_file():
-            text = path.read_text()
-        elif not any(mark in text for mark in ("{{", "{%")):
-            raise argparse.ArgumentTypeError(f"no such template file: {text!r}")
+    try:
+        is_file = Path(text).is_file()
+    except (OSError, ValueError):  # too long, or a NUL: no path, a template
+        is_file = False
+    if is_file:
+        text = Path(text).read_text()
+    elif not any(mark in text for mark in ("{{", "{%")):
+        raise argparse.ArgumentTypeError(f"no such template file: {text!r}")
     try:
         environment().parse(text)  # the environment templates render in (loop controls too)
     except jinja2.TemplateSyntaxError as e:

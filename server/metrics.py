@@ -189,30 +189,30 @@ class ServerMetrics:
         self._histograms["time_per_output_token_seconds"].observe(seconds)
 
     def observe_finished(self, finish_reason: str, request: FinishedRequest) -> None:
-        observe = {name: h.observe for name, h in self._histograms.items()}
-        observe["e2e_request_latency_seconds"](request.seconds)
-        observe["request_prompt_tokens"](request.num_prompt_tokens)
-        observe["request_generation_tokens"](sum(request.choice_tokens))
-        observe["request_max_num_generation_tokens"](max(request.choice_tokens, default=0))
+        h = self._histograms
+        h["e2e_request_latency_seconds"].observe(request.seconds)
+        h["request_prompt_tokens"].observe(request.num_prompt_tokens)
+        h["request_generation_tokens"].observe(sum(request.choice_tokens))
+        h["request_max_num_generation_tokens"].observe(max(request.choice_tokens, default=0))
         computed = request.num_prompt_tokens - request.num_cached_tokens
-        observe["request_prefill_kv_computed_tokens"](computed)
-        observe["request_params_n"](request.n)
+        h["request_prefill_kv_computed_tokens"].observe(computed)
+        h["request_params_n"].observe(request.n)
         if request.max_tokens is not None:
-            observe["request_params_max_tokens"](request.max_tokens)
+            h["request_params_max_tokens"].observe(request.max_tokens)
         self._cached_tokens.inc(request.num_cached_tokens)
         self._success.labels(self.model_name, finish_reason).inc()
 
     def observe_request_stats(self, stats: RequestStats, num_tokens: int) -> None:
         """One engine request's phases, preemptions and `num_tokens` (each choice's, with
         n > 1, as vLLM counts them)."""
-        observe = {name: h.observe for name, h in self._histograms.items()}
-        observe["request_queue_time_seconds"](stats.queued)
-        observe["request_prefill_time_seconds"](stats.prefill)
-        observe["request_decode_time_seconds"](stats.decode)
-        observe["request_inference_time_seconds"](stats.prefill + stats.decode)
-        observe["request_num_preemptions"](stats.num_preemptions)
+        h = self._histograms
+        h["request_queue_time_seconds"].observe(stats.queued)
+        h["request_prefill_time_seconds"].observe(stats.prefill)
+        h["request_decode_time_seconds"].observe(stats.decode)
+        h["request_inference_time_seconds"].observe(stats.prefill + stats.decode)
+        h["request_num_preemptions"].observe(stats.num_preemptions)
         if num_tokens > 1:
-            observe["request_time_per_output_token_seconds"](stats.decode / (num_tokens - 1))
+            h["request_time_per_output_token_seconds"].observe(stats.decode / (num_tokens - 1))
 
     def render(self, stats: SchedulerStats | None) -> bytes:
         self.engine.stats = stats

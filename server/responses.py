@@ -95,10 +95,12 @@ class ResponseBuilder:
     ) -> dict | None:
         """A chunk, or None when there is nothing to send yet (its token ids then go with
         the choice's next chunk)."""
-        token_ids = self._held_token_ids.pop(index, []) + list(token_ids)
         choice = self._chunk_choice(index, text, logprobs, finish_reason, stop_reason)
+        if self.return_token_ids:
+            token_ids = self._held_token_ids.pop(index, []) + token_ids
+            if choice is None:
+                self._held_token_ids[index] = token_ids
         if choice is None:
-            self._held_token_ids[index] = token_ids
             return None
         return self._envelope(self.chunk_object_name, [self._numbered(choice, token_ids)])
 
@@ -110,7 +112,7 @@ class ResponseBuilder:
         return choice
 
     def _add_token_ids(self, choice: dict, token_ids: list[int]) -> None:
-        choice["token_ids"] = list(token_ids)
+        choice["token_ids"] = token_ids
 
     def first_chunks(self) -> list[dict]:
         return []

@@ -16,7 +16,7 @@ import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from fastapi import Request
@@ -124,12 +124,19 @@ class PromptStream:
     outputs: AsyncIterator[RequestOutput]
     builder: ResponseBuilder
     num_prompt_tokens: int
-    num_tokens: int = 0
+    choice_tokens: dict[int, int] = field(default_factory=lambda: defaultdict(int))
     num_cached_tokens: int = 0
 
-    def usage(self, num_tokens: int | None = None) -> dict:
-        """Its usage so far (`num_tokens`: of one choice, vLLM's continuous usage)."""
-        num_tokens = self.num_tokens if num_tokens is None else num_tokens
+    def count(self, out: RequestOutput) -> None:
+        """Take an output's tokens and cached-token count."""
+        self.num_cached_tokens = out.num_cached_tokens
+        for delta in out.outputs:
+            self.choice_tokens[delta.index] += len(delta.token_ids)
+
+    def usage(self, index: int | None = None) -> dict:
+        """Its usage so far (of choice `index` alone: vLLM's continuous usage)."""
+        tokens = self.choice_tokens
+        num_tokens = sum(tokens.values()) if index is None else tokens[index]
         return self.builder.usage(self.num_prompt_tokens, num_tokens, self.num_cached_tokens)
 
 
@@ -150,11 +157,10 @@ async def _complete(prompt: PromptStream, want_logprobs: bool) -> dict:
     async with aclosing(prompt.outputs):
         async for out in prompt.outputs:
             prompt.builder.add_prompt_logprobs(out.prompt_logprobs)
-            prompt.num_cached_tokens = out.num_cached_tokens
+            prompt.count(out)
             for delta in out.outputs:
                 texts[delta.index].append(delta.text)
                 token_ids[delta.index].extend(delta.token_ids)
-                prompt.num_tokens += len(delta.token_ids)
                 logprobs[delta.index].extend(delta.logprobs or ())
                 ends[delta.index] = delta
     choices = [
@@ -225,17 +231,14 @@ async def _chunks(
 ) -> AsyncIterator[dict]:
     """One prompt's chunks."""
     builder = prompt.builder
-    choice_tokens: dict[int, int] = defaultdict(int)
     async with aclosing(prompt.outputs):
         for chunk in builder.first_chunks():
             yield chunk
         out = first
         while out is not None:
-            prompt.num_cached_tokens = out.num_cached_tokens
+            prompt.count(out)
             builder.add_prompt_logprobs(out.prompt_logprobs)
             for delta in out.outputs:
-                prompt.num_tokens += len(delta.token_ids)
-                choice_tokens[delta.index] += len(delta.token_ids)
                 logprobs = delta.logprobs if want_logprobs else None
                 finished = delta.finish_reason is not None
                 token_ids = delta.token_ids if builder.return_token_ids else ()
@@ -245,7 +248,7 @@ async def _chunks(
                     if chunk is None:  # held back (a tool call may be starting)
                         continue
                     if continuous_usage:
-                        chunk["usage"] = prompt.usage(choice_tokens[delta.index])
+                        chunk["usage"] = prompt.usage(delta.index)
                     yield chunk
             out = await anext(prompt.outputs, None)
 
