@@ -110,7 +110,8 @@ def bench_engine(model_path: str, runs: int) -> None:
     """Steps of the in-process engine (bf16, prefix caching off), the kernels off and on
     taking turns: a prefill step of 8 prompts of 1024 tokens, and decode steps with 256
     requests running."""
-    from ipc.messages import EngineCoreRequest, SamplingParams
+    from ipc.messages import EngineCoreRequest
+    from ipc.sampling_params import SamplingParams
     from splitserve import LLM
 
     engine = LLM(

@@ -21,7 +21,7 @@ import random
 import time
 
 from ipc.config import DTYPES
-from ipc.messages import SamplingParams
+from ipc.sampling_params import SamplingParams
 
 
 def _llm(args: argparse.Namespace, host_bytes: int, **kw):

@@ -29,7 +29,8 @@ import time
 
 from engine_core.step_profile import StepProfile
 from ipc.config import DTYPES
-from ipc.messages import SamplingParams, SchedulerStats
+from ipc.messages import SchedulerStats
+from ipc.sampling_params import SamplingParams
 
 Workload = list[tuple[list[int], SamplingParams]]
 

@@ -5,7 +5,7 @@ from engine_core.executor import Executor
 from engine_core.request import Request, RequestStatus
 from engine_core.scheduler import Scheduler
 from ipc.config import EngineConfig
-from ipc.messages import SamplingParams
+from ipc.sampling_params import SamplingParams
 
 __all__ = [
     "EngineConfig",

@@ -11,9 +11,9 @@ from ipc.messages import (
     FinishReason,
     PromptLogprobs,
     RequestStats,
-    SamplingParams,
     TokenLogprobs,
 )
+from ipc.sampling_params import SamplingParams
 from kv_cache import extend_block_hashes
 
 

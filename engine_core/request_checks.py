@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from engine_core.request import Request
 from ipc.config import EngineConfig
-from ipc.messages import SamplingParams
+from ipc.sampling_params import SamplingParams
 
 _INT64 = 2**63
 

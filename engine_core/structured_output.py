@@ -24,7 +24,7 @@ import numpy as np
 from engine_core.request import Request, RequestStatus
 from ipc.config import EngineConfig
 from ipc.grammar import grammar_of
-from ipc.messages import StructuredOutputsParams
+from ipc.sampling_params import StructuredOutputsParams
 from ipc.utils import cdiv
 
 logger = logging.getLogger(__name__)

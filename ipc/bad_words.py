@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-from ipc.messages import SamplingParams
+from ipc.sampling_params import SamplingParams
 from ipc.tokenizer import TokenizerLike
 
 

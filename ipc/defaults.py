@@ -1,7 +1,7 @@
 import json
 from pathlib import Path
 
-from ipc.messages import SamplingParams
+from ipc.sampling_params import SamplingParams
 
 _GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from ipc.messages import StructuredOutputsParams
+from ipc.sampling_params import StructuredOutputsParams
 
 ANY_JSON_OBJECT = '{"type": "object"}'
 

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from ipc.client import EngineDeadError
-from ipc.messages import SamplingParams
+from ipc.sampling_params import SamplingParams
 from ipc.tokenizer import TokenizerLike
 from server.auth import BearerAuth, authenticated_key, tenant_cache_salt
 from server.errors import add_error_handlers

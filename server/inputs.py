@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from ipc.messages import SamplingParams
+from ipc.sampling_params import SamplingParams
 from ipc.tokenizer import Message, TokenizerLike
 from server.protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest
 from server.structured_output import structured_outputs_params

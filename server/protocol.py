@@ -14,7 +14,7 @@ structured output: OpenAI's `response_format` (json_object, json_schema) and vLL
 `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` and `structured_outputs`
 (one of them per request; server/structured_output.py); `cache_salt` keeps a request's
 prefix-cache blocks apart from those of requests without the same salt. `n` (up to
-ipc.messages.MAX_N choices) and `best_of` (the n of best_of candidates with the highest
+ipc.sampling_params.MAX_N choices) and `best_of` (the n of best_of candidates with the highest
 cumulative logprob; not with `stream`) are honoured on both endpoints. `user`,
 `metadata`, `safety_identifier` and `prompt_cache_key` are accepted: they describe the
 request and change nothing in it.

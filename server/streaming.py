@@ -23,8 +23,8 @@ from fastapi import Request
 
 from ipc.client import EngineDeadError, RequestError
 from ipc.client.parallel_sampling import num_candidates
-from ipc.messages import SamplingParams
 from ipc.outputs import CompletionOutput, Logprob, RequestOutput
+from ipc.sampling_params import SamplingParams
 from server.aio import gather_or_cancel, interleaved
 from server.errors import UNEXPECTED, ClientDisconnected, engine_error
 from server.metrics import FinishedRequest, ServerMetrics

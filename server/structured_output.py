@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 from ipc.grammar import grammar_error
-from ipc.messages import StructuredOutputsParams
+from ipc.sampling_params import StructuredOutputsParams
 from server.protocol import APIError, ResponseFormat, SamplingFields, StructuredOutputs
 
 STRUCTURED_FIELDS = (

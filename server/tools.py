@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from ipc.messages import StructuredOutputsParams
+from ipc.sampling_params import StructuredOutputsParams
 from ipc.tokenizer import Message, TokenizerLike
 from server.protocol import APIError, ChatCompletionRequest, ToolDefinition
 from server.tool_parsers import TOOL_PARSERS, ToolCall, ToolParser

@@ -2,8 +2,8 @@
 
 from importlib import import_module
 
-from ipc.messages import SamplingParams, StructuredOutputsParams
 from ipc.outputs import CompletionOutput, Logprob, RequestOutput
+from ipc.sampling_params import SamplingParams, StructuredOutputsParams
 
 __all__ = [
     "LLM",

@@ -16,8 +16,9 @@ from ipc.client.request_state import (
     prompt_token_ids,
 )
 from ipc.config import EngineConfig
-from ipc.messages import EngineCoreRequest, FinishReason, SamplingParams
+from ipc.messages import EngineCoreRequest, FinishReason
 from ipc.outputs import RequestOutput
+from ipc.sampling_params import SamplingParams
 from ipc.tokenizer import Message, TokenizerLike
 
 

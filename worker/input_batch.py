@@ -5,7 +5,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from ipc.messages import NewRequestData, SamplingParams
+from ipc.messages import NewRequestData
+from ipc.sampling_params import SamplingParams
 from worker.block_table import MultiGroupBlockTable
 from worker.buffers import BatchStaging
 from worker.logits_processors import (

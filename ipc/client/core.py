@@ -51,10 +51,10 @@ from ipc.messages import (
     EngineCoreRequest,
     ErrorCode,
     FinishReason,
-    SamplingParams,
     UtilityOutput,
     UtilityRequest,
 )
+from ipc.sampling_params import SamplingParams
 from ipc.sockets import WELCOME
 from ipc.tokenizer import Message, TokenizerLike
 

@@ -22,8 +22,9 @@ import math
 import msgspec
 
 from ipc.client.request_state import RequestState, Sink
-from ipc.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, SamplingParams
+from ipc.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 from ipc.outputs import CompletionOutput, RequestOutput
+from ipc.sampling_params import SamplingParams
 from ipc.tokenizer import TokenizerLike
 
 

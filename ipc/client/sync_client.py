@@ -29,8 +29,9 @@ from ipc.client.core import (
 from ipc.client.parallel_sampling import ParentRequest, check_streamable
 from ipc.client.request_state import Prompt, RequestState
 from ipc.client.steps import Answer, NextItem, Step, Steps
-from ipc.messages import SamplingParams, SchedulerStats, encode
+from ipc.messages import SchedulerStats, encode
 from ipc.outputs import RequestOutput
+from ipc.sampling_params import SamplingParams
 from ipc.sockets import HELLO, client_sockets
 from ipc.tokenizer import Message, TokenizerLike
 

@@ -17,7 +17,8 @@ import httpx
 import pytest
 
 from ipc.client import EngineClient, RequestError
-from ipc.messages import ErrorCode, SamplingParams
+from ipc.messages import ErrorCode
+from ipc.sampling_params import SamplingParams
 from ipc.sockets import free_tcp_port
 from tests.cluster.helpers import child_pids, greedy_reference, start_launch, wait_idle, wait_ready
 

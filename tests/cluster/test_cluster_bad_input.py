@@ -16,10 +16,10 @@ from ipc.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
-    SamplingParams,
     UtilityOutput,
     encode,
 )
+from ipc.sampling_params import SamplingParams
 from ipc.sockets import HELLO, WELCOME, socket_address
 from tests.cluster.helpers import greedy_reference, wait_idle
 

@@ -15,7 +15,8 @@ import time
 import pytest
 
 from ipc.client import EngineClient, RequestError
-from ipc.messages import ErrorCode, SamplingParams
+from ipc.messages import ErrorCode
+from ipc.sampling_params import SamplingParams
 from ipc.sockets import ipc_paths
 from tests.cluster.helpers import (
     ROOT,

@@ -19,7 +19,8 @@ import httpx
 import pytest
 
 from ipc.client import EngineClient, RequestError
-from ipc.messages import ErrorCode, SamplingParams
+from ipc.messages import ErrorCode
+from ipc.sampling_params import SamplingParams
 from tests.cluster.helpers import (
     TEST_ARGS,
     child_pids,

@@ -12,7 +12,7 @@ import pytest
 
 from ipc.auth import Credentials
 from ipc.client import EngineClient
-from ipc.messages import SamplingParams
+from ipc.sampling_params import SamplingParams
 from ipc.sockets import free_tcp_port
 from tests.cluster.helpers import (
     LAUNCH,

@@ -24,12 +24,12 @@ from ipc.client import EngineClient
 from ipc.messages import (
     EngineCoreRequest,
     ModelRunnerOutput,
-    SamplingParams,
     UtilityRequest,
     WorkerError,
     WorkerReady,
     encode,
 )
+from ipc.sampling_params import SamplingParams
 from ipc.sockets import HELLO, WELCOME, socket_address
 from tests.cluster.helpers import launch_cluster, wait_idle
 
@@ -48,6 +48,7 @@ def _address_file(cluster) -> Path:
     return cluster.log.parent / "address"
 
 
+@pytest.mark.gpus(2)
 def test_every_socket_of_a_tcp_cluster_is_on_the_given_host(tcp_cluster):
     listening = set()
     for name, pid in tcp_cluster.pids.items():
@@ -59,6 +60,7 @@ def test_every_socket_of_a_tcp_cluster_is_on_the_given_host(tcp_cluster):
     assert {port, port + 1, port + 2} <= listening
 
 
+@pytest.mark.gpus(2)
 def test_an_authenticated_client_is_served(tcp_cluster):
     credentials = credentials_beside(_address_file(tcp_cluster))
     assert credentials.stat().st_mode & 0o077 == 0
@@ -67,6 +69,7 @@ def test_an_authenticated_client_is_served(tcp_cluster):
         assert len(client.generate(PROMPT, GREEDY).outputs[0].token_ids) == 4
 
 
+@pytest.mark.gpus(2)
 def test_unauthenticated_peers_can_neither_submit_nor_read_stats(tcp_cluster):
     with pytest.raises(CredentialsError):
         EngineClient(tcp_cluster.address)
@@ -88,6 +91,7 @@ def test_unauthenticated_peers_can_neither_submit_nor_read_stats(tcp_cluster):
         assert len(client.generate(PROMPT, GREEDY).outputs[0].token_ids) == 4
 
 
+@pytest.mark.gpus(2)
 def test_the_client_key_does_not_open_the_workers_socket(tcp_cluster):
     keys = Credentials.load(credentials_beside(_address_file(tcp_cluster)))
     ctx = zmq.Context()

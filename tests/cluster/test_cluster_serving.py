@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from ipc.client import EngineClient
-from ipc.messages import SamplingParams
+from ipc.sampling_params import SamplingParams
 from tests.cluster.helpers import ROOT, cluster_env, greedy_reference, wait_idle
 
 MAX_TOKENS = 10
@@ -24,7 +24,7 @@ PROMPTS = [[_rng.randrange(256) for _ in range(n)] for n in (3, 17, 40, 9, 25, 6
 _CLIENT_SCRIPT = """
 import json, sys
 from ipc.client import EngineClient
-from ipc.messages import SamplingParams
+from ipc.sampling_params import SamplingParams
 address, prompts, max_tokens = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
 params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
 with EngineClient(address) as client:

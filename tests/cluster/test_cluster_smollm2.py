@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ipc.client import EngineClient
-from ipc.messages import SamplingParams
+from ipc.sampling_params import SamplingParams
 from tests.cluster.helpers import launch_cluster
 
 PROMPTS = [

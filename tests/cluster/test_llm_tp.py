@@ -9,7 +9,7 @@ import tempfile
 import pytest
 
 from engine_core.multiproc_executor import WorkerFailure
-from ipc.messages import SamplingParams
+from ipc.sampling_params import SamplingParams
 from splitserve import LLM, cluster
 from tests.cluster.helpers import greedy_reference, pid_alive
 from tests.models.tiny import make_tiny_checkpoint

@@ -24,10 +24,10 @@ from ipc.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     ModelRunnerOutput,
-    SamplingParams,
     SchedulerOutput,
     encode,
 )
+from ipc.sampling_params import SamplingParams
 
 DEFAULT_TOKEN = 7
 

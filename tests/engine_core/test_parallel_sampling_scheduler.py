@@ -7,7 +7,8 @@ import pytest
 from stand_in_executor import make_engine, run_to_completion
 
 from ipc.client.parallel_sampling import child_requests
-from ipc.messages import EngineCoreRequest, SamplingParams
+from ipc.messages import EngineCoreRequest
+from ipc.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4  # make_config's
 

@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from stand_in_executor import collect, make_engine
 
-from ipc.messages import EngineCoreRequest, SamplingParams
+from ipc.messages import EngineCoreRequest
+from ipc.sampling_params import SamplingParams
 
 EOS = 2
 MAX_MODEL_LEN = 32

@@ -3,13 +3,8 @@
 import pytest
 from stand_in_executor import collect, make_engine, make_request, run_to_completion
 
-from ipc.messages import (
-    EngineCoreRequest,
-    FinishReason,
-    ModelRunnerOutput,
-    SamplingParams,
-    TokenLogprobs,
-)
+from ipc.messages import EngineCoreRequest, FinishReason, ModelRunnerOutput, TokenLogprobs
+from ipc.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize(

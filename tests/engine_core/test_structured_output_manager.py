@@ -12,13 +12,8 @@ import pytest
 from stand_in_executor import make_engine, run_to_completion
 
 from engine_core.structured_output import GRAMMAR_REJECTED
-from ipc.messages import (
-    EngineCoreRequest,
-    ErrorCode,
-    FinishReason,
-    SamplingParams,
-    StructuredOutputsParams,
-)
+from ipc.messages import EngineCoreRequest, ErrorCode, FinishReason
+from ipc.sampling_params import SamplingParams, StructuredOutputsParams
 from tests.models.tiny import EOS_ID, make_tiny_tokenizer
 
 VOCAB_SIZE = 288
@@ -191,7 +186,8 @@ def test_the_engine_core_never_imports_torch_for_structured_output(tokenizer):
 import sys
 sys.path.insert(0, "tests/engine_core")
 from stand_in_executor import make_engine, run_to_completion
-from ipc.messages import EngineCoreRequest, SamplingParams, StructuredOutputsParams
+from ipc.messages import EngineCoreRequest
+from ipc.sampling_params import SamplingParams, StructuredOutputsParams
 engine, _ = make_engine(
     script={{"R": [97, 98, 258]}}, tokenizer={tokenizer!r}, vocab_size=288, eos_token_ids=[258]
 )

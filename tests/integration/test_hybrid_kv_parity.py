@@ -112,8 +112,9 @@ def test_window_groups_stop_growing(model, reference):
     assert tokens == reference(prompt, max_tokens)
     for group, window in enumerate(model[1]):
         most = max(step[group] for step in held)
-        if window is None:  # what the step before the last computed (the last frees all)
-            assert most == cdiv(len(prompt) + max_tokens - 2, 4)
+        if window is None:  # what the step before the last computed (the last frees all;
+            # with async scheduling, as on CUDA, one more token was in flight by then)
+            assert most == cdiv(len(prompt) + max_tokens - 2 + engine.max_in_flight, 4)
         else:
             assert most <= cdiv(window - 1 + 8, 4) + 1
     assert kv.usage == 0.0

@@ -15,7 +15,7 @@ from client_fakes import FakeEngine
 
 from ipc.auth import CLIENT, WORKER, Credentials, CredentialsError, credentials_beside
 from ipc.client import AsyncEngineClient, EngineClient
-from ipc.messages import SamplingParams
+from ipc.sampling_params import SamplingParams
 from ipc.sockets import (
     free_tcp_port,
     make_socket,

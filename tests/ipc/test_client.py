@@ -17,7 +17,8 @@ import pytest
 from client_fakes import FAIL_MESSAGE, FAIL_TOKEN, FakeEngine, tiny_tokenizer_path
 
 from ipc.client import EngineClient, EngineDeadError, RequestError
-from ipc.messages import SamplingParams, SchedulerStats, UtilityOutput
+from ipc.messages import SchedulerStats, UtilityOutput
+from ipc.sampling_params import SamplingParams
 from ipc.sockets import new_ipc_address, remove_ipc_files, write_address_file
 from ipc.tokenizer import Tokenizer
 
@@ -156,7 +157,7 @@ def test_concurrent_threads_each_see_only_their_own_outputs(engine):
 CHILD = """
 import json, sys
 from ipc.client import EngineClient
-from ipc.messages import SamplingParams
+from ipc.sampling_params import SamplingParams
 with EngineClient(sys.argv[1]) as client:
     prompt, params = [int(sys.argv[2])] * 3, SamplingParams(max_tokens=30)
     outs = [client.generate(prompt, params) for _ in range(5)]

@@ -7,7 +7,8 @@ import pytest
 from client_fakes import FAIL_MESSAGE, FAIL_TOKEN, FakeEngine, tiny_tokenizer_path
 
 from ipc.client import AsyncEngineClient, EngineDeadError, RequestError
-from ipc.messages import SamplingParams, SchedulerStats
+from ipc.messages import SchedulerStats
+from ipc.sampling_params import SamplingParams
 from ipc.sockets import new_ipc_address, remove_ipc_files
 
 

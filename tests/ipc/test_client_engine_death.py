@@ -20,7 +20,7 @@ import zmq
 
 import ipc.sockets
 from ipc.client import AsyncEngineClient, EngineClient, EngineDeadError
-from ipc.messages import SamplingParams
+from ipc.sampling_params import SamplingParams
 from ipc.sockets import WELCOME, make_socket, new_ipc_address, remove_ipc_files, socket_address
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,7 +32,8 @@ LONG = SamplingParams(max_tokens=100_000)
 
 class EngineProcess:
     def __init__(self, address: str) -> None:
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+        env = dict(os.environ, PYTHONPATH=path)
         self.process = subprocess.Popen(
             [sys.executable, FAKE, address], stdout=subprocess.PIPE, env=env, text=True
         )

@@ -17,7 +17,6 @@ from ipc.messages import (
     KVCacheReady,
     ModelRunnerOutput,
     NewRequestData,
-    SamplingParams,
     SchedulerOutput,
     SchedulerStats,
     TokenLogprobs,
@@ -27,6 +26,7 @@ from ipc.messages import (
     WorkerReady,
     encode,
 )
+from ipc.sampling_params import SamplingParams
 
 SP = SamplingParams(
     temperature=0.7,

@@ -16,10 +16,10 @@ from ipc.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
-    SamplingParams,
     TokenLogprobs,
     encode,
 )
+from ipc.sampling_params import SamplingParams
 from tests.ipc.client_fakes import FakeEngine
 
 PROMPT = [5, 6, 7]

@@ -7,14 +7,9 @@ from __future__ import annotations
 import pytest
 
 from ipc.client.request_state import RequestState
-from ipc.messages import (
-    EngineCoreOutput,
-    EngineCoreRequest,
-    FinishReason,
-    SamplingParams,
-    TokenLogprobs,
-)
+from ipc.messages import EngineCoreOutput, EngineCoreRequest, FinishReason, TokenLogprobs
 from ipc.outputs import Logprob
+from ipc.sampling_params import SamplingParams
 from tests.server.fake_engine import EOS, CharTokenizer
 
 TOKENIZER = CharTokenizer()

@@ -89,6 +89,7 @@ def _tp_worker(rank: int, world_size: int, port: int, paths: dict, out_dir: str)
     os._exit(0)
 
 
+@pytest.mark.gpus(2)
 def test_tp2_matches_tp1(tmp_path):
     from models import kv_cache_shape_info, layer_sliding_windows, load_config, load_model
     from models.layers.cpu_linear import linear_kernels

@@ -15,11 +15,11 @@ from ipc.messages import (
     EngineCoreOutput,
     EngineCoreRequest,
     FinishReason,
-    SamplingParams,
     SchedulerStats,
     TokenLogprobs,
 )
 from ipc.outputs import RequestOutput
+from ipc.sampling_params import SamplingParams
 
 BOS, EOS, OFFSET = 1, 2, 3
 VOCAB_SIZE = 0x110000 + OFFSET

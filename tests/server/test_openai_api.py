@@ -11,7 +11,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ipc.messages import SamplingParams
+from ipc.sampling_params import SamplingParams
 
 MESSAGES = [
     {"role": "system", "content": "You are terse."},

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from ipc.messages import SamplingParams
+from ipc.sampling_params import SamplingParams
 from server import build_app
 from tests.server.fake_engine import BOS, FakeEngineClient
 

@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ipc.bad_words import bad_words_token_ids, with_bad_words_token_ids
-from ipc.messages import NewRequestData, SamplingParams
+from ipc.messages import NewRequestData
+from ipc.sampling_params import SamplingParams
 from ipc.tokenizer import Tokenizer
 from tests.ipc.client_fakes import tiny_tokenizer_path
 from tests.worker.test_logits_processors import VOCAB, make_batch

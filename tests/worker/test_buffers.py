@@ -9,7 +9,8 @@ import torch
 
 import worker.buffers
 from engine_core import EngineConfig
-from ipc.messages import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+from ipc.messages import CachedRequestData, NewRequestData, SchedulerOutput
+from ipc.sampling_params import SamplingParams
 from tests.models.tiny import make_tiny_checkpoint
 from worker.buffers import CpuGpuBuffer, InputBuffers, zeros_on_huge_pages
 from worker.model_runner import ModelRunner

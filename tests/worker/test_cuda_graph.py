@@ -13,7 +13,8 @@ import torch
 from attention.backends.torch_backend import TorchAttentionBackend
 from attention.backends.triton_backend import TritonAttentionBackend
 from engine_core import EngineConfig, EngineCore
-from ipc.messages import EngineCoreRequest, SamplingParams
+from ipc.messages import EngineCoreRequest
+from ipc.sampling_params import SamplingParams
 from splitserve.executor import InProcessExecutor
 from worker.buffers import InputBuffers
 from worker.cuda_graph import (

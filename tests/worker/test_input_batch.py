@@ -5,7 +5,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from ipc.messages import NewRequestData, SamplingParams
+from ipc.messages import NewRequestData
+from ipc.sampling_params import SamplingParams
 from worker.input_batch import CachedRequestState, InputBatch
 
 MAX_REQS, MAX_MODEL_LEN, MAX_BLOCKS, BLOCK_SIZE, VOCAB = 5, 24, 6, 4, 50

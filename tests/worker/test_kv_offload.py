@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from ipc.config import EngineConfig
-from ipc.messages import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+from ipc.messages import CachedRequestData, NewRequestData, SchedulerOutput
+from ipc.sampling_params import SamplingParams
 from splitserve.executor import InProcessExecutor
 from tests.models.tiny import make_tiny_checkpoint
 from worker.kv_offload import HostKVCache

@@ -6,7 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ipc.messages import NewRequestData, SamplingParams
+from ipc.messages import NewRequestData
+from ipc.sampling_params import SamplingParams
 from worker.input_batch import CachedRequestState, InputBatch
 from worker.sampler import Sampler, process_logits
 

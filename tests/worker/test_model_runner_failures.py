@@ -5,7 +5,8 @@ mask and took the whole cluster down.)"""
 
 import pytest
 
-from ipc.messages import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+from ipc.messages import CachedRequestData, NewRequestData, SchedulerOutput
+from ipc.sampling_params import SamplingParams
 
 VOCAB_SIZE = 288  # the tiny checkpoint's
 GOOD = SamplingParams(temperature=0.0, max_tokens=4)

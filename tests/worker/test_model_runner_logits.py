@@ -1,7 +1,8 @@
 """Logits processing through the model runner: each request's settings act on its own
 row only, with the token table the runner keeps up to date."""
 
-from ipc.messages import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+from ipc.messages import CachedRequestData, NewRequestData, SchedulerOutput
+from ipc.sampling_params import SamplingParams
 
 PROMPT = [5, 6, 7]
 NUM_STEPS = 5

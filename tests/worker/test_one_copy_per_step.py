@@ -10,7 +10,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ipc.config import EngineConfig
-from ipc.messages import CachedRequestData, NewRequestData, SamplingParams, SchedulerOutput
+from ipc.messages import CachedRequestData, NewRequestData, SchedulerOutput
+from ipc.sampling_params import SamplingParams
 from worker import model_runner as model_runner_module
 from worker.model_runner import ModelRunner
 from worker.staging_arena import StagingArena

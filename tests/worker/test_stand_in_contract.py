@@ -13,7 +13,8 @@ import pytest
 
 from engine_core import EngineConfig, EngineCore, Executor
 from engine_core.executor import WorkerFailure
-from ipc.messages import EngineCoreRequest, ModelRunnerOutput, SamplingParams, SchedulerOutput
+from ipc.messages import EngineCoreRequest, ModelRunnerOutput, SchedulerOutput
+from ipc.sampling_params import SamplingParams
 from tests.engine_core.stand_in_executor import StandInExecutor
 from tests.models.tiny import make_tiny_checkpoint
 from worker.model_runner import ModelRunner
