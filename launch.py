@@ -1,4 +1,4 @@
-"""Start and supervise a splitserve cluster.
+r"""Start and supervise a splitserve cluster.
 
     python launch.py [MODEL | --model PATH] [--tp N] [engine args] [--no-api | api args]
 

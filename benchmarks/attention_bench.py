@@ -1,4 +1,4 @@
-"""One decode step's attention for one layer: the torch backend (page gather + SDPA)
+r"""One decode step's attention for one layer: the torch backend (page gather + SDPA)
 against the C++ kernel (cpu backend), in the same process, on SmolLM2's shape by default
 (9 query heads, 3 KV heads, head_dim 64, bf16, block 16), contexts uniform in [lo, hi].
 With --triton, on a GPU: the Triton backend's decode launch split over the context

@@ -1,4 +1,4 @@
-"""Load test of the OpenAI-compatible HTTP API, with streaming requests.
+r"""Load test of the OpenAI-compatible HTTP API, with streaming requests.
 
 Every request is a streaming /v1/completions whose prompt is a list of random token ids
 and whose output length is fixed (min_tokens = max_tokens, ignore_eos). Workloads:

@@ -1,4 +1,4 @@
-"""Throughput, nano-vllm style: N requests of random token ids (below 10,000), prompt
+r"""Throughput, nano-vllm style: N requests of random token ids (below 10,000), prompt
 lengths uniform in [100, 512], output lengths uniform in [100, 256] with ignore_eos,
 temperature 0.6, after one warm-up request. Reports output and total token throughput,
 and the EngineCore's time per step: schedule, broadcast (encode + send to the workers;
