@@ -1,5 +1,6 @@
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -53,3 +54,29 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory) -> Callable[[str], str]:
+    """tiny_checkpoints(name) -> the folder (named `name`) of the tiny random checkpoint
+    TINY_MODELS[name] of tests/models/tiny.py, saved once per session: read it, never
+    write into it."""
+    from tests.models.tiny import TINY_MODELS, make_tiny_checkpoint
+
+    paths: dict[str, str] = {}
+
+    def path(name: str) -> str:
+        if name not in paths:
+            arch, overrides = TINY_MODELS[name]
+            folder = tmp_path_factory.mktemp(name)
+            paths[name] = make_tiny_checkpoint(folder, arch, name=name, **overrides)
+        return paths[name]
+
+    return path
+
+
+@pytest.fixture(scope="module")
+def checkpoint(request, tiny_checkpoints) -> str:
+    """A tiny random checkpoint: the Llama, or the TINY_MODELS names a test is
+    parametrized with: `@pytest.mark.parametrize("checkpoint", [...], indirect=True)`."""
+    return tiny_checkpoints(getattr(request, "param", "llama"))
