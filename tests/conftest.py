@@ -57,26 +57,27 @@ def one_torch_thread():
 
 
 @pytest.fixture(scope="session")
-def tiny_checkpoints(tmp_path_factory) -> Callable[[str], str]:
-    """tiny_checkpoints(name) -> the folder (named `name`) of the tiny random checkpoint
-    TINY_MODELS[name] of tests/models/tiny.py, saved once per session: read it, never
-    write into it."""
+def tiny_checkpoint(tmp_path_factory) -> Callable[..., str]:
+    """tiny_checkpoint(name="llama", **config_overrides) -> the folder of a tiny random
+    checkpoint: TINY_MODELS[name] of tests/models/tiny.py, or the arch `name`, with the
+    overrides. Each is saved once per session: read it, never write into it."""
     from tests.models.tiny import TINY_MODELS, make_tiny_checkpoint
 
-    paths: dict[str, str] = {}
+    paths: dict[tuple[str, str], str] = {}
 
-    def path(name: str) -> str:
-        if name not in paths:
-            arch, overrides = TINY_MODELS[name]
+    def path(name: str = "llama", **overrides) -> str:
+        key = (name, repr(sorted(overrides.items())))
+        if key not in paths:
+            arch, defaults = TINY_MODELS.get(name, (name, {}))
             folder = tmp_path_factory.mktemp(name)
-            paths[name] = make_tiny_checkpoint(folder, arch, name=name, **overrides)
-        return paths[name]
+            paths[key] = make_tiny_checkpoint(folder, arch, name=name, **{**defaults, **overrides})
+        return paths[key]
 
     return path
 
 
 @pytest.fixture(scope="module")
-def checkpoint(request, tiny_checkpoints) -> str:
+def checkpoint(request, tiny_checkpoint) -> str:
     """A tiny random checkpoint: the Llama, or the TINY_MODELS names a test is
     parametrized with: `@pytest.mark.parametrize("checkpoint", [...], indirect=True)`."""
-    return tiny_checkpoints(getattr(request, "param", "llama"))
+    return tiny_checkpoint(getattr(request, "param", "llama"))

@@ -16,13 +16,13 @@ from tests.cluster.helpers import launch_cluster  # noqa: E402
 
 
 @pytest.fixture(scope="session")
-def qwen3_path(tiny_checkpoints) -> str:
-    return tiny_checkpoints("qwen3")
+def qwen3_path(tiny_checkpoint) -> str:
+    return tiny_checkpoint("qwen3")
 
 
 @pytest.fixture(scope="session")
-def llama_path(tiny_checkpoints) -> str:
-    return tiny_checkpoints("llama")
+def llama_path(tiny_checkpoint) -> str:
+    return tiny_checkpoint("llama")
 
 
 @pytest.fixture(scope="session")

@@ -34,12 +34,12 @@ def test_llm_tp2_equals_transformers(qwen3_path, monkeypatch):
 
 
 @pytest.mark.gpus(2)
-def test_llm_tp2_hybrid_kv_cache_groups(tiny_checkpoints, monkeypatch):
+def test_llm_tp2_hybrid_kv_cache_groups(tiny_checkpoint, monkeypatch):
     """Gemma 3 (five window layers to one global) over worker processes: the ranks report
     their KV cache groups in WorkerReady and the EngineCore manages one per group. The
     ranks also size a KV host tier and measure its costs."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    path = tiny_checkpoints("gemma3")
+    path = tiny_checkpoint("gemma3")
     llm = LLM(
         path,
         tensor_parallel_size=2,

@@ -21,8 +21,8 @@ GROUP_WINDOWS = {
 
 
 @pytest.fixture(scope="module", params=sorted(GROUP_WINDOWS))
-def model(request, tiny_checkpoints):
-    return tiny_checkpoints(request.param), GROUP_WINDOWS[request.param]
+def model(request, tiny_checkpoint):
+    return tiny_checkpoint(request.param), GROUP_WINDOWS[request.param]
 
 
 @pytest.fixture(scope="module")

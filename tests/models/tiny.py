@@ -62,7 +62,7 @@ _ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 
 
-# The checkpoints tests share by name (the `checkpoint` and `tiny_checkpoints` fixtures of
+# The checkpoints tests share by name (the `checkpoint` and `tiny_checkpoint` fixtures of
 # tests/conftest.py): name -> (arch, config overrides). The qwen2 hybrid has two window
 # layers (window 8) before two full ones: two KV cache groups.
 TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {

@@ -64,12 +64,12 @@ def zmq_engine():
 
 
 @pytest.fixture(scope="session")
-def api_cluster(tiny_checkpoints, tmp_path_factory):
+def api_cluster(tiny_checkpoint, tmp_path_factory):
     from tests.cluster.helpers import launch_cluster
 
     folder = tmp_path_factory.mktemp("api-cluster")
     args = ("--tp", "1", "--max-model-len", str(CLUSTER_MAX_MODEL_LEN))
-    with launch_cluster(folder, tiny_checkpoints("llama"), *args) as cluster:
+    with launch_cluster(folder, tiny_checkpoint("llama"), *args) as cluster:
         yield cluster
 
 

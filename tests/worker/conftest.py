@@ -8,9 +8,9 @@ from worker.model_runner import ModelRunner
 
 
 @pytest.fixture(scope="module")
-def runner(tiny_checkpoints) -> ModelRunner:
+def runner(tiny_checkpoint) -> ModelRunner:
     config = EngineConfig(
-        model=tiny_checkpoints("llama"),
+        model=tiny_checkpoint("llama"),
         dtype="float32",
         max_model_len=64,
         block_size=8,

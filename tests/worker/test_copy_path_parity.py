@@ -18,8 +18,8 @@ BACKENDS = {"llama": "auto", "qwen2-hybrid": "torch"}
 
 
 @pytest.fixture(scope="module", params=sorted(BACKENDS))
-def model(request, tiny_checkpoints):
-    return tiny_checkpoints(request.param), BACKENDS[request.param]
+def model(request, tiny_checkpoint):
+    return tiny_checkpoint(request.param), BACKENDS[request.param]
 
 
 def _engine(model, monkeypatch, separate: bool) -> LLM:
