@@ -1,5 +1,6 @@
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -53,3 +54,30 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Callable[..., str]:
+    """tiny_checkpoint(name="llama", **config_overrides) -> the folder of a tiny random
+    checkpoint: TINY_MODELS[name] of tests/models/tiny.py, or the arch `name`, with the
+    overrides. Each is saved once per session: read it, never write into it."""
+    from tests.models.tiny import TINY_MODELS, make_tiny_checkpoint
+
+    paths: dict[tuple[str, str], str] = {}
+
+    def path(name: str = "llama", **overrides) -> str:
+        key = (name, repr(sorted(overrides.items())))
+        if key not in paths:
+            arch, defaults = TINY_MODELS.get(name, (name, {}))
+            folder = tmp_path_factory.mktemp(name)
+            paths[key] = make_tiny_checkpoint(folder, arch, name=name, **{**defaults, **overrides})
+        return paths[key]
+
+    return path
+
+
+@pytest.fixture(scope="module")
+def checkpoint(request, tiny_checkpoint) -> str:
+    """A tiny random checkpoint: the Llama, or the TINY_MODELS names a test is
+    parametrized with: `@pytest.mark.parametrize("checkpoint", [...], indirect=True)`."""
+    return tiny_checkpoint(getattr(request, "param", "llama"))

@@ -7,10 +7,10 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.import_graph import ROOT, imports, module_name
+
 PACKAGES = (
     "kv_cache",
     "engine_core",
@@ -34,29 +34,17 @@ FORBIDDEN: dict[str, set[str]] = {
 }
 
 
-def imported_modules(tree: ast.AST, package: str) -> Iterator[tuple[int, str]]:
-    """(line, top-level module name) of every import in `tree`; relative imports stay
-    inside `package`."""
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                yield node.lineno, alias.name.split(".")[0]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level > 0:
-                yield node.lineno, package
-            elif node.module is not None:
-                yield node.lineno, node.module.split(".")[0]
-
-
 def violations(root: Path = ROOT) -> list[str]:
     found = []
     for package in PACKAGES:
         forbidden = FORBIDDEN[package] - {package}
         for path in sorted((root / package).rglob("*.py")):
             tree = ast.parse(path.read_text(), filename=str(path))
-            for line, module in imported_modules(tree, package):
+            for found_import in imports(tree, *module_name(path, root), type_checking=True):
+                module = found_import.module.split(".")[0]
                 if module in forbidden:
-                    found.append(f"{path.relative_to(root)}:{line}: {package} imports {module}")
+                    where = f"{path.relative_to(root)}:{found_import.line}"
+                    found.append(f"{where}: {package} imports {module}")
     return found
 
 

@@ -13,17 +13,16 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 from tests.cluster.helpers import launch_cluster  # noqa: E402
-from tests.models.tiny import make_tiny_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")
-def qwen3_path(tmp_path_factory) -> str:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), "qwen3", name="qwen3")
+def qwen3_path(tiny_checkpoint) -> str:
+    return tiny_checkpoint("qwen3")
 
 
 @pytest.fixture(scope="session")
-def llama_path(tmp_path_factory) -> str:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("ckpt"), "llama", name="llama")
+def llama_path(tiny_checkpoint) -> str:
+    return tiny_checkpoint("llama")
 
 
 @pytest.fixture(scope="session")

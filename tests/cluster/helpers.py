@@ -1,4 +1,4 @@
-"""Start launch.py clusters for tests, and compute transformers' greedy answers."""
+"""Start launch.py clusters for tests, and watch their processes."""
 
 from __future__ import annotations
 
@@ -90,22 +90,6 @@ def pid_alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-
-
-def greedy_reference(model_path: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """transformers' greedy continuation of each prompt (float32, one at a time)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-    answers = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_tokens
-        )
-        answers.append(out[0, len(prompt) :].tolist())
-    return answers
 
 
 def wait_idle(client, timeout: float = 10.0):

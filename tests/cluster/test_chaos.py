@@ -20,7 +20,8 @@ from ipc.client import EngineClient, RequestError
 from ipc.messages import ErrorCode
 from ipc.sampling_params import SamplingParams
 from ipc.sockets import free_tcp_port
-from tests.cluster.helpers import child_pids, greedy_reference, start_launch, wait_idle, wait_ready
+from tests.cluster.helpers import child_pids, start_launch, wait_idle, wait_ready
+from tests.integration.greedy import greedy_reference
 
 pytestmark = pytest.mark.slow
 
@@ -126,7 +127,8 @@ def test_chaos(tmp_path, qwen3_path):
     tally = Tally()
     try:
         assert httpx.get(f"{url}/health").status_code == 200  # "ready" means ready
-        tokens = greedy_reference(qwen3_path, PROMPTS, MAX_TOKENS)
+        greedy = greedy_reference(qwen3_path, ignore_eos=False)
+        tokens = [greedy(p, MAX_TOKENS) for p in PROMPTS]
         with EngineClient(address, tokenizer=qwen3_path) as client:
             outputs = [client.generate(p, GREEDY).outputs[0] for p in PROMPTS]
             assert [o.token_ids for o in outputs] == tokens

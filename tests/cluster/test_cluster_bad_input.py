@@ -21,7 +21,8 @@ from ipc.messages import (
 )
 from ipc.sampling_params import SamplingParams
 from ipc.sockets import HELLO, WELCOME, socket_address
-from tests.cluster.helpers import greedy_reference, wait_idle
+from tests.cluster.helpers import wait_idle
+from tests.integration.greedy import greedy_reference
 
 NUM_GARBAGE = 1000
 PROMPT = [72, 101, 108, 108, 111]
@@ -122,7 +123,9 @@ def test_garbage_frames_get_errors_and_the_engine_goes_on(llama_tp1, raw_client)
     with EngineClient(llama_tp1.address) as client:
         answer = client.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=8))
         assert wait_idle(client).kv_cache_usage == 0.0
-    assert answer.outputs[0].token_ids == greedy_reference(llama_tp1.model, [PROMPT], 8)[0]
+    assert answer.outputs[0].token_ids == greedy_reference(llama_tp1.model, ignore_eos=False)(
+        PROMPT, 8
+    )
 
 
 def test_requests_of_a_vanished_client_are_aborted(llama_tp1):

@@ -24,12 +24,12 @@ from ipc.sampling_params import SamplingParams
 from tests.cluster.helpers import (
     TEST_ARGS,
     child_pids,
-    greedy_reference,
     pid_alive,
     start_launch,
     wait_idle,
     wait_ready,
 )
+from tests.integration.greedy import greedy_reference
 
 MAX_TOKENS = 120
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
@@ -40,7 +40,8 @@ _reference: list[list[int]] = []
 
 def _expected(model: str) -> list[list[int]]:
     if not _reference:
-        _reference.extend(greedy_reference(model, PROMPTS, MAX_TOKENS))
+        greedy = greedy_reference(model, ignore_eos=False)
+        _reference.extend(greedy(p, MAX_TOKENS) for p in PROMPTS)
     return _reference
 
 

@@ -18,10 +18,10 @@ from tests.cluster.helpers import (
     LAUNCH,
     ROOT,
     cluster_env,
-    greedy_reference,
     start_launch,
     wait_ready,
 )
+from tests.integration.greedy import greedy_reference
 
 ENGINE_ARGS = ("--dtype", "float32", "--kv-cache-memory", "64MiB")
 PROMPTS = [[5, 77, 3, 200], [42] * 30]
@@ -54,7 +54,8 @@ def test_engine_role_with_torchrun_workers(tmp_path, qwen3_path):
         with EngineClient(address, credentials=credentials) as client:
             params = SamplingParams(temperature=0.0, max_tokens=8)
             answers = [client.generate(p, params).outputs[0].token_ids for p in PROMPTS]
-        assert answers == greedy_reference(qwen3_path, PROMPTS, 8)
+        greedy = greedy_reference(qwen3_path, ignore_eos=False)
+        assert answers == [greedy(p, 8) for p in PROMPTS]
         engine.send_signal(signal.SIGTERM)
         assert engine.wait(timeout=15) == 0
         assert workers.wait(timeout=15) == 0  # every rank got Shutdown

@@ -14,7 +14,8 @@ import pytest
 
 from ipc.client import EngineClient
 from ipc.sampling_params import SamplingParams
-from tests.cluster.helpers import ROOT, cluster_env, greedy_reference, wait_idle
+from tests.cluster.helpers import ROOT, cluster_env, wait_idle
+from tests.integration.greedy import greedy_reference
 
 MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
@@ -36,7 +37,8 @@ _references: dict[str, list[list[int]]] = {}
 
 def reference(model: str) -> list[list[int]]:
     if model not in _references:
-        _references[model] = greedy_reference(model, PROMPTS, MAX_TOKENS)
+        greedy = greedy_reference(model, ignore_eos=False)
+        _references[model] = [greedy(p, MAX_TOKENS) for p in PROMPTS]
     return _references[model]
 
 

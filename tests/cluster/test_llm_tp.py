@@ -11,7 +11,8 @@ import pytest
 from engine_core.multiproc_executor import WorkerFailure
 from ipc.sampling_params import SamplingParams
 from splitserve import LLM, cluster
-from tests.cluster.helpers import greedy_reference, pid_alive
+from tests.cluster.helpers import pid_alive
+from tests.integration.greedy import greedy_reference
 from tests.models.tiny import make_tiny_checkpoint
 
 PROMPTS = [[5, 77, 3, 200], [9, 8, 7, 6, 5, 4, 3, 2, 1], [100] * 20]
@@ -24,7 +25,8 @@ def test_llm_tp2_equals_transformers(qwen3_path, monkeypatch):
     executor = llm.engine.executor
     pids = [w.pid for w in executor.workers]
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == greedy_reference(qwen3_path, PROMPTS, 8)
+    greedy = greedy_reference(qwen3_path, ignore_eos=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [greedy(p, 8) for p in PROMPTS]
     assert all(pid_alive(p) for p in pids)
     del llm, executor, outputs
     gc.collect()  # the executor's finalizer stops its workers
@@ -32,12 +34,12 @@ def test_llm_tp2_equals_transformers(qwen3_path, monkeypatch):
 
 
 @pytest.mark.gpus(2)
-def test_llm_tp2_hybrid_kv_cache_groups(tmp_path, monkeypatch):
+def test_llm_tp2_hybrid_kv_cache_groups(tiny_checkpoint, monkeypatch):
     """Gemma 3 (five window layers to one global) over worker processes: the ranks report
     their KV cache groups in WorkerReady and the EngineCore manages one per group. The
     ranks also size a KV host tier and measure its costs."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    path = make_tiny_checkpoint(tmp_path, "gemma3")
+    path = tiny_checkpoint("gemma3")
     llm = LLM(
         path,
         tensor_parallel_size=2,
@@ -54,7 +56,8 @@ def test_llm_tp2_hybrid_kv_cache_groups(tmp_path, monkeypatch):
     assert llm.engine.kv_cache_manager.group_windows == (8,) * 5 + (None,)
     prompts = PROMPTS + [list(range(3, 40))]
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == greedy_reference(path, prompts, 12)
+    greedy = greedy_reference(path, ignore_eos=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [greedy(p, 12) for p in prompts]
 
 
 @pytest.mark.gpus(2)
@@ -78,7 +81,8 @@ def test_llm_tp2_swap_preemption(qwen3_path, monkeypatch):
     assert llm.engine.max_in_flight == 1
     prompts = [list(range(n, n + 30)) for n in (3, 40, 90, 150)]
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10), use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == greedy_reference(qwen3_path, prompts, 10)
+    greedy = greedy_reference(qwen3_path, ignore_eos=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [greedy(p, 10) for p in prompts]
     stats = llm.engine.get_stats()
     assert stats.num_swapped_out_blocks > 0
     assert stats.num_swapped_in_blocks >= stats.num_swapped_out_blocks

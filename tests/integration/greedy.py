@@ -12,9 +12,11 @@ from tests.models.tiny import load_reference
 MAX_TOKENS = 12
 
 
-def greedy_reference(path: str) -> Callable[..., list[int]]:
-    """`greedy(prompt, max_tokens=MAX_TOKENS)`: transformers' greedy continuation, EOS off."""
+def greedy_reference(path: str, ignore_eos: bool = True) -> Callable[..., list[int]]:
+    """`greedy(prompt, max_tokens=MAX_TOKENS)`: transformers' greedy continuation, past EOS
+    when ignore_eos, else ending with it, as the engine's SamplingParams(ignore_eos=...)."""
     model = load_reference(path)
+    eos = {"eos_token_id": None} if ignore_eos else {}
 
     @torch.no_grad()
     def greedy(prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
@@ -24,7 +26,7 @@ def greedy_reference(path: str) -> Callable[..., list[int]]:
             attention_mask=torch.ones_like(ids),
             max_new_tokens=max_tokens,
             do_sample=False,
-            eos_token_id=None,
+            **eos,
         )
         return out[0, len(prompt) :].tolist()
 

@@ -8,13 +8,7 @@ import pytest
 
 from splitserve import LLM, SamplingParams
 from tests.integration.greedy import generate_greedy, greedy_reference, random_prompts
-from tests.models.tiny import make_tiny_checkpoint
 from worker.step_output import LaunchedStep
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
 
 
 @pytest.fixture(autouse=True, params=["pipelined", "done-first"])

@@ -8,33 +8,21 @@ from ipc.messages import EngineCoreRequest
 from ipc.utils import cdiv
 from splitserve import LLM, SamplingParams
 from tests.integration.greedy import generate_greedy, greedy_reference, random_prompts
-from tests.models.tiny import make_tiny_checkpoint
 
 WINDOW = 8
 
-# name -> (arch, config overrides, each KV cache group's window as the workers report it)
-MODELS = {
-    "qwen2-hybrid": (
-        "qwen2",
-        dict(
-            num_hidden_layers=4,
-            use_sliding_window=True,
-            sliding_window=WINDOW,
-            max_window_layers=2,
-        ),
-        [None, WINDOW],
-    ),
-    "mistral": ("mistral", {}, [WINDOW]),
+# tiny checkpoint (window 8 in each) -> each KV cache group's window as the workers report it
+GROUP_WINDOWS = {
+    "qwen2-hybrid": [None, WINDOW],
+    "mistral": [WINDOW],
     # Five local layers to one global: six groups of one layer.
-    "gemma3": ("gemma3", {}, [WINDOW] * 5 + [None]),
+    "gemma3": [WINDOW] * 5 + [None],
 }
 
 
-@pytest.fixture(scope="module", params=sorted(MODELS))
-def model(request, tmp_path_factory):
-    arch, overrides, groups = MODELS[request.param]
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), arch, **overrides)
-    return path, groups
+@pytest.fixture(scope="module", params=sorted(GROUP_WINDOWS))
+def model(request, tiny_checkpoint):
+    return tiny_checkpoint(request.param), GROUP_WINDOWS[request.param]
 
 
 @pytest.fixture(scope="module")

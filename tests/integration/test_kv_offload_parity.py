@@ -10,28 +10,18 @@ import pytest
 from ipc.utils import cdiv
 from splitserve import LLM
 from tests.integration.greedy import generate_greedy, greedy_reference, random_prompts
-from tests.models.tiny import make_tiny_checkpoint
 
 BLOCK_SIZE = 4
 MAX_MODEL_LEN = 64
 CHUNK = 16
 
-# name -> (arch, config overrides, each KV cache group's window)
-MODELS = {
-    "llama": ("llama", {}, [None]),
-    "qwen2-hybrid": (
-        "qwen2",
-        dict(num_hidden_layers=4, use_sliding_window=True, sliding_window=8, max_window_layers=2),
-        [None, 8],
-    ),
-}
+# tiny checkpoint -> each KV cache group's window
+GROUP_WINDOWS = {"llama": [None], "qwen2-hybrid": [None, 8]}
 
 
-@pytest.fixture(scope="module", params=sorted(MODELS))
-def model(request, tmp_path_factory):
-    arch, overrides, groups = MODELS[request.param]
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), arch, **overrides)
-    return path, groups
+@pytest.fixture(scope="module", params=sorted(GROUP_WINDOWS))
+def model(request, tiny_checkpoint):
+    return tiny_checkpoint(request.param), GROUP_WINDOWS[request.param]
 
 
 @pytest.fixture(scope="module")

@@ -5,12 +5,8 @@ import pytest
 
 from splitserve import LLM, SamplingParams
 from tests.integration.greedy import MAX_TOKENS, generate_greedy, greedy_reference, random_prompts
-from tests.models.tiny import make_tiny_checkpoint
 
-
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
-def checkpoint(request, tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), request.param)
+pytestmark = pytest.mark.parametrize("checkpoint", ["llama", "qwen3"], indirect=True)
 
 
 @pytest.fixture(scope="module")

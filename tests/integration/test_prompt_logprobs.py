@@ -10,14 +10,9 @@ import pytest
 import torch
 
 from splitserve import LLM, SamplingParams
-from tests.models.tiny import load_reference, make_tiny_checkpoint
+from tests.models.tiny import load_reference
 
 ATOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
 
 
 @pytest.fixture(scope="module")

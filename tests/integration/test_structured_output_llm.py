@@ -13,7 +13,6 @@ import jsonschema
 import pytest
 
 from splitserve import LLM, SamplingParams, StructuredOutputsParams
-from tests.models.tiny import make_tiny_checkpoint
 
 SCHEMA = {
     "type": "object",
@@ -31,11 +30,6 @@ CHOICES = ["yes", "no", "maybe"]
 GBNF = 'root ::= "go " dir\ndir ::= "north" | "south" | "east" | "west"'
 LARK = 'start: "go " DIR\nDIR: "up" | "down"'
 PROMPTS = ["abc", "hello there", "{", "xyz 123", "The answer is"]
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> str:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,13 @@
-"""Test helpers: a minimal request and whole-pool snapshots / invariant checks."""
+"""Test helpers: a minimal request, a manager and the scheduler's steps on it, and
+whole-pool snapshots / invariant checks."""
 
 from collections import Counter
 from dataclasses import dataclass, field
 from itertools import pairwise
 
-from kv_cache import KVCacheManager, extend_block_hashes
+from kv_cache import KVCacheBlocks, KVCacheManager, extend_block_hashes
+
+BS = 4  # tokens per block
 
 
 @dataclass
@@ -30,6 +33,36 @@ class FakeRequest:
 
     def _rehash(self) -> None:
         extend_block_hashes(self.block_hashes, self.token_ids, self.block_size, self.cache_salt)
+
+
+def make_manager(num_blocks: int = 10, **kwargs) -> KVCacheManager:
+    """A manager of `num_blocks` blocks of BS tokens, for requests of up to 200."""
+    return KVCacheManager(num_blocks, BS, max_model_len=200, **kwargs)
+
+
+def prefill(manager: KVCacheManager, request: FakeRequest) -> KVCacheBlocks:
+    """Admit a waiting request that fits: its prefix hits, then new blocks for the rest;
+    the whole prompt is computed. The request's blocks, hits first."""
+    hits, num_hit_tokens = manager.get_computed_blocks(request)
+    new_blocks = manager.allocate_slots(
+        request, request.num_tokens - num_hit_tokens, num_hit_tokens, hits
+    )
+    assert new_blocks is not None, f"{request.request_id} does not fit"
+    request.num_computed_tokens = request.num_tokens
+    return hits + new_blocks
+
+
+def decode(manager: KVCacheManager, request: FakeRequest, token_id: int) -> KVCacheBlocks | None:
+    """One decode step: the sampled token arrives, then a slot is allocated for it."""
+    request.append_token(token_id)
+    new_blocks = manager.allocate_slots(request, 1)
+    if new_blocks is not None:
+        request.num_computed_tokens += 1
+    return new_blocks
+
+
+def ref_cnts(pool, block_ids: list[int]) -> list[int]:
+    return [pool.blocks[i].ref_cnt for i in block_ids]
 
 
 def ids(blocks) -> list[int]:

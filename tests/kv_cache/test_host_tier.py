@@ -2,38 +2,27 @@
 preemption, spilling of evicted cached blocks and host prefix hits."""
 
 import pytest
-from kv_fakes import FakeRequest, check_invariants, free_ids, ids, snapshot
+from kv_fakes import (
+    BS,
+    FakeRequest,
+    check_invariants,
+    free_ids,
+    ids,
+    make_manager,
+    prefill,
+    ref_cnts,
+    snapshot,
+)
 
 from kv_cache import KVCacheBlocks, KVCacheManager, PrefixCacheStats
-
-BS = 4
-
-
-def make_manager(num_blocks: int, num_host_blocks: int, **kwargs) -> KVCacheManager:
-    return KVCacheManager(
-        num_blocks, BS, max_model_len=200, num_host_blocks=num_host_blocks, **kwargs
-    )
 
 
 def host_free_ids(manager: KVCacheManager) -> list[int]:
     return ids(manager.host_block_pool.free_block_queue.get_all_free_blocks())
 
 
-def refs(pool, block_ids: list[int]) -> list[int]:
-    return [pool.blocks[i].ref_cnt for i in block_ids]
-
-
 def keys(pool, block_ids: list[int]) -> list:
     return [pool.blocks[i].cache_key for i in block_ids]
-
-
-def prefill(manager: KVCacheManager, request: FakeRequest) -> KVCacheBlocks:
-    hits, num_hit_tokens = manager.get_computed_blocks(request)
-    new_blocks = manager.allocate_slots(
-        request, request.num_tokens - num_hit_tokens, num_hit_tokens, hits
-    )
-    request.num_computed_tokens = request.num_tokens
-    return hits + new_blocks
 
 
 def resume(manager: KVCacheManager, request: FakeRequest) -> KVCacheBlocks:
@@ -56,7 +45,7 @@ def test_no_host_tier_by_default():
 
 
 def test_swap_out_then_resume():
-    manager = make_manager(10, 6)
+    manager = make_manager(10, num_host_blocks=6)
     device, host = manager.block_pool, manager.host_block_pool
     assert host.is_host and all(b.is_host for b in host.blocks)
     a = FakeRequest("a", list(range(10)), BS)
@@ -69,7 +58,7 @@ def test_swap_out_then_resume():
     assert manager.is_swapped("a")
     # One host block per device block; the full ones get the device block's key.
     assert keys(host, [1, 2, 3]) == [(h[0], 0), (h[1], 0), None]
-    assert refs(host, [1, 2, 3]) == [2, 2, 2]  # the swapped request, and this step's copy
+    assert ref_cnts(host, [1, 2, 3]) == [2, 2, 2]  # the swapped request, and this step's copy
     assert host_free_ids(manager) == [4, 5]
     # The device blocks are freed like free(): tail first, keeping their keys.
     assert free_ids(manager) == [4, 5, 6, 7, 8, 9, 3, 2, 1]
@@ -78,7 +67,7 @@ def test_swap_out_then_resume():
     with pytest.raises(ValueError):  # its copies have not run yet
         manager.get_swapped_blocks(a)
     assert manager.take_block_copies() == ([(1, 1), (2, 2), (3, 3)], [])
-    assert refs(host, [1, 2, 3]) == [1, 1, 1]
+    assert ref_cnts(host, [1, 2, 3]) == [1, 1, 1]
     assert manager.host_usage == pytest.approx(0.6)
 
     blocks, num_tokens = manager.get_swapped_blocks(a)
@@ -88,10 +77,10 @@ def test_swap_out_then_resume():
     assert not manager.is_swapped("a")
     assert manager.get_block_ids("a") == [[4, 5, 6]]
     assert keys(device, [4, 5, 6]) == [(h[0], 0), (h[1], 0), None]
-    assert refs(device, [4, 5, 6]) == [1, 1, 1]
-    assert refs(host, [1, 2, 3]) == [2, 2, 2]  # held for the copies, until they are taken
+    assert ref_cnts(device, [4, 5, 6]) == [1, 1, 1]
+    assert ref_cnts(host, [1, 2, 3]) == [2, 2, 2]  # held for the copies, until they are taken
     assert manager.take_block_copies() == ([], [(1, 4), (2, 5), (3, 6)])
-    assert refs(host, [1, 2, 3]) == [0, 0, 0]
+    assert ref_cnts(host, [1, 2, 3]) == [0, 0, 0]
     assert host_free_ids(manager) == [4, 5, 3, 2, 1]
     assert keys(host, [1, 2]) == [(h[0], 0), (h[1], 0)]
     check_invariants(manager, {"a": a})
@@ -113,7 +102,7 @@ def test_swap_out_then_resume():
 
 
 def test_swap_out_refused_when_the_host_is_full():
-    manager = make_manager(10, 3)
+    manager = make_manager(10, num_host_blocks=3)
     a = FakeRequest("a", list(range(10)), BS)
     prefill(manager, a)
     before = (snapshot(manager), host_free_ids(manager))
@@ -125,7 +114,7 @@ def test_swap_out_refused_when_the_host_is_full():
 
 
 def test_spill_on_eviction_and_held_spills_are_no_hits():
-    manager = make_manager(4, 4)
+    manager = make_manager(4, num_host_blocks=4)
     device, host = manager.block_pool, manager.host_block_pool
     a = FakeRequest("a", list(range(8)), BS)
     assert prefill(manager, a).get_block_ids() == [[1, 2]]
@@ -154,7 +143,7 @@ def test_spill_on_eviction_and_held_spills_are_no_hits():
 
 
 def test_no_spill_while_another_device_block_caches_the_key():
-    manager = make_manager(5, 4)
+    manager = make_manager(5, num_host_blocks=4)
     pool = manager.block_pool
     r = FakeRequest("r", list(range(4)), BS)
     blocks = pool.get_new_blocks(2)
@@ -170,7 +159,7 @@ def test_no_spill_while_another_device_block_caches_the_key():
 
 
 def test_no_spill_when_the_host_caches_the_key_and_abort_while_swapped():
-    manager = make_manager(3, 3)
+    manager = make_manager(3, num_host_blocks=3)
     host = manager.host_block_pool
     a = FakeRequest("a", list(range(8)), BS)
     prefill(manager, a)
@@ -186,13 +175,13 @@ def test_no_spill_when_the_host_caches_the_key_and_abort_while_swapped():
 
     manager.free(a)  # aborted while swapped: its host blocks are freed, tail first
     assert not manager.is_swapped("a")
-    assert host_free_ids(manager) == [2, 1] and refs(host, [1, 2]) == [0, 0]
+    assert host_free_ids(manager) == [2, 1] and ref_cnts(host, [1, 2]) == [0, 0]
     manager.free(b)
     assert manager.block_pool.get_num_free_blocks() == 2
 
 
 def test_host_hit_promotion_mixed_with_device_hits():
-    manager = make_manager(5, 5, enable_kv_cache_events=True)
+    manager = make_manager(5, num_host_blocks=5, enable_kv_cache_events=True)
     device, host = manager.block_pool, manager.host_block_pool
     a = FakeRequest("a", list(range(12)), BS)
     assert prefill(manager, a).get_block_ids() == [[1, 2, 3]]
@@ -216,12 +205,12 @@ def test_host_hit_promotion_mixed_with_device_hits():
     # Host hits 2 and 1 went to device blocks 2 and 3, whose cached blocks spilled first.
     assert manager.get_block_ids("c") == [[1, 2, 3, 4]]
     assert keys(device, [1, 2, 3, 4]) == [(h[0], 0), (h[1], 0), (h[2], 0), None]
-    assert refs(host, [1, 2, 3, 4]) == [1, 1, 1, 1]
+    assert ref_cnts(host, [1, 2, 3, 4]) == [1, 1, 1, 1]
     assert host_free_ids(manager) == []
     b_hashes = b.block_hashes
     assert keys(host, [3, 4]) == [(b_hashes[2], 0), (b_hashes[1], 0)]
     assert manager.take_block_copies() == ([(2, 3), (3, 4)], [(2, 2), (1, 3)])
-    assert host_free_ids(manager) == [2, 1, 3, 4] and refs(host, [1, 2, 3, 4]) == [0] * 4
+    assert host_free_ids(manager) == [2, 1, 3, 4] and ref_cnts(host, [1, 2, 3, 4]) == [0] * 4
     stored = [e.block_hashes for e in manager.take_events() if type(e).__name__ == "BlockStored"]
     assert stored == [[h[1]], [h[2]]]
     counts = (manager.num_swapped_in_blocks, manager.num_spilled_blocks)
@@ -230,7 +219,7 @@ def test_host_hit_promotion_mixed_with_device_hits():
 
 
 def test_sliding_window_host_hits_spill_what_they_evict():
-    manager = make_manager(5, 6, sliding_window=8)
+    manager = make_manager(5, num_host_blocks=6, sliding_window=8)
     a = FakeRequest("a", list(range(16)), BS)
     prefill(manager, a)
     manager.free(a)
@@ -252,7 +241,7 @@ def test_sliding_window_host_hits_spill_what_they_evict():
 
 
 def test_hybrid_swap_keeps_window_nulls_and_caches_the_last_block_when_full():
-    manager = make_manager(13, 13, group_windows=[None, 8])
+    manager = make_manager(13, num_host_blocks=13, group_windows=[None, 8])
     device, host = manager.block_pool, manager.host_block_pool
     a = FakeRequest("a", list(range(14)), BS)
     assert prefill(manager, a).get_block_ids() == [[1, 2, 3, 4], [5, 6, 7, 8]]
@@ -301,7 +290,9 @@ def test_hybrid_swap_keeps_window_nulls_and_caches_the_last_block_when_full():
 
 
 def test_shared_blocks_swapped_out_in_one_step_are_copied_once():
-    manager = make_manager(10, 7)  # the room check does not count on sharing: 3 + 3 free
+    manager = make_manager(
+        10, num_host_blocks=7
+    )  # the room check does not count on sharing: 3 + 3 free
     host = manager.host_block_pool
     a = FakeRequest("a", list(range(8)) + [1], BS)
     b = FakeRequest("b", list(range(8)) + [2], BS)
@@ -311,7 +302,7 @@ def test_shared_blocks_swapped_out_in_one_step_are_copied_once():
     b.append_token(3)
     manager.take_block_copies()
     assert manager.swap_out(a) and manager.swap_out(b)
-    assert refs(host, [1, 2, 3, 4]) == [3, 3, 2, 2]
+    assert ref_cnts(host, [1, 2, 3, 4]) == [3, 3, 2, 2]
     assert manager.take_block_copies() == ([(1, 1), (2, 2), (3, 3), (4, 4)], [])
     assert free_ids(manager) == [5, 6, 7, 8, 9, 3, 4, 2, 1]
 
@@ -328,7 +319,7 @@ def test_shared_blocks_swapped_out_in_one_step_are_copied_once():
 
 
 def test_reset_prefix_cache_covers_both_tiers():
-    manager = make_manager(4, 4)
+    manager = make_manager(4, num_host_blocks=4)
     device, host = manager.block_pool, manager.host_block_pool
     a = FakeRequest("a", list(range(8)) + [1], BS)
     prefill(manager, a)
@@ -351,7 +342,7 @@ def test_a_swap_copies_and_spills_only_computed_blocks():
     """Swapped out in the step that scheduled 8 more of its tokens (two blocks cached for
     them): the host gets its computed block, the two uncomputed blocks lose their hashes,
     and evicting them later spills nothing."""
-    manager = make_manager(6, 4)
+    manager = make_manager(6, num_host_blocks=4)
     a = FakeRequest("a", list(range(14)), BS)
     manager.allocate_slots(a, 4)
     a.num_computed_tokens = 4

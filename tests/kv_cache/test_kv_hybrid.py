@@ -1,39 +1,22 @@
 """Hybrid models: several KV cache groups (full attention and sliding windows) over one pool."""
 
-from kv_fakes import FakeRequest, check_invariants, free_ids, snapshot
+from kv_fakes import (
+    BS,
+    FakeRequest,
+    check_invariants,
+    decode,
+    free_ids,
+    make_manager,
+    prefill,
+    ref_cnts,
+    snapshot,
+)
 
-from kv_cache import BlockStored, KVCacheBlocks, KVCacheManager, PrefixCacheStats
-
-BS = 4
-
-
-def make_manager(num_blocks: int, group_windows, **kwargs) -> KVCacheManager:
-    return KVCacheManager(num_blocks, BS, max_model_len=200, group_windows=group_windows, **kwargs)
-
-
-def prefill(manager: KVCacheManager, request: FakeRequest) -> KVCacheBlocks:
-    hits, num_hit_tokens = manager.get_computed_blocks(request)
-    new_blocks = manager.allocate_slots(
-        request, request.num_tokens - num_hit_tokens, num_hit_tokens, hits
-    )
-    request.num_computed_tokens = request.num_tokens
-    return hits + new_blocks
-
-
-def decode(manager: KVCacheManager, request: FakeRequest, token_id: int) -> KVCacheBlocks | None:
-    request.append_token(token_id)
-    new_blocks = manager.allocate_slots(request, 1)
-    if new_blocks is not None:
-        request.num_computed_tokens += 1
-    return new_blocks
-
-
-def ref_cnts(manager: KVCacheManager, block_ids: list[int]) -> list[int]:
-    return [manager.block_pool.blocks[i].ref_cnt for i in block_ids]
+from kv_cache import BlockStored, KVCacheBlocks, PrefixCacheStats
 
 
 def test_full_and_window_groups_allocate_hit_and_free_their_own_blocks():
-    manager = make_manager(16, [None, 8], enable_kv_cache_events=True)
+    manager = make_manager(16, group_windows=[None, 8], enable_kv_cache_events=True)
     a = FakeRequest("a", list(range(10)), BS)
     assert manager.get_computed_blocks(a) == (KVCacheBlocks.empty(2), 0)
     assert manager.allocate_slots(a, 10).get_block_ids() == [[1, 2, 3], [4, 5, 6]]
@@ -42,7 +25,10 @@ def test_full_and_window_groups_allocate_hit_and_free_their_own_blocks():
     h = a.block_hashes
     assert [pool.blocks[i].cache_key for i in (1, 2, 3)] == [(h[0], 0), (h[1], 0), None]
     assert [pool.blocks[i].cache_key for i in (4, 5, 6)] == [(h[0], 1), (h[1], 1), None]
-    assert manager.take_events() == [BlockStored(h, None, BS), BlockStored(h, None, BS)]
+    assert manager.take_events() == [
+        BlockStored(h, None, BS),
+        BlockStored(h, None, BS),
+    ]
 
     b = FakeRequest("b", list(range(8)) + [50, 51, 52], BS)
     hits, num_hit_tokens = manager.get_computed_blocks(b)
@@ -50,7 +36,7 @@ def test_full_and_window_groups_allocate_hit_and_free_their_own_blocks():
     assert manager.allocate_slots(b, 3, 8, hits).get_block_ids() == [[7], [8]]
     b.num_computed_tokens = 11
     assert manager.get_block_ids("b") == [[1, 2, 7], [4, 5, 8]]
-    assert ref_cnts(manager, [1, 2, 3, 4, 5, 6, 7, 8]) == [2, 2, 1, 2, 2, 1, 1, 1]
+    assert ref_cnts(manager.block_pool, [1, 2, 3, 4, 5, 6, 7, 8]) == [2, 2, 1, 2, 2, 1, 1, 1]
     assert free_ids(manager) == list(range(9, 16))
     assert manager.make_prefix_cache_stats() == PrefixCacheStats(requests=2, queries=21, hits=8)
     check_invariants(manager, {"a": a, "b": b})
@@ -65,7 +51,7 @@ def test_full_and_window_groups_allocate_hit_and_free_their_own_blocks():
 
 
 def test_hit_is_cut_back_to_what_the_sliding_group_serves():
-    manager = make_manager(13, [None, 8])
+    manager = make_manager(13, group_windows=[None, 8])
     a = FakeRequest("a", list(range(20)), BS)
     assert prefill(manager, a).get_block_ids() == [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]]
     # Position 20 attends to 13..20: the window group frees positions 2, 1, 0 (in that order).
@@ -99,7 +85,7 @@ def test_hit_is_cut_back_to_what_the_sliding_group_serves():
 
 
 def test_every_group_takes_its_hits_before_any_group_allocates():
-    manager = make_manager(17, [None, 8])
+    manager = make_manager(17, group_windows=[None, 8])
     a = FakeRequest("a", list(range(20)), BS)
     prefill(manager, a)
     c = FakeRequest("c", list(range(50, 55)), BS)
@@ -116,13 +102,13 @@ def test_every_group_takes_its_hits_before_any_group_allocates():
     assert manager.allocate_slots(b, 5, 8, hits).get_block_ids() == [[8, 12], [14, 11]]
     b.num_computed_tokens = 13
     assert manager.get_block_ids("b") == [[1, 2, 8, 12], [6, 7, 14, 11]]
-    assert ref_cnts(manager, [1, 2, 6, 7]) == [2, 2, 1, 1]
+    assert ref_cnts(manager.block_pool, [1, 2, 6, 7]) == [2, 2, 1, 1]
     assert free_ids(manager) == [13]
     check_invariants(manager, {"a": a, "b": b})
 
 
 def test_sliding_groups_converge_on_a_length_both_serve():
-    manager = make_manager(12, [8, 5])  # windows of 2 blocks and of 1 block
+    manager = make_manager(12, group_windows=[8, 5])  # windows of 2 blocks and of 1 block
     pool = manager.block_pool
     request = FakeRequest("r", list(range(25)), BS)
     null = pool.null_block
@@ -148,7 +134,9 @@ def test_sliding_groups_converge_on_a_length_both_serve():
 def test_window_only_model_stops_growing_past_the_window():
     window = 10
     max_live = -(-(window - 1) // BS) + 1  # cdiv(W - 1, block_size) + 1 = 4
-    manager = make_manager(6, [window])  # 5 usable blocks: a long request fits only by reuse
+    manager = make_manager(
+        6, group_windows=[window]
+    )  # 5 usable blocks: a long request fits only by reuse
     a = FakeRequest("a", [7] * 6, BS)
     assert prefill(manager, a).get_block_ids() == [[1, 2]]
     live_counts = []

@@ -1,5 +1,14 @@
 import pytest
-from kv_fakes import FakeRequest, check_invariants, free_ids, snapshot
+from kv_fakes import (
+    BS,
+    FakeRequest,
+    check_invariants,
+    decode,
+    free_ids,
+    make_manager,
+    ref_cnts,
+    snapshot,
+)
 
 from kv_cache import (
     BlockRemoved,
@@ -8,12 +17,6 @@ from kv_cache import (
     KVCacheManager,
     PrefixCacheStats,
 )
-
-BS = 4
-
-
-def make_manager(num_blocks: int = 10, **kwargs) -> KVCacheManager:
-    return KVCacheManager(num_blocks, BS, max_model_len=64, **kwargs)
 
 
 def admit(manager: KVCacheManager, request: FakeRequest) -> KVCacheBlocks | None:
@@ -27,19 +30,6 @@ def admit(manager: KVCacheManager, request: FakeRequest) -> KVCacheBlocks | None
     return new_blocks
 
 
-def decode(manager: KVCacheManager, request: FakeRequest, token_id: int) -> KVCacheBlocks | None:
-    """One decode step: the sampled token arrives, then a slot is allocated for it."""
-    request.append_token(token_id)
-    new_blocks = manager.allocate_slots(request, 1)
-    if new_blocks is not None:
-        request.num_computed_tokens += 1
-    return new_blocks
-
-
-def ref_cnts(manager: KVCacheManager, block_ids: list[int]) -> list[int]:
-    return [manager.block_pool.blocks[i].ref_cnt for i in block_ids]
-
-
 def test_prefill_allocation():
     manager = make_manager(enable_kv_cache_events=True)
     a = FakeRequest("a", list(range(10)), BS)
@@ -48,7 +38,7 @@ def test_prefill_allocation():
     new_blocks = manager.allocate_slots(a, 10)
     assert new_blocks.get_block_ids() == [[1, 2, 3]]
     assert manager.get_block_ids("a") == [[1, 2, 3]]
-    assert ref_cnts(manager, [1, 2, 3]) == [1, 1, 1]
+    assert ref_cnts(manager.block_pool, [1, 2, 3]) == [1, 1, 1]
     assert free_ids(manager) == [4, 5, 6, 7, 8, 9]
     pool = manager.block_pool
     assert [pool.blocks[i].block_hash for i in (1, 2, 3)] == a.block_hashes + [None]
@@ -66,7 +56,7 @@ def test_shared_prefix_gets_cache_hits():
     new_blocks = manager.allocate_slots(b, 3, num_hit_tokens, hits)
     assert new_blocks.get_block_ids() == [[4]]
     assert manager.get_block_ids("b") == [[1, 2, 4]]
-    assert ref_cnts(manager, [1, 2, 3, 4]) == [2, 2, 1, 1]
+    assert ref_cnts(manager.block_pool, [1, 2, 3, 4]) == [2, 2, 1, 1]
     assert free_ids(manager) == [5, 6, 7, 8, 9]
     assert manager.make_prefix_cache_stats() == PrefixCacheStats(requests=2, queries=21, hits=8)
     assert manager.make_prefix_cache_stats() == PrefixCacheStats()
@@ -147,7 +137,7 @@ def test_hits_on_freed_blocks_leave_the_free_queue():
     a2 = FakeRequest("a2", list(range(10)), BS)
     assert admit(manager, a2).get_block_ids() == [[4]]
     assert manager.get_block_ids("a2") == [[1, 2, 4]]
-    assert ref_cnts(manager, [1, 2, 3]) == [1, 1, 0]
+    assert ref_cnts(manager.block_pool, [1, 2, 3]) == [1, 1, 0]
     assert free_ids(manager) == [5, 6, 7, 8, 9, 3]
     check_invariants(manager, {"a2": a2})
 

@@ -1,25 +1,20 @@
-from kv_fakes import FakeRequest, check_invariants, free_ids, snapshot
+from kv_fakes import (
+    BS,
+    FakeRequest,
+    check_invariants,
+    free_ids,
+    make_manager,
+    prefill,
+    snapshot,
+)
 
-from kv_cache import KVCacheManager, SlidingWindowManager
+from kv_cache import SlidingWindowManager
 
-BS = 4
 WINDOW = 8  # the next token attends to itself and the 7 tokens before it: 2 blocks of 4
 
 
-def make_manager(num_blocks: int = 12) -> KVCacheManager:
-    return KVCacheManager(num_blocks, BS, max_model_len=64, sliding_window=WINDOW)
-
-
-def prefill(manager: KVCacheManager, request: FakeRequest) -> None:
-    hits, num_hit_tokens = manager.get_computed_blocks(request)
-    assert manager.allocate_slots(
-        request, request.num_tokens - num_hit_tokens, num_hit_tokens, hits
-    )
-    request.num_computed_tokens = request.num_tokens
-
-
 def test_blocks_outside_the_window_become_null_and_are_freed():
-    manager = make_manager()
+    manager = make_manager(12, sliding_window=WINDOW)
     a = FakeRequest("a", list(range(20)), BS)
     prefill(manager, a)
     assert manager.get_block_ids("a") == [[1, 2, 3, 4, 5]]
@@ -42,7 +37,7 @@ def test_blocks_outside_the_window_become_null_and_are_freed():
 
 
 def test_remove_skipped_blocks_stops_at_first_null():
-    manager = make_manager()
+    manager = make_manager(12, sliding_window=WINDOW)
     stm = manager.single_type_managers[0]
     assert isinstance(stm, SlidingWindowManager)
     a = FakeRequest("a", list(range(24)), BS)
@@ -59,7 +54,7 @@ def test_remove_skipped_blocks_stops_at_first_null():
 
 
 def test_cache_hit_pads_nulls_before_the_last_window():
-    manager = make_manager()
+    manager = make_manager(12, sliding_window=WINDOW)
     a = FakeRequest("a", list(range(20)), BS)
     prefill(manager, a)
     a.append_token(20)
@@ -78,7 +73,7 @@ def test_cache_hit_pads_nulls_before_the_last_window():
 
 
 def test_cache_hit_takes_rightmost_full_window_run():
-    manager = make_manager()
+    manager = make_manager(12, sliding_window=WINDOW)
     a = FakeRequest("a", list(range(24)), BS)
     prefill(manager, a)
     assert manager.get_block_ids("a") == [[1, 2, 3, 4, 5, 6]]
@@ -98,7 +93,7 @@ def test_cache_hit_takes_rightmost_full_window_run():
 
 
 def test_cache_hit_without_a_full_window_falls_back_to_leading_prefix():
-    manager = make_manager()
+    manager = make_manager(12, sliding_window=WINDOW)
     a = FakeRequest("a", list(range(12)), BS)
     prefill(manager, a)
     stm = manager.single_type_managers[0]
@@ -114,7 +109,7 @@ def test_cache_hit_without_a_full_window_falls_back_to_leading_prefix():
 
 
 def test_refused_allocation_changes_nothing():
-    manager = make_manager(num_blocks=6)
+    manager = make_manager(6, sliding_window=WINDOW)
     a = FakeRequest("a", list(range(20)), BS)
     prefill(manager, a)
     before = snapshot(manager)

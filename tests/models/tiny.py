@@ -62,6 +62,21 @@ _ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 
 
+# The checkpoints tests share by name (the `checkpoint` and `tiny_checkpoint` fixtures of
+# tests/conftest.py): name -> (arch, config overrides). The qwen2 hybrid has two window
+# layers (window 8) before two full ones: two KV cache groups.
+TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("llama", {}),
+    "qwen3": ("qwen3", {}),
+    "qwen2-hybrid": (
+        "qwen2",
+        dict(num_hidden_layers=4, use_sliding_window=True, sliding_window=8, max_window_layers=2),
+    ),
+    "mistral": ("mistral", {}),
+    "gemma3": ("gemma3", {}),
+}
+
+
 def _config(arch: str, overrides: dict[str, Any]) -> Any:
     import transformers
 

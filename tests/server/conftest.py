@@ -1,87 +1,48 @@
-"""The server under test: build_app over an engine client, served by uvicorn in a thread.
+"""The engines the HTTP server is tested against, and the server over each.
 
-`engine` is the one fixture to override to run these tests against a real cluster: it
-returns an EngineHarness whose client is not yet connected (the server thread connects
-it in its own event loop) and whose `aborted(request_id)` tells whether the engine saw
-that request aborted.
+`engine` is an EngineHarness (tests/server/harness.py). A test runs against the engines
+its `engines` mark names, once each, and against "fake" when unmarked:
+
+- "fake": the in-process FakeEngineClient of fake_engine.py (logprobs, counters, aborts);
+- "zmq": the real AsyncEngineClient, the ZMQ protocol and a real tokenizer, against the
+  scripted EngineCore of tests/ipc (it echoes the prompt, makes no logprobs and counts no
+  tokens);
+- "cluster": AsyncEngineClient over a launch.py cluster (a real EngineCore process and
+  worker) of the tiny random Llama, fp32, started once per session.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import socket
-import threading
-import time
-from collections.abc import Callable, Coroutine, Iterator
-from dataclasses import dataclass
-from typing import Any
-
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from server import build_app
 from tests.server.fake_engine import VOCAB_SIZE, FakeEngineClient
+from tests.server.harness import API_KEY, EngineHarness, LiveServer
 
-API_KEY = "test-key"
-
-
-@dataclass
-class EngineHarness:
-    client: Any
-    tokenizer: Any
-    model_name: str
-    max_model_len: int
-    aborted: Callable[[str], bool]
-    vocab_size: int | None = None
+CLUSTER_MAX_MODEL_LEN = 512
 
 
-class LiveServer:
-    """Serves `app` on 127.0.0.1:<free port> from a thread with its own event loop."""
-
-    def __init__(self, app, client) -> None:
-        self.client = client
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_until_complete, args=(self._main(),))
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
-            time.sleep(0.01)
-
-    async def _main(self) -> None:
-        await self.client.connect()
-        try:
-            await self.server.serve(sockets=[self.sock])
-        finally:
-            await self.client.close()
-
-    def call(self, coro: Coroutine, timeout: float = 30.0):
-        """Run a coroutine (say, on the engine client) in the server's event loop."""
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-        self.loop.close()
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "engines(*names): run against each engine named (tests/server/conftest.py)"
+    )
 
 
-def asgi_client(app, api_key: str | None = None) -> httpx.AsyncClient:
-    """An httpx client calling `app` in this event loop (no lifespan, no socket); the
-    app's unexpected exceptions are answered, as a server would, not raised here."""
-    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    return httpx.AsyncClient(transport=transport, base_url="http://test", headers=headers)
+def pytest_generate_tests(metafunc):
+    marker = metafunc.definition.get_closest_marker("engines")
+    if marker is not None and "engine" in metafunc.fixturenames:
+        metafunc.parametrize("engine", marker.args, indirect=True, scope="module")
 
 
 @pytest.fixture(scope="module")
-def engine() -> EngineHarness:
+def engine(request) -> EngineHarness:
+    return request.getfixturevalue(f"{getattr(request, 'param', 'fake')}_engine")
+
+
+@pytest.fixture(scope="module")
+def fake_engine() -> EngineHarness:
     fake = FakeEngineClient()
     return EngineHarness(
         fake, fake.tokenizer, "fake-model", 512, fake.aborted.__contains__, VOCAB_SIZE
@@ -89,9 +50,57 @@ def engine() -> EngineHarness:
 
 
 @pytest.fixture(scope="module")
-def text_prompt() -> str:
-    """A prompt whose answer has text to cut at a stop string; engines may override it."""
-    return "Tell me"
+def zmq_engine():
+    from ipc.client import AsyncEngineClient
+    from ipc.tokenizer import Tokenizer
+    from tests.ipc.client_fakes import FAIL_TOKEN, FakeEngine, tiny_tokenizer_path
+
+    with FakeEngine() as fake:
+        tokenizer = Tokenizer.from_pretrained(tiny_tokenizer_path())
+        client = AsyncEngineClient(fake.address, tokenizer=tokenizer)
+        # The model's vocabulary: FAIL_TOKEN must reach the engine.
+        vocab_size = FAIL_TOKEN + 1
+        yield EngineHarness(client, tokenizer, "tiny", 256, fake.aborted.__contains__, vocab_size)
+
+
+@pytest.fixture(scope="session")
+def api_cluster(tiny_checkpoint, tmp_path_factory):
+    from tests.cluster.helpers import launch_cluster
+
+    folder = tmp_path_factory.mktemp("api-cluster")
+    args = ("--tp", "1", "--max-model-len", str(CLUSTER_MAX_MODEL_LEN))
+    with launch_cluster(folder, tiny_checkpoint("llama"), *args) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
+def stats_client(api_cluster):
+    """A second client of the cluster, to read its stats."""
+    from ipc.client import EngineClient
+
+    with EngineClient(api_cluster.address) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def cluster_engine(api_cluster, stats_client) -> EngineHarness:
+    from ipc.client import AsyncEngineClient
+    from ipc.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_pretrained(api_cluster.model)
+    client = AsyncEngineClient(api_cluster.address, tokenizer=tokenizer)
+
+    def idle(_request_id: str) -> bool:
+        stats = stats_client.stats()
+        return stats.num_running == 0 and stats.num_waiting == 0
+
+    # "abc": the tiny random model answers it in printable bytes.
+    return EngineHarness(client, tokenizer, "llama", CLUSTER_MAX_MODEL_LEN, idle, text_prompt="abc")
+
+
+@pytest.fixture(scope="module")
+def text_prompt(engine: EngineHarness) -> str:
+    return engine.text_prompt
 
 
 @pytest.fixture(scope="module")
@@ -119,24 +128,3 @@ def http(live_server: LiveServer):
     headers = {"Authorization": f"Bearer {API_KEY}"}
     with httpx.Client(base_url=live_server.url, headers=headers, timeout=30) as client:
         yield client
-
-
-@contextlib.contextmanager
-def smollm2_server(tmp_path, max_model_len: int = 512) -> Iterator[openai.OpenAI]:
-    """An openai client of the HTTP server over a launch.py cluster of the default model
-    (served as "smollm2")."""
-    from ipc.client import AsyncEngineClient
-    from ipc.tokenizer import Tokenizer
-    from models.default import default_model_path
-    from tests.cluster.helpers import launch_cluster
-
-    model = default_model_path()
-    with launch_cluster(tmp_path, model, "--max-model-len", str(max_model_len)) as running:
-        tokenizer = Tokenizer.from_pretrained(model)
-        client = AsyncEngineClient(running.address, tokenizer=tokenizer)
-        app = build_app(client, tokenizer, "smollm2", API_KEY, max_model_len)
-        server = LiveServer(app, client)
-        try:
-            yield openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
-        finally:
-            server.stop()

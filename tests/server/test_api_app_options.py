@@ -8,8 +8,8 @@ import asyncio
 
 from server import build_app
 from server.args import add_server_args, server_options
-from tests.server.conftest import asgi_client
 from tests.server.fake_engine import FakeEngineClient
+from tests.server.harness import asgi_client
 
 BODY = {"prompt": "Hi", "max_tokens": 2}
 

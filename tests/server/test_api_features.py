@@ -9,7 +9,9 @@ import json
 
 import pytest
 
-from tests.server.test_openai_api import MESSAGES, _metrics, chat_ids, engine_answer
+from tests.server.api_helpers import MESSAGES, chat_ids, engine_answer, read_metrics
+
+pytestmark = pytest.mark.engines("fake")  # each test marked otherwise names its engines
 
 VLLM_METRICS = [
     "num_requests_running",
@@ -47,6 +49,7 @@ def stream_text(chunks) -> tuple[str, object]:
     return "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0]
 
 
+@pytest.mark.engines("fake", "zmq", "cluster")
 @pytest.mark.parametrize("include", [False, True])
 def test_stop_strings_give_stop_reason_and_may_stay_in_the_text(
     oai, live_server, engine, text_prompt, include
@@ -72,6 +75,7 @@ def test_stop_strings_give_stop_reason_and_may_stay_in_the_text(
     assert got.stop_reason == last.stop_reason == stop
 
 
+@pytest.mark.engines("fake", "cluster")
 def test_chat_choices_carry_stop_reason(oai, engine):
     got = oai.chat.completions.create(
         model=engine.model_name, messages=MESSAGES, max_tokens=3, temperature=0
@@ -79,6 +83,7 @@ def test_chat_choices_carry_stop_reason(oai, engine):
     assert got.choices[0].stop_reason is None  # length, or EOS
 
 
+@pytest.mark.engines("fake", "cluster")
 def test_a_stop_token_is_the_stop_reason_and_not_text(oai, live_server, engine, text_prompt):
     ids = engine.tokenizer.encode(text_prompt)
     full = engine_answer(live_server, engine, ids, max_tokens=8, ignore_eos=True)
@@ -104,6 +109,7 @@ def test_a_stop_token_is_the_stop_reason_and_not_text(oai, live_server, engine, 
         assert stop_text.startswith(want.text)
 
 
+@pytest.mark.engines("fake", "zmq", "cluster")
 def test_length_has_no_stop_reason(oai, engine):
     got = oai.completions.create(
         model=engine.model_name, prompt=[5, 6], max_tokens=2, extra_body={"ignore_eos": True}
@@ -111,6 +117,7 @@ def test_length_has_no_stop_reason(oai, engine):
     assert (got.choices[0].finish_reason, got.choices[0].stop_reason) == ("length", None)
 
 
+@pytest.mark.engines("fake", "zmq", "cluster")
 def test_echo_puts_the_prompt_before_the_completion(oai, live_server, engine):
     prompt = "Once upon"
     ids = engine.tokenizer.encode(prompt)
@@ -125,6 +132,7 @@ def test_echo_puts_the_prompt_before_the_completion(oai, live_server, engine):
     assert oai.completions.create(prompt=ids, **fields).choices[0].text == decoded + want
 
 
+@pytest.mark.engines("fake", "cluster")
 def test_priority_reaches_the_engine(oai, engine):
     got = oai.completions.create(
         model=engine.model_name, prompt="Hi", max_tokens=2, extra_body={"priority": -3}
@@ -132,6 +140,7 @@ def test_priority_reaches_the_engine(oai, engine):
     assert got.choices[0].finish_reason in ("stop", "length")
 
 
+@pytest.mark.engines("fake", "zmq", "cluster")
 def test_x_request_id_is_echoed_and_names_the_response(oai, http, engine):
     body = {"model": engine.model_name, "prompt": "Hi", "max_tokens": 2}
     raw = oai.completions.with_raw_response.create(
@@ -148,6 +157,7 @@ def test_x_request_id_is_echoed_and_names_the_response(oai, http, engine):
     assert response.json()["id"] == "cmpl-mine"
 
 
+@pytest.mark.engines("fake", "zmq", "cluster")
 def test_a_request_id_already_running_is_400(http, engine):
     body = {"model": engine.model_name, "prompt": [5, 6], "max_tokens": 200, "stream": True}
     body["ignore_eos"] = True
@@ -160,6 +170,7 @@ def test_a_request_id_already_running_is_400(http, engine):
         assert second.status_code == 400 and "already running" in second.text
 
 
+@pytest.mark.engines("fake", "zmq", "cluster")
 def test_tokenize_and_detokenize_in_vllm_shapes(http, engine):
     ids = engine.tokenizer.encode("Hello world")
     got = http.post("/tokenize", json={"model": engine.model_name, "prompt": "Hello world"})
@@ -179,16 +190,18 @@ def test_tokenize_and_detokenize_in_vllm_shapes(http, engine):
     assert http.post("/detokenize", json={"tokens": [-1]}).json()["error"]["param"] == "tokens"
 
 
+@pytest.mark.engines("fake", "cluster")
 def test_version(http):
     version = http.get("/version").json()["version"]
     assert isinstance(version, str) and version
 
 
+@pytest.mark.engines("fake", "cluster")
 def test_metrics_have_vllm_names_with_the_model_name(oai, http, engine):
     oai.completions.create(
         model=engine.model_name, prompt=[5, 6], max_tokens=3, extra_body={"ignore_eos": True}
     )
-    metrics = _metrics(http)
+    metrics = read_metrics(http)
     label = (("model_name", engine.model_name),)
     for name in VLLM_METRICS:
         assert (f"splitserve:{name}", label) in metrics, name
@@ -196,6 +209,7 @@ def test_metrics_have_vllm_names_with_the_model_name(oai, http, engine):
     assert metrics[success] >= 1
 
 
+@pytest.mark.engines("fake", "zmq", "cluster")
 def test_continuous_usage_stats_put_the_usage_in_every_chunk(http, engine):
     body = {
         "model": engine.model_name,
@@ -213,6 +227,7 @@ def test_continuous_usage_stats_put_the_usage_in_every_chunk(http, engine):
     assert all(chunk["usage"]["prompt_tokens"] == 2 for chunk in chunks)
 
 
+@pytest.mark.engines("fake", "zmq", "cluster")
 def test_truncate_prompt_tokens_keeps_the_last_ones(oai, http, live_server, engine):
     prompt = "The quick brown fox jumps"
     ids = engine.tokenizer.encode(prompt)

@@ -10,13 +10,10 @@ import openai
 import pytest
 
 from tests.cluster.helpers import wait_idle
-from tests.server.conftest import smollm2_server
-from tests.server.test_input_validation import assert_400_naming
-from tests.server.test_openai_api_cluster import (  # noqa: F401  (this module's cluster)
-    cluster,
-    engine,
-    stats_client,
-)
+from tests.server.api_helpers import assert_400_naming, read_metrics
+from tests.server.harness import smollm2_server
+
+pytestmark = pytest.mark.engines("cluster")
 
 SAMPLED = {"temperature": 1.0, "max_tokens": 12, "seed": 3, "extra_body": {"ignore_eos": True}}
 MESSAGES = [{"role": "user", "content": "abc"}]
@@ -26,7 +23,7 @@ def completion(oai, **kwargs):
     return oai.completions.create(model="llama", **{"prompt": "abc", **SAMPLED, **kwargs})
 
 
-def test_completion_choices_are_the_seeded_single_requests(oai, stats_client):  # noqa: F811
+def test_completion_choices_are_the_seeded_single_requests(oai, stats_client):
     out = completion(oai, n=3)
     assert [c.index for c in out.choices] == [0, 1, 2]
     singles = [completion(oai, seed=3 + i).choices[0].text for i in range(3)]
@@ -146,10 +143,8 @@ def test_smollm2_chat_with_n_3(tmp_path):
 
 
 def test_request_metrics_count_each_request_once_with_its_choices(oai, http):
-    from tests.server.test_openai_api import _metrics
-
     def sums() -> dict[str, float]:
-        found = _metrics(http)
+        found = read_metrics(http)
         return {
             name: value for (name, _), value in found.items() if name.endswith(("_sum", "_count"))
         }

@@ -6,7 +6,9 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.server.test_input_validation import assert_400_naming
+from tests.server.api_helpers import assert_400_naming
+
+pytestmark = pytest.mark.engines("fake")  # each test marked otherwise names its engines
 
 USER = [{"role": "user", "content": "Hi"}]
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
@@ -98,6 +100,7 @@ def test_unsupported_chat_fields_are_400_naming_them(http, engine, field, value)
     assert_refused(http.post("/v1/chat/completions", json=chat(engine, **{field: value})), field)
 
 
+@pytest.mark.engines("fake", "zmq", "cluster")
 def test_no_op_values_are_accepted(http, engine):
     body = completion(engine, **NO_OPS_BOTH, **NO_OPS_COMPLETIONS)
     assert http.post("/v1/completions", json=body).status_code == 200
@@ -105,6 +108,7 @@ def test_no_op_values_are_accepted(http, engine):
     assert http.post("/v1/chat/completions", json=body).status_code == 200
 
 
+@pytest.mark.engines("fake", "zmq", "cluster")
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_unknown_fields_are_400_naming_them(http, engine, path):
     body = (completion if "chat" not in path else chat)(engine, frobnicate=1)
@@ -134,6 +138,7 @@ def test_a_message_name_reaches_the_template(http, engine):
     assert http.post("/v1/chat/completions", json=body).status_code == 200
 
 
+@pytest.mark.engines("fake", "cluster")
 def test_the_openai_client_sees_refusals_as_bad_requests(oai, engine):
     with pytest.raises(openai.BadRequestError, match="`functions` is not supported") as caught:
         oai.chat.completions.create(

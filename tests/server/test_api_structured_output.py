@@ -21,8 +21,8 @@ from ipc.tokenizer import Tokenizer
 from server import build_app
 from tests.cluster.helpers import launch_cluster
 from tests.models.tiny import make_tiny_checkpoint
-from tests.server.conftest import EngineHarness, LiveServer, smollm2_server
-from tests.server.test_input_validation import assert_400_naming
+from tests.server.api_helpers import assert_400_naming
+from tests.server.harness import EngineHarness, LiveServer, smollm2_server
 
 MAX_MODEL_LEN = 1024  # room for the tool-call tests' tool descriptions
 SCHEMA = {

@@ -12,8 +12,8 @@ from ipc.tokenizer import Tokenizer
 from server import build_app
 from server.protocol import ToolDefinition
 from server.tools import listed_tools, template_inputs
-from tests.server.conftest import LiveServer
 from tests.server.fake_engine import FakeEngineClient
+from tests.server.harness import LiveServer
 
 WEATHER = {
     "name": "get_weather",

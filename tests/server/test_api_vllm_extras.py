@@ -12,14 +12,16 @@ import httpx
 import pytest
 
 from server.inputs import MAX_BATCHED_SEQUENCES
-from tests.server.test_input_validation import assert_400_naming
-from tests.server.test_openai_api import (
+from tests.server.api_helpers import (
+    assert_400_naming,
     chat_ids,
     engine_answer,
     first_chunk_id,
     long_completion,
     wait_for_aborts,
 )
+
+pytestmark = pytest.mark.engines("fake")  # each test marked otherwise names its engines
 
 PROMPTS = ["Once upon a time", "The sky is", "Hi"]
 USER = {"role": "user", "content": "Hi"}
@@ -47,6 +49,7 @@ def joined(chunks: list[dict], field: str) -> dict[int, object]:
     return dict(out)
 
 
+@pytest.mark.engines("fake", "zmq")
 @pytest.mark.parametrize("as_ids", [False, True])
 def test_a_batch_of_prompts_answers_each_in_turn(http, live_server, engine, as_ids):
     ids = [engine.tokenizer.encode(p) for p in PROMPTS]
@@ -73,6 +76,7 @@ def test_a_batch_of_prompts_answers_each_in_turn(http, live_server, engine, as_i
     }
 
 
+@pytest.mark.engines("fake", "zmq")
 def test_a_streamed_batch_ends_with_the_usage_of_all_its_prompts(http, engine):
     ids = [engine.tokenizer.encode(p) for p in PROMPTS]
     body = {
@@ -96,6 +100,7 @@ def test_a_streamed_batch_ends_with_the_usage_of_all_its_prompts(http, engine):
     assert sorted(c["usage"]["completion_tokens"] for c in finals) == [4] * len(PROMPTS)
 
 
+@pytest.mark.engines("fake", "zmq")
 def test_a_batch_echoes_each_prompt_before_its_choices(http, engine):
     body = {"model": engine.model_name, "prompt": PROMPTS, "max_tokens": 2, "echo": True}
     for stream in (False, True):
@@ -106,6 +111,7 @@ def test_a_batch_echoes_each_prompt_before_its_choices(http, engine):
         assert [texts[i].startswith(p) for i, p in enumerate(PROMPTS)] == [True] * len(PROMPTS)
 
 
+@pytest.mark.engines("fake", "zmq")
 @pytest.mark.parametrize(
     ("extra", "why"),
     [
@@ -123,6 +129,7 @@ def test_a_batch_with_one_bad_prompt_is_refused_whole(http, engine, extra, why):
         assert engine.client._core._requests == before, why
 
 
+@pytest.mark.engines("fake", "zmq")
 def test_disconnecting_from_a_streamed_batch_aborts_each_prompt(http, engine):
     response_id = first_chunk_id(http, long_completion(engine, ["Go", "On"], stream=True))
     wait_for_aborts(engine, f"{response_id}-0", f"{response_id}-1")
@@ -136,6 +143,7 @@ def test_disconnecting_from_a_whole_batch_aborts_each_prompt(http, engine):
     wait_for_aborts(engine, "cmpl-left-early-0", "cmpl-left-early-1")
 
 
+@pytest.mark.engines("fake", "zmq")
 @pytest.mark.parametrize("stream", [False, True])
 def test_return_token_ids_gives_the_prompt_and_choice_token_ids(http, live_server, engine, stream):
     ids = engine.tokenizer.encode("Once upon a time")
@@ -151,6 +159,7 @@ def test_return_token_ids_gives_the_prompt_and_choice_token_ids(http, live_serve
         assert choice["prompt_token_ids"] == ids and choice["token_ids"] == want.token_ids
 
 
+@pytest.mark.engines("fake", "zmq")
 @pytest.mark.parametrize("stream", [False, True])
 def test_chat_return_token_ids_puts_the_prompt_ids_at_the_top(http, live_server, engine, stream):
     messages = [{"role": "user", "content": "Name a colour."}]
@@ -189,6 +198,7 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(http, live_server
     assert content["content"][0]["bytes"] == list(f"token_id:{want.token_ids[0]}".encode())
 
 
+@pytest.mark.engines("fake", "zmq")
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_stream_options_without_stream_are_400(http, engine, path):
     body = {"model": engine.model_name, "max_tokens": 2, "prompt": "Hi"}
@@ -201,6 +211,7 @@ def test_stream_options_without_stream_are_400(http, engine, path):
 STARTED = [USER, {"role": "assistant", "content": "Well, the"}]
 
 
+@pytest.mark.engines("fake", "zmq")
 @pytest.mark.parametrize("stream", [False, True])
 def test_continue_final_message_lets_the_model_go_on_with_it(http, live_server, engine, stream):
     prompt_ids = engine.tokenizer.encode_chat(STARTED, False, continue_final_message=True)

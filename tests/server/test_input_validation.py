@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import pytest
 
+from tests.server.api_helpers import assert_400_naming
+
+pytestmark = pytest.mark.engines("fake")  # each test marked otherwise names its engines
+
 HUGE = 2**64
 JSON = {"content-type": "application/json"}
 
@@ -23,18 +27,14 @@ COMPLETION_FIELDS = [
 ]
 
 
-def assert_400_naming(response, param: str) -> None:
-    assert response.status_code == 400, response.text
-    error = response.json()["error"]
-    assert error["param"] == param and error["type"] == "invalid_request_error", error
-
-
+@pytest.mark.engines("fake", "zmq")
 @pytest.mark.parametrize(("extra", "param"), COMPLETION_FIELDS)
 def test_integers_beyond_int64_are_400_naming_the_field(http, engine, extra, param):
     body = {"model": engine.model_name, "prompt": "Hi", "max_tokens": 2, **extra}
     assert_400_naming(http.post("/v1/completions", json=body), param)
 
 
+@pytest.mark.engines("fake", "zmq")
 @pytest.mark.parametrize("field", ["top_logprobs", "max_completion_tokens", "seed"])
 def test_chat_integers_beyond_int64_are_400_naming_the_field(http, engine, field):
     body = {"model": engine.model_name, "messages": [{"role": "user", "content": "Hi"}]}
@@ -42,6 +42,7 @@ def test_chat_integers_beyond_int64_are_400_naming_the_field(http, engine, field
     assert_400_naming(http.post("/v1/chat/completions", json=body), field)
 
 
+@pytest.mark.engines("fake", "zmq")
 @pytest.mark.parametrize(
     ("raw", "param"),
     [
@@ -54,6 +55,7 @@ def test_non_finite_floats_are_400_naming_the_field(http, raw, param):
     assert_400_naming(http.post("/v1/completions", content=raw, headers=JSON), param)
 
 
+@pytest.mark.engines("fake", "zmq")
 @pytest.mark.parametrize(
     ("path", "raw", "param"),
     [
@@ -85,12 +87,14 @@ def test_invalid_utf8_bodies_are_400(http):
     assert response.json()["error"]["type"] == "invalid_request_error"
 
 
+@pytest.mark.engines("fake", "zmq")
 @pytest.mark.parametrize("role", ["", "robot", "System", None])
 def test_unknown_roles_are_400_naming_messages(http, engine, role):
     body = {"model": engine.model_name, "messages": [{"role": role, "content": "Hi"}]}
     assert_400_naming(http.post("/v1/chat/completions", json=body), "messages")
 
 
+@pytest.mark.engines("fake", "zmq")
 @pytest.mark.parametrize("role", ["system", "user", "assistant", "tool", "developer"])
 def test_known_roles_are_served(http, engine, role):
     body = {
@@ -101,6 +105,7 @@ def test_known_roles_are_served(http, engine, role):
     assert http.post("/v1/chat/completions", json=body).status_code == 200
 
 
+@pytest.mark.engines("fake", "zmq")
 @pytest.mark.parametrize("field", ["prompt", "stop_token_ids"])
 def test_token_ids_outside_the_vocabulary_are_400_naming_the_field(http, engine, field):
     assert engine.vocab_size is not None
@@ -129,7 +134,20 @@ def test_logit_processing_token_ids_must_be_in_the_vocabulary(http, engine, fiel
     assert http.post("/v1/completions", json=body).status_code == 200
 
 
+@pytest.mark.engines("fake", "zmq")
 @pytest.mark.parametrize("salt", ["", "x" * 257, 7])
 def test_cache_salt_is_a_short_non_empty_string(http, engine, salt):
     body = {"model": engine.model_name, "prompt": "Hi", "max_tokens": 2, "cache_salt": salt}
     assert_400_naming(http.post("/v1/completions", json=body), "cache_salt")
+
+
+@pytest.mark.engines("zmq")
+def test_refused_requests_leave_nothing_registered_in_the_engine_client(http, engine):
+    """Every refusal happens before the engine client registers the request (a request
+    that failed to encode used to stay registered, and answer a plain-text 500)."""
+    for extra, _ in COMPLETION_FIELDS:
+        body = {"model": engine.model_name, "prompt": "Hi", "max_tokens": 2, **extra}
+        assert http.post("/v1/completions", json=body).status_code == 400
+    body = {"model": engine.model_name, "prompt": [5, engine.vocab_size], "max_tokens": 2}
+    assert http.post("/v1/completions", json=body).status_code == 400
+    assert engine.client._core._requests == {}

@@ -5,31 +5,24 @@ these tests hold for any engine behind the `engine` fixture (see conftest.py).""
 from __future__ import annotations
 
 import json
-import time
 
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from ipc.sampling_params import SamplingParams
+from tests.server.api_helpers import (
+    MESSAGES,
+    chat_ids,
+    engine_answer,
+    first_chunk_id,
+    long_completion,
+    read_metrics,
+    wait_for_aborts,
+)
 
-MESSAGES = [
-    {"role": "system", "content": "You are terse."},
-    {"role": "user", "content": "Name a colour."},
-]
-
-
-def engine_answer(live_server, engine, prompt_token_ids: list[int], **params):
-    """What the engine itself generates for these token ids (greedy)."""
-    params = SamplingParams(temperature=0.0, **params)
-    return live_server.call(engine.client.generate(prompt_token_ids, params)).outputs[0]
+pytestmark = pytest.mark.engines("fake")  # each test marked otherwise names its engines
 
 
-def chat_ids(engine, messages: list[dict]) -> list[int]:
-    text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    return engine.tokenizer.encode(text, add_special_tokens=False)
-
-
+@pytest.mark.engines("fake", "zmq", "cluster")
 def test_completion_text_and_usage_match_the_engine(oai, live_server, engine):
     prompt = "Once upon a time"
     ids = engine.tokenizer.encode(prompt)
@@ -46,6 +39,7 @@ def test_completion_text_and_usage_match_the_engine(oai, live_server, engine):
     assert got.usage.total_tokens == len(ids) + len(want.token_ids)
 
 
+@pytest.mark.engines("fake", "zmq", "cluster")
 def test_completion_of_token_ids_defaults_to_16_tokens(oai, live_server, engine):
     ids = engine.tokenizer.encode("The sky is")
     want = engine_answer(live_server, engine, ids, max_tokens=16, ignore_eos=True)
@@ -58,6 +52,7 @@ def test_completion_of_token_ids_defaults_to_16_tokens(oai, live_server, engine)
     assert got.usage.completion_tokens == 16 and got.choices[0].finish_reason == "length"
 
 
+@pytest.mark.engines("fake", "zmq", "cluster")
 def test_completion_stream_with_usage(oai, live_server, engine):
     prompt = "Hello"
     ids = engine.tokenizer.encode(prompt)
@@ -83,6 +78,7 @@ def test_completion_stream_with_usage(oai, live_server, engine):
     assert last.usage.prompt_tokens == len(ids)
 
 
+@pytest.mark.engines("fake", "zmq", "cluster")
 def test_chat_text_and_usage_match_the_engine(oai, live_server, engine):
     ids = chat_ids(engine, MESSAGES)
     want = engine_answer(live_server, engine, ids, max_tokens=9)
@@ -98,6 +94,7 @@ def test_chat_text_and_usage_match_the_engine(oai, live_server, engine):
     assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (len(ids), len(want.token_ids))
 
 
+@pytest.mark.engines("fake", "zmq", "cluster")
 def test_chat_stream(oai, live_server, engine):
     want = engine_answer(live_server, engine, chat_ids(engine, MESSAGES), max_tokens=7)
 
@@ -130,6 +127,7 @@ def _longest_chat_that_fits(engine) -> tuple[list[dict], int]:
     return [{"role": "user", "content": "go " * low}], engine.max_model_len - length(low)
 
 
+@pytest.mark.engines("fake", "zmq")
 def test_chat_without_max_tokens_may_fill_the_context(oai, engine):
     messages, room = _longest_chat_that_fits(engine)
 
@@ -140,6 +138,7 @@ def test_chat_without_max_tokens_may_fill_the_context(oai, engine):
     assert got.usage.completion_tokens == room and got.choices[0].finish_reason == "length"
 
 
+@pytest.mark.engines("fake", "zmq", "cluster")
 def test_stop_strings_cut_the_text(oai, live_server, engine, text_prompt):
     ids = engine.tokenizer.encode(text_prompt)
     full = engine_answer(live_server, engine, ids, max_tokens=20, ignore_eos=True).text
@@ -158,6 +157,7 @@ def test_stop_strings_cut_the_text(oai, live_server, engine, text_prompt):
         assert got.choices[0].finish_reason == "stop"
 
 
+@pytest.mark.engines("fake", "cluster")
 def test_completion_logprobs_in_openai_shape(oai, live_server, engine):
     ids = engine.tokenizer.encode("Numbers:")
     want = engine_answer(live_server, engine, ids, max_tokens=5, logprobs=2, ignore_eos=True)
@@ -184,6 +184,7 @@ def test_completion_logprobs_in_openai_shape(oai, live_server, engine):
     assert logprobs.text_offset == [sum(lengths[:i]) for i in range(len(lengths))]
 
 
+@pytest.mark.engines("fake", "cluster")
 def test_chat_logprobs_in_openai_shape(oai, live_server, engine):
     want = engine_answer(
         live_server, engine, chat_ids(engine, MESSAGES), max_tokens=4, logprobs=3, ignore_eos=True
@@ -210,6 +211,7 @@ def test_chat_logprobs_in_openai_shape(oai, live_server, engine):
         assert [t.token for t in c.top_logprobs] == [lp.decoded_token for lp in top]
 
 
+@pytest.mark.engines("fake", "zmq", "cluster")
 def test_sse_wire_format_ends_with_done(http, engine):
     body = {"model": engine.model_name, "prompt": "Hi", "max_tokens": 3, "stream": True}
     with http.stream("POST", "/v1/completions", json=body) as response:
@@ -221,6 +223,7 @@ def test_sse_wire_format_ends_with_done(http, engine):
     assert all(json.loads(e[6:])["object"] == "text_completion" for e in events[:-1])
 
 
+@pytest.mark.engines("fake", "zmq", "cluster")
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
@@ -268,12 +271,14 @@ def test_chat_top_logprobs_out_of_range_is_400_naming_it(http, engine, top_logpr
     assert response.status_code == 400 and response.json()["error"]["param"] == "top_logprobs"
 
 
+@pytest.mark.engines("fake", "zmq")
 def test_malformed_bodies_are_400(http):
     assert http.post("/v1/completions", content=b"{not json").status_code == 400
     assert http.post("/v1/completions", json={"max_tokens": 3}).json()["error"]["param"] == "prompt"
     assert http.post("/v1/chat/completions", json={"messages": []}).status_code == 400
 
 
+@pytest.mark.engines("fake", "zmq", "cluster")
 def test_prompt_longer_than_the_context_is_400_naming_the_limit(oai, engine):
     ids = engine.tokenizer.encode("x") * engine.max_model_len
     with pytest.raises(
@@ -283,6 +288,7 @@ def test_prompt_longer_than_the_context_is_400_naming_the_limit(oai, engine):
     assert error.value.code == "context_length_exceeded"
 
 
+@pytest.mark.engines("fake", "zmq", "cluster")
 def test_wrong_api_key_is_401(live_server, engine, http):
     bad = openai.OpenAI(base_url=live_server.url + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
@@ -292,31 +298,26 @@ def test_wrong_api_key_is_401(live_server, engine, http):
     assert response.json()["error"]["code"] == "invalid_api_key"
 
 
+@pytest.mark.engines("fake", "zmq", "cluster")
 def test_unknown_model_is_404(oai):
     with pytest.raises(openai.NotFoundError, match="no-such-model") as error:
         oai.completions.create(model="no-such-model", prompt="Hi")
     assert error.value.code == "model_not_found"
 
 
+@pytest.mark.engines("fake", "zmq")
 def test_models_lists_the_served_model(oai, engine):
     assert [m.id for m in oai.models.list()] == [engine.model_name]
 
 
+@pytest.mark.engines("fake", "zmq", "cluster")
 def test_health_is_200_while_the_engine_answers(http):
     assert http.get("/health").status_code == 200
 
 
-def _metrics(http) -> dict[tuple, float]:
-    text = http.get("/metrics").text
-    return {
-        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
-
-
+@pytest.mark.engines("fake", "cluster")
 def test_metrics_parse_and_move_after_a_request(oai, http, engine):
-    before = _metrics(http)
+    before = read_metrics(http)
     prompt_ids = engine.tokenizer.encode("Count")
 
     list(
@@ -328,7 +329,7 @@ def test_metrics_parse_and_move_after_a_request(oai, http, engine):
             extra_body={"ignore_eos": True},
         )
     )
-    after = _metrics(http)
+    after = read_metrics(http)
 
     def moved(name: str, **labels) -> float:
         labels["model_name"] = engine.model_name
@@ -351,26 +352,6 @@ def test_metrics_parse_and_move_after_a_request(oai, http, engine):
         assert (f"splitserve:{gauge}", (("model_name", engine.model_name),)) in after
 
 
-def long_completion(engine, prompt: str | list[str], stream: bool) -> dict:
-    """A body that runs long enough to leave in the middle of."""
-    max_tokens = engine.max_model_len // 2
-    return {"model": engine.model_name, "prompt": prompt, "max_tokens": max_tokens,
-            "stream": stream, "ignore_eos": True}  # fmt: skip
-
-
-def first_chunk_id(http, body: dict) -> str:
-    """The id of a stream's first chunk; the connection is closed after it."""
-    with http.stream("POST", "/v1/completions", json=body) as response:
-        lines = response.iter_lines()
-        return json.loads(next(line for line in lines if line)[6:])["id"]
-
-
-def wait_for_aborts(engine, *request_ids: str) -> None:
-    deadline = time.monotonic() + 10
-    while not all(map(engine.aborted, request_ids)):
-        assert time.monotonic() < deadline, f"the engine never saw {request_ids} aborted"
-        time.sleep(0.02)
-
-
+@pytest.mark.engines("fake", "zmq")
 def test_disconnect_mid_stream_aborts_the_request(http, engine):
     wait_for_aborts(engine, first_chunk_id(http, long_completion(engine, "Go", stream=True)))

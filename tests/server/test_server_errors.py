@@ -13,8 +13,8 @@ from fastapi import FastAPI
 from ipc.client import EngineDeadError, RequestError
 from ipc.messages import ErrorCode
 from server import build_app
-from tests.server.conftest import asgi_client
 from tests.server.fake_engine import CharTokenizer, FakeEngineClient
+from tests.server.harness import asgi_client
 
 INTERNALS = "worker rank 1 (pid 4242) left the gloo group at tcp://10.1.2.3:29500"
 STREAM = {"stream": True, "stream_options": {"include_usage": True}}

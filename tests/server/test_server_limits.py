@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from server import build_app
-from tests.server.conftest import LiveServer, asgi_client
 from tests.server.fake_engine import CharTokenizer, FakeEngineClient
+from tests.server.harness import LiveServer, asgi_client
 
 LIMIT = 4096
 

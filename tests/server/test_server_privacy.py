@@ -10,8 +10,8 @@ import json
 import pytest
 
 from server import add_server_args, build_app, server_child_args, server_options
-from tests.server.conftest import asgi_client
 from tests.server.fake_engine import FakeEngineClient
+from tests.server.harness import asgi_client
 
 CHAT = [{"role": "user", "content": "Hi"}]
 

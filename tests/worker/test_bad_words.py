@@ -14,8 +14,7 @@ from ipc.messages import NewRequestData
 from ipc.sampling_params import SamplingParams
 from ipc.tokenizer import Tokenizer
 from tests.ipc.client_fakes import tiny_tokenizer_path
-from tests.worker.test_logits_processors import VOCAB, make_batch
-from tests.worker.test_model_runner_logits import GREEDY, generate
+from tests.worker.logits_helpers import GREEDY, VOCAB, generate, make_batch
 from worker.input_batch import check_new_request
 from worker.sampler import process_logits
 

@@ -10,26 +10,16 @@ import torch
 
 from splitserve import LLM, SamplingParams
 from tests.integration.greedy import generate_greedy, greedy_reference, random_prompts
-from tests.models.tiny import make_tiny_checkpoint
 from worker.model_runner import ModelRunner
 
-# name -> (arch, config overrides, attention backend). The hybrid's block tables are
-# row-strided views of the arena, which the CPU kernel does not take: torch backend.
-MODELS = {
-    "llama": ("llama", {}, "auto"),
-    "qwen2-hybrid": (
-        "qwen2",
-        dict(num_hidden_layers=4, use_sliding_window=True, sliding_window=8, max_window_layers=2),
-        "torch",
-    ),
-}
+# tiny checkpoint -> attention backend. The hybrid's block tables are row-strided views of
+# the arena, which the CPU kernel does not take: torch backend.
+BACKENDS = {"llama": "auto", "qwen2-hybrid": "torch"}
 
 
-@pytest.fixture(scope="module", params=sorted(MODELS))
-def model(request, tmp_path_factory):
-    arch, overrides, backend = MODELS[request.param]
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), arch, **overrides)
-    return path, backend
+@pytest.fixture(scope="module", params=sorted(BACKENDS))
+def model(request, tiny_checkpoint):
+    return tiny_checkpoint(request.param), BACKENDS[request.param]
 
 
 def _engine(model, monkeypatch, separate: bool) -> LLM:

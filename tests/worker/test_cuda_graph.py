@@ -86,6 +86,7 @@ def test_cuda_graphs_off_reason():
     assert "torch" in cuda_graphs_off_reason(cuda, False, torch_backend)
 
 
+@pytest.mark.parametrize("checkpoint", ["llama", "qwen2-hybrid"], indirect=True)
 def test_capture_is_an_explicit_step_after_the_kv_cache(checkpoint):
     runner = ModelRunner(_config(checkpoint, "torch"))
     with pytest.raises(RuntimeError, match="initialize_kv_cache"):
@@ -166,6 +167,7 @@ MODES = [
 ]
 
 
+@pytest.mark.parametrize("checkpoint", ["llama", "qwen2-hybrid"], indirect=True)
 @pytest.mark.parametrize(("backend", "mode"), MODES)
 def test_padded_decode_matches_eager(checkpoint, backend, mode, monkeypatch):
     """One scheduler drives an eager runner and a padded one through the same steps.

@@ -11,7 +11,6 @@ from ipc.config import EngineConfig
 from ipc.messages import CachedRequestData, NewRequestData, SchedulerOutput
 from ipc.sampling_params import SamplingParams
 from splitserve.executor import InProcessExecutor
-from tests.models.tiny import make_tiny_checkpoint
 from worker.kv_offload import HostKVCache
 from worker.model_runner import ModelRunner
 
@@ -110,11 +109,6 @@ def offload_config(path, kv_offload_memory: int) -> EngineConfig:
         kv_cache_memory=1 << 20,
         kv_offload_memory=kv_offload_memory,
     )
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> str:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
 
 
 @pytest.fixture(scope="module")

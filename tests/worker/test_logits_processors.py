@@ -6,12 +6,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ipc.messages import NewRequestData
 from ipc.sampling_params import SamplingParams
-from worker.input_batch import CachedRequestState, InputBatch
+from tests.worker.logits_helpers import MAX_REQS, VOCAB, make_batch
 from worker.sampler import Sampler, process_logits
-
-VOCAB, MAX_REQS, MAX_MODEL_LEN = 12, 6, 32
 
 token = st.integers(0, VOCAB - 1)
 penalty = st.sampled_from([0.0, 0.0, -2.0, -0.5, 0.7, 2.0])
@@ -47,14 +44,6 @@ def reference(logits: np.ndarray, params: SamplingParams, prompt, output) -> np.
         if count > 0:
             row[t] -= params.presence_penalty
     return row
-
-
-def make_batch(requests) -> InputBatch:
-    batch = InputBatch(MAX_REQS, MAX_MODEL_LEN, 1, 16, "cpu", VOCAB)
-    for i, (params, prompt, output) in enumerate(requests):
-        new = NewRequestData(f"r{i}", prompt, params, [[]], 0, output_token_ids=output)
-        batch.add_request(CachedRequestState.from_new_request(new, "cpu"))
-    return batch
 
 
 @settings(max_examples=150, deadline=None)

@@ -102,6 +102,7 @@ def _device_inputs(step) -> dict[str, torch.Tensor]:
     return tensors
 
 
+@pytest.mark.parametrize("checkpoint", ["llama", "qwen2-hybrid"], indirect=True)
 @pytest.mark.parametrize("mode", ["eager", "padded_eager"])
 def test_every_step_copies_once_from_the_host_arena(checkpoint, mode, monkeypatch):
     config = EngineConfig(

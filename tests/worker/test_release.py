@@ -7,12 +7,6 @@ import weakref
 import pytest
 
 from splitserve import LLM, SamplingParams
-from tests.models.tiny import make_tiny_checkpoint
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
 
 
 def _llm_and_refs(checkpoint: str) -> tuple[LLM, list[weakref.ref]]:

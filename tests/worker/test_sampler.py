@@ -2,56 +2,13 @@ import numpy as np
 import pytest
 import torch
 
-from attention.cpp_extension import cpu_kernels_enabled
-from worker.sampler import SAMPLING_EPS, Sampler, SamplingMetadata, cpu_kernels
-
-
-def make_sampler(path: str, generator: torch.Generator | None = None) -> Sampler:
-    """path "kernel": the C++ kernel, which must build (g++ is there in CI), unless
-    SPLITSERVE_CPU_KERNELS=0 turns it off; "torch": the torch path, the reference."""
-    if path == "kernel":
-        if not cpu_kernels_enabled():
-            pytest.skip("SPLITSERVE_CPU_KERNELS=0")
-        assert cpu_kernels() is not None, "the C++ sampling kernel did not build"
-    return Sampler(generator, use_cpu_kernel=path == "kernel")
+from tests.worker.sampler_helpers import allowed_tokens, make_metadata, make_sampler
+from worker.sampler import Sampler
 
 
 @pytest.fixture(params=["kernel", "torch"])
 def sampler(request) -> Sampler:
     return make_sampler(request.param)
-
-
-def make_metadata(temperature, top_p=None, top_k=None, min_p=None, generators=None, logprobs=None):
-    temperature = torch.tensor(temperature, dtype=torch.float32)
-    greedy = temperature < SAMPLING_EPS
-    return SamplingMetadata(
-        temperature=temperature,
-        top_p=None if top_p is None else torch.tensor(top_p, dtype=torch.float32),
-        top_k=None if top_k is None else torch.tensor(top_k, dtype=torch.int32),
-        min_p=None if min_p is None else torch.tensor(min_p, dtype=torch.float32),
-        all_greedy=bool(greedy.all()),
-        all_random=not bool(greedy.any()),
-        generators=generators or {},
-        max_num_logprobs=logprobs,
-    )
-
-
-def allowed_tokens(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, tol=1e-4):
-    """Numpy reference of the tokens a row may sample: top-k, then top-p on the
-    renormalised rest, then min-p. `tol` widens the set at float32-vs-float64 boundaries."""
-    logits = np.asarray(logits, dtype=np.float64) / temperature
-    allowed = np.ones(logits.shape, dtype=bool)
-    if top_k > 0:
-        allowed &= logits >= np.sort(logits)[-top_k]
-    probs = np.where(allowed, np.exp(logits - logits.max()), 0.0)
-    probs /= probs.sum()
-    order = np.argsort(-probs, kind="stable")
-    mass_before = np.empty_like(probs)
-    mass_before[order] = np.cumsum(probs[order]) - probs[order]
-    allowed &= mass_before < top_p + tol
-    probs = np.where(allowed, probs, 0.0)
-    allowed &= probs >= min_p * probs.max() - tol
-    return allowed
 
 
 def test_temperature_zero_is_argmax(sampler):

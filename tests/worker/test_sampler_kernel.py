@@ -1,62 +1,25 @@
 """The sampler's distributions against exact numpy ones, and the C++ kernel against the
 torch path: same draws, same tokens."""
 
-import math
-
 import numpy as np
 import pytest
 import torch
 
-from tests.worker.test_sampler import allowed_tokens, make_metadata, make_sampler
+from tests.worker.sampler_helpers import (
+    CASES,
+    LOGITS,
+    chi_square_ok,
+    exact_probs,
+    make_metadata,
+    make_sampler,
+    random_settings,
+)
 from worker.sampler import skip_sample_draws
-
-# Exact in bf16 and fp32, and no filter boundary of the cases below is within 1e-3.
-LOGITS = [0.75, -1.5, 2.0, 0.0, 1.25, -0.25, 3.0, -1.0, 1.5, 0.5, 2.25, -0.75]
-
-CASES = [  # temperature, top_k, top_p, min_p
-    (1.0, 0, 1.0, 0.0),
-    (0.5, 0, 1.0, 0.0),
-    (2.0, 0, 1.0, 0.0),
-    (1.0, 3, 1.0, 0.0),
-    (0.7, 7, 1.0, 0.0),
-    (1.0, 0, 0.6, 0.0),
-    (1.5, 0, 0.9, 0.0),
-    (1.0, 0, 1.0, 0.1),
-    (0.8, 0, 1.0, 0.3),
-    (0.8, 6, 0.8, 0.05),
-    (1.3, 8, 0.95, 0.15),
-    (1.0, 0, 0.95, 0.15),
-    (1.0, 4, 0.5, 0.0),
-]
 
 
 @pytest.fixture(params=["kernel", "torch"])
 def path(request) -> str:
     return request.param
-
-
-def exact_probs(logits, temperature, top_k, top_p, min_p) -> np.ndarray:
-    allowed = allowed_tokens(logits, temperature, top_k, top_p, min_p, tol=0.0)
-    assert np.array_equal(allowed, allowed_tokens(logits, temperature, top_k, top_p, min_p, 1e-3))
-    logits = np.asarray(logits, dtype=np.float64) / temperature
-    probs = np.where(allowed, np.exp(logits - logits.max()), 0.0)
-    return probs / probs.sum()
-
-
-def chi_square_ok(counts: np.ndarray, probs: np.ndarray) -> bool:
-    """Pearson's test at p = 1e-3 (bins of expected count under 5 pooled); the critical
-    value by Wilson and Hilferty's approximation."""
-    expected = probs * counts.sum()
-    small = expected < 5
-    observed = np.append(counts[~small], counts[small].sum())
-    expected = np.append(expected[~small], expected[small].sum())
-    observed, expected = observed[expected > 0], expected[expected > 0]
-    df = len(expected) - 1
-    if df == 0:
-        return True
-    stat = float(((observed - expected) ** 2 / expected).sum())
-    critical = df * (1 - 2 / (9 * df) + 3.09 * math.sqrt(2 / (9 * df))) ** 3
-    return stat < critical
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -77,16 +40,6 @@ def test_frequencies_fit_the_exact_distribution(path, dtype, case):
     counts = np.bincount(sampled, minlength=len(LOGITS))
     assert counts[probs == 0].sum() == 0
     assert chi_square_ok(counts, probs), (counts, np.round(probs * n))
-
-
-def random_settings(rows: int, seed: int):
-    rng = np.random.default_rng(seed)
-    kind = rng.integers(0, 6, rows)  # greedy, temperature, top-k, top-p, min-p, all three
-    temperature = np.where(kind == 0, 0.0, rng.uniform(0.3, 2.0, rows))
-    top_k = np.where((kind == 2) | (kind == 5), rng.choice([1, 2, 5, 7, 8, 50, 500, 1999], rows), 0)
-    top_p = np.where((kind == 3) | (kind == 5), rng.uniform(0.2, 0.99, rows), 1.0)
-    min_p = np.where((kind == 4) | (kind == 5), rng.uniform(0.01, 0.5, rows), 0.0)
-    return kind, make_metadata(temperature.tolist(), top_p.tolist(), top_k.tolist(), min_p.tolist())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

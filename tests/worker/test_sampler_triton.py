@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from attention.cpp_extension import cpu_kernels_enabled
-from tests.worker.test_sampler import make_metadata
-from tests.worker.test_sampler_kernel import (
+from tests.worker.sampler_helpers import (
     CASES,
     LOGITS,
     chi_square_ok,
     exact_probs,
+    make_metadata,
     random_settings,
 )
 from worker import sampler as sampler_module

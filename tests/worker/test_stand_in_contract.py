@@ -16,7 +16,6 @@ from engine_core.executor import WorkerFailure
 from ipc.messages import EngineCoreRequest, ModelRunnerOutput, SchedulerOutput
 from ipc.sampling_params import SamplingParams
 from tests.engine_core.stand_in_executor import StandInExecutor
-from tests.models.tiny import make_tiny_checkpoint
 from worker.model_runner import ModelRunner
 
 BLOCK_SIZE = 4
@@ -177,16 +176,11 @@ SCENARIOS = {
 }
 
 
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory) -> str:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
-
-
 @pytest.mark.parametrize("name", list(SCENARIOS))
-def test_the_stand_in_keeps_the_runners_view_of_every_request(model_path, name):
+def test_the_stand_in_keeps_the_runners_view_of_every_request(checkpoint, name):
     settings, num_blocks, fail_steps, events, happened = SCENARIOS[name]
     config = EngineConfig(
-        model=model_path,
+        model=checkpoint,
         dtype="float32",
         device="cpu",
         block_size=BLOCK_SIZE,

@@ -5,16 +5,14 @@ best_of keeps the candidates with the highest cumulative logprob."""
 import pytest
 
 from splitserve import LLM, SamplingParams
-from tests.models.tiny import make_tiny_checkpoint
 
 PROMPT = [(7 * i + 3) % 250 for i in range(40)]
 SAMPLED = dict(temperature=1.0, max_tokens=24, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
-    return LLM(path, dtype="float32", kv_cache_memory=8 << 20, max_model_len=256)
+def llm(checkpoint):
+    return LLM(checkpoint, dtype="float32", kv_cache_memory=8 << 20, max_model_len=256)
 
 
 def generate(llm: LLM, prompt=PROMPT, **params):

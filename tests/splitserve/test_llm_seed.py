@@ -1,17 +1,9 @@
 """--seed seeds the sampling of requests that set no seed: two engines with the same seed
 sample the same tokens, with different seeds different ones."""
 
-import pytest
-
 from splitserve import LLM, SamplingParams
-from tests.models.tiny import make_tiny_checkpoint
 
 PROMPTS = [[1, 2, 3], [40, 41, 42, 43], [7] * 9]
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
 
 
 def _sample(checkpoint: str, seed: int) -> list[list[int]]:

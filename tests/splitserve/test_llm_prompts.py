@@ -5,15 +5,13 @@ do, and RequestOutput.prompt holds the text when there was one."""
 import pytest
 
 from splitserve import LLM, SamplingParams, TextPrompt, TokensPrompt
-from tests.models.tiny import make_tiny_checkpoint
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
-    return LLM(path, dtype="float32", kv_cache_memory=8 << 20, max_model_len=128)
+def llm(checkpoint):
+    return LLM(checkpoint, dtype="float32", kv_cache_memory=8 << 20, max_model_len=128)
 
 
 def test_every_prompt_form_answers_as_its_token_ids(llm):
