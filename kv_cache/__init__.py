@@ -2,7 +2,6 @@
 
 from kv_cache.block import BlockHashWithGroupId, KVCacheBlock
 from kv_cache.block_pool import BlockPool
-from kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kv_cache.free_queue import FreeKVCacheBlockQueue
 from kv_cache.hashing import NONE_HASH, block_hashes, extend_block_hashes, hash_block_tokens
 from kv_cache.host_tier import BlockCopy, HostTier, SwappedRequest
@@ -17,18 +16,14 @@ from kv_cache.single_type_manager import (
 
 __all__ = [
     "NONE_HASH",
-    "AllBlocksCleared",
     "BlockCopy",
     "BlockHashWithGroupId",
     "BlockPool",
-    "BlockRemoved",
-    "BlockStored",
     "FreeKVCacheBlockQueue",
     "FullAttentionManager",
     "HostTier",
     "KVCacheBlock",
     "KVCacheBlocks",
-    "KVCacheEvent",
     "KVCacheManager",
     "KVCacheRequest",
     "PrefixCacheStats",

@@ -3,7 +3,6 @@
 from collections.abc import Callable, Iterable
 
 from kv_cache.block import BlockHashWithGroupId, KVCacheBlock
-from kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kv_cache.free_queue import FreeKVCacheBlockQueue
 from kv_cache.request import KVCacheRequest
 
@@ -25,14 +24,12 @@ class BlockPool:
         self,
         num_blocks: int,
         enable_caching: bool = True,
-        enable_kv_cache_events: bool = False,
         is_host: bool = False,
     ) -> None:
         if num_blocks < 2:
             raise ValueError(f"need at least 2 blocks (one is the null block), got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.enable_kv_cache_events = enable_kv_cache_events
         self.is_host = is_host
         self.blocks = [KVCacheBlock(i, is_host=is_host) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
@@ -40,7 +37,6 @@ class BlockPool:
         self.null_block.is_null = True
         # One key may name several blocks (no deduplication): {key: {block_id: block}}.
         self.cached_block_hash_to_block: dict[BlockHashWithGroupId, dict[int, KVCacheBlock]] = {}
-        self.events: list[KVCacheEvent] = []
         self.on_last_copy_evicted: Callable[[KVCacheBlock], None] | None = None
 
     def get_cached_block(self, block_hash: bytes, group_id: int) -> KVCacheBlock | None:
@@ -70,9 +66,6 @@ class BlockPool:
             if spill and self.on_last_copy_evicted is not None:
                 self.on_last_copy_evicted(block)
         block.reset_hash()
-        block_hash = cache_key[0]
-        if self.enable_kv_cache_events:
-            self.events.append(BlockRemoved([block_hash]))
 
     def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop the hashes of blocks whose tokens were never computed: nothing may hit
@@ -108,37 +101,22 @@ class BlockPool:
         blocks: list[KVCacheBlock],
         num_cached_blocks: int,
         num_full_blocks: int,
-        block_size: int,
         group_id: int,
     ) -> None:
         """Give blocks[num_cached_blocks:num_full_blocks] (blocks of KV cache group
         `group_id`) the request's hashes and cache them."""
         block_hashes = request.block_hashes
-        stored = []
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if block.is_null:
                 continue
-            block_hash = block_hashes[i]
-            block.cache_key = (block_hash, group_id)
+            block.cache_key = (block_hashes[i], group_id)
             self.cached_block_hash_to_block.setdefault(block.cache_key, {})[block.block_id] = block
-            stored.append(block_hash)
-        if self.enable_kv_cache_events and stored:
-            parent = block_hashes[num_cached_blocks - 1] if num_cached_blocks > 0 else None
-            self.events.append(BlockStored(stored, parent, block_size))
 
-    def cache_block(
-        self,
-        block: KVCacheBlock,
-        cache_key: BlockHashWithGroupId,
-        parent_block_hash: bytes | None,
-        block_size: int,
-    ) -> None:
+    def cache_block(self, block: KVCacheBlock, cache_key: BlockHashWithGroupId) -> None:
         """Cache one block under a key it got from a copy in the other tier."""
         block.cache_key = cache_key
         self.cached_block_hash_to_block.setdefault(cache_key, {})[block.block_id] = block
-        if self.enable_kv_cache_events:
-            self.events.append(BlockStored([cache_key[0]], parent_block_hash, block_size))
 
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
@@ -153,10 +131,4 @@ class BlockPool:
         self.cached_block_hash_to_block.clear()
         for block in self.blocks:
             block.reset_hash()
-        if self.enable_kv_cache_events:
-            self.events.append(AllBlocksCleared())
         return True
-
-    def take_events(self) -> list[KVCacheEvent]:
-        events, self.events = self.events, []
-        return events

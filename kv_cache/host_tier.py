@@ -69,7 +69,7 @@ class HostTier:
         if cache_key in pool.cached_block_hash_to_block or not pool.get_num_free_blocks():
             return
         (host_block,) = pool.get_new_blocks(1)
-        pool.cache_block(host_block, cache_key, None, self.block_size)
+        pool.cache_block(host_block, cache_key)
         self._hold(host_block)
         self.swap_out_copies.append((device_block.block_id, host_block.block_id))
         self.num_spilled_blocks += 1
@@ -104,7 +104,7 @@ class HostTier:
         self.pool.touch((host_block,))
         self._hold(host_block)
         if is_full and device_block.cache_key is not None:
-            self.pool.cache_block(host_block, device_block.cache_key, None, self.block_size)
+            self.pool.cache_block(host_block, device_block.cache_key)
         self.swap_out_copies.append((block_id, host_block.block_id))
         self._swap_out_dest[block_id] = host_block
         self.num_swapped_out_blocks += 1
@@ -157,14 +157,12 @@ class HostTier:
             self._hold(block)
         tables = [list(group_hits) for group_hits in hits]
         device_blocks = device_pool.get_new_blocks(len(host_hits))
-        block_hashes = request.block_hashes
         for (group_id, i, host_block), device_block in zip(host_hits, device_blocks, strict=True):
             tables[group_id][i] = device_block
             self.swap_in_copies.append((host_block.block_id, device_block.block_id))
             self._swap_in_source[device_block.block_id] = host_block
             if host_block.cache_key is not None:
-                parent = block_hashes[i - 1] if i > 0 else None
-                device_pool.cache_block(device_block, host_block.cache_key, parent, self.block_size)
+                device_pool.cache_block(device_block, host_block.cache_key)
         self.num_swapped_in_blocks += len(host_hits)
         # A partial last block (of a swapped request) is cached once it fills.
         num_cached = num_new_computed_tokens // self.block_size if self.pool.enable_caching else 0

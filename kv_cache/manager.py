@@ -5,7 +5,6 @@ from dataclasses import dataclass
 
 from kv_cache.block import KVCacheBlock
 from kv_cache.block_pool import BlockPool
-from kv_cache.events import KVCacheEvent
 from kv_cache.host_tier import BlockCopy, HostTier
 from kv_cache.kv_cache_blocks import KVCacheBlocks, tail_first
 from kv_cache.request import KVCacheRequest
@@ -46,7 +45,6 @@ class KVCacheManager:
         max_model_len: int,
         enable_caching: bool = True,
         sliding_window: int | None = None,
-        enable_kv_cache_events: bool = False,
         group_windows: Sequence[int | None] | None = None,
         num_host_blocks: int = 0,
     ) -> None:
@@ -60,7 +58,7 @@ class KVCacheManager:
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         self.group_windows = tuple(group_windows)
-        self.block_pool = BlockPool(num_blocks, enable_caching, enable_kv_cache_events)
+        self.block_pool = BlockPool(num_blocks, enable_caching)
         self.single_type_managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
             FullAttentionManager(self.block_pool, block_size, group_id)
             if window is None
@@ -319,6 +317,3 @@ class KVCacheManager:
         if any(pool.get_num_free_blocks() != pool.num_blocks - 1 for pool in pools):
             return False
         return all([pool.reset_prefix_cache() for pool in pools])
-
-    def take_events(self) -> list[KVCacheEvent]:
-        return self.block_pool.take_events()

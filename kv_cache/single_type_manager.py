@@ -90,7 +90,6 @@ class SingleTypeKVCacheManager:
             self.req_to_blocks[request_id],
             num_cached,
             num_full,
-            self.block_size,
             self.group_id,
         )
         self.num_cached_block[request_id] = num_full

@@ -87,7 +87,6 @@ def snapshot(manager: KVCacheManager) -> tuple:
             )
             for stm in manager.single_type_managers
         ],
-        len(pool.events),
     )
 
 

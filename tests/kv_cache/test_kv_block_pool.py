@@ -1,7 +1,7 @@
 import pytest
 from kv_fakes import FakeRequest, ids
 
-from kv_cache import AllBlocksCleared, BlockPool, BlockRemoved, BlockStored
+from kv_cache import BlockPool
 
 
 def pool_free_ids(pool: BlockPool) -> list[int]:
@@ -31,7 +31,7 @@ def test_free_blocks_appends_in_given_order_and_keeps_hashes():
     pool = BlockPool(6)
     request = FakeRequest("a", list(range(8)), 4)
     blocks = pool.get_new_blocks(3)
-    pool.cache_full_blocks(request, blocks, 0, 2, 4, 0)
+    pool.cache_full_blocks(request, blocks, 0, 2, 0)
     pool.touch([blocks[0]])
     assert blocks[0].ref_cnt == 2
     pool.free_blocks(reversed(blocks))
@@ -51,30 +51,29 @@ def test_touch_takes_free_hits_out_of_the_queue():
     assert pool.null_block.ref_cnt == 0
 
 
-def test_lazy_eviction_on_reuse_emits_block_removed():
-    pool = BlockPool(3, enable_kv_cache_events=True)
+def test_lazy_eviction_on_reuse_drops_the_hash():
+    pool = BlockPool(3)
     request = FakeRequest("a", [5, 6, 7, 8], 2)
     blocks = pool.get_new_blocks(2)
-    pool.cache_full_blocks(request, blocks, 0, 2, 2, 0)
-    assert pool.take_events() == [BlockStored(request.block_hashes, None, 2)]
+    pool.cache_full_blocks(request, blocks, 0, 2, 0)
+    assert set(pool.cached_block_hash_to_block) == {(h, 0) for h in request.block_hashes}
     pool.free_blocks(reversed(blocks))
     assert pool.get_cached_block(request.block_hashes[1], 0) is blocks[1]
     (reused,) = pool.get_new_blocks(1)
     assert reused is blocks[1] and reused.block_hash is None
     assert pool.get_cached_block(request.block_hashes[1], 0) is None
     assert pool.get_cached_block(request.block_hashes[0], 0) is blocks[0]
-    assert pool.take_events() == [BlockRemoved([request.block_hashes[1]])]
-    assert pool.take_events() == []
+    assert set(pool.cached_block_hash_to_block) == {(request.block_hashes[0], 0)}
 
 
-def test_block_stored_parent_is_previous_block_hash():
-    pool = BlockPool(4, enable_kv_cache_events=True)
+def test_caching_in_two_calls_caches_every_block():
+    pool = BlockPool(4)
     request = FakeRequest("a", list(range(6)), 2)
     blocks = pool.get_new_blocks(3)
-    pool.cache_full_blocks(request, blocks, 0, 1, 2, 0)
-    pool.cache_full_blocks(request, blocks, 1, 3, 2, 0)
+    pool.cache_full_blocks(request, blocks, 0, 1, 0)
+    pool.cache_full_blocks(request, blocks, 1, 3, 0)
     h = request.block_hashes
-    assert pool.take_events() == [BlockStored([h[0]], None, 2), BlockStored(h[1:], h[0], 2)]
+    assert [b.cache_key for b in blocks] == [(h[0], 0), (h[1], 0), (h[2], 0)]
 
 
 def test_one_hash_may_map_to_several_blocks():
@@ -82,8 +81,8 @@ def test_one_hash_may_map_to_several_blocks():
     a, b = FakeRequest("a", [1, 2], 2), FakeRequest("b", [1, 2], 2)
     (block_a,) = pool.get_new_blocks(1)
     (block_b,) = pool.get_new_blocks(1)
-    pool.cache_full_blocks(a, [block_a], 0, 1, 2, 0)
-    pool.cache_full_blocks(b, [block_b], 0, 1, 2, 0)
+    pool.cache_full_blocks(a, [block_a], 0, 1, 0)
+    pool.cache_full_blocks(b, [block_b], 0, 1, 0)
     h = a.block_hashes[0]
     assert set(pool.cached_block_hash_to_block[(h, 0)]) == {1, 2}
     assert pool.get_cached_block(h, 0) is block_a
@@ -93,12 +92,12 @@ def test_one_hash_may_map_to_several_blocks():
 
 
 def test_groups_cache_the_same_hash_apart():
-    pool = BlockPool(5, enable_kv_cache_events=True)
+    pool = BlockPool(5)
     request = FakeRequest("a", [1, 2, 3, 4], 2)
     h0, h1 = request.block_hashes
     full, window = pool.get_new_blocks(2), pool.get_new_blocks(2)
-    pool.cache_full_blocks(request, full, 0, 2, 2, 0)
-    pool.cache_full_blocks(request, window, 0, 2, 2, 1)
+    pool.cache_full_blocks(request, full, 0, 2, 0)
+    pool.cache_full_blocks(request, window, 0, 2, 1)
     assert [b.cache_key for b in full + window] == [(h0, 0), (h1, 0), (h0, 1), (h1, 1)]
     assert pool.get_cached_block(h1, 0) is full[1] and pool.get_cached_block(h1, 1) is window[1]
     assert pool.get_cached_block(h1, 2) is None
@@ -106,33 +105,16 @@ def test_groups_cache_the_same_hash_apart():
     (reused,) = pool.get_new_blocks(1)  # the window group's copy of h1 is evicted first
     assert reused is window[1] and reused.cache_key is None
     assert pool.get_cached_block(h1, 1) is None and pool.get_cached_block(h1, 0) is full[1]
-    assert pool.take_events() == [
-        BlockStored([h0, h1], None, 2),
-        BlockStored([h0, h1], None, 2),
-        BlockRemoved([h1]),
-    ]
 
 
 def test_reset_prefix_cache():
-    pool = BlockPool(4, enable_kv_cache_events=True)
+    pool = BlockPool(4)
     request = FakeRequest("a", [1, 2, 3, 4], 2)
     blocks = pool.get_new_blocks(2)
-    pool.cache_full_blocks(request, blocks, 0, 2, 2, 0)
-    pool.take_events()
+    pool.cache_full_blocks(request, blocks, 0, 2, 0)
     assert pool.reset_prefix_cache() is False
     assert pool.get_cached_block(request.block_hashes[0], 0) is blocks[0]
     pool.free_blocks(blocks)
     assert pool.reset_prefix_cache() is True
     assert all(b.block_hash is None for b in pool.blocks)
     assert pool.cached_block_hash_to_block == {}
-    assert pool.take_events() == [AllBlocksCleared()]
-
-
-def test_events_not_recorded_by_default():
-    pool = BlockPool(4)
-    request = FakeRequest("a", [1, 2, 3, 4], 2)
-    blocks = pool.get_new_blocks(2)
-    pool.cache_full_blocks(request, blocks, 0, 2, 2, 0)
-    pool.free_blocks(blocks)
-    pool.get_new_blocks(3)
-    assert pool.take_events() == []

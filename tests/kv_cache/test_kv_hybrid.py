@@ -12,11 +12,11 @@ from kv_fakes import (
     snapshot,
 )
 
-from kv_cache import BlockStored, KVCacheBlocks, PrefixCacheStats
+from kv_cache import KVCacheBlocks, PrefixCacheStats
 
 
 def test_full_and_window_groups_allocate_hit_and_free_their_own_blocks():
-    manager = make_manager(16, group_windows=[None, 8], enable_kv_cache_events=True)
+    manager = make_manager(16, group_windows=[None, 8])
     a = FakeRequest("a", list(range(10)), BS)
     assert manager.get_computed_blocks(a) == (KVCacheBlocks.empty(2), 0)
     assert manager.allocate_slots(a, 10).get_block_ids() == [[1, 2, 3], [4, 5, 6]]
@@ -25,10 +25,6 @@ def test_full_and_window_groups_allocate_hit_and_free_their_own_blocks():
     h = a.block_hashes
     assert [pool.blocks[i].cache_key for i in (1, 2, 3)] == [(h[0], 0), (h[1], 0), None]
     assert [pool.blocks[i].cache_key for i in (4, 5, 6)] == [(h[0], 1), (h[1], 1), None]
-    assert manager.take_events() == [
-        BlockStored(h, None, BS),
-        BlockStored(h, None, BS),
-    ]
 
     b = FakeRequest("b", list(range(8)) + [50, 51, 52], BS)
     hits, num_hit_tokens = manager.get_computed_blocks(b)
@@ -115,8 +111,8 @@ def test_sliding_groups_converge_on_a_length_both_serve():
     # Group 0 caches h0..h4, group 1 caches h0, h1, h2 and h5 (nulls are skipped).
     group0 = pool.get_new_blocks(5)
     group1 = pool.get_new_blocks(4)
-    pool.cache_full_blocks(request, group0 + [null], 0, 6, BS, 0)
-    pool.cache_full_blocks(request, group1[:3] + [null, null, group1[3]], 0, 6, BS, 1)
+    pool.cache_full_blocks(request, group0 + [null], 0, 6, 0)
+    pool.cache_full_blocks(request, group1[:3] + [null, null, group1[3]], 0, 6, 1)
     pool.free_blocks(group0 + group1)
     # Group 0 alone serves 20 tokens (window h3, h4); group 1 at 20 serves 12 (window h2);
     # at 12, group 0's window is h1, h2: the hit must be taken again there, not truncated.

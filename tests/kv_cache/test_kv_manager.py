@@ -10,13 +10,7 @@ from kv_fakes import (
     snapshot,
 )
 
-from kv_cache import (
-    BlockRemoved,
-    BlockStored,
-    KVCacheBlocks,
-    KVCacheManager,
-    PrefixCacheStats,
-)
+from kv_cache import KVCacheBlocks, KVCacheManager, PrefixCacheStats
 
 
 def admit(manager: KVCacheManager, request: FakeRequest) -> KVCacheBlocks | None:
@@ -31,7 +25,7 @@ def admit(manager: KVCacheManager, request: FakeRequest) -> KVCacheBlocks | None
 
 
 def test_prefill_allocation():
-    manager = make_manager(enable_kv_cache_events=True)
+    manager = make_manager()
     a = FakeRequest("a", list(range(10)), BS)
     hits, num_hit_tokens = manager.get_computed_blocks(a)
     assert hits.get_block_ids() == [[]] and num_hit_tokens == 0
@@ -42,7 +36,7 @@ def test_prefill_allocation():
     assert free_ids(manager) == [4, 5, 6, 7, 8, 9]
     pool = manager.block_pool
     assert [pool.blocks[i].block_hash for i in (1, 2, 3)] == a.block_hashes + [None]
-    assert manager.take_events() == [BlockStored(a.block_hashes, None, BS)]
+    assert set(pool.cached_block_hash_to_block) == {(h, 0) for h in a.block_hashes}
     assert manager.usage == pytest.approx(3 / 9)
 
 
@@ -106,7 +100,7 @@ def test_allocation_is_capped_by_max_model_len():
 
 
 def test_free_evicts_the_request_tail_first():
-    manager = make_manager(enable_kv_cache_events=True)
+    manager = make_manager()
     a = FakeRequest("a", list(range(12)), BS)
     admit(manager, a)
     b = FakeRequest("b", list(range(100, 108)), BS)
@@ -116,12 +110,10 @@ def test_free_evicts_the_request_tail_first():
     assert free_ids(manager) == [6, 7, 8, 9, 3, 2, 1]
     manager.free(b)
     assert free_ids(manager) == [6, 7, 8, 9, 3, 2, 1, 5, 4]
-    manager.take_events()
     # Never-used blocks go first, then a's tail, then (LRU) b's blocks.
     c = FakeRequest("c", list(range(200, 228)), BS)
     assert admit(manager, c).get_block_ids() == [[6, 7, 8, 9, 3, 2, 1]]
-    removed = [e.block_hashes[0] for e in manager.take_events() if isinstance(e, BlockRemoved)]
-    assert removed == [a.block_hashes[2], a.block_hashes[1], a.block_hashes[0]]
+    assert all(manager.block_pool.get_cached_block(h, 0) is None for h in a.block_hashes)
     assert free_ids(manager) == [5, 4]
     hits, num_hit_tokens = manager.get_computed_blocks(FakeRequest("b2", list(range(100, 109)), BS))
     assert hits.get_block_ids() == [[4, 5]] and num_hit_tokens == 8
@@ -209,27 +201,24 @@ def test_same_block_tokens_after_different_prefix_miss():
 
 
 def test_reset_prefix_cache():
-    manager = make_manager(enable_kv_cache_events=True)
+    manager = make_manager()
     a = FakeRequest("a", list(range(9)), BS)
     admit(manager, a)
     assert manager.reset_prefix_cache() is False
     manager.free(a)
-    manager.take_events()
     assert manager.reset_prefix_cache() is True
     assert all(b.block_hash is None for b in manager.block_pool.blocks)
     assert manager.get_computed_blocks(FakeRequest("b", list(range(9)), BS))[1] == 0
-    assert [type(e).__name__ for e in manager.take_events()] == ["AllBlocksCleared"]
 
 
 def test_caching_disabled_never_hashes_or_hits():
-    manager = make_manager(enable_caching=False, enable_kv_cache_events=True)
+    manager = make_manager(enable_caching=False)
     a = FakeRequest("a", list(range(9)), BS)
     assert admit(manager, a).get_block_ids() == [[1, 2, 3]]
     b = FakeRequest("b", list(range(9)), BS)
     assert manager.get_computed_blocks(b) == (KVCacheBlocks.empty(1), 0)
     assert all(blk.block_hash is None for blk in manager.block_pool.blocks)
     assert manager.block_pool.cached_block_hash_to_block == {}
-    assert manager.take_events() == []
     assert manager.make_prefix_cache_stats() == PrefixCacheStats()
     manager.free(a)
     assert free_ids(manager) == [4, 5, 6, 7, 8, 9, 3, 2, 1]
@@ -262,19 +251,14 @@ def test_blocks_cached_for_tokens_never_computed_lose_their_hashes_on_free():
     """A request preempted in the step that scheduled its tokens (the priority policy can
     pick one scheduled earlier in the step): the blocks allocate_slots cached for those
     tokens hold no KV, so freeing it uncaches them; its computed blocks stay cached."""
-    manager = make_manager(enable_kv_cache_events=True)
+    manager = make_manager()
     a = FakeRequest("a", list(range(14)), BS)
     manager.allocate_slots(a, 4)
     a.num_computed_tokens = 4
     assert manager.allocate_slots(a, 10).get_block_ids() == [[2, 3, 4]]
     pool = manager.block_pool
     assert [pool.blocks[i].block_hash for i in (1, 2, 3, 4)] == a.block_hashes + [None]
-    manager.take_events()
     manager.free(a)  # before the step ran: 4 tokens computed
-    assert manager.take_events() == [
-        BlockRemoved([a.block_hashes[1]]),
-        BlockRemoved([a.block_hashes[2]]),
-    ]
     assert [pool.blocks[i].block_hash for i in (1, 2, 3, 4)] == [
         a.block_hashes[0],
         None,
