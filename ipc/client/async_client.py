@@ -26,8 +26,9 @@ from ipc.client.core import (
     MONITOR_EVENTS,
     new_identity,
 )
-from ipc.client.parallel_sampling import ParentRequest, check_streamable
-from ipc.client.request_state import Prompt, RequestState
+from ipc.client.input_processor import Prompt
+from ipc.client.output_processor import Handle
+from ipc.client.parallel_sampling import check_streamable
 from ipc.client.steps import Answer, NextItem, Step, Steps
 from ipc.messages import SchedulerStats, encode
 from ipc.outputs import RequestOutput
@@ -96,10 +97,10 @@ class AsyncEngineClient(ClientBase):
     ) -> RequestOutput:
         """Run one request to the end; raises RequestError if the engine failed it.
         Cancelling the caller aborts the request."""
-        state = self._submit(prompt, sampling_params, request_id, priority, cache_salt)
-        async for _ in self._deltas(state):
+        handle = self._submit(prompt, sampling_params, request_id, priority, cache_salt)
+        async for _ in self._deltas(handle):
             pass
-        return state.result
+        return handle.result
 
     async def stream(
         self,
@@ -113,8 +114,8 @@ class AsyncEngineClient(ClientBase):
         text (of the choices that changed, with n > 1). Cancelling the consumer or closing
         the iterator early aborts the request. best_of > n cannot stream."""
         check_streamable(sampling_params)
-        state = self._submit(prompt, sampling_params, request_id, priority, cache_salt)
-        async for delta in self._deltas(state):
+        handle = self._submit(prompt, sampling_params, request_id, priority, cache_salt)
+        async for delta in self._deltas(handle):
             yield delta
 
     async def chat(
@@ -153,25 +154,23 @@ class AsyncEngineClient(ClientBase):
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
-    def _submit(
-        self, prompt, sampling_params, request_id, priority, cache_salt
-    ) -> RequestState | ParentRequest:
+    def _submit(self, prompt, sampling_params, request_id, priority, cache_salt) -> Handle:
         self._check_open()
         return self._core.submit(
             asyncio.Queue(), prompt, sampling_params, request_id, priority, cache_salt
         )
 
-    async def _deltas(self, state: RequestState | ParentRequest) -> AsyncIterator[RequestOutput]:
+    async def _deltas(self, handle: Handle) -> AsyncIterator[RequestOutput]:
         try:
             while True:
                 delta = await steps.run_async(
-                    steps.next_delta(self._core, state, self.health_interval), self._wait
+                    steps.next_delta(self._core, handle, self.health_interval), self._wait
                 )
                 yield delta
                 if delta.finished:
                     return
         finally:
-            self._core.release(state.request.request_id)
+            self._core.release(handle.request.request_id)
 
     async def _call(self, call: Steps[Any]) -> Any:
         self._check_open()

@@ -26,8 +26,9 @@ from ipc.client.core import (
     MONITOR_EVENTS,
     new_identity,
 )
-from ipc.client.parallel_sampling import ParentRequest, check_streamable
-from ipc.client.request_state import Prompt, RequestState
+from ipc.client.input_processor import Prompt
+from ipc.client.output_processor import Handle
+from ipc.client.parallel_sampling import check_streamable
 from ipc.client.steps import Answer, NextItem, Step, Steps
 from ipc.messages import SchedulerStats, encode
 from ipc.outputs import RequestOutput
@@ -79,10 +80,10 @@ class EngineClient(ClientBase):
         cache_salt: str | None = None,
     ) -> RequestOutput:
         """Run one request to the end; raises RequestError if the engine failed it."""
-        state = self._submit(prompt, sampling_params, request_id, priority, cache_salt)
-        for _ in self._deltas(state):
+        handle = self._submit(prompt, sampling_params, request_id, priority, cache_salt)
+        for _ in self._deltas(handle):
             pass
-        return state.result
+        return handle.result
 
     def stream(
         self,
@@ -135,25 +136,23 @@ class EngineClient(ClientBase):
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _submit(
-        self, prompt, sampling_params, request_id, priority, cache_salt
-    ) -> RequestState | ParentRequest:
+    def _submit(self, prompt, sampling_params, request_id, priority, cache_salt) -> Handle:
         self._check_open()
         return self._core.submit(
             queue.SimpleQueue(), prompt, sampling_params, request_id, priority, cache_salt
         )
 
-    def _deltas(self, state: RequestState | ParentRequest) -> Iterator[RequestOutput]:
+    def _deltas(self, handle: Handle) -> Iterator[RequestOutput]:
         try:
             while True:
                 delta = steps.run(
-                    steps.next_delta(self._core, state, self.health_interval), self._wait
+                    steps.next_delta(self._core, handle, self.health_interval), self._wait
                 )
                 yield delta
                 if delta.finished:
                     return
         finally:
-            self._core.release(state.request.request_id)
+            self._core.release(handle.request.request_id)
 
     def _call(self, call: Steps[Any]) -> Any:
         self._check_open()

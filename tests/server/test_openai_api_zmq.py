@@ -100,7 +100,7 @@ def test_a_batch_the_engine_refuses_in_part_is_400_and_leaves_nothing_running(ht
     assert response.status_code == 400
     assert response.json()["error"]["message"] == FAIL_MESSAGE
     deadline = time.monotonic() + 10
-    while engine.client._core._requests:
+    while engine.client._core.output_processor.has_unfinished_requests():
         assert time.monotonic() < deadline, "the batch's other requests stayed registered"
         time.sleep(0.02)
 
@@ -118,4 +118,4 @@ def test_refused_requests_leave_nothing_registered_in_the_engine_client(http, en
         assert http.post("/v1/completions", json=body).status_code == 400
     body = {"model": engine.model_name, "prompt": [5, engine.vocab_size], "max_tokens": 2}
     assert http.post("/v1/completions", json=body).status_code == 400
-    assert engine.client._core._requests == {}
+    assert not engine.client._core.output_processor.has_unfinished_requests()
