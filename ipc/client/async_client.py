@@ -10,7 +10,6 @@ sent from a `finally` of a cancelled task or a collected async generator.
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,14 +17,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from ipc.auth import Credentials
 from ipc.client import steps
 from ipc.client.base import ClientBase
-from ipc.client.core import (
-    CLOSE_LINGER_MS,
-    MONITOR_EVENTS,
-    new_identity,
-)
 from ipc.client.input_processor import Prompt
 from ipc.client.output_processor import Handle
 from ipc.client.parallel_sampling import check_streamable
@@ -33,28 +26,19 @@ from ipc.client.steps import Answer, NextItem, Step, Steps
 from ipc.messages import SchedulerStats, encode
 from ipc.outputs import RequestOutput
 from ipc.sampling_params import SamplingParams
-from ipc.sockets import HELLO, client_sockets
-from ipc.tokenizer import Message, TokenizerLike
+from ipc.sockets import HELLO
+from ipc.tokenizer import Message
 
 
 class AsyncEngineClient(ClientBase):
     """Use `await AsyncEngineClient.create(address, ...)`, or construct and
-    `await connect()`; the arguments are ClientBase's, and `connect_timeout` bounds the
-    wait for the engine's WELCOME."""
+    `await connect()`; the arguments are ClientBase's."""
 
-    def __init__(
-        self,
-        address: str,
-        tokenizer: str | os.PathLike | TokenizerLike | None = None,
-        connect_timeout: float = 30.0,
-        health_interval: float = 15.0,
-        credentials: Credentials | str | os.PathLike | None = None,
-    ) -> None:
-        super().__init__(address, tokenizer, health_interval, credentials)
-        self.connect_timeout = connect_timeout
+    _new_queue = asyncio.Queue
+
+    def _start(self) -> None:
         self._ctx: zmq.asyncio.Context | None = None
         self._receiver: asyncio.Task | None = None
-        self._closed = False
 
     @classmethod
     async def create(cls, address: str, **kwargs: Any) -> AsyncEngineClient:
@@ -66,18 +50,9 @@ class AsyncEngineClient(ClientBase):
         if self._ctx is not None:
             raise RuntimeError("the AsyncEngineClient is already connected")
         self._ctx = zmq.asyncio.Context()
-        self._input, self._output = client_sockets(
-            zmq.Context.shadow(self._ctx.underlying),
-            self._ctx,
-            self.address,
-            new_identity(),
-            self._credentials,
-            MONITOR_EVENTS,
+        self._open_sockets(
+            zmq.Context.shadow(self._ctx.underlying), self._ctx, zmq.asyncio.Poller()
         )
-        self._monitor = self._output.get_monitor_socket()
-        self._poller = zmq.asyncio.Poller()
-        self._poller.register(self._output, zmq.POLLIN)
-        self._poller.register(self._monitor, zmq.POLLIN)
         try:
             await self._output.send(HELLO)
             await steps.run_async(steps.welcome(self._core, self.connect_timeout), self._wait)
@@ -154,12 +129,6 @@ class AsyncEngineClient(ClientBase):
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
-    def _submit(self, prompt, sampling_params, request_id, priority, cache_salt) -> Handle:
-        self._check_open()
-        return self._core.submit(
-            asyncio.Queue(), prompt, sampling_params, request_id, priority, cache_salt
-        )
-
     async def _deltas(self, handle: Handle) -> AsyncIterator[RequestOutput]:
         try:
             while True:
@@ -222,12 +191,6 @@ class AsyncEngineClient(ClientBase):
         except Exception as e:
             self._core.fail_all(RuntimeError(f"the AsyncEngineClient's receiver failed: {e!r}"))
             raise
-
-    def _close_sockets(self) -> None:
-        self._input.close(linger=CLOSE_LINGER_MS)
-        self._output.close()
-        self._monitor.close()
-        self._ctx.term()
 
 
 async def _get(queue: asyncio.Queue, timeout: float) -> Any:

@@ -50,7 +50,6 @@ from ipc.tokenizer import Message, TokenizerLike
 
 logger = logging.getLogger(__name__)
 
-CLOSE_LINGER_MS = 1000  # how long a closing client lets its last aborts leave
 _REFUSED = {
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the EngineCore at {} refused this client's credentials",
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "the EngineCore at {} refused the security handshake "
@@ -70,12 +69,6 @@ MONITOR_EVENTS = (
 
 # Sends a message without blocking; False when the engine's queue is full.
 Send = Callable[[msgspec.Struct], bool]
-
-
-def new_identity() -> bytes:
-    """8 random bytes for the client's DEALERs; ZMQ reserves identities starting with 0."""
-    identity = os.urandom(8)
-    return bytes([identity[0] | 1]) + identity[1:]
 
 
 def full_queue_error(address: str) -> EngineDeadError:
