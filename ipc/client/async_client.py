@@ -17,7 +17,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from ipc.client import steps
+import ipc.client.steps as steps
 from ipc.client.base import ClientBase
 from ipc.client.input_processor import Prompt
 from ipc.client.output_processor import Handle

@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from ipc.client import steps
+import ipc.client.steps as steps
 from ipc.client.base import CLOSE_LINGER_MS, ClientBase
 from ipc.client.input_processor import Prompt
 from ipc.client.output_processor import Handle
