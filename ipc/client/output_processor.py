@@ -96,29 +96,30 @@ class OutputProcessor:
 
     def process_outputs(self, outputs: EngineCoreOutputs) -> ProcessedOutputs:
         """Fold the engine's outputs into their requests and deliver the deltas. A
-        failed request's consumer gets a RequestError; one failed child fails its
-        parent."""
+        failed request's queue gets a RequestError instead (without a queue, the deltas
+        carry the error); one failed child fails its parent."""
         processed = ProcessedOutputs()
         for out in outputs.outputs:
             state = self.request_states.get(out.request_id)
             if state is None:
                 continue  # finished or aborted here; the engine has not caught up yet
             delta = state.apply(out)
+            finished = delta.finished  # this engine request (a child, maybe) is done
+            handle: Handle = state
             parent = self.parent_of.get(out.request_id)
-            if delta.finished:
+            if parent is not None:
+                handle, delta = parent, parent.fold(delta)
+            if finished:
                 del self.request_states[out.request_id]
                 if parent is not None:
                     del self.parent_of[out.request_id]
+                if out.finish_reason == FinishReason.ERROR:
+                    self._fail(handle, delta, RequestError.from_output(out), processed)
+                    continue
                 if state.stopped_by_string:
                     processed.reqs_to_abort.append(out.request_id)
-            handle: Handle = state
-            if parent is not None:
-                handle, delta = parent, parent.fold(delta)
-            if out.finish_reason == FinishReason.ERROR:
-                self._fail(handle, delta, RequestError.from_output(out), processed)
-                continue
-            if delta.finished:
-                del self.requests[handle.request.request_id]
+                if delta.finished:
+                    del self.requests[handle.request.request_id]
             if handle.queue is None:
                 processed.request_outputs.append(delta)
             else:
