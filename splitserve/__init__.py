@@ -24,8 +24,8 @@ _WHERE = {
     "LLM": "splitserve.llm",
     "EngineClient": "ipc.client",
     "AsyncEngineClient": "ipc.client",
-    "TextPrompt": "ipc.client.request_state",
-    "TokensPrompt": "ipc.client.request_state",
+    "TextPrompt": "ipc.client.input_processor",
+    "TokensPrompt": "ipc.client.input_processor",
 }
 
 

@@ -1,22 +1,13 @@
 import itertools
-import time
 from collections.abc import Sequence
 
 from tqdm import tqdm
 
 from engine_core import EngineCore
-from ipc.bad_words import with_bad_words_token_ids
-from ipc.client.parallel_sampling import ParentRequest, engine_states, is_parallel
-from ipc.client.request_state import (
-    Prompt,
-    RequestState,
-    chat_token_ids,
-    load_tokenizer,
-    prompt_text,
-    prompt_token_ids,
-)
+from ipc.client.input_processor import InputProcessor, Prompt, load_tokenizer
+from ipc.client.output_processor import OutputProcessor, engine_states
 from ipc.config import EngineConfig
-from ipc.messages import EngineCoreRequest, FinishReason
+from ipc.messages import EngineCoreRequest
 from ipc.outputs import RequestOutput
 from ipc.sampling_params import SamplingParams
 from ipc.tokenizer import Message, TokenizerLike
@@ -26,9 +17,9 @@ class LLM:
     """Offline generation: an EngineCore driven in this process.
 
     With tensor_parallel_size 1 the model runs in this process; otherwise in worker
-    processes, exactly as under launch.py. Requests are folded into RequestOutputs by
-    the same RequestState the clients use (detokenization, stop strings); a request with
-    n or best_of > 1 runs as child requests, as the clients run it (parallel_sampling.py).
+    processes, exactly as under launch.py. Requests are built by the InputProcessor and
+    their outputs folded into RequestOutputs by an OutputProcessor, as in the clients
+    (detokenization, stop strings, n or best_of > 1 as child requests).
     """
 
     def __init__(self, model: str | None = None, **engine_args) -> None:
@@ -38,6 +29,7 @@ class LLM:
             model = default_model_path()
         self.config = EngineConfig(model=model, **engine_args)
         self.tokenizer = load_tokenizer(self.config.tokenizer)
+        self.input_processor = InputProcessor(self.tokenizer)
         self.engine = EngineCore(self.config, _make_executor(self.config))
         self._ids = itertools.count()
 
@@ -55,9 +47,11 @@ class LLM:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError("sampling_params must be one, or one per prompt")
-        token_ids = [prompt_token_ids(self.tokenizer, p) for p in prompts]
-        texts = [prompt_text(p) for p in prompts]
-        return self._run(token_ids, sampling_params, use_tqdm, texts)
+        requests = [
+            self.input_processor.process(prompt, params, str(next(self._ids)))
+            for prompt, params in zip(prompts, sampling_params, strict=True)
+        ]
+        return self._run(requests, use_tqdm)
 
     def chat(
         self,
@@ -71,7 +65,7 @@ class LLM:
         with the final message instead of starting a new one."""
         conversations = [messages] if isinstance(messages[0], dict) else messages
         prompts = [
-            chat_token_ids(self.tokenizer, conv, add_generation_prompt, continue_final_message)
+            self.input_processor.chat_token_ids(conv, add_generation_prompt, continue_final_message)
             for conv in conversations
         ]
         outputs = self.generate(prompts, sampling_params, use_tqdm)
@@ -88,41 +82,21 @@ class LLM:
         self.engine.shutdown()
 
     def _run(
-        self,
-        token_ids: list[list[int]],
-        params: Sequence[SamplingParams],
-        use_tqdm: bool,
-        texts: list[str | None],
+        self, requests: list[tuple[EngineCoreRequest, str | None]], use_tqdm: bool
     ) -> list[RequestOutput]:
-        params = [with_bad_words_token_ids(sp, self.tokenizer) for sp in params]
-        results: list[RequestState | ParentRequest] = []
-        states: dict[str, RequestState] = {}  # by the engine's request ids
-        for ids, sp, text in zip(token_ids, params, texts, strict=True):
-            request = EngineCoreRequest(str(next(self._ids)), ids, sp, time.time())
-            kind = ParentRequest if is_parallel(sp) else RequestState
-            results.append(kind(request, self.tokenizer, None, text))
-            for state in engine_states(results[-1]):
-                states[state.request.request_id] = state
+        """Run the requests (each with its prompt's text) to the end."""
+        outputs = OutputProcessor(self.tokenizer)
+        handles = [outputs.add_request(request, text) for request, text in requests]
+        for handle in handles:
+            for state in engine_states(handle):
                 self.engine.add_request(state.request)
-        with tqdm(total=len(results), disable=not use_tqdm, desc="Generating") as bar:
+        with tqdm(total=len(handles), disable=not use_tqdm, desc="Generating") as bar:
             while self.engine.has_unfinished_requests():
-                for out in self.engine.step().outputs:
-                    state = states[out.request_id]
-                    if state.result.finished:
-                        continue
-                    parent = state.parent
-                    if parent is None:
-                        state.apply(out)
-                    else:
-                        parent.apply(state, out)
-                    if state.result.finished:
-                        if state.stopped_by_string:  # the engine goes on
-                            self.engine.abort_requests([out.request_id])
-                        if parent is not None and out.finish_reason == FinishReason.ERROR:
-                            self.engine.abort_requests(parent.live_request_ids())
-                        if parent is None or parent.result.finished:
-                            bar.update(1)
-        return [state.result for state in results]
+                processed = outputs.process_outputs(self.engine.step())
+                if processed.reqs_to_abort:
+                    self.engine.abort_requests(processed.reqs_to_abort)
+                bar.update(sum(out.finished for out in processed.request_outputs))
+        return [handle.result for handle in handles]
 
 
 def _make_executor(config: EngineConfig):

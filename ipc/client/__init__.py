@@ -3,7 +3,7 @@ and AsyncEngineClient (asyncio). `python -m ipc.client --help` streams one answe
 
 from ipc.auth import Credentials, CredentialsError
 from ipc.client.async_client import AsyncEngineClient
-from ipc.client.core import EngineDeadError, RequestError
+from ipc.client.errors import EngineDeadError, RequestError
 from ipc.client.sync_client import EngineClient
 
 __all__ = [

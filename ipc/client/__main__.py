@@ -10,7 +10,7 @@ import os
 import sys
 
 from ipc.auth import CredentialsError
-from ipc.client.core import EngineDeadError, RequestError
+from ipc.client.errors import EngineDeadError, RequestError
 from ipc.client.sync_client import EngineClient
 from ipc.defaults import default_sampling_params
 from ipc.tokenizer import Tokenizer

@@ -10,7 +10,6 @@ sent from a `finally` of a cancelled task or a collected async generator.
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,42 +17,28 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from ipc.auth import Credentials
-from ipc.client import steps
+import ipc.client.steps as steps
 from ipc.client.base import ClientBase
-from ipc.client.core import (
-    CLOSE_LINGER_MS,
-    MONITOR_EVENTS,
-    new_identity,
-)
-from ipc.client.parallel_sampling import ParentRequest, check_streamable
-from ipc.client.request_state import Prompt, RequestState
+from ipc.client.input_processor import Prompt
+from ipc.client.output_processor import Handle
+from ipc.client.parallel_sampling import check_streamable
 from ipc.client.steps import Answer, NextItem, Step, Steps
 from ipc.messages import SchedulerStats, encode
 from ipc.outputs import RequestOutput
 from ipc.sampling_params import SamplingParams
-from ipc.sockets import HELLO, client_sockets
-from ipc.tokenizer import Message, TokenizerLike
+from ipc.sockets import HELLO
+from ipc.tokenizer import Message
 
 
 class AsyncEngineClient(ClientBase):
     """Use `await AsyncEngineClient.create(address, ...)`, or construct and
-    `await connect()`; the arguments are ClientBase's, and `connect_timeout` bounds the
-    wait for the engine's WELCOME."""
+    `await connect()`; the arguments are ClientBase's."""
 
-    def __init__(
-        self,
-        address: str,
-        tokenizer: str | os.PathLike | TokenizerLike | None = None,
-        connect_timeout: float = 30.0,
-        health_interval: float = 15.0,
-        credentials: Credentials | str | os.PathLike | None = None,
-    ) -> None:
-        super().__init__(address, tokenizer, health_interval, credentials)
-        self.connect_timeout = connect_timeout
+    _new_queue = asyncio.Queue
+
+    def _start(self) -> None:
         self._ctx: zmq.asyncio.Context | None = None
         self._receiver: asyncio.Task | None = None
-        self._closed = False
 
     @classmethod
     async def create(cls, address: str, **kwargs: Any) -> AsyncEngineClient:
@@ -65,18 +50,9 @@ class AsyncEngineClient(ClientBase):
         if self._ctx is not None:
             raise RuntimeError("the AsyncEngineClient is already connected")
         self._ctx = zmq.asyncio.Context()
-        self._input, self._output = client_sockets(
-            zmq.Context.shadow(self._ctx.underlying),
-            self._ctx,
-            self.address,
-            new_identity(),
-            self._credentials,
-            MONITOR_EVENTS,
+        self._open_sockets(
+            zmq.Context.shadow(self._ctx.underlying), self._ctx, zmq.asyncio.Poller()
         )
-        self._monitor = self._output.get_monitor_socket()
-        self._poller = zmq.asyncio.Poller()
-        self._poller.register(self._output, zmq.POLLIN)
-        self._poller.register(self._monitor, zmq.POLLIN)
         try:
             await self._output.send(HELLO)
             await steps.run_async(steps.welcome(self._core, self.connect_timeout), self._wait)
@@ -96,10 +72,10 @@ class AsyncEngineClient(ClientBase):
     ) -> RequestOutput:
         """Run one request to the end; raises RequestError if the engine failed it.
         Cancelling the caller aborts the request."""
-        state = self._submit(prompt, sampling_params, request_id, priority, cache_salt)
-        async for _ in self._deltas(state):
+        handle = self._submit(prompt, sampling_params, request_id, priority, cache_salt)
+        async for _ in self._deltas(handle):
             pass
-        return state.result
+        return handle.result
 
     async def stream(
         self,
@@ -113,8 +89,8 @@ class AsyncEngineClient(ClientBase):
         text (of the choices that changed, with n > 1). Cancelling the consumer or closing
         the iterator early aborts the request. best_of > n cannot stream."""
         check_streamable(sampling_params)
-        state = self._submit(prompt, sampling_params, request_id, priority, cache_salt)
-        async for delta in self._deltas(state):
+        handle = self._submit(prompt, sampling_params, request_id, priority, cache_salt)
+        async for delta in self._deltas(handle):
             yield delta
 
     async def chat(
@@ -153,25 +129,17 @@ class AsyncEngineClient(ClientBase):
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
 
-    def _submit(
-        self, prompt, sampling_params, request_id, priority, cache_salt
-    ) -> RequestState | ParentRequest:
-        self._check_open()
-        return self._core.submit(
-            asyncio.Queue(), prompt, sampling_params, request_id, priority, cache_salt
-        )
-
-    async def _deltas(self, state: RequestState | ParentRequest) -> AsyncIterator[RequestOutput]:
+    async def _deltas(self, handle: Handle) -> AsyncIterator[RequestOutput]:
         try:
             while True:
                 delta = await steps.run_async(
-                    steps.next_delta(self._core, state, self.health_interval), self._wait
+                    steps.next_delta(self._core, handle, self.health_interval), self._wait
                 )
                 yield delta
                 if delta.finished:
                     return
         finally:
-            self._core.release(state.request.request_id)
+            self._core.release(handle.request.request_id)
 
     async def _call(self, call: Steps[Any]) -> Any:
         self._check_open()
@@ -223,12 +191,6 @@ class AsyncEngineClient(ClientBase):
         except Exception as e:
             self._core.fail_all(RuntimeError(f"the AsyncEngineClient's receiver failed: {e!r}"))
             raise
-
-    def _close_sockets(self) -> None:
-        self._input.close(linger=CLOSE_LINGER_MS)
-        self._output.close()
-        self._monitor.close()
-        self._ctx.term()
 
 
 async def _get(queue: asyncio.Queue, timeout: float) -> Any:

@@ -6,13 +6,13 @@ The children share the prompt, and the engine computes it once: the prefix cache
 a block when it is allocated, and the scheduler admits a waiting request only once every
 running one has its whole prompt scheduled (a partial prefill chunk takes the rest of
 the step's budget), so a child admitted after its sibling finds the prompt's full blocks
-cached, in the same step or a later one. Each child draws its own
-random stream: seed + index when the request has a seed, else the engine's generator for
-unseeded rows, which gives every row its own draws. Stop strings, logprobs and
-detokenization are each child's own (a RequestState each). With best_of > n the children
-also return their sampled tokens' logprobs, and the n with the highest cumulative logprob
-are the answer, known only when every candidate has finished: such a request cannot
-stream.
+cached, in the same step or a later one. Each child draws its own random stream: seed +
+index when the request has a seed, else the engine's generator for unseeded rows, which
+gives every row its own draws. Stop strings, logprobs and detokenization are each child's
+own (a RequestState each, which the OutputProcessor maps to its parent). With best_of > n
+the children also return their sampled tokens' logprobs, and the n with the highest
+cumulative logprob are the answer, known only when every candidate has finished: such a
+request cannot stream.
 """
 
 from __future__ import annotations
@@ -22,10 +22,9 @@ import math
 import msgspec
 
 from ipc.client.request_state import RequestState, Sink
-from ipc.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
+from ipc.messages import EngineCoreRequest
 from ipc.outputs import CompletionOutput, RequestOutput
 from ipc.sampling_params import SamplingParams
-from ipc.tokenizer import TokenizerLike
 
 
 def num_candidates(params: SamplingParams) -> int:
@@ -70,24 +69,21 @@ def child_requests(request: EngineCoreRequest) -> list[EngineCoreRequest]:
 
 
 class ParentRequest:
-    """A request with several candidates, as a client sees it: its children's states (each
-    with `parent` set to this) and the parent's cumulative result. In a stream, a delta
-    holds the choices that changed, each with its `index`; it is `finished` once every
-    child is."""
+    """A request with several candidates, as a client sees it: the states of its
+    children (of child_requests(request), choice `index` each) and its own cumulative
+    result, which `fold` builds from the children's deltas. In a stream, a delta holds the
+    choices that changed; it is `finished` once every child is."""
 
     def __init__(
         self,
         request: EngineCoreRequest,
-        tokenizer: TokenizerLike | None,
-        queue: Sink,
+        children: list[RequestState],
+        queue: Sink | None = None,
         prompt: str | None = None,
     ) -> None:
         self.request = request
         self.queue = queue
-        self.children = [RequestState(child, tokenizer, queue) for child in child_requests(request)]
-        for index, child in enumerate(self.children):
-            child.parent = self
-            child.result.outputs[0].index = index
+        self.children = children
         self.num_live = len(self.children)
         self.result = RequestOutput(request.request_id, request.prompt_token_ids, prompt=prompt)
         if request.sampling_params.prompt_logprobs is not None:
@@ -96,10 +92,8 @@ class ParentRequest:
     def live_request_ids(self) -> list[str]:
         return [c.request.request_id for c in self.children if not c.result.finished]
 
-    def apply(self, child: RequestState, out: EngineCoreOutput) -> RequestOutput:
-        """Fold one engine output of `child`; return the parent's delta."""
-        delta = child.apply(out)
-        delta.outputs[0].index = child.result.outputs[0].index
+    def fold(self, delta: RequestOutput) -> RequestOutput:
+        """The parent's delta for a child's delta."""
         result = self.result
         result.num_cached_tokens = max(result.num_cached_tokens, delta.num_cached_tokens)
         if delta.finished:
@@ -124,8 +118,7 @@ class ParentRequest:
         choices: list[CompletionOutput] = []
         for child in self.children:
             if not child.result.finished:
-                out = EngineCoreOutput(child.request.request_id, [], FinishReason.ABORT)
-                choices += self.apply(child, out).outputs
+                choices += self.fold(child.abort()).outputs
         result = self.result
         return RequestOutput(
             result.request_id,
@@ -133,6 +126,7 @@ class ParentRequest:
             choices,
             True,
             result.num_cached_tokens,
+            result.error,
             prompt=result.prompt,
         )
 
@@ -147,11 +141,6 @@ class ParentRequest:
                     choice.logprobs = None  # asked for internally, to rank by
         self.result.outputs = choices
         self.result.finished = True
-
-
-def engine_states(state: RequestState | ParentRequest) -> list[RequestState]:
-    """The states of the requests the engine runs for `state`."""
-    return state.children if isinstance(state, ParentRequest) else [state]
 
 
 def _cumulative_logprob(choice: CompletionOutput) -> float:

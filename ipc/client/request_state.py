@@ -1,59 +1,45 @@
-"""One request as a client sees it: its prompt encoded, and the engine's outputs folded
-into a RequestOutput (incremental detokenization, stop strings)."""
+"""One request the engine runs, as a client sees it: the engine's outputs folded into a
+RequestOutput (incremental detokenization, stop strings, logprobs)."""
 
 from __future__ import annotations
 
-import os
-from typing import TYPE_CHECKING, Protocol, TypedDict
+from typing import Protocol
 
 from ipc.detokenizer import IncrementalDetokenizer
 from ipc.messages import EngineCoreOutput, EngineCoreRequest, FinishReason
 from ipc.outputs import CompletionOutput, RequestOutput, logprobs_by_token
-from ipc.tokenizer import Message, Tokenizer, TokenizerLike
+from ipc.tokenizer import TokenizerLike
 
-if TYPE_CHECKING:
-    from ipc.client.parallel_sampling import ParentRequest
-
-
-class TextPrompt(TypedDict):
-    """vLLM's prompt dict of a text."""
-
-    prompt: str
-
-
-class TokensPrompt(TypedDict):
-    """vLLM's prompt dict of token ids."""
-
-    prompt_token_ids: list[int]
-
-
-Prompt = str | list[int] | TextPrompt | TokensPrompt
 _STOP_STRING_WINS = (None, FinishReason.STOP, FinishReason.LENGTH)
 
 
 class Sink(Protocol):
+    """Where a request's deltas go: a queue.SimpleQueue or an asyncio.Queue."""
+
     def put_nowait(self, item: RequestOutput | Exception) -> None: ...
 
+    def get_nowait(self) -> RequestOutput | Exception: ...
 
-def load_tokenizer(tokenizer: str | os.PathLike | TokenizerLike | None) -> TokenizerLike | None:
-    if isinstance(tokenizer, str | os.PathLike):
-        return Tokenizer.from_pretrained(tokenizer)
-    return tokenizer
+    def empty(self) -> bool: ...
 
 
 class RequestState:
-    """One live request: its cumulative result and where its deltas go."""
+    """One live request: its cumulative result and where its deltas go (`queue`; None
+    for a child of a parallel request, whose deltas its ParentRequest folds, and for
+    LLM's requests). `index`: the choice it is (a child's index among its siblings)."""
 
     def __init__(
         self,
         request: EngineCoreRequest,
         tokenizer: TokenizerLike | None,
-        queue: Sink,
+        queue: Sink | None = None,
         prompt: str | None = None,
+        index: int = 0,
     ) -> None:
         params = request.sampling_params
         self.request = request
         self.queue = queue
+        self.index = index
         self.tokenizer = tokenizer
         self.detokenizer = (
             None
@@ -72,13 +58,11 @@ class RequestState:
         self.result = RequestOutput(
             request.request_id,
             request.prompt_token_ids,
-            [CompletionOutput(0, "", [])],
+            [CompletionOutput(index, "", [])],
             prompt=prompt,
         )
         if params.prompt_logprobs is not None:
             self.result.prompt_logprobs = []
-        # Set on a child of a request with n or best_of > 1 (parallel_sampling.py).
-        self.parent: ParentRequest | None = None
 
     def apply(self, out: EngineCoreOutput) -> RequestOutput:
         """Fold one engine output into `result` and return the delta (finish reasons as
@@ -117,7 +101,7 @@ class RequestState:
             result.request_stats = out.request_stats
             result.finished = True
         delta = CompletionOutput(
-            0, text, list(out.new_token_ids), finish_reason, logprobs, stop_reason
+            self.index, text, list(out.new_token_ids), finish_reason, logprobs, stop_reason
         )
         return RequestOutput(
             result.request_id,
@@ -130,6 +114,10 @@ class RequestState:
             result.prompt,
             out.request_stats,
         )
+
+    def abort(self) -> RequestOutput:
+        """Finish with "abort"; the last delta."""
+        return self.apply(EngineCoreOutput(self.request.request_id, [], FinishReason.ABORT))
 
     def _add_prompt_logprobs(self, out: EngineCoreOutput) -> list | None:
         """Append the output's prompt logprobs to the result's (None first); return them."""
@@ -160,47 +148,3 @@ class RequestState:
         text, sent = self.detokenizer.text, len(self.result.outputs[0].text)
         end = len(text) if finished else max(len(text) - self.stop_hold, sent)
         return text[sent:end]
-
-
-def prompt_token_ids(tokenizer: TokenizerLike | None, prompt: Prompt) -> list[int]:
-    if isinstance(prompt, dict):
-        prompt = _prompt_of_dict(prompt)
-    if not isinstance(prompt, str):
-        return list(prompt)
-    if tokenizer is None:
-        raise ValueError("a text prompt needs a tokenizer; pass token ids or a tokenizer")
-    return tokenizer.encode(prompt)
-
-
-def prompt_text(prompt: Prompt) -> str | None:
-    """The prompt's text, when it was given as text."""
-    if isinstance(prompt, dict):
-        prompt = _prompt_of_dict(prompt)
-    return prompt if isinstance(prompt, str) else None
-
-
-def _prompt_of_dict(prompt: dict) -> str | list[int]:
-    """The text or token ids of a TextPrompt or TokensPrompt; anything else in the dict
-    (vLLM's multimodal data, embeddings) is refused, not ignored."""
-    if set(prompt) == {"prompt"}:
-        return prompt["prompt"]
-    if set(prompt) == {"prompt_token_ids"}:
-        return prompt["prompt_token_ids"]
-    keys = ", ".join(sorted(map(str, prompt)))
-    raise ValueError(
-        f"a prompt dict holds either 'prompt' or 'prompt_token_ids' and nothing else, got {keys}"
-    )
-
-
-def chat_token_ids(
-    tokenizer: TokenizerLike | None,
-    messages: list[Message],
-    add_generation_prompt: bool = True,
-    continue_final_message: bool = False,
-) -> list[int]:
-    """The chat template applied; message content is text (never special tokens)."""
-    if tokenizer is None:
-        raise ValueError("chat needs a tokenizer")
-    return tokenizer.encode_chat(
-        messages, add_generation_prompt, continue_final_message=continue_final_message
-    )

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ipc.auth import CredentialsError
-from ipc.client.core import ClientCore, EngineDeadError
-from ipc.client.parallel_sampling import ParentRequest
-from ipc.client.request_state import RequestState
+from ipc.client.core import ClientCore
+from ipc.client.errors import EngineDeadError
+from ipc.client.output_processor import Handle
 from ipc.outputs import RequestOutput
 
 T = TypeVar("T")
@@ -53,13 +53,11 @@ Step = NextItem | Answer | Receive
 Steps = Generator[Step, Any, T]
 
 
-def next_delta(
-    core: ClientCore, state: RequestState | ParentRequest, health_interval: float
-) -> Steps[RequestOutput]:
+def next_delta(core: ClientCore, handle: Handle, health_interval: float) -> Steps[RequestOutput]:
     """The request's next delta; raises what failed the request. Each time the engine
     stays silent for `health_interval`, ask for its health (EngineDeadError when that
     goes unanswered as long)."""
-    while (item := (yield NextItem(state.queue, health_interval))) is None:
+    while (item := (yield NextItem(handle.queue, health_interval))) is None:
         yield from call(core, "health", health_interval)
     if isinstance(item, Exception):
         raise item

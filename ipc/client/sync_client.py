@@ -9,7 +9,6 @@ every live request at once).
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import queue
 import threading
 from collections.abc import Iterator
@@ -18,54 +17,33 @@ from typing import Any
 import msgspec
 import zmq
 
-from ipc.auth import Credentials
-from ipc.client import steps
-from ipc.client.base import ClientBase
-from ipc.client.core import (
-    CLOSE_LINGER_MS,
-    MONITOR_EVENTS,
-    new_identity,
-)
-from ipc.client.parallel_sampling import ParentRequest, check_streamable
-from ipc.client.request_state import Prompt, RequestState
+import ipc.client.steps as steps
+from ipc.client.base import CLOSE_LINGER_MS, ClientBase
+from ipc.client.input_processor import Prompt
+from ipc.client.output_processor import Handle
+from ipc.client.parallel_sampling import check_streamable
 from ipc.client.steps import Answer, NextItem, Step, Steps
 from ipc.messages import SchedulerStats, encode
 from ipc.outputs import RequestOutput
 from ipc.sampling_params import SamplingParams
-from ipc.sockets import HELLO, client_sockets
-from ipc.tokenizer import Message, TokenizerLike
+from ipc.sockets import HELLO
+from ipc.tokenizer import Message
 
 
 class EngineClient(ClientBase):
-    """A blocking client; the arguments are ClientBase's, and `connect_timeout` bounds
-    the wait for the engine's WELCOME."""
+    """A blocking client, connected once constructed; the arguments are ClientBase's."""
 
-    def __init__(
-        self,
-        address: str,
-        tokenizer: str | os.PathLike | TokenizerLike | None = None,
-        connect_timeout: float = 30.0,
-        health_interval: float = 15.0,
-        credentials: Credentials | str | os.PathLike | None = None,
-    ) -> None:
-        super().__init__(address, tokenizer, health_interval, credentials)
+    _new_queue = queue.SimpleQueue
+
+    def _start(self) -> None:
         self._ctx = zmq.Context()
-        self._input, self._output = client_sockets(
-            self._ctx, self._ctx, self.address, new_identity(), self._credentials, MONITOR_EVENTS
-        )
-        self._monitor = self._output.get_monitor_socket()
-        self._poller = zmq.Poller()
-        self._poller.register(self._output, zmq.POLLIN)
-        self._poller.register(self._monitor, zmq.POLLIN)
+        self._open_sockets(self._ctx, self._ctx, zmq.Poller())
         self._send_lock = threading.RLock()
-        self._closed = False
         try:
             self._output.send(HELLO)
-            steps.run(steps.welcome(self._core, connect_timeout), self._wait)
+            steps.run(steps.welcome(self._core, self.connect_timeout), self._wait)
         except BaseException:
-            for sock in (self._input, self._output, self._monitor):
-                sock.close()
-            self._ctx.term()
+            self._close_sockets()
             raise
         self._receiver = threading.Thread(target=self._receive_loop, daemon=True, name="client-rx")
         self._receiver.start()
@@ -79,10 +57,10 @@ class EngineClient(ClientBase):
         cache_salt: str | None = None,
     ) -> RequestOutput:
         """Run one request to the end; raises RequestError if the engine failed it."""
-        state = self._submit(prompt, sampling_params, request_id, priority, cache_salt)
-        for _ in self._deltas(state):
+        handle = self._submit(prompt, sampling_params, request_id, priority, cache_salt)
+        for _ in self._deltas(handle):
             pass
-        return state.result
+        return handle.result
 
     def stream(
         self,
@@ -135,25 +113,17 @@ class EngineClient(ClientBase):
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _submit(
-        self, prompt, sampling_params, request_id, priority, cache_salt
-    ) -> RequestState | ParentRequest:
-        self._check_open()
-        return self._core.submit(
-            queue.SimpleQueue(), prompt, sampling_params, request_id, priority, cache_salt
-        )
-
-    def _deltas(self, state: RequestState | ParentRequest) -> Iterator[RequestOutput]:
+    def _deltas(self, handle: Handle) -> Iterator[RequestOutput]:
         try:
             while True:
                 delta = steps.run(
-                    steps.next_delta(self._core, state, self.health_interval), self._wait
+                    steps.next_delta(self._core, handle, self.health_interval), self._wait
                 )
                 yield delta
                 if delta.finished:
                     return
         finally:
-            self._core.release(state.request.request_id)
+            self._core.release(handle.request.request_id)
 
     def _call(self, call: Steps[Any]) -> Any:
         self._check_open()

@@ -182,7 +182,7 @@ def test_two_client_processes_share_one_engine(engine):
 def test_a_request_the_encoder_refuses_is_not_left_registered(engine, client):
     with pytest.raises(OverflowError):
         client.generate([1, 2**64], SamplingParams(max_tokens=2))
-    assert not client._core._requests
+    assert not client._core.output_processor.has_unfinished_requests()
     assert client.generate([1, 2], SamplingParams(max_tokens=2)).finished
 
 

@@ -7,7 +7,8 @@ import pytest
 
 from ipc.auth import CredentialsError
 from ipc.client import steps
-from ipc.client.core import ClientCore, EngineDeadError
+from ipc.client.core import ClientCore
+from ipc.client.errors import EngineDeadError
 from ipc.client.steps import Answer, NextItem, Receive
 from ipc.messages import AbortRequests, UtilityOutput, UtilityRequest
 from ipc.outputs import RequestOutput

@@ -9,7 +9,7 @@ import queue
 import pytest
 
 from ipc.client import AsyncEngineClient, EngineClient, RequestError
-from ipc.client.parallel_sampling import ParentRequest
+from ipc.client.output_processor import OutputProcessor
 from ipc.messages import (
     AbortRequests,
     EngineCoreOutput,
@@ -138,15 +138,16 @@ def _lp(*values: float) -> list[TokenLogprobs]:
 @pytest.mark.parametrize("user_logprobs", [None, 1])
 def test_best_of_keeps_the_n_highest_cumulative_logprobs(user_logprobs):
     params = SamplingParams(n=2, best_of=4, logprobs=user_logprobs)
-    parent = ParentRequest(EngineCoreRequest("p", PROMPT, params, 0.0), None, None)
+    processor = OutputProcessor(None)
+    parent = processor.add_request(EngineCoreRequest("p", PROMPT, params, 0.0))
     sums = {}
     scores = [(-1.0, -2.0), (-0.5,), (-4.0,), (-0.25, -1.0)]
     for child, values in zip(parent.children, scores, strict=True):
         sums[child.request.request_id] = sum(values)
         end = EngineCoreOutput(child.request.request_id, [7] * len(values), FinishReason.LENGTH)
         end.logprobs = _lp(*values)
-        delta = parent.apply(child, end)
-    assert delta.finished and parent.result.finished
+        deltas = processor.process_outputs(EngineCoreOutputs([end])).request_outputs
+    assert deltas[-1].finished and parent.result.finished
     best = sorted(sums.values(), reverse=True)[:2]  # -0.5 (child 1), -1.25 (child 3)
     outputs = parent.result.outputs
     assert [c.cumulative_logprob for c in outputs] == best

@@ -268,11 +268,11 @@ def test_encode_chat_survives_templates_that_transform_content(tmp_path):
 
 
 def test_the_clients_and_llm_encode_chats_with_encode_chat():
-    from ipc.client.request_state import chat_token_ids
+    from ipc.client.input_processor import InputProcessor
 
     tokenizer = Tokenizer.from_pretrained(tiny_tokenizer_path())
     messages = [{"role": "user", "content": FORGED}]
-    assert chat_token_ids(tokenizer, messages) == tokenizer.encode_chat(messages)
+    assert InputProcessor(tokenizer).chat_token_ids(messages) == tokenizer.encode_chat(messages)
 
 
 def test_long_texts_are_encoded_without_holding_the_gil():

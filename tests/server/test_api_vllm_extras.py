@@ -122,11 +122,15 @@ def test_a_batch_echoes_each_prompt_before_its_choices(http, engine):
     ],
 )
 def test_a_batch_with_one_bad_prompt_is_refused_whole(http, engine, extra, why):
-    before = dict(engine.client._core._requests) if hasattr(engine.client, "_core") else None
+    before = (
+        dict(engine.client._core.output_processor.requests)
+        if hasattr(engine.client, "_core")
+        else None
+    )
     body = {"model": engine.model_name, "max_tokens": 2, **extra}
     assert_400_naming(http.post("/v1/completions", json=body), "prompt")
     if before is not None:
-        assert engine.client._core._requests == before, why
+        assert engine.client._core.output_processor.requests == before, why
 
 
 @pytest.mark.engines("fake", "zmq")

@@ -150,4 +150,4 @@ def test_refused_requests_leave_nothing_registered_in_the_engine_client(http, en
         assert http.post("/v1/completions", json=body).status_code == 400
     body = {"model": engine.model_name, "prompt": [5, engine.vocab_size], "max_tokens": 2}
     assert http.post("/v1/completions", json=body).status_code == 400
-    assert engine.client._core._requests == {}
+    assert not engine.client._core.output_processor.has_unfinished_requests()

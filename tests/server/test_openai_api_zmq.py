@@ -35,7 +35,7 @@ def test_a_batch_the_engine_refuses_in_part_is_400_and_leaves_nothing_running(ht
     assert response.status_code == 400
     assert response.json()["error"]["message"] == FAIL_MESSAGE
     deadline = time.monotonic() + 10
-    while engine.client._core._requests:
+    while engine.client._core.output_processor.has_unfinished_requests():
         assert time.monotonic() < deadline, "the batch's other requests stayed registered"
         time.sleep(0.02)
 
