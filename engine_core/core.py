@@ -74,6 +74,7 @@ class EngineCore:
             if in_flight and self.scheduler.needs_lockstep:
                 return self._collect()
             so = self.scheduler.schedule()
+            so.lockstep = self.scheduler.needs_lockstep
             if _runs(so):
                 self.executor.submit(so)
                 in_flight.append(so)
@@ -87,6 +88,7 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         if not _runs(scheduler_output):
             return EngineCoreOutputs(self.scheduler.take_pending_outputs())
+        scheduler_output.lockstep = True
         try:
             model_runner_output = self.executor.execute_model(scheduler_output)
         except WorkerFailure as e:

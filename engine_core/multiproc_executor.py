@@ -262,13 +262,13 @@ class MultiprocExecutor(Executor):
         self._num_in_flight += 1
 
     def collect(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Rank 0 answers the steps in the order they were sent. Workers answer a step
-        once they have launched the next, so with no later step sent they are told to
-        answer this one now."""
+        """Rank 0 answers the steps in the order they were sent. Workers answer a step not
+        sent in lockstep once they have launched the next, so with no later step sent they
+        are told to answer this one now."""
         start, sent = self._submitted or (time.perf_counter(),) * 2
         self._submitted = None
         self._num_in_flight -= 1
-        if not self._num_in_flight:
+        if not (self._num_in_flight or scheduler_output.lockstep):
             self._broadcast(encode(FinishStep(scheduler_output.step_id)))
         driver = self.workers[0].identity
         deadline = time.monotonic() + self.step_timeout

@@ -6,8 +6,8 @@ import torch
 from engine_core.executor import Executor
 from ipc.config import EngineConfig
 from ipc.messages import ModelRunnerOutput, SchedulerOutput
-from splitserve.step_thread import StepThread
 from worker.model_runner import ModelRunner
+from worker.step_thread import StepThread
 
 
 class InProcessExecutor(Executor):

@@ -184,6 +184,8 @@ def test_a_step_sends_the_same_bytes_and_returns_rank_0s_answer(setup):
 
 
 def test_workers_are_told_to_finish_a_step_only_when_no_later_step_was_sent(setup):
+    """Under async scheduling the EngineCore may wait for a step it sent without
+    `lockstep` after all (the next schedule came out empty)."""
     executor, workers = _registered(setup)
     executor.submit(_step(0))
     executor.submit(_step(1))
@@ -194,6 +196,16 @@ def test_workers_are_told_to_finish_a_step_only_when_no_later_step_was_sent(setu
     for sock in workers:
         frames = [_decoder.decode(sock.recv()) for _ in range(3)]
         assert frames == [_step(0), _step(1), FinishStep(1)] and not sock.poll(50)
+
+
+def test_a_step_sent_in_lockstep_needs_no_finish_step(setup):
+    executor, workers = _registered(setup)
+    step = _step(0)
+    step.lockstep = True
+    workers[0].send(encode(ModelRunnerOutput(0, ["a"], [[7]])))
+    assert executor.execute_model(step).step_id == 0
+    for sock in workers:
+        assert _decoder.decode(sock.recv()) == step and not sock.poll(50)
 
 
 def test_a_worker_error_names_its_rank(setup):
