@@ -8,10 +8,10 @@ import time
 from collections import deque
 from collections.abc import Iterable
 
-from engine_core.executor import Executor, WorkerFailure
 from engine_core.request import Request, RequestStatus
 from engine_core.scheduler import Scheduler
 from ipc.config import EngineConfig
+from ipc.executor import Executor, WorkerFailure
 from ipc.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerOutput, SchedulerStats
 from kv_cache import KVCacheManager
 
@@ -22,31 +22,28 @@ class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor) -> None:
         self.executor = executor
         try:
-            self.num_blocks = executor.determine_num_blocks()
+            self.worker_spec = spec = executor.initialize_workers()
         except BaseException:
             executor.shutdown()
             raise
-        budget = config.token_budget(executor.device_type)  # the workers' device is known now
+        budget = config.token_budget(spec.device_type)  # the workers' device is known now
         self.config = config = dataclasses.replace(config, max_num_batched_tokens=budget)
         self.kv_cache_manager = KVCacheManager(
-            self.num_blocks,
+            spec.num_kv_blocks,
             config.block_size,
             config.max_model_len,
             enable_caching=config.enable_prefix_caching,
-            group_windows=executor.kv_cache_groups,
-            num_host_blocks=executor.num_host_blocks,
+            group_windows=spec.kv_cache_groups,
+            num_host_blocks=spec.num_host_blocks,
         )
         self.scheduler = Scheduler(
-            config,
-            self.kv_cache_manager,
-            executor.block_copy_seconds,
-            executor.prefill_token_seconds,
+            config, self.kv_cache_manager, spec.block_copy_seconds, spec.prefill_token_seconds
         )
         self.num_worker_restarts = 0
         self._restart_times: deque[float] = deque()
         overlap = config.async_scheduling
         if overlap is None:  # a CPU step runs on the cores this process schedules with
-            overlap = executor.device_type == "cuda"
+            overlap = spec.device_type == "cuda"
         # Steps sent and not yet answered; async scheduling leaves one in flight.
         self.in_flight: deque[SchedulerOutput] = deque()
         self.max_in_flight = 1 if overlap else 0
@@ -74,6 +71,7 @@ class EngineCore:
             if in_flight and self.scheduler.needs_lockstep:
                 return self._collect()
             so = self.scheduler.schedule()
+            so.lockstep = self.scheduler.needs_lockstep
             if _runs(so):
                 self.executor.submit(so)
                 in_flight.append(so)
@@ -87,6 +85,7 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         if not _runs(scheduler_output):
             return EngineCoreOutputs(self.scheduler.take_pending_outputs())
+        scheduler_output.lockstep = True
         try:
             model_runner_output = self.executor.execute_model(scheduler_output)
         except WorkerFailure as e:
@@ -132,7 +131,7 @@ class EngineCore:
                 num_replayed,
             )
             try:
-                self.executor.replace_workers(self.num_blocks)
+                self.executor.replace_workers(self.worker_spec)
                 return
             except WorkerFailure as e:
                 failure = e

@@ -24,11 +24,11 @@ from collections.abc import Callable
 
 from engine_core.client_io import ClientGone, ClientIO, error_outputs
 from engine_core.core import EngineCore
-from engine_core.executor import WorkerFailure
 from engine_core.multiproc_executor import MultiprocExecutor
 from engine_core.step_profile import StepProfile
 from ipc.auth import Credentials
 from ipc.config import EngineConfig
+from ipc.executor import WorkerFailure
 from ipc.messages import (
     AbortRequests,
     EngineCoreOutput,
@@ -287,7 +287,7 @@ def run_engine_core(
             "EngineCore ready at %s: tp %d, %d KV blocks of %d tokens",
             address,
             config.tensor_parallel_size,
-            proc.engine.num_blocks,
+            proc.engine.worker_spec.num_kv_blocks,
             config.block_size,
         )
         if on_ready is not None:

@@ -1,12 +1,11 @@
 """MultiprocExecutor: the EngineCore's side of the worker processes.
 
-It owns the workers ROUTER of the engine address. Each worker connects a DEALER and
-registers with WorkerReady; every rank then gets InitKVCache with the smallest block
-counts (device and host tier) and answers KVCacheReady once its cache exists. A step
-encodes the SchedulerOutput once, sends the same bytes to every rank and waits for rank
-0's ModelRunnerOutput. A WorkerError from any rank, or a worker process that is gone,
-raises WorkerFailure naming the rank: the wait polls with a short timeout and checks the
-workers' pids (on this host), so it never hangs on a dead worker.
+It owns the workers ROUTER of the engine address. Each worker connects a DEALER,
+registers and gets its KV cache (worker_handshake.py). A step encodes the SchedulerOutput
+once, sends the same bytes to every rank and waits for rank 0's ModelRunnerOutput. A
+WorkerError from any rank, or a worker process that is gone, raises WorkerFailure naming
+the rank (worker_liveness.py): the wait polls with a short timeout and checks the workers'
+pids (on this host), so it never hangs on a dead worker.
 
 Once the workers registered, frames from any other identity are dropped with a log line:
 a stranger on the workers socket can neither end the cluster nor answer a step. On tcp the
@@ -17,21 +16,27 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import socket
 import subprocess
 import time
 import weakref
-from collections.abc import Callable, Collection, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Sequence
 from typing import NoReturn
 
 import msgspec
 import zmq
 
-from engine_core.executor import Executor, WorkerFailure
+from engine_core.worker_handshake import (
+    WorkerInfo,
+    await_kv_caches,
+    check_replacements,
+    group_spec,
+    register_workers,
+)
+from engine_core.worker_liveness import dead_worker, diagnose
 from ipc.auth import WORKER, Credentials, engine_context
 from ipc.config import EngineConfig
+from ipc.executor import Executor, WorkerFailure, WorkerGroupSpec
 from ipc.messages import (
     DecodeError,
     Decoder,
@@ -52,22 +57,7 @@ logger = logging.getLogger(__name__)
 READY_TIMEOUT_S = 600.0
 _POLL_MS = 100
 _SHUTDOWN_GRACE_S = 5.0
-_DEATH_GRACE_S = 0.5
 _MAX_STRANGERS_LOGGED = 64
-
-
-@dataclass
-class WorkerInfo:
-    rank: int
-    identity: bytes
-    num_kv_blocks: int
-    pid: int
-    hostname: str
-    kv_cache_groups: list[int | None]
-    num_host_blocks: int = 0
-    block_copy_seconds: float = 0.0
-    prefill_token_seconds: float = 0.0
-    device_type: str = "cpu"
 
 
 class MultiprocExecutor(Executor):
@@ -122,35 +112,25 @@ class MultiprocExecutor(Executor):
         if start_workers is not None:
             self._processes.extend(start_workers())
 
-    def determine_num_blocks(self) -> int:
-        """Wait for every rank's WorkerReady, then tell all of them the smallest block
-        counts (and num_gpu_blocks_override, if smaller). A step runs at the pace of the
-        slowest rank, so the measured costs are the largest over the ranks."""
-        self._register_workers()
-        self.kv_cache_groups = self.workers[0].kv_cache_groups
-        num_blocks = min(w.num_kv_blocks for w in self.workers)
-        if self.config.num_gpu_blocks_override is not None:
-            num_blocks = min(num_blocks, self.config.num_gpu_blocks_override)
-        self.num_host_blocks = min(w.num_host_blocks for w in self.workers)
-        self.block_copy_seconds = max(w.block_copy_seconds for w in self.workers)
-        self.prefill_token_seconds = max(w.prefill_token_seconds for w in self.workers)
-        on_cuda = all(w.device_type == "cuda" for w in self.workers)
-        self.device_type = "cuda" if on_cuda else "cpu"
-        self._init_kv_caches(num_blocks)
+    def initialize_workers(self) -> WorkerGroupSpec:
+        self.workers.extend(
+            register_workers(self._receive, self.world_size, self.address, self.ready_timeout)
+        )
+        spec = group_spec(self.workers, self.config.num_gpu_blocks_override)
+        self._init_kv_caches(spec)
         logger.info(
             "%d worker(s) ready (KV blocks per rank: %s; host blocks: %s); using %d and %d",
             self.world_size,
-            [w.num_kv_blocks for w in self.workers],
-            [w.num_host_blocks for w in self.workers],
-            num_blocks,
-            self.num_host_blocks,
+            [w.ready.num_kv_blocks for w in self.workers],
+            [w.ready.num_host_blocks for w in self.workers],
+            spec.num_kv_blocks,
+            spec.num_host_blocks,
         )
-        return num_blocks
+        return spec
 
-    def replace_workers(self, num_blocks: int) -> None:
+    def replace_workers(self, spec: WorkerGroupSpec) -> None:
         """Stop the group, have fresh workers started (same ranks, a new process group)
-        and give them the same `num_blocks` and num_host_blocks. Raises WorkerFailure if
-        they do not come or hold fewer blocks."""
+        and give them the KV cache in use."""
         self._num_in_flight, self._submitted = 0, None  # the old workers' steps are lost
         frame = encode(Shutdown())
         for worker in self.workers:
@@ -165,91 +145,16 @@ class MultiprocExecutor(Executor):
             self._processes[:] = self._start_workers()
         elif self._request_new_workers is not None:
             self._request_new_workers()
-        self._register_workers()
-        if self.workers[0].kv_cache_groups != self.kv_cache_groups:
-            self._fail(
-                f"the new workers' KV cache groups {self.workers[0].kv_cache_groups} differ "
-                f"from those in use {self.kv_cache_groups}"
-            )
-        fits = min(w.num_kv_blocks for w in self.workers)
-        if fits < num_blocks:
-            self._fail(f"the new workers hold {fits} KV blocks, fewer than the {num_blocks} in use")
-        fits = min(w.num_host_blocks for w in self.workers)
-        if fits < self.num_host_blocks:
-            self._fail(
-                f"the new workers hold {fits} host KV blocks, fewer than the "
-                f"{self.num_host_blocks} in use"
-            )
-        self._init_kv_caches(num_blocks)
+        self.workers.extend(
+            register_workers(self._receive, self.world_size, self.address, self.ready_timeout)
+        )
+        check_replacements(self.workers, spec)
+        self._init_kv_caches(spec)
         logger.info("%d new worker(s) ready", self.world_size)
 
-    def _init_kv_caches(self, num_blocks: int) -> None:
-        """Send every rank InitKVCache and wait for all their KVCacheReady: allocating
-        the cache (and capturing CUDA graphs) takes seconds, which must not fall on the
-        first step."""
-        self._broadcast(encode(InitKVCache(num_blocks, self.num_host_blocks)))
-        waiting = set(range(self.world_size))
-        for identity, msg in self._handshake(
-            lambda: sorted(waiting),
-            lambda ranks: f"rank(s) {ranks} to allocate their KV cache",
-        ):
-            rank = next(w.rank for w in self.workers if w.identity == identity)
-            if isinstance(msg, KVCacheReady) and msg.rank == rank:
-                waiting.discard(rank)
-            else:
-                logger.warning(
-                    "ignored %s from rank %d before KVCacheReady", type(msg).__name__, rank
-                )
-
-    def _handshake(
-        self, pending: Callable[[], list[int]], waited_for: Callable[[list[int]], str]
-    ) -> Iterator[tuple[bytes, msgspec.Struct]]:
-        """The workers' (identity, message) until no rank is `pending()`. A WorkerError
-        fails, and so does the ready timeout, naming what the pending ranks owe."""
-        deadline = time.monotonic() + self.ready_timeout
-        while missing := pending():
-            if time.monotonic() > deadline:
-                self._fail(
-                    f"timed out after {self.ready_timeout:g} s waiting for " + waited_for(missing)
-                )
-            received = self._receive()
-            if received is None:
-                continue
-            if isinstance(received[1], WorkerError):
-                self._fail_with(received[1])
-            yield received
-
-    def _register_workers(self) -> None:
-        ready: dict[int, WorkerInfo] = {}
-        for identity, msg in self._handshake(
-            lambda: sorted(set(range(self.world_size)) - set(ready)),
-            lambda ranks: f"workers at {self.address}: no WorkerReady from rank(s) {ranks}",
-        ):
-            if not isinstance(msg, WorkerReady):
-                logger.warning("ignored %s from a worker that is not ready", type(msg).__name__)
-            elif not 0 <= msg.rank < self.world_size:
-                self._fail(f"unexpected WorkerReady for rank {msg.rank} (tp={self.world_size})")
-            elif msg.rank in ready or any(w.identity == identity for w in ready.values()):
-                logger.warning(
-                    "ignored a second WorkerReady for rank %d (from %r)", msg.rank, identity
-                )
-            else:
-                ready[msg.rank] = WorkerInfo(
-                    msg.rank,
-                    identity,
-                    msg.num_kv_blocks,
-                    msg.pid,
-                    msg.hostname,
-                    msg.kv_cache_groups,
-                    msg.num_host_blocks,
-                    msg.block_copy_seconds,
-                    msg.prefill_token_seconds,
-                    msg.device_type,
-                )
-        self.workers.extend(ready[rank] for rank in range(self.world_size))
-        groups = {tuple(w.kv_cache_groups) for w in self.workers}
-        if len(groups) > 1:
-            self._fail(f"the ranks report different KV cache groups: {list(groups)}")
+    def _init_kv_caches(self, spec: WorkerGroupSpec) -> None:
+        self._broadcast(encode(InitKVCache(spec.num_kv_blocks, spec.num_host_blocks)))
+        await_kv_caches(self._receive, self.workers, self.ready_timeout)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.submit(scheduler_output)
@@ -262,13 +167,13 @@ class MultiprocExecutor(Executor):
         self._num_in_flight += 1
 
     def collect(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Rank 0 answers the steps in the order they were sent. Workers answer a step
-        once they have launched the next, so with no later step sent they are told to
-        answer this one now."""
+        """Rank 0 answers the steps in the order they were sent. Workers answer a step not
+        sent in lockstep once they have launched the next, so with no later step sent they
+        are told to answer this one now."""
         start, sent = self._submitted or (time.perf_counter(),) * 2
         self._submitted = None
         self._num_in_flight -= 1
-        if not self._num_in_flight:
+        if not (self._num_in_flight or scheduler_output.lockstep):
             self._broadcast(encode(FinishStep(scheduler_output.step_id)))
         driver = self.workers[0].identity
         deadline = time.monotonic() + self.step_timeout
@@ -282,8 +187,6 @@ class MultiprocExecutor(Executor):
                     )
                 continue
             identity, msg = received
-            if isinstance(msg, WorkerError):
-                self._fail_with(msg)
             if isinstance(msg, ModelRunnerOutput) and identity == driver:
                 if msg.step_id != scheduler_output.step_id:
                     self._fail(
@@ -299,9 +202,7 @@ class MultiprocExecutor(Executor):
         """Between steps: raise WorkerFailure if a worker reported an error or is gone.
         While a step is in flight its answer must stay queued: only liveness is checked."""
         while not self._num_in_flight and self._socket.poll(0):
-            received = self._receive()
-            if received is not None and isinstance(received[1], WorkerError):
-                self._fail_with(received[1])
+            self._receive()
         self._check_alive()
 
     def shutdown(self) -> None:
@@ -309,11 +210,15 @@ class MultiprocExecutor(Executor):
 
     def _receive(self) -> tuple[bytes, msgspec.Struct] | None:
         """The next (identity, message) from a worker, or None after a poll interval with
-        nothing to read (the workers' liveness is checked then) or an undecodable frame."""
+        nothing to read (the workers' liveness is checked then) or an undecodable frame.
+        A WorkerError fails."""
         if not self._socket.poll(_POLL_MS):
             self._check_alive()
             return None
-        return self._read()
+        received = self._read()
+        if received is not None and isinstance(received[1], WorkerError):
+            self._fail(diagnose(received[1], self._dead_worker, self._more_errors))
+        return received
 
     def _read(self) -> tuple[bytes, msgspec.Struct] | None:
         identity, *frames = self._socket.recv_multipart()
@@ -329,6 +234,16 @@ class MultiprocExecutor(Executor):
         except DecodeError as e:
             logger.error("dropped a frame from worker %r: %s", identity, e)
             return None
+
+    def _more_errors(self) -> set[int]:
+        """The ranks of the WorkerErrors waiting on the socket (other messages are dropped:
+        the workers failed)."""
+        ranks = set()
+        while self._socket.poll(0):
+            received = self._read()
+            if received is not None and isinstance(received[1], WorkerError):
+                ranks.add(received[1].rank)
+        return ranks
 
     def _drop_stranger(self, identity: bytes) -> None:
         """Log once per identity (a flood of strangers is logged up to a bound)."""
@@ -353,39 +268,7 @@ class MultiprocExecutor(Executor):
             self._fail(dead)
 
     def _dead_worker(self, reported: Collection[int] = ()) -> str | None:
-        """Describe a worker that is gone, other than the ranks that reported an error."""
-        for rank, process in enumerate(self._processes):
-            code = process.poll()
-            if code is not None and rank not in reported:
-                return f"worker rank {rank} (pid {process.pid}) died with exit code {code}"
-        for worker in self.workers:
-            if worker.rank in reported or worker.hostname != self._hostname:
-                continue
-            if not _pid_alive(worker.pid):
-                return f"worker rank {worker.rank} (pid {worker.pid}) died"
-        return None
-
-    def _fail_with(self, error: WorkerError) -> NoReturn:
-        """A rank's error is often a collective failing because another rank died: give
-        a rank that died without a word a moment to show, and name it first."""
-        reported = {error.rank}
-        suspect = None
-        deadline = time.monotonic() + _DEATH_GRACE_S
-        while time.monotonic() < deadline:
-            time.sleep(0.05)
-            while self._socket.poll(0):
-                received = self._read()
-                if received is not None and isinstance(received[1], WorkerError):
-                    reported.add(received[1].rank)
-            # Gone twice in a row with no error in between: it died without a word
-            # (a rank that exits after its own WorkerError may show as gone first).
-            dead = self._dead_worker(reported)
-            if dead is not None and dead == suspect:
-                last_line = error.message.strip().splitlines()[-1:] or [""]
-                self._fail(f"{dead}; then worker rank {error.rank} failed: {last_line[0]}")
-            suspect = dead
-        step = "" if error.step_id is None else f" at step {error.step_id}"
-        self._fail(f"worker rank {error.rank} failed{step}:\n{error.message}")
+        return dead_worker(self._processes, self.workers, self._hostname, reported)
 
     def _fail(self, message: str) -> NoReturn:
         """The workers cannot step on (a step needs every rank): `replace_workers` or
@@ -416,19 +299,3 @@ def _close(
     ctx.term()
     if processes:
         remove_ipc_files(address)
-
-
-def _pid_alive(pid: int) -> bool:
-    """False once the process has exited, even while it is an unreaped zombie (Linux)."""
-    if not os.path.isdir("/proc/self"):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state not in ("Z", "X")

@@ -1,11 +1,15 @@
 """Why a request can never run, checked once when it arrives: lengths against
-max_model_len, and every token id a worker indexes a vocabulary-sized tensor with."""
+max_model_len, and every token id a worker indexes a vocabulary-sized tensor with; and at
+start, whether the KV cache holds a request of max_model_len at all."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from engine_core.request import Request
 from ipc.config import EngineConfig
 from ipc.sampling_params import SamplingParams
+from ipc.utils import cdiv
 
 _INT64 = 2**63
 
@@ -54,3 +58,31 @@ def check_token_ids(
     if params.seed is not None and not -_INT64 <= params.seed < 2 * _INT64:
         return f"seed must be a 64-bit integer, got {params.seed}"
     return None
+
+
+def check_kv_cache_size(
+    config: EngineConfig, group_windows: Sequence[int | None], num_blocks: int
+) -> None:
+    """Raise ValueError when `num_blocks` (the null block among them) cannot hold one
+    request of max_model_len."""
+    blocks_per_request = _max_blocks_per_request(config, group_windows)
+    usable_blocks = num_blocks - 1
+    if usable_blocks < blocks_per_request:
+        raise ValueError(
+            f"the KV cache holds {usable_blocks} blocks of {config.block_size} tokens, fewer "
+            f"than one request of max_model_len={config.max_model_len} needs "
+            f"({blocks_per_request}); lower max_model_len or give the KV cache more memory"
+        )
+
+
+def _max_blocks_per_request(config: EngineConfig, group_windows: Sequence[int | None]) -> int:
+    """Blocks one request of max_model_len tokens may hold at once, over every KV cache
+    group: all of its blocks in a full-attention group; in a window-W group the blocks a
+    step's tokens and the W - 1 before them span."""
+    full = cdiv(config.max_model_len, config.block_size)
+    return sum(
+        full
+        if window is None
+        else min(full, cdiv(window - 1 + config.max_num_batched_tokens, config.block_size) + 1)
+        for window in group_windows
+    )

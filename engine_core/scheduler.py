@@ -9,37 +9,33 @@ copied back, or freed and later recomputed, whichever costs less.
 
 from __future__ import annotations
 
-import bisect
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
+from engine_core.preemption import PreemptionPolicy
 from engine_core.request import Request, RequestStatus
-from engine_core.request_checks import check_lengths, check_token_ids
+from engine_core.request_checks import check_kv_cache_size, check_lengths, check_token_ids
 from engine_core.request_queue import make_request_queue
-from engine_core.structured_output import GRAMMAR_REJECTED, StructuredOutputManager
-from ipc.config import EngineConfig, PreemptionMode, SchedulingPolicy
+from engine_core.scheduler_stats import SchedulerCounters
+from engine_core.step_update import update_requests
+from engine_core.structured_output import StructuredOutputManager
+from ipc.config import EngineConfig
 from ipc.messages import (
-    ITERATION_TOKEN_BUCKETS,
     CachedRequestData,
     EngineCoreOutput,
     EngineCoreOutputs,
-    ErrorCode,
     FinishReason,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
     SchedulerStats,
 )
-from ipc.utils import cdiv
 from kv_cache import KVCacheBlocks, KVCacheManager
-
-_GRAMMAR_ERROR = {"error": GRAMMAR_REJECTED, "error_code": ErrorCode.INTERNAL}
 
 
 class Scheduler:
-    """`block_copy_seconds` (one KV block, one way between the tiers) and
-    `prefill_token_seconds` are the workers' measured costs; preemption_mode auto compares
-    them to choose between swap and recompute."""
+    """`block_copy_seconds` and `prefill_token_seconds` are the workers' measured costs
+    (PreemptionPolicy)."""
 
     def __init__(
         self,
@@ -50,8 +46,7 @@ class Scheduler:
     ) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
-        self.block_copy_seconds = block_copy_seconds
-        self.prefill_token_seconds = prefill_token_seconds
+        self.preemption = PreemptionPolicy(config, block_copy_seconds, prefill_token_seconds)
         self.max_model_len = config.max_model_len
         self.max_num_seqs = config.max_num_seqs
         if config.max_num_batched_tokens is None:
@@ -60,14 +55,9 @@ class Scheduler:
             )
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.block_size = config.block_size
-        blocks_per_request = _max_blocks_per_request(config, kv_cache_manager.group_windows)
-        usable_blocks = kv_cache_manager.block_pool.num_blocks - 1
-        if usable_blocks < blocks_per_request:
-            raise ValueError(
-                f"the KV cache holds {usable_blocks} blocks of {config.block_size} tokens, fewer "
-                f"than one request of max_model_len={config.max_model_len} needs "
-                f"({blocks_per_request}); lower max_model_len or give the KV cache more memory"
-            )
+        check_kv_cache_size(
+            config, kv_cache_manager.group_windows, kv_cache_manager.block_pool.num_blocks
+        )
         self.requests: dict[str, Request] = {}
         self.waiting = make_request_queue(config.scheduling_policy)
         self.running: list[Request] = []
@@ -77,14 +67,7 @@ class Scheduler:
         self.pending_outputs: list[EngineCoreOutput] = []
         self.structured_output = StructuredOutputManager(config)
         self.step_id = 0
-        self.num_preemptions = 0
-        self.num_prompt_tokens = 0
-        self.num_generation_tokens = 0
-        self.iteration_tokens = [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
-        self.iteration_tokens_sum = 0
-        self.prefix_cache_queries = 0
-        self.prefix_cache_hits = 0
-        self.host_cache_hits = 0
+        self.counters = SchedulerCounters()
 
     @property
     def needs_lockstep(self) -> bool:
@@ -141,9 +124,7 @@ class Scheduler:
         )
         swap_out, swap_in = kv.take_block_copies()
         total = sum(num_scheduled_tokens.values())
-        if total:
-            self.iteration_tokens[bisect.bisect_left(ITERATION_TOKEN_BUCKETS, total)] += 1
-            self.iteration_tokens_sum += total
+        self.counters.count_step(total)
         scheduler_output = SchedulerOutput(
             self.step_id,
             new_reqs,
@@ -190,7 +171,7 @@ class Scheduler:
             num_new = request.num_tokens + request.num_output_placeholders
             num_new = min(num_new - request.num_computed_tokens, budget)
             while (new_blocks := kv.allocate_slots(request, num_new)) is None:
-                victim = self._select_victim()
+                victim = self.preemption.victim(self.running)
                 victim_index = self.running.index(victim)
                 del self.running[victim_index]
                 budget += num_scheduled_tokens.pop(victim.request_id, 0)
@@ -271,38 +252,18 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
         return new_reqs, resumed
 
-    def _select_victim(self) -> Request:
-        if self.config.scheduling_policy == SchedulingPolicy.PRIORITY:
-            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
-        return self.running[-1]
-
     def _preempt(self, request: Request, allow_swap: bool = True) -> None:
         """Give back the request's device blocks and queue it at the front. Swapped out, its
         blocks wait in the host tier and are copied back when it resumes; otherwise they
         are freed and it is recomputed (from any prefix hits)."""
         kv = self.kv_cache_manager
-        if not (allow_swap and self._swap_is_cheaper(request) and kv.swap_out(request)):
+        if not (allow_swap and self.preemption.swaps(request, kv) and kv.swap_out(request)):
             kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
-        self.num_preemptions += 1
+        self.counters.num_preemptions += 1
         self.waiting.prepend(request)
-
-    def _swap_is_cheaper(self, request: Request) -> bool:
-        """preemption_mode auto: copying the blocks out and back costs less than prefilling
-        the computed tokens again (by the workers' measured times)."""
-        mode = self.config.preemption_mode
-        kv = self.kv_cache_manager
-        if mode == PreemptionMode.RECOMPUTE or not kv.has_host_tier:
-            return False
-        if request.num_computed_tokens == 0:
-            return False
-        if mode == PreemptionMode.SWAP:
-            return True
-        num_blocks = sum(1 for ids in kv.get_block_ids(request.request_id) for i in ids if i)
-        swap = 2 * num_blocks * self.block_copy_seconds
-        return swap < request.num_computed_tokens * self.prefill_token_seconds
 
     def requeue_for_new_workers(self) -> int:
         """The workers were replaced: they hold no KV and know no request. Preempt every
@@ -341,73 +302,15 @@ class Scheduler:
                 finished = True
                 self._free_request(request, RequestStatus.FINISHED_ERROR)
                 outputs.append(EngineCoreOutput(request_id, [], FinishReason.ERROR, error=error))
-        num_generated = 0
-        grammars = self.structured_output.matchers
-        logprobs = model_runner_output.logprobs  # None, or one entry per request
-        prompt_logprobs = {
-            request_id: requests[request_id].take_prompt_logprobs(chunk)
-            for request_id, chunk in model_runner_output.prompt_logprobs.items()
-            if request_id in requests
-        }
-        for i, (request_id, token_ids) in enumerate(
-            zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=True)
-        ):
-            request = requests.get(request_id)
-            if request is None or not token_ids:
-                continue
-            request.num_output_placeholders -= 1
-            if not request.output_token_ids:
-                self.num_prompt_tokens += request.num_prompt_tokens
-                request.first_token_time = time.monotonic()
-            new_token_ids = []
-            status = None
-            for token_id in token_ids:
-                request.append_output_token_id(token_id)
-                new_token_ids.append(token_id)
-                status = self._check_stop(request, token_id)
-                if status is not None:
-                    break
-            if status is None and request_id in grammars:
-                status = self.structured_output.accept_tokens(request, new_token_ids)
-            num_generated += len(new_token_ids)
-            if status is not None:
-                finished = True
-                self._free_request(request, status)
-            outputs.append(
-                EngineCoreOutput(
-                    request_id,
-                    new_token_ids,
-                    None if status is None else status.finish_reason,
-                    request.num_cached_tokens,
-                    logprobs[i][: len(new_token_ids)] if logprobs and logprobs[i] else None,
-                    prompt_logprobs=prompt_logprobs.pop(request_id, None) or None,
-                    request_stats=None if status is None else request.stats(),
-                    **_GRAMMAR_ERROR if status == RequestStatus.FINISHED_ERROR else {},
-                )
-            )
-        for request_id, entries in prompt_logprobs.items():  # chunks that sampled nothing
-            if entries:
-                outputs.append(
-                    EngineCoreOutput(
-                        request_id,
-                        [],
-                        num_cached_tokens=requests[request_id].num_cached_tokens,
-                        prompt_logprobs=entries,
-                    )
-                )
-        self.num_generation_tokens += num_generated
-        if finished:
+        updated, stopped = update_requests(
+            model_runner_output, requests, self.max_model_len, self.structured_output, self.counters
+        )
+        outputs += updated
+        for request, status in stopped:
+            self._free_request(request, status)
+        if finished or stopped:
             self.running = [r for r in self.running if not r.is_finished]
         return EngineCoreOutputs(outputs)
-
-    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
-        num_output = request.num_output_tokens
-        # A stop token counts only once min_tokens tokens precede it (as in HF generate).
-        if num_output > request.min_tokens and token_id in request.stop_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if num_output == request.max_tokens or request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH_CAPPED
-        return None
 
     def _free_request(self, request: Request, status: RequestStatus) -> None:
         """A preempted request can finish from the output of a step that was in flight when
@@ -446,36 +349,4 @@ class Scheduler:
 
     def get_stats(self) -> SchedulerStats:
         """Cumulative counters since start, and the current queue sizes and KV usage."""
-        prefix_stats = self.kv_cache_manager.make_prefix_cache_stats()
-        self.prefix_cache_queries += prefix_stats.queries
-        self.prefix_cache_hits += prefix_stats.hits
-        self.host_cache_hits += prefix_stats.host_hits
-        return SchedulerStats(
-            num_running=len(self.running),
-            num_waiting=len(self.waiting),
-            kv_cache_usage=self.kv_cache_manager.usage,
-            prefix_cache_queries=self.prefix_cache_queries,
-            prefix_cache_hits=self.prefix_cache_hits,
-            num_preemptions=self.num_preemptions,
-            num_prompt_tokens=self.num_prompt_tokens,
-            num_generation_tokens=self.num_generation_tokens,
-            num_swapped_out_blocks=self.kv_cache_manager.num_swapped_out_blocks,
-            num_swapped_in_blocks=self.kv_cache_manager.num_swapped_in_blocks,
-            num_spilled_blocks=self.kv_cache_manager.num_spilled_blocks,
-            host_cache_hits=self.host_cache_hits,
-            iteration_tokens=list(self.iteration_tokens),
-            iteration_tokens_sum=self.iteration_tokens_sum,
-        )
-
-
-def _max_blocks_per_request(config: EngineConfig, group_windows: Sequence[int | None]) -> int:
-    """Blocks one request of max_model_len tokens may hold at once, over every KV cache
-    group: all of its blocks in a full-attention group; in a window-W group the blocks a
-    step's tokens and the W - 1 before them span."""
-    full = cdiv(config.max_model_len, config.block_size)
-    return sum(
-        full
-        if window is None
-        else min(full, cdiv(window - 1 + config.max_num_batched_tokens, config.block_size) + 1)
-        for window in group_windows
-    )
+        return self.counters.make_stats(self.kv_cache_manager, len(self.running), len(self.waiting))

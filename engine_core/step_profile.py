@@ -5,7 +5,7 @@ from typing import TypeVar
 
 import msgspec
 
-from engine_core.executor import Executor
+from ipc.executor import Executor
 from ipc.messages import SchedulerStats
 
 T = TypeVar("T")

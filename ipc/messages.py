@@ -207,6 +207,9 @@ class SchedulerOutput(_Tagged):
     # copies the workers run before the forward. No block appears twice in one step.
     blocks_to_swap_out: list[tuple[int, int]] = []
     blocks_to_swap_in: list[tuple[int, int]] = []
+    # The EngineCore waits for this step's answer before it schedules another (no async
+    # scheduling, or a structured-output request is live): answer it as soon as it ends.
+    lockstep: bool = False
 
 
 # Worker -> EngineCore
@@ -269,9 +272,10 @@ class InitKVCache(_Tagged):
 
 
 class FinishStep(_Tagged):
-    """Answer step `step_id` as soon as it ends. A worker answers a step once it has
-    launched the next one; the EngineCore sends this when it waits for a step's answer
-    and has sent no later step."""
+    """Answer step `step_id` as soon as it ends. A worker answers a step not sent in
+    `lockstep` once it has launched the next one; the EngineCore sends this when it waits
+    for such a step after all and has sent no later step (under async scheduling: the
+    next schedule came out empty, or a structured-output request arrived)."""
 
     step_id: int
 

@@ -104,7 +104,7 @@ def _make_executor(config: EngineConfig):
     launch.py starts them, and stopped with the executor (shutdown, garbage collection
     or interpreter exit; they also die with this process)."""
     if config.tensor_parallel_size == 1:
-        from splitserve.executor import InProcessExecutor
+        from worker.inproc_executor import InProcessExecutor
 
         return InProcessExecutor(config)
     from engine_core.multiproc_executor import MultiprocExecutor

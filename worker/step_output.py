@@ -6,7 +6,6 @@ the next step's update may have moved, removed or finished them)."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -77,30 +76,6 @@ class LaunchedStep:
         """Request id -> its sample's index in `sampled`."""
         req_ids = self.req_ids
         return {req_ids[row]: i for i, row in enumerate(self.sample_rows.tolist())}
-
-
-# While a launched step runs, a worker waiting for the next one looks this often (seconds)
-# whether it is done: from then on the device is idle.
-POLL_SECONDS = 0.001
-
-
-class IdleClock:
-    """How long a worker's device has had nothing to run while the worker waited for its
-    next step. `waiting(unanswered)` before each wait starts the clock once the launched
-    work is done (and says whether to keep polling for that); `take()` when a step
-    arrives returns the idle seconds and stops it."""
-
-    def __init__(self) -> None:
-        self._since: float | None = None
-
-    def waiting(self, unanswered: LaunchedStep | None) -> bool:
-        if self._since is None and (unanswered is None or unanswered.done()):
-            self._since = time.perf_counter()
-        return self._since is None
-
-    def take(self) -> float:
-        since, self._since = self._since, None
-        return 0.0 if since is None else time.perf_counter() - since
 
 
 def finish_step(

@@ -4,10 +4,10 @@ It connects a DEALER to the engine's workers socket first (so even a failed star
 reported), joins the torch.distributed group, builds its ModelRunner (loading its
 shard) and registers with WorkerReady(rank, num_kv_blocks, pid, hostname, KV cache
 groups, host-tier blocks and measured copy and prefill costs). After InitKVCache (which
-sizes both tiers) it runs every SchedulerOutput it receives, pipelined: a step is answered
-once the next one is launched, or on FinishStep; only rank 0 answers with the
-ModelRunnerOutput. Shutdown ends it with 0; an exception is sent as WorkerError (with
-the traceback) and ends it with 1, as does losing the connection to the EngineCore.
+sizes both tiers) it runs every SchedulerOutput it receives, pipelined as
+worker/pipeline.py says; only rank 0 answers with the ModelRunnerOutput. Shutdown ends it
+with 0; an exception is sent as WorkerError (with the traceback) and ends it with 1, as
+does losing the connection to the EngineCore.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from ipc.messages import (
 from ipc.sockets import make_socket, socket_address
 from models.parallel_state import destroy_distributed, init_distributed
 from worker.model_runner import ModelRunner
-from worker.step_output import POLL_SECONDS, IdleClock, LaunchedStep
+from worker.pipeline import StepPipeline
 
 logger = logging.getLogger(__name__)
 
@@ -105,23 +105,10 @@ def run_worker(
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
-        # The last launched step: answered once the next one is launched (its samples
-        # feed that one on the device), when the next one arrives after it is done, or
-        # when the EngineCore asks for it.
-        unanswered: LaunchedStep | None = None
-
-        def answer() -> None:
-            nonlocal unanswered
-            if unanswered is not None:
-                output = runner.finish(unanswered)
-                unanswered = None
-                if rank == 0:
-                    sock.send(encode(output))
-
-        idle = IdleClock()
+        pipeline = StepPipeline(runner.launch, runner.finish)
         while True:
-            poll_ms = round(1e3 * POLL_SECONDS) if idle.waiting(unanswered) else None
-            ready = dict(poller.poll(poll_ms))
+            timeout = pipeline.wait_timeout()
+            ready = dict(poller.poll(None if timeout is None else round(1e3 * timeout)))
             if not ready:  # the launched step may be done by now
                 continue
             if sock not in ready:
@@ -130,23 +117,23 @@ def run_worker(
             msg = decoder.decode(sock.recv())
             if isinstance(msg, SchedulerOutput):
                 step_id = msg.step_id
-                idle_before = idle.take()
-                if unanswered is not None and unanswered.done():
-                    answer()
-                launched = runner.launch(msg)
-                launched.idle_before = idle_before
-                answer()
-                unanswered = launched
+                answers = pipeline.run(msg)
             elif isinstance(msg, FinishStep):
-                if unanswered is not None and unanswered.step_id == msg.step_id:
-                    answer()
+                answers = pipeline.finish_step(msg.step_id)
             elif isinstance(msg, InitKVCache):
                 runner.initialize_kv_cache(msg.num_blocks, msg.num_host_blocks)
                 runner.capture_cuda_graphs()
                 sock.send(encode(KVCacheReady(rank)))
+                continue
             else:
                 destroy_distributed()
                 return 0
+            for answered, answer in answers:
+                if isinstance(answer, BaseException):
+                    step_id = answered  # the WorkerError names the step that failed
+                    raise answer
+                if rank == 0:
+                    sock.send(encode(answer))
     except Exception:
         message = traceback.format_exc()
         logger.error("rank %d failed:\n%s", rank, message)

@@ -68,14 +68,14 @@ def _step(step_id: int) -> SchedulerOutput:
 def test_a_second_worker_ready_for_a_rank_is_ignored(cluster, caplog):
     executor, (rank0, rank1, stranger) = cluster
     with ThreadPoolExecutor(1) as pool:
-        num_blocks = pool.submit(executor.determine_num_blocks)
+        spec = pool.submit(executor.initialize_workers)
         rank0.send(_ready(0, blocks=8))
         rank0.send(_ready(1, blocks=1))  # the same peer again, as another rank
         stranger.send(_ready(0, blocks=1))  # another peer for a rank that is taken
         time.sleep(0.3)  # all three are read before rank 1 registers
         rank1.send(_ready(1, blocks=8))
         _answer_init_kv_cache(rank0, rank1)
-        assert num_blocks.result() == 8
+        assert spec.result().num_kv_blocks == 8
     assert [w.identity for w in executor.workers] == [b"fake-0", b"fake-1"]
     assert caplog.text.count("ignored a second WorkerReady") == 2
 
@@ -83,11 +83,11 @@ def test_a_second_worker_ready_for_a_rank_is_ignored(cluster, caplog):
 def test_after_registration_a_stranger_is_not_heard(cluster, caplog):
     executor, (rank0, rank1, stranger) = cluster
     with ThreadPoolExecutor(1) as pool:
-        num_blocks = pool.submit(executor.determine_num_blocks)
+        spec = pool.submit(executor.initialize_workers)
         rank0.send(_ready(0))
         rank1.send(_ready(1))
         _answer_init_kv_cache(rank0, rank1)
-        assert num_blocks.result() == 8
+        assert spec.result().num_kv_blocks == 8
     stranger.send(encode(WorkerError(0, "forged", 0)))
     stranger.send(_ready(0))
     executor.check_workers()  # a WorkerError from a worker would raise here

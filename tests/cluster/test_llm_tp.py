@@ -8,7 +8,7 @@ import tempfile
 
 import pytest
 
-from engine_core.multiproc_executor import WorkerFailure
+from ipc.executor import WorkerFailure
 from ipc.sampling_params import SamplingParams
 from splitserve import LLM, cluster
 from tests.cluster.helpers import pid_alive
@@ -48,11 +48,11 @@ def test_llm_tp2_hybrid_kv_cache_groups(tiny_checkpoint, monkeypatch):
         block_size=4,
         kv_offload_memory=64 << 10,
     )
-    executor = llm.engine.executor
-    assert executor.kv_cache_groups == [8] * 5 + [None]
+    spec = llm.engine.worker_spec
+    assert spec.kv_cache_groups == (8,) * 5 + (None,)
     # A block: K and V of 4 tokens in one layer (groups of one layer), 1 head of 16 per rank.
-    assert executor.num_host_blocks == (64 << 10) // (2 * 4 * 1 * 16 * 4)
-    assert executor.block_copy_seconds > 0 and executor.prefill_token_seconds > 0
+    assert spec.num_host_blocks == (64 << 10) // (2 * 4 * 1 * 16 * 4)
+    assert spec.block_copy_seconds > 0 and spec.prefill_token_seconds > 0
     assert llm.engine.kv_cache_manager.group_windows == (8,) * 5 + (None,)
     prompts = PROMPTS + [list(range(3, 40))]
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)

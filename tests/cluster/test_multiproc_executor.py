@@ -3,6 +3,7 @@ SchedulerOutput for every rank, rank 0's answer, and failures that never hang.""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import subprocess
@@ -12,8 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import zmq
 
-from engine_core.multiproc_executor import MultiprocExecutor, WorkerFailure
+from engine_core.multiproc_executor import MultiprocExecutor
 from ipc.config import EngineConfig
+from ipc.executor import WorkerFailure
 from ipc.messages import (
     CachedRequestData,
     Decoder,
@@ -69,7 +71,7 @@ def _ready(workers, blocks, pids=None):
 
 
 def init_kv_caches(call, workers):
-    """Run `call` (determine_num_blocks or replace_workers) while each fake worker takes
+    """Run `call` (initialize_workers or replace_workers) while each fake worker takes
     its InitKVCache and answers KVCacheReady, as a worker does once its cache exists.
     Returns what `call` returned and the InitKVCache each worker got."""
     with ThreadPoolExecutor(1) as pool:
@@ -86,7 +88,7 @@ def _registered(setup):
     """An executor whose two workers registered and allocated their KV caches."""
     executor, workers = setup()
     _ready(workers, [8, 8])
-    init_kv_caches(executor.determine_num_blocks, workers)
+    init_kv_caches(executor.initialize_workers, workers)
     return executor, workers
 
 
@@ -98,32 +100,32 @@ def _step(step_id: int) -> SchedulerOutput:
 def test_every_rank_gets_the_smallest_block_count(setup, override, expected):
     executor, workers = setup(num_gpu_blocks_override=override)
     _ready(workers, [50, 30])
-    num_blocks, inits = init_kv_caches(executor.determine_num_blocks, workers)
-    assert num_blocks == expected and inits == [InitKVCache(expected)] * 2
+    spec, inits = init_kv_caches(executor.initialize_workers, workers)
+    assert spec.num_kv_blocks == expected and inits == [InitKVCache(expected)] * 2
 
 
 def test_the_executor_is_ready_only_once_every_rank_has_its_kv_cache(setup):
-    """determine_num_blocks returns (and the engine reports ready) only after every rank's
+    """initialize_workers returns (and the engine reports ready) only after every rank's
     KVCacheReady, so the first step never waits for a cache being allocated."""
     executor, workers = setup()
     _ready(workers, [8, 8])
     with ThreadPoolExecutor(1) as pool:
-        num_blocks = pool.submit(executor.determine_num_blocks)
+        spec = pool.submit(executor.initialize_workers)
         for sock in workers:
             assert sock.poll(5000) and _decoder.decode(sock.recv()) == InitKVCache(8)
         workers[0].send(encode(KVCacheReady(0)))
         workers[1].send(encode(ModelRunnerOutput(0, ["a"], [[1]])))  # not an answer to it
         assert not workers[1].poll(150)
-        assert not num_blocks.done()
+        assert not spec.done()
         workers[1].send(encode(KVCacheReady(1)))
-        assert num_blocks.result(timeout=5) == 8
+        assert spec.result(timeout=5).num_kv_blocks == 8
 
 
 def test_a_rank_that_never_allocates_its_kv_cache_times_out(setup):
     executor, workers = setup()
     _ready(workers, [8, 8])
     with pytest.raises(WorkerFailure, match=r"rank\(s\) \[0, 1\] to allocate their KV cache"):
-        executor.determine_num_blocks()
+        executor.initialize_workers()
 
 
 def test_the_host_tier_is_the_smallest_over_ranks_and_the_costs_the_largest(setup):
@@ -139,10 +141,10 @@ def test_the_host_tier_is_the_smallest_over_ranks_and_the_costs_the_largest(setu
             prefill_token_seconds=[3e-4, 5e-4][rank],
         )
         sock.send(encode(ready))
-    num_blocks, inits = init_kv_caches(executor.determine_num_blocks, workers)
-    assert num_blocks == 40 and inits == [InitKVCache(40, 70)] * 2
-    assert executor.num_host_blocks == 70
-    assert (executor.block_copy_seconds, executor.prefill_token_seconds) == (2e-5, 5e-4)
+    spec, inits = init_kv_caches(executor.initialize_workers, workers)
+    assert (spec.num_kv_blocks, spec.num_host_blocks) == (40, 70)
+    assert inits == [InitKVCache(40, 70)] * 2
+    assert (spec.block_copy_seconds, spec.prefill_token_seconds) == (2e-5, 5e-4)
 
 
 @pytest.mark.parametrize("new_host_blocks", [70, 69])
@@ -150,7 +152,8 @@ def test_new_workers_get_the_host_blocks_in_use_or_fail_holding_fewer(setup, new
     executor, workers = setup()
     for rank, sock in enumerate(workers):
         sock.send(encode(WorkerReady(rank, 40, os.getpid(), "", num_host_blocks=70)))
-    init_kv_caches(executor.determine_num_blocks, workers)
+    spec, _ = init_kv_caches(executor.initialize_workers, workers)
+    in_use = dataclasses.replace(spec, num_kv_blocks=30)
     ctx = zmq.Context()
     fresh = []
     try:
@@ -163,9 +166,9 @@ def test_new_workers_get_the_host_blocks_in_use_or_fail_holding_fewer(setup, new
             fresh.append(sock)
         if new_host_blocks < 70:
             with pytest.raises(WorkerFailure, match="hold 69 host KV blocks, fewer than the 70"):
-                executor.replace_workers(30)
+                executor.replace_workers(in_use)
         else:
-            _, inits = init_kv_caches(lambda: executor.replace_workers(30), fresh)
+            _, inits = init_kv_caches(lambda: executor.replace_workers(in_use), fresh)
             assert inits == [InitKVCache(30, 70)] * 2
     finally:
         for sock in fresh:
@@ -184,6 +187,8 @@ def test_a_step_sends_the_same_bytes_and_returns_rank_0s_answer(setup):
 
 
 def test_workers_are_told_to_finish_a_step_only_when_no_later_step_was_sent(setup):
+    """Under async scheduling the EngineCore may wait for a step it sent without
+    `lockstep` after all (the next schedule came out empty)."""
     executor, workers = _registered(setup)
     executor.submit(_step(0))
     executor.submit(_step(1))
@@ -194,6 +199,16 @@ def test_workers_are_told_to_finish_a_step_only_when_no_later_step_was_sent(setu
     for sock in workers:
         frames = [_decoder.decode(sock.recv()) for _ in range(3)]
         assert frames == [_step(0), _step(1), FinishStep(1)] and not sock.poll(50)
+
+
+def test_a_step_sent_in_lockstep_needs_no_finish_step(setup):
+    executor, workers = _registered(setup)
+    step = _step(0)
+    step.lockstep = True
+    workers[0].send(encode(ModelRunnerOutput(0, ["a"], [[7]])))
+    assert executor.execute_model(step).step_id == 0
+    for sock in workers:
+        assert _decoder.decode(sock.recv()) == step and not sock.poll(50)
 
 
 def test_a_worker_error_names_its_rank(setup):
@@ -208,7 +223,7 @@ def test_a_dead_worker_is_noticed_while_waiting(setup):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     _ready(workers, [8, 8], pids=[os.getpid(), dead.pid])
-    init_kv_caches(executor.determine_num_blocks, workers)
+    init_kv_caches(executor.initialize_workers, workers)
     with pytest.raises(WorkerFailure, match=rf"worker rank 1 \(pid {dead.pid}\) died"):
         executor.execute_model(_step(0))
 
@@ -217,4 +232,4 @@ def test_a_missing_worker_times_out_with_a_clear_error(setup):
     executor, workers = setup()
     _ready(workers[:1], [8])
     with pytest.raises(WorkerFailure, match=r"no WorkerReady from rank\(s\) \[1\]"):
-        executor.determine_num_blocks()
+        executor.initialize_workers()

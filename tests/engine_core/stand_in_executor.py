@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine_core import EngineConfig, EngineCore, Executor
-from engine_core.executor import WorkerFailure
+from ipc.executor import WorkerFailure, WorkerGroupSpec
 from ipc.messages import (
     Decoder,
     EngineCoreOutputs,
@@ -59,16 +59,26 @@ class StandInExecutor(Executor):
     # (block, offset) -> (group, token), on the device and in the host tier
     kv: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
     host_kv: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
-    kv_cache_groups: list[int | None] = field(default_factory=lambda: [None])
+    # What the workers report (WorkerGroupSpec): sliding windows, host tier, measured
+    # (block copy, prefill token) seconds, device.
+    kv_cache_groups: tuple[int | None, ...] = (None,)
     num_host_blocks: int = 0
+    costs: tuple[float, float] = (0.0, 0.0)
+    device_type: str = "cpu"
     # The engine schedules a step before the previous one ran (async scheduling).
     schedules_ahead: bool = False
 
-    def determine_num_blocks(self) -> int:
-        return self.num_blocks
+    def initialize_workers(self) -> WorkerGroupSpec:
+        return WorkerGroupSpec(
+            self.num_blocks,
+            self.kv_cache_groups,
+            self.num_host_blocks,
+            *self.costs,
+            self.device_type,
+        )
 
-    def replace_workers(self, num_blocks: int) -> None:
-        assert num_blocks == self.num_blocks
+    def replace_workers(self, spec: WorkerGroupSpec) -> None:
+        assert spec == self.initialize_workers()
         self.states.clear()
         self.kv.clear()
         self.host_kv.clear()
@@ -227,9 +237,9 @@ def make_engine(
     `kv_cache_groups` are the sliding windows (None: full attention) the workers report;
     `costs` the (block copy, prefill token) seconds they measured."""
     executor = StandInExecutor(num_blocks, script or {}, sample)
-    executor.kv_cache_groups = list(kv_cache_groups)
+    executor.kv_cache_groups = tuple(kv_cache_groups)
     executor.num_host_blocks = num_host_blocks
-    executor.block_copy_seconds, executor.prefill_token_seconds = costs
+    executor.costs = costs
     engine = EngineCore(make_config(**config_kwargs), executor)
     executor.kv_cache_manager = engine.kv_cache_manager
     executor.schedules_ahead = engine.max_in_flight > 0

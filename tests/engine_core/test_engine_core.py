@@ -13,7 +13,7 @@ from stand_in_executor import (
     run_to_completion,
 )
 
-from engine_core import EngineCore
+from engine_core import EngineCore, Scheduler
 
 
 def test_the_kv_cache_takes_the_executor_block_count():
@@ -36,6 +36,25 @@ def test_the_workers_device_picks_the_default_token_budget_and_overlap(
     assert engine.scheduler.max_num_batched_tokens == budget
     assert engine.config.max_num_batched_tokens == budget
     assert (engine.max_in_flight > 0) == overlaps
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_each_step_says_whether_the_engine_waits_for_its_answer(monkeypatch, async_scheduling):
+    """SchedulerOutput.lockstep: always without async scheduling; with it, only while the
+    scheduler needs lockstep (a structured-output request is live)."""
+    needs_lockstep = [False]
+    monkeypatch.setattr(Scheduler, "needs_lockstep", property(lambda self: needs_lockstep[0]))
+    engine, executor = make_engine(async_scheduling=async_scheduling)
+    engine.add_request(make_request("a", 5, max_tokens=8))
+    for _ in range(3):
+        engine.step()
+    needs_lockstep[0] = True
+    run_to_completion(engine)
+    flags = [so.lockstep for so in executor.outputs]
+    if async_scheduling:
+        assert flags == [False] * 3 + [True] * (len(flags) - 3)
+    else:
+        assert flags == [True] * len(flags)
 
 
 def test_a_kv_cache_too_small_for_one_request_is_refused():

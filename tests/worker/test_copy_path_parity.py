@@ -25,7 +25,7 @@ def model(request, tiny_checkpoint):
 def _engine(model, monkeypatch, separate: bool) -> LLM:
     if separate:
         runner = functools.partial(ModelRunner, separate_device_arena=True)
-        monkeypatch.setattr("splitserve.executor.ModelRunner", runner)
+        monkeypatch.setattr("worker.inproc_executor.ModelRunner", runner)
     llm = LLM(
         model[0],
         dtype="float32",

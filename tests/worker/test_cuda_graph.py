@@ -15,7 +15,6 @@ from attention.backends.triton_backend import TritonAttentionBackend
 from engine_core import EngineConfig, EngineCore
 from ipc.messages import EngineCoreRequest
 from ipc.sampling_params import SamplingParams
-from splitserve.executor import InProcessExecutor
 from worker.buffers import InputBuffers
 from worker.cuda_graph import (
     CudaGraphRunner,
@@ -23,6 +22,7 @@ from worker.cuda_graph import (
     cuda_graphs_off_reason,
     default_capture_sizes,
 )
+from worker.inproc_executor import InProcessExecutor
 from worker.model_runner import ModelRunner
 
 SIZES = [1, 2, 4, 8]

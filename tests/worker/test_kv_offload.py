@@ -10,7 +10,7 @@ import torch
 from ipc.config import EngineConfig
 from ipc.messages import CachedRequestData, NewRequestData, SchedulerOutput
 from ipc.sampling_params import SamplingParams
-from splitserve.executor import InProcessExecutor
+from worker.inproc_executor import InProcessExecutor
 from worker.kv_offload import HostKVCache
 from worker.model_runner import ModelRunner
 
@@ -201,11 +201,11 @@ def test_the_host_tier_is_sized_and_its_costs_measured_only_when_on(checkpoint, 
 
 def test_the_in_process_executor_allocates_and_reports_the_host_tier(checkpoint):
     executor = InProcessExecutor(offload_config(checkpoint, NUM_HOST_BLOCKS * BLOCK_BYTES))
-    executor.determine_num_blocks()
-    assert executor.num_host_blocks == NUM_HOST_BLOCKS
+    spec = executor.initialize_workers()
+    assert spec.num_host_blocks == NUM_HOST_BLOCKS
     assert executor.runner.host_kv_cache.num_host_blocks == NUM_HOST_BLOCKS
     device_shape = executor.runner.model.attention_layers()[0].kv_cache.shape
     host_shape = (2, NUM_HOST_BLOCKS, *device_shape[2:])
     assert [t.shape for t in executor.runner.host_kv_cache.host_tensors] == [host_shape] * 2
-    assert executor.block_copy_seconds > 0 and executor.prefill_token_seconds > 0
+    assert spec.block_copy_seconds > 0 and spec.prefill_token_seconds > 0
     executor.shutdown()

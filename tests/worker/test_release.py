@@ -1,5 +1,6 @@
 """An in-process LLM gives its model and KV cache back on shutdown and when it is garbage
-collected, so a second LLM in the same process finds the memory."""
+collected, so a second LLM in the same process finds the memory; also with async
+scheduling (the default on CUDA), whose step thread must not keep the model alive."""
 
 import gc
 import weakref
@@ -9,10 +10,22 @@ import pytest
 from splitserve import LLM, SamplingParams
 
 
-def _llm_and_refs(checkpoint: str) -> tuple[LLM, list[weakref.ref]]:
+@pytest.fixture(params=[False, True], ids=["lockstep", "async"])
+def async_scheduling(request) -> bool:
+    return request.param
+
+
+def _llm_and_refs(checkpoint: str, async_scheduling: bool) -> tuple[LLM, list[weakref.ref]]:
     """An LLM that has run a request, and weak references to its runner, model and every
     layer's KV cache."""
-    llm = LLM(checkpoint, dtype="float32", max_model_len=64, num_gpu_blocks_override=16)
+    llm = LLM(
+        checkpoint,
+        dtype="float32",
+        max_model_len=64,
+        num_gpu_blocks_override=16,
+        async_scheduling=async_scheduling,
+    )
+    assert llm.engine.max_in_flight == int(async_scheduling)
     llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     runner = llm.engine.executor.runner
     kv_caches = [layer.kv_cache for layer in runner.model.attention_layers()]
@@ -20,8 +33,8 @@ def _llm_and_refs(checkpoint: str) -> tuple[LLM, list[weakref.ref]]:
     return llm, [weakref.ref(x) for x in (runner, runner.model, *kv_caches)]
 
 
-def test_shutdown_frees_the_model_and_kv_cache(checkpoint):
-    llm, refs = _llm_and_refs(checkpoint)
+def test_shutdown_frees_the_model_and_kv_cache(checkpoint, async_scheduling):
+    llm, refs = _llm_and_refs(checkpoint, async_scheduling)
     llm.shutdown()
     assert [ref() for ref in refs] == [None] * len(refs)  # no garbage collection needed
     with pytest.raises(RuntimeError, match="shut down"):
@@ -29,10 +42,10 @@ def test_shutdown_frees_the_model_and_kv_cache(checkpoint):
     llm.shutdown()  # a second shutdown is harmless
 
 
-def test_garbage_collection_frees_the_model_and_kv_cache(checkpoint):
-    llm, refs = _llm_and_refs(checkpoint)
+def test_garbage_collection_frees_the_model_and_kv_cache(checkpoint, async_scheduling):
+    llm, refs = _llm_and_refs(checkpoint, async_scheduling)
     del llm
     gc.collect()
     assert [ref() for ref in refs] == [None] * len(refs)
-    second, _ = _llm_and_refs(checkpoint)
+    second, _ = _llm_and_refs(checkpoint, async_scheduling)
     second.shutdown()

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from engine_core import EngineConfig, EngineCore, Executor
-from engine_core.executor import WorkerFailure
+from ipc.executor import WorkerFailure, WorkerGroupSpec
 from ipc.messages import EngineCoreRequest, ModelRunnerOutput, SchedulerOutput
 from ipc.sampling_params import SamplingParams
 from tests.engine_core.stand_in_executor import StandInExecutor
@@ -41,12 +41,12 @@ class TwinExecutor(Executor):
         runner.initialize_kv_cache(self.num_blocks)
         return runner
 
-    def determine_num_blocks(self) -> int:
-        return self.num_blocks
+    def initialize_workers(self) -> WorkerGroupSpec:
+        return WorkerGroupSpec(self.num_blocks)
 
-    def replace_workers(self, num_blocks: int) -> None:
+    def replace_workers(self, spec: WorkerGroupSpec) -> None:
         self.runner = self._new_runner()
-        self.stand_in.replace_workers(num_blocks)
+        self.stand_in.replace_workers(spec)
 
     def shutdown(self) -> None:
         self.stand_in.shutdown()

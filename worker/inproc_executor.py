@@ -3,11 +3,11 @@ import time
 
 import torch
 
-from engine_core.executor import Executor
 from ipc.config import EngineConfig
+from ipc.executor import Executor, WorkerGroupSpec
 from ipc.messages import ModelRunnerOutput, SchedulerOutput
-from splitserve.step_thread import StepThread
 from worker.model_runner import ModelRunner
+from worker.step_thread import StepThread
 
 
 class InProcessExecutor(Executor):
@@ -17,20 +17,23 @@ class InProcessExecutor(Executor):
 
     def __init__(self, config: EngineConfig) -> None:
         self.runner: ModelRunner | None = ModelRunner(config)
-        self.device_type = self.runner.device.type
         self._steps: StepThread | None = None
         self._last_end: float | None = None  # when the last lockstep step ended
 
-    def determine_num_blocks(self) -> int:
+    def initialize_workers(self) -> WorkerGroupSpec:
         runner = self._runner()
         num_blocks = runner.determine_num_blocks()
-        self.num_host_blocks = runner.determine_num_host_blocks()
-        runner.initialize_kv_cache(num_blocks, self.num_host_blocks)
+        num_host_blocks = runner.determine_num_host_blocks()
+        runner.initialize_kv_cache(num_blocks, num_host_blocks)
         runner.capture_cuda_graphs()
-        self.kv_cache_groups = [group.sliding_window for group in runner.kv_cache_groups]
-        self.block_copy_seconds = runner.block_copy_seconds
-        self.prefill_token_seconds = runner.prefill_token_seconds
-        return num_blocks
+        return WorkerGroupSpec(
+            num_blocks,
+            tuple(group.sliding_window for group in runner.kv_cache_groups),
+            num_host_blocks,
+            runner.block_copy_seconds,
+            runner.prefill_token_seconds,
+            runner.device.type,
+        )
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         start = time.perf_counter()

@@ -1,8 +1,33 @@
-"""The executor: what the EngineCore needs from whatever runs the model."""
+"""The executor contract: what the EngineCore needs from whatever runs the model.
+
+It lives in ipc, beside the messages it carries, so that both sides implement it without
+importing each other (DESIGN §2): engine_core's MultiprocExecutor drives worker processes
+over ZMQ, worker's InProcessExecutor runs a ModelRunner in the EngineCore's own process.
+"""
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 
 from ipc.messages import ModelRunnerOutput, SchedulerOutput
+
+
+@dataclass(frozen=True)
+class WorkerGroupSpec:
+    """What the EngineCore learns of its workers once their KV caches exist.
+
+    `kv_cache_groups` holds each KV cache group's sliding window (None: full attention),
+    in the order block ids travel in. `device_type` is "cuda" only when every rank runs on
+    CUDA: then a submitted step runs while the EngineCore goes on, so async scheduling
+    helps; it also picks the default token budget (EngineConfig.token_budget). The host
+    tier has `num_host_blocks` blocks (0: off); the costs are the workers' measured seconds
+    to copy one block one way between the tiers and to prefill one token."""
+
+    num_kv_blocks: int
+    kv_cache_groups: tuple[int | None, ...] = (None,)
+    num_host_blocks: int = 0
+    block_copy_seconds: float = 0.0
+    prefill_token_seconds: float = 0.0
+    device_type: str = "cpu"
 
 
 class WorkerFailure(RuntimeError):
@@ -16,25 +41,12 @@ class Executor(ABC):
     last_call: tuple[float, float, float] | None = None
     # Seconds rank 0 waited for that step with its device idle (ModelRunnerOutput).
     last_worker_idle: float = 0.0
-    # Each KV cache group's sliding window (None: full attention), in the order block ids
-    # travel in; set by determine_num_blocks.
-    kv_cache_groups: list[int | None] = [None]
-    # The workers' device type, "cuda" only when every rank runs on CUDA: then a submitted
-    # step runs while this process goes on, so async scheduling helps. It also picks the
-    # default token budget (EngineConfig.token_budget). Set by determine_num_blocks.
-    device_type: str = "cpu"
-    # The KV host tier (config.kv_offload_memory; 0 blocks: off) and the workers' measured
-    # seconds to copy one block one way and to prefill one token; set by
-    # determine_num_blocks.
-    num_host_blocks: int = 0
-    block_copy_seconds: float = 0.0
-    prefill_token_seconds: float = 0.0
 
     @abstractmethod
-    def determine_num_blocks(self) -> int:
-        """Number of KV cache blocks every worker holds (the minimum over ranks). Workers
-        allocate the cache themselves, so they apply config.num_gpu_blocks_override.
-        Also sets num_host_blocks and the measured costs."""
+    def initialize_workers(self) -> WorkerGroupSpec:
+        """Wait until the workers are up, give every one the same KV cache (as many blocks
+        as the smallest holds; workers apply config.num_gpu_blocks_override themselves)
+        and describe the group."""
 
     @abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -55,9 +67,9 @@ class Executor(ABC):
         Workers in the EngineCore's own process cannot be gone: nothing to check."""
         return None
 
-    def replace_workers(self, num_blocks: int) -> None:
-        """Start fresh workers with `num_blocks` empty KV blocks (and num_host_blocks empty
-        host blocks), knowing no request."""
+    def replace_workers(self, spec: WorkerGroupSpec) -> None:
+        """Start fresh workers, knowing no request, with the empty KV cache `spec` (the
+        group's in use) describes; raise WorkerFailure if they cannot hold it."""
         raise WorkerFailure(f"{type(self).__name__} cannot replace its workers")
 
     @abstractmethod

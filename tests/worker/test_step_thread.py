@@ -1,23 +1,29 @@
 """The in-process step thread: step N+1 is launched before step N is finished (unless N is
-done by then), a step that nothing follows is finished when its answer is asked for,
-answers come in order, a failed launch raises in its own place."""
+done by then), a step that nothing follows is finished when its answer is asked for (or at
+once, sent in lockstep), answers come in order, a failed launch raises in its own place,
+and the thread keeps nothing alive once its StepThread is dropped."""
 
+import gc
 import threading
 import time
+import weakref
+from concurrent.futures import wait
 from dataclasses import dataclass
 
 import pytest
 import torch
 
-from splitserve.step_thread import StepThread
+from ipc.messages import CachedRequestData, SchedulerOutput
+from worker.step_thread import StepThread
 
 CPU = torch.device("cpu")
 
 
 @dataclass
 class Launched:
-    step: int
+    step_id: int
     is_done: bool
+    idle_before: float = 0.0
 
     def done(self):
         return self.is_done
@@ -32,7 +38,8 @@ class Steps:
         self.entered, self.release = threading.Event(), threading.Event()
         self.hold, self.fail, self.done = hold, fail, done
 
-    def launch(self, step):
+    def launch(self, scheduler_output):
+        step = scheduler_output.step_id
         if step == self.hold:
             self.entered.set()
             assert self.release.wait(5)
@@ -42,18 +49,26 @@ class Steps:
         return Launched(step, self.done)
 
     def finish(self, launched):
-        self.log.append(("finish", launched.step))
-        return launched.step * 10
+        self.log.append(("finish", launched.step_id))
+        return launched.step_id * 10
 
     def thread(self):
         return StepThread(self.launch, self.finish, CPU)
 
 
+def _step(step_id: int, lockstep: bool = False) -> SchedulerOutput:
+    return SchedulerOutput(step_id, [], CachedRequestData(), {}, 0, lockstep=lockstep)
+
+
+def _submit(thread: StepThread, *step_ids: int) -> None:
+    for step_id in step_ids:
+        thread.submit(_step(step_id))
+
+
 def test_the_next_step_launches_before_the_last_one_finishes():
     steps = Steps(hold=0)
     thread = steps.thread()
-    thread.submit(0)
-    thread.submit(1)
+    _submit(thread, 0, 1)
     steps.release.set()
     assert thread.collect() == 0
     assert thread.collect() == 10
@@ -64,8 +79,7 @@ def test_the_next_step_launches_before_the_last_one_finishes():
 def test_a_step_done_when_the_next_arrives_is_finished_first():
     steps = Steps(hold=0, done=True)
     thread = steps.thread()
-    thread.submit(0)
-    thread.submit(1)
+    _submit(thread, 0, 1)
     steps.release.set()
     assert [thread.collect(), thread.collect()] == [0, 10]
     assert steps.log == [("launch", 0), ("finish", 0), ("launch", 1), ("finish", 1)]
@@ -76,17 +90,26 @@ def test_a_step_nothing_follows_is_finished_when_collected():
     steps = Steps()
     thread = steps.thread()
     for step in range(3):
-        thread.submit(step)
+        _submit(thread, step)
         assert thread.collect() == step * 10
     assert steps.log == [(name, step) for step in range(3) for name in ("launch", "finish")]
+    thread.shutdown()
+
+
+def test_a_lockstep_step_is_answered_without_being_asked():
+    steps = Steps()
+    thread = steps.thread()
+    thread.submit(_step(0, lockstep=True))
+    assert wait([thread._submitted[0][1]], timeout=5).done  # collect() did not ask
+    assert steps.log == [("launch", 0), ("finish", 0)]
+    assert thread.collect() == 0
     thread.shutdown()
 
 
 def test_a_failed_launch_raises_in_its_place():
     steps = Steps(hold=0, fail=1)
     thread = steps.thread()
-    for step in range(3):
-        thread.submit(step)
+    _submit(thread, 0, 1, 2)
     steps.release.set()
     assert thread.collect() == 0
     with pytest.raises(ValueError, match="step 1 failed"):
@@ -99,8 +122,7 @@ def test_a_failed_launch_raises_in_its_place():
 def test_shutdown_drops_steps_not_started():
     steps = Steps(hold=0)
     thread = steps.thread()
-    for step in range(4):
-        thread.submit(step)
+    _submit(thread, 0, 1, 2, 3)
     assert steps.entered.wait(5)
     stopper = threading.Thread(target=thread.shutdown)
     stopper.start()
@@ -110,3 +132,20 @@ def test_shutdown_drops_steps_not_started():
     steps.release.set()
     stopper.join(5)
     assert not stopper.is_alive() and steps.log == [("launch", 0), ("finish", 0)]
+
+
+def test_a_dropped_step_thread_frees_its_steps_owner_and_stops():
+    """The thread references the launch and finish callables only while it handles a
+    step, so the object they belong to (the ModelRunner) is collected with the StepThread,
+    whose finalizer then ends the thread."""
+    steps = Steps()
+    thread = steps.thread()
+    _submit(thread, 0, 1)
+    assert thread.collect() == 0 and thread.collect() == 10
+    worker = thread._thread
+    owner = weakref.ref(steps)
+    del steps, thread
+    gc.collect()
+    assert owner() is None
+    worker.join(5)
+    assert not worker.is_alive()
