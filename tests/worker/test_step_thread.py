@@ -8,66 +8,28 @@ import threading
 import time
 import weakref
 from concurrent.futures import wait
-from dataclasses import dataclass
 
 import pytest
 import torch
 
-from ipc.messages import CachedRequestData, SchedulerOutput
+from tests.worker.step_fakes import Steps, step
 from worker.step_thread import StepThread
 
 CPU = torch.device("cpu")
 
 
-@dataclass
-class Launched:
-    step_id: int
-    is_done: bool
-    idle_before: float = 0.0
-
-    def done(self):
-        return self.is_done
-
-
-class Steps:
-    """launch/finish that log their calls; launching step `hold` waits for `release`;
-    launched steps report `done`."""
-
-    def __init__(self, hold=None, fail=None, done=False):
-        self.log = []
-        self.entered, self.release = threading.Event(), threading.Event()
-        self.hold, self.fail, self.done = hold, fail, done
-
-    def launch(self, scheduler_output):
-        step = scheduler_output.step_id
-        if step == self.hold:
-            self.entered.set()
-            assert self.release.wait(5)
-        if step == self.fail:
-            raise ValueError(f"step {step} failed")
-        self.log.append(("launch", step))
-        return Launched(step, self.done)
-
-    def finish(self, launched):
-        self.log.append(("finish", launched.step_id))
-        return launched.step_id * 10
-
-    def thread(self):
-        return StepThread(self.launch, self.finish, CPU)
-
-
-def _step(step_id: int, lockstep: bool = False) -> SchedulerOutput:
-    return SchedulerOutput(step_id, [], CachedRequestData(), {}, 0, lockstep=lockstep)
+def _thread(steps: Steps) -> StepThread:
+    return StepThread(steps.launch, steps.finish, CPU)
 
 
 def _submit(thread: StepThread, *step_ids: int) -> None:
     for step_id in step_ids:
-        thread.submit(_step(step_id))
+        thread.submit(step(step_id))
 
 
 def test_the_next_step_launches_before_the_last_one_finishes():
     steps = Steps(hold=0)
-    thread = steps.thread()
+    thread = _thread(steps)
     _submit(thread, 0, 1)
     steps.release.set()
     assert thread.collect() == 0
@@ -78,7 +40,7 @@ def test_the_next_step_launches_before_the_last_one_finishes():
 
 def test_a_step_done_when_the_next_arrives_is_finished_first():
     steps = Steps(hold=0, done=True)
-    thread = steps.thread()
+    thread = _thread(steps)
     _submit(thread, 0, 1)
     steps.release.set()
     assert [thread.collect(), thread.collect()] == [0, 10]
@@ -88,18 +50,18 @@ def test_a_step_done_when_the_next_arrives_is_finished_first():
 
 def test_a_step_nothing_follows_is_finished_when_collected():
     steps = Steps()
-    thread = steps.thread()
-    for step in range(3):
-        _submit(thread, step)
-        assert thread.collect() == step * 10
+    thread = _thread(steps)
+    for step_id in range(3):
+        _submit(thread, step_id)
+        assert thread.collect() == step_id * 10
     assert steps.log == [(name, step) for step in range(3) for name in ("launch", "finish")]
     thread.shutdown()
 
 
 def test_a_lockstep_step_is_answered_without_being_asked():
     steps = Steps()
-    thread = steps.thread()
-    thread.submit(_step(0, lockstep=True))
+    thread = _thread(steps)
+    thread.submit(step(0, lockstep=True))
     assert wait([thread._submitted[0][1]], timeout=5).done  # collect() did not ask
     assert steps.log == [("launch", 0), ("finish", 0)]
     assert thread.collect() == 0
@@ -107,12 +69,12 @@ def test_a_lockstep_step_is_answered_without_being_asked():
 
 
 def test_a_failed_launch_raises_in_its_place():
-    steps = Steps(hold=0, fail=1)
-    thread = steps.thread()
+    steps = Steps(hold=0, fail_launch={1})
+    thread = _thread(steps)
     _submit(thread, 0, 1, 2)
     steps.release.set()
     assert thread.collect() == 0
-    with pytest.raises(ValueError, match="step 1 failed"):
+    with pytest.raises(ValueError, match="launch 1 failed"):
         thread.collect()
     assert thread.collect() == 20
     assert steps.log == [("launch", 0), ("finish", 0), ("launch", 2), ("finish", 2)]
@@ -121,7 +83,7 @@ def test_a_failed_launch_raises_in_its_place():
 
 def test_shutdown_drops_steps_not_started():
     steps = Steps(hold=0)
-    thread = steps.thread()
+    thread = _thread(steps)
     _submit(thread, 0, 1, 2, 3)
     assert steps.entered.wait(5)
     stopper = threading.Thread(target=thread.shutdown)
@@ -139,7 +101,7 @@ def test_a_dropped_step_thread_frees_its_steps_owner_and_stops():
     step, so the object they belong to (the ModelRunner) is collected with the StepThread,
     whose finalizer then ends the thread."""
     steps = Steps()
-    thread = steps.thread()
+    thread = _thread(steps)
     _submit(thread, 0, 1)
     assert thread.collect() == 0 and thread.collect() == 10
     worker = thread._thread
