@@ -2,18 +2,17 @@ import numpy as np
 import pytest
 import torch
 
-from attention.cpp_extension import cpu_kernels_enabled
-from worker.sampler import SAMPLING_EPS, Sampler, SamplingMetadata, cpu_kernels
+from kernels import KernelSet
+from worker.sampler import SAMPLING_EPS, Sampler, SamplingMetadata
 
 
 def make_sampler(path: str, generator: torch.Generator | None = None) -> Sampler:
-    """path "kernel": the C++ kernel, which must build (g++ is there in CI), unless
-    SPLITSERVE_CPU_KERNELS=0 turns it off; "torch": the torch path, the reference."""
+    """path "kernel": the C++ kernel, which must build (g++ is there in CI); "torch": the
+    torch path, the reference."""
+    sampler = Sampler(generator, KernelSet(cpu=path == "kernel"))
     if path == "kernel":
-        if not cpu_kernels_enabled():
-            pytest.skip("SPLITSERVE_CPU_KERNELS=0")
-        assert cpu_kernels() is not None, "the C++ sampling kernel did not build"
-    return Sampler(generator, use_cpu_kernel=path == "kernel")
+        assert sampler.cpu_kernel is not None, "the C++ sampling kernel did not build"
+    return sampler
 
 
 @pytest.fixture(params=["kernel", "torch"])
