@@ -135,9 +135,13 @@ def test_cuda_backends_store_with_triton_where_the_kernel_set_has_it(
     backend = get_attn_backend("triton", "cuda", kernels=KernelSet(triton=triton))
     assert isinstance(backend, TritonAttentionBackend) and backend.triton_store == triton
     assert backend.cudagraph_support == triton  # the torch store syncs: no capture
-    cache, expected, _, slots, k, v = stored_both_ways("cpu", 9, 2, 2, 8, 4, 8)
-    on_device = cache.to(kernel_device)
-    slot_mapping = torch.cat([slots, torch.full((2,), -1)]).to(kernel_device)
-    backend.store_kv(k.to(kernel_device), v.to(kernel_device), on_device, slot_mapping)
+    gen = torch.Generator().manual_seed(3)
+    cache = torch.randn(2, 8, 4, 2, 8, generator=gen)
+    slot_mapping = torch.cat([torch.randperm(32, generator=gen)[:9], torch.full((2,), -1)])
+    k, v = torch.randn(11, 2, 8, generator=gen), torch.randn(11, 2, 8, generator=gen)
+    expected, on_device = cache.clone(), cache.to(kernel_device)
+    store_kv_torch(k, v, expected, slot_mapping)
+    to = {"device": kernel_device}
+    backend.store_kv(k.to(**to), v.to(**to), on_device, slot_mapping.to(**to))
     assert torch.equal(on_device.cpu(), expected)
     assert triton_stores == (["cuda"] if kernel_device == "cuda" and triton else [])
