@@ -6,12 +6,14 @@ from attention.layer import Attention
 from attention.metadata import AttentionMetadata, CommonAttentionMetadata
 from attention.rotation import RopeTables, Rotation
 from attention.selector import BACKEND_NAMES, get_attn_backend
+from attention.spec import AttentionSpec
 
 __all__ = [
     "BACKEND_NAMES",
     "Attention",
     "AttentionBackend",
     "AttentionMetadata",
+    "AttentionSpec",
     "CommonAttentionMetadata",
     "ForwardContext",
     "RopeTables",

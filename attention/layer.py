@@ -2,10 +2,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attention.backends.base import AttentionBackend
 from attention.forward_context import get_forward_context
 from attention.rotation import Rotation
-from attention.store_kv import store_kv_cache
-from attention.triton_rope_store import rope_store_fits, rotate_and_store_kv
+from attention.spec import AttentionSpec
 
 
 class Attention(nn.Module):
@@ -16,11 +16,11 @@ class Attention(nn.Module):
     whose block ids the layer's pages are addressed by (layers of different groups may
     share one tensor: a block id belongs to one group at a time). In a step, the layer
     rotates q and k by the model's `rotate` (rotary embedding; None: q and k as given),
-    writes this step's K/V into the cache by its group's slot mapping, then the step's
-    backend attends over the cached context. On CUDA the rotation and the store are one
-    Triton kernel where the rotation offers its tables (`Rotation.rope_tables`). q is
-    [T, num_heads * head_dim]; k and v are [T, num_kv_heads * head_dim]; the output is
-    [T, num_heads * head_dim]. q and k may be rotated in place.
+    has the step's backend write this step's K/V into the cache by its group's slot
+    mapping, then the backend attends over the cached context, reading the layer's `spec`.
+    Where the rotation offers its tables (`Rotation.rope_tables`) the backend may rotate
+    and store in one kernel. q is [T, num_heads * head_dim]; k and v are [T, num_kv_heads
+    * head_dim]; the output is [T, num_heads * head_dim]. q and k may be rotated in place.
     """
 
     def __init__(
@@ -33,12 +33,7 @@ class Attention(nn.Module):
         prefix: str = "",
     ) -> None:
         super().__init__()
-        assert num_heads % num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
-        self.num_heads = num_heads
-        self.head_dim = head_dim
-        self.scale = scale
-        self.num_kv_heads = num_kv_heads
-        self.sliding_window = sliding_window
+        self.spec = AttentionSpec(num_heads, num_kv_heads, head_dim, scale, sliding_window)
         self.prefix = prefix
         self.kv_cache: torch.Tensor | None = None
         self.kv_cache_group = 0
@@ -50,16 +45,20 @@ class Attention(nn.Module):
         v: torch.Tensor,
         rotate: Rotation | None = None,
     ) -> torch.Tensor:
-        num_tokens = q.shape[0]
+        num_tokens, spec = q.shape[0], self.spec
         ctx = get_forward_context()
         md = None if ctx.attn_metadata is None else ctx.attn_metadata[self.kv_cache_group]
-        slot_mapping = None if md is None or self.kv_cache is None else md.slot_mapping
-        q, k, v = self._rotate_and_store(q, k, v, rotate, slot_mapping)
+        if md is None or self.kv_cache is None:
+            if rotate is not None:
+                q, k = rotate(q, k)
+            q, k, v = self._views(q, k, v)
+        else:
+            q, k, v = self._rotate_and_store(q, k, v, rotate, ctx.backend, md.slot_mapping)
         if md is None:
             out = self._causal_attention(q, k, v)
         else:
-            out = ctx.backend.forward(self, q, k, v, self.kv_cache, md)
-        return out.reshape(num_tokens, self.num_heads * self.head_dim)
+            out = ctx.backend.forward(spec, q, k, v, self.kv_cache, md)
+        return out.reshape(num_tokens, spec.num_heads * spec.head_size)
 
     def _rotate_and_store(
         self,
@@ -67,49 +66,48 @@ class Attention(nn.Module):
         k: torch.Tensor,
         v: torch.Tensor,
         rotate: Rotation | None,
-        slot_mapping: torch.Tensor | None,
+        backend: AttentionBackend,
+        slot_mapping: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k (rotated) and v as [T, heads, head_dim]; given a slot mapping, k and v are
-        written into the cache at it: by the fused kernel where it takes them, else
-        rotation then store."""
+        """q, k (rotated) and v as [T, heads, head_dim], k and v written into the cache at
+        the slot mapping: in one kernel where the backend has one that takes them, else
+        rotation, then the backend's store."""
         tables = rotate.rope_tables if rotate is not None else None
-        if slot_mapping is not None and tables is not None and self.kv_cache.is_cuda:
+        if tables is not None:
             views = self._views(q, k, v)
-            if rope_store_fits(*views, self.kv_cache, slot_mapping, tables):
-                rotate_and_store_kv(*views, self.kv_cache, slot_mapping, tables)
+            if backend.rotate_and_store_kv(*views, self.kv_cache, slot_mapping, tables):
                 return views
         if rotate is not None:
             q, k = rotate(q, k)
         q, k, v = self._views(q, k, v)
-        if slot_mapping is not None:
-            store_kv_cache(k, v, self.kv_cache, slot_mapping)
+        backend.store_kv(k, v, self.kv_cache, slot_mapping)
         return q, k, v
 
     def _views(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        num_tokens = q.shape[0]
+        num_tokens, spec = q.shape[0], self.spec
         return (
-            q.view(num_tokens, self.num_heads, self.head_dim),
-            k.view(num_tokens, self.num_kv_heads, self.head_dim),
-            v.view(num_tokens, self.num_kv_heads, self.head_dim),
+            q.view(num_tokens, spec.num_heads, spec.head_size),
+            k.view(num_tokens, spec.num_kv_heads, spec.head_size),
+            v.view(num_tokens, spec.num_kv_heads, spec.head_size),
         )
 
     def _causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """All tokens as one sequence, no cache: the profiling run and model unit tests."""
         n = q.shape[0]
-        mask = None
-        if self.sliding_window is not None:
+        mask, window = None, self.spec.sliding_window
+        if window is not None:
             pos = torch.arange(n, device=q.device)
             dist = pos[:, None] - pos[None, :]
-            mask = (dist >= 0) & (dist < self.sliding_window)
+            mask = (dist >= 0) & (dist < window)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None],
             k.transpose(0, 1)[None],
             v.transpose(0, 1)[None],
             attn_mask=mask,
             is_causal=mask is None,
-            scale=self.scale,
+            scale=self.spec.scale,
             enable_gqa=True,
         )
         return out[0].transpose(0, 1)

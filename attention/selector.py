@@ -8,6 +8,7 @@ from attention.backends.flash_attn_backend import FlashAttentionBackend
 from attention.backends.torch_backend import TorchAttentionBackend
 from attention.backends.triton_backend import TritonAttentionBackend
 from ipc.config import ATTENTION_BACKENDS as BACKEND_NAMES
+from kernels import KernelSet
 
 
 def get_attn_backend(
@@ -16,25 +17,29 @@ def get_attn_backend(
     *,
     block_size: int | None = None,
     dtype: torch.dtype | None = None,
+    kernels: KernelSet | None = None,
 ) -> AttentionBackend:
     """A backend instance for this device. "auto": flash_attn on CUDA when it is
     installed and supports block_size and dtype (when given), else triton on CUDA;
-    on CPU the C++ kernels (cpu), or torch when they cannot be built."""
+    on CPU the C++ kernels (cpu), or torch where the kernel set has them off or they cannot
+    be built. The CUDA backends store K/V with Triton where the set has Triton on.
+    `kernels` defaults to the set of a model on `device` (KernelSet.for_device)."""
     if name not in BACKEND_NAMES:
         raise ValueError(
             f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}"
         )
     on_cuda = torch.device(device).type == "cuda"
+    kernels = kernels or KernelSet.for_device(device)
     if name == "auto":
         if not on_cuda:
-            kernels = load_cpu_attention()
-            return CPUAttentionBackend(kernels) if kernels else TorchAttentionBackend()
+            module = load_cpu_attention(kernels)
+            return CPUAttentionBackend(module) if module else TorchAttentionBackend()
         if FlashAttentionBackend.supports(block_size, dtype):
             try:
-                return FlashAttentionBackend()
+                return FlashAttentionBackend(kernels.triton)
             except ImportError:
                 pass
-        return TritonAttentionBackend()
+        return TritonAttentionBackend(triton_store=kernels.triton)
     if name == "flash_attn":
         if not on_cuda:
             raise ValueError("attention backend flash_attn needs a CUDA device")
@@ -45,18 +50,21 @@ def get_attn_backend(
                 f"block_size={block_size}, dtype={dtype}"
             )
         try:
-            return FlashAttentionBackend()
+            return FlashAttentionBackend(kernels.triton)
         except ImportError as e:
             raise ImportError("attention backend flash_attn needs `pip install flash-attn`") from e
     if name == "triton":
         if not on_cuda:
             raise ValueError("attention backend triton needs a CUDA device")
-        return TritonAttentionBackend()
+        return TritonAttentionBackend(triton_store=kernels.triton)
     if name == "cpu":
         if on_cuda:
             raise ValueError("attention backend cpu runs on CPU devices only")
-        kernels = load_cpu_attention()
-        if kernels is None:
-            raise RuntimeError("attention backend cpu: its C++ kernels could not be built")
-        return CPUAttentionBackend(kernels)
+        module = load_cpu_attention(kernels)
+        if module is None:
+            raise RuntimeError(
+                "attention backend cpu: its C++ kernels are off (SPLITSERVE_CPU_KERNELS=0) "
+                "or could not be built"
+            )
+        return CPUAttentionBackend(module)
     return TorchAttentionBackend()

@@ -45,7 +45,7 @@ def store_kv_triton(
     slot_mapping: torch.Tensor,
     tile: int = 64,
 ) -> None:
-    """Same contract as store_kv_cache: k/v [T, num_kv_heads, head_dim] (any strides
+    """Same contract as store_kv_torch: k/v [T, num_kv_heads, head_dim] (any strides
     with a contiguous last dim), kv_cache [2, num_blocks, block_size, num_kv_heads,
     head_dim], slot -1 skipped."""
     num_tokens = slot_mapping.shape[0]

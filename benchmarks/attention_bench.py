@@ -30,6 +30,7 @@ from attention.backends.triton_backend import (
     decode_num_splits,
 )
 from ipc.utils import cdiv
+from kernels import KernelSet
 from worker.buffers import zeros_on_huge_pages
 
 
@@ -178,7 +179,11 @@ def main() -> None:
         common = triton_on_device(common, cache, layer)
         (sweep_triton_decode if args.sweep else compare_triton_splits)(common, layer, args, read)
         return
-    kernels = load_cpu_attention()
+    kernels = load_cpu_attention(KernelSet.for_device("cpu"))
+    if kernels is None:
+        raise SystemExit(
+            "the C++ attention kernels are off (SPLITSERVE_CPU_KERNELS) or did not build"
+        )
     results = {}
     for backend in (TorchAttentionBackend(), CPUAttentionBackend(kernels)):
         seconds = time_backend(backend, common, layer, args)

@@ -5,12 +5,11 @@
 Times each op at SmolLM2-135M's shapes (hidden 576, 9 heads, 3 kv heads, head_dim 64,
 intermediate 1536, bf16), torch path and kernel in the same process, best of several
 runs; then, with --model, steps of the in-process engine (a prefill step of 8,192 tokens,
-decode steps with 256 requests running) with the kernels off (SPLITSERVE_CPU_KERNELS=0)
-and on, taking turns.
+decode steps with 256 requests running) with the layers' fused kernels off (as a kernel set
+with SPLITSERVE_CPU_KERNELS=0 has them) and on, taking turns.
 """
 
 import argparse
-import os
 import random
 import sys
 import time
@@ -22,8 +21,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kernels import KernelSet  # noqa: E402
 from models.layers.activation import SiluAndMul  # noqa: E402
-from models.layers.cpu_ops import cpu_kernels  # noqa: E402
+from models.layers.fused_ops import fused_ops  # noqa: E402
 from models.layers.norm import RMSNorm  # noqa: E402
 from models.layers.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
 
@@ -54,7 +54,7 @@ def best_times(fns: list[Callable[[], object]], runs: int, min_run_s: float) -> 
 
 def op_cases(tokens: int) -> dict[str, tuple[Callable[[], object], Callable[[], object]]]:
     """name -> (torch path, kernel path) at `tokens` tokens."""
-    ops = cpu_kernels(torch.device("cpu"), DTYPE)
+    ops = fused_ops(KernelSet(cpu=True))
     norm, head_norm = RMSNorm(HIDDEN, eps=1e-5), RMSNorm(HEAD_DIM, eps=1e-5)
     for layer in (norm, head_norm):
         layer.weight.data = torch.randn(layer.hidden_size).to(DTYPE)
@@ -69,6 +69,8 @@ def op_cases(tokens: int) -> dict[str, tuple[Callable[[], object], Callable[[], 
     cos, sin = rope.get_cos_sin(positions, DTYPE)
     gate_up = torch.randn(tokens, 2 * INTERMEDIATE, dtype=DTYPE)
     act = SiluAndMul()
+    for layer in (norm, head_norm, act):
+        layer.ops = ops
     x_own, residual_own = x.clone(), residual.clone()  # for the in-place kernel to overwrite
     return {
         "rms_norm": (lambda: norm.forward_torch(x), lambda: norm(x)),
@@ -101,8 +103,11 @@ def bench_ops(tokens_list: list[int], runs: int) -> None:
             report(f"{name:<36}{tokens:>6}", t_torch * 1e6, t_kernel * 1e6)
 
 
-def with_kernels(enabled: str, fn: Callable[[], object]) -> object:
-    os.environ["SPLITSERVE_CPU_KERNELS"] = enabled  # read on every call of the layers
+def with_fused_ops(model: torch.nn.Module, ops: object, fn: Callable[[], object]) -> object:
+    """fn() with the model's norm, activation and rotary layers on `ops` (None: torch)."""
+    for module in model.modules():
+        if hasattr(type(module), "ops"):
+            module.ops = ops
     return fn()
 
 
@@ -123,6 +128,9 @@ def bench_engine(model_path: str, runs: int) -> None:
         enable_prefix_caching=False,
         kv_cache_memory=2 << 30,
     ).engine
+    model = engine.executor.runner.model
+    on = partial(with_fused_ops, model, fused_ops(KernelSet(cpu=True)))
+    off = partial(with_fused_ops, model, None)
     rng, ids = random.Random(0), iter(range(1 << 30))
 
     def add(num_prompts: int, length: int, max_tokens: int) -> None:
@@ -138,14 +146,13 @@ def bench_engine(model_path: str, runs: int) -> None:
 
     print(f"\nengine steps, {Path(model_path).name}, bf16, in process")
     print(f"{'step':<42}{'torch s':>12}{'kernels s':>12}{'speedup':>9}")
-    times = best_times([partial(with_kernels, enabled, prefill) for enabled in "01"], runs, 0)
+    times = best_times([partial(off, prefill), partial(on, prefill)], runs, 0)
     report(f"{'prefill, 8 x 1024 tokens':<42}", *times)
     decode_runs = 10 * runs  # one step a run: steps are short, and noisy on a shared box
     add(256, 32, 2 * decode_runs + 8)
     engine.step()  # their prefill
-    steps = [partial(with_kernels, enabled, engine.step) for enabled in "01"]
+    steps = [partial(off, engine.step), partial(on, engine.step)]
     report(f"{'decode, 256 running':<42}", *best_times(steps, decode_runs, 0))
-    os.environ.pop("SPLITSERVE_CPU_KERNELS")
     engine.shutdown()
 
 
@@ -158,8 +165,8 @@ def main() -> None:
     parser.add_argument("--model-runs", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    if cpu_kernels(torch.device("cpu"), DTYPE) is None:
-        sys.exit("the C++ kernels could not be built or are disabled (SPLITSERVE_CPU_KERNELS)")
+    if fused_ops(KernelSet(cpu=True)) is None:
+        sys.exit("the C++ kernels could not be built")
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {DTYPE}")
     bench_ops(args.tokens, args.runs)
     if args.model:

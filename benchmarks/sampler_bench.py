@@ -19,7 +19,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from worker.sampler import SAMPLING_EPS, Sampler, SamplingMetadata, cpu_kernels  # noqa: E402
+from kernels import KernelSet  # noqa: E402
+from worker.sampler import SAMPLING_EPS, Sampler, SamplingMetadata  # noqa: E402
 
 CASES = {
     "temperature": {},
@@ -77,13 +78,13 @@ def main() -> None:
     parser.add_argument("--logits", type=Path, help="a saved [rows, vocab] logits tensor")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    if cpu_kernels() is None:
-        sys.exit("the C++ sampling kernel did not build (see the warning above)")
+    torch_path, kernel = Sampler(kernels=KernelSet()), Sampler(kernels=KernelSet.for_device("cpu"))
+    if kernel.cpu_kernel is None:
+        sys.exit("the C++ sampling kernel is off or did not build (see the warning above)")
     if args.logits:
         logits = torch.load(args.logits)
     else:
         logits = make_logits(args.rows, args.vocab, args.seed)
-    torch_path, kernel = Sampler(use_cpu_kernel=False), Sampler()
     rows, vocab = logits.shape
     print(f"{rows} x {vocab} {logits.dtype} logits, {args.threads} threads, best of {args.repeat}")
     print(f"{'case':<12} {'torch ms':>9} {'kernel ms':>10} {'speed-up':>9}")

@@ -7,11 +7,9 @@ as a lazy slice, and each parameter reads only its own tensor-parallel shard.
 from __future__ import annotations
 
 import contextlib
-import functools
 import glob
 import json
 import os
-import platform
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,7 +18,7 @@ from safetensors import safe_open
 from torch import nn
 
 from ipc.config import DTYPES
-from models.layers.cpu_linear import pack_linear_weights
+from kernels import KernelSet, has_native_bf16
 from models.layers.linear import kv_heads_per_rank
 from models.layers.rotary import get_head_dim
 from models.llama import LlamaForCausalLM
@@ -29,27 +27,6 @@ from models.registry import get_model_class
 # Every name in ipc.config.DTYPES but "auto" is a torch attribute ("float" and "half"
 # are aliases of float32 and float16).
 _DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPES if name != "auto"}
-
-
-@functools.cache
-def cpu_has_native_bf16() -> bool:
-    """True when the CPU has bf16 instructions (AVX512-BF16 or AMX-BF16, or Arm BF16)."""
-    capability = str(torch.backends.cpu.get_cpu_capability()).upper()
-    if "AMX" in capability or "BF16" in capability:
-        return True
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key = line.split(":", 1)[0].strip().lower()
-                if key in ("flags", "features"):
-                    flags = set(line.split(":", 1)[1].split())
-                    if flags & {"avx512_bf16", "amx_bf16"}:
-                        return True
-                    if platform.machine().lower() in ("aarch64", "arm64") and "bf16" in flags:
-                        return True
-    except OSError:
-        pass
-    return False
 
 
 def _config_dtype(config: Any) -> torch.dtype:
@@ -83,7 +60,7 @@ def resolve_dtype(
         resolved = _config_dtype(config)
         if resolved == torch.float32:
             device_type = torch.device(device).type
-            if device_type == "cpu" and cpu_has_native_bf16():
+            if device_type == "cpu" and has_native_bf16():
                 return torch.bfloat16
             if device_type == "cuda":
                 return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
@@ -150,9 +127,12 @@ def load_model(
     dtype: torch.dtype | str,
     device: torch.device | str = "cpu",
     config: Any = None,
+    kernels: KernelSet | None = None,
 ) -> nn.Module:
-    """Build the model for `model_path` on `device` in `dtype` and load this tensor-parallel
-    rank's shard of the weights. Initialise models.parallel_state first for TP > 1."""
+    """Build the model for `model_path` on `device` in `dtype`, load this tensor-parallel
+    rank's shard of the weights and hand its layers the kernel set (default: the set of a
+    model on `device`, KernelSet.for_device). Initialise models.parallel_state first for
+    TP > 1."""
     if config is None:
         config = load_config(model_path)
     if not isinstance(dtype, torch.dtype):
@@ -165,5 +145,15 @@ def load_model(
     missing = sorted(set(dict(model.named_parameters())) - loaded)
     if missing:
         raise ValueError(f"checkpoint {model_path} has no weights for {missing}")
-    pack_linear_weights(model)
+    bind_kernels(model, kernels or KernelSet.for_device(device))
     return model.eval()
+
+
+def bind_kernels(model: nn.Module, kernels: KernelSet) -> None:
+    """Hand the kernel set to every layer that runs kernels (those with `bind_kernels`):
+    each takes its kernels from it once (a linear layer packs its weight for them). Bind
+    again after changing weights."""
+    for module in model.modules():
+        bind = getattr(module, "bind_kernels", None)
+        if bind is not None:
+            bind(kernels)

@@ -10,8 +10,8 @@ from attention import get_attn_backend, set_forward_context
 from ipc.config import EngineConfig
 from ipc.messages import ModelRunnerOutput, SchedulerOutput
 from ipc.utils import cdiv
+from kernels import KernelSet
 from models import kv_cache_shape_info, load_model, resolve_dtype
-from models.layers.cpu_ops import cpu_kernels as layer_cpu_kernels
 from models.parallel_state import get_tp_rank, get_tp_size, tp_broadcast
 from worker.batch_update import update_batch
 from worker.buffers import InputBuffers, zeros_on_huge_pages
@@ -22,7 +22,6 @@ from worker.kv_cache_groups import group_layers, group_size
 from worker.kv_offload import HostKVCache, measure_block_copy_seconds
 from worker.prompt_logprobs import compute_prompt_logprobs, plan_prompt_logprobs
 from worker.sampler import Sampler
-from worker.sampler import cpu_kernels as sampler_cpu_kernels
 from worker.step_inputs import PendingSamples, StepInputs, prepare_inputs
 from worker.step_output import LaunchedStep, finish_step
 
@@ -57,18 +56,26 @@ class ModelRunner:
         self.device = torch.device(device or _default_device(config.device))
         self.hf_config = AutoConfig.from_pretrained(config.model)
         self.dtype = resolve_dtype(config.dtype, self.hf_config, device=self.device)
-        self.model = load_model(config.model, self.dtype, self.device, self.hf_config)
+        # Chosen once, from the environment; every kernel below is built now, before READY.
+        self.kernels = KernelSet.for_device(self.device)
+        self.model = load_model(
+            config.model, self.dtype, self.device, self.hf_config, kernels=self.kernels
+        )
         self.num_layers, self.num_kv_heads, self.head_dim = kv_cache_shape_info(
             self.hf_config, get_tp_size()
         )
         self.attn_backend = get_attn_backend(
-            config.attention_backend, self.device, block_size=config.block_size, dtype=self.dtype
+            config.attention_backend,
+            self.device,
+            block_size=config.block_size,
+            dtype=self.dtype,
+            kernels=self.kernels,
         )
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len
         self.max_num_tokens = config.token_budget(self.device.type)
         self.kv_cache_groups = group_layers(
-            [layer.sliding_window for layer in self.model.attention_layers()]
+            [layer.spec.sliding_window for layer in self.model.attention_layers()]
         )
         max_num_blocks_per_req = cdiv(config.max_model_len, config.block_size)
         self.inputs = InputBuffers(
@@ -91,10 +98,8 @@ class ModelRunner:
             staging=self.inputs.batch_staging,
         )
         self.requests: dict[str, CachedRequestState] = {}
-        self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
-        if self.device.type == "cpu":  # built now, before READY, not inside the first step
-            sampler_cpu_kernels()
-            layer_cpu_kernels(self.device, self.dtype)
+        generator = torch.Generator(self.device).manual_seed(config.seed)
+        self.sampler = Sampler(generator, self.kernels)
         self.is_driver = get_tp_rank() == 0
         self.cuda_graphs: CudaGraphRunner | None = None
         self._unfinished: deque[LaunchedStep] = deque()  # launched, in order

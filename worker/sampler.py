@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import torch
 
-from attention.cpp_extension import load_cpp_extension
+from kernels import KernelSet
 from worker.logits_processors import (
     AllowedTokens,
     BadWords,
@@ -60,38 +60,34 @@ class SamplerOutput:
     logprobs: LogprobsTensors | None
 
 
-def cpu_kernels() -> ModuleType | None:
-    """The C++ sampling kernel (sampler_cpu.cpp), built on first use; None without one."""
-    return load_cpp_extension("splitserve_sampler", Path(__file__).with_name("sampler_cpu.cpp"))
+def cpu_sampling_kernel(kernels: KernelSet) -> ModuleType | None:
+    """The C++ sampling kernel (sampler_cpu.cpp) for the set's ISA, built on first use;
+    None where the set has the C++ kernels off or it cannot be built."""
+    return kernels.cpp("splitserve_sampler", Path(__file__).with_name("sampler_cpu.cpp"))
 
 
 class Sampler(torch.nn.Module):
     """Rows of requests without a seed draw from `generator` (the engine's --seed, the
-    same on every rank), or from torch's global generator when it is None. CPU logits
-    are sampled by the C++ kernel when it builds (and `use_cpu_kernel`), CUDA logits by
-    the Triton kernel (sampler_triton.py, when `use_triton_kernel` and it takes their
-    dtype), the rest by the torch path, which is also the reference; all consume the same
+    same on every rank), or from torch's global generator when it is None. With the
+    kernel set's kernels (default KernelSet(): none), CPU logits are sampled by the C++
+    kernel and CUDA logits by the Triton kernel (sampler_triton.py, where it takes their
+    dtype); the rest by the torch path, which is also the reference. All consume the same
     uniform draws and pick the same tokens but at rounding-level boundaries."""
 
     def __init__(
-        self,
-        generator: torch.Generator | None = None,
-        use_cpu_kernel: bool = True,
-        use_triton_kernel: bool = True,
+        self, generator: torch.Generator | None = None, kernels: KernelSet | None = None
     ) -> None:
         super().__init__()
+        kernels = kernels or KernelSet()
         self.generator = generator
-        self.use_cpu_kernel = use_cpu_kernel
-        self.use_triton_kernel = use_triton_kernel
+        self.cpu_kernel = cpu_sampling_kernel(kernels)
+        self.triton = kernels.triton
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         processed = process_logits(logits, metadata)
-        kernels = None
-        if self.use_cpu_kernel and logits.device.type == "cpu":
-            kernels = cpu_kernels()
-        if kernels is not None:
-            sampled = self._sample_cpu_kernel(kernels, processed, metadata)
-        elif self.use_triton_kernel and triton_takes(processed):
+        if self.cpu_kernel is not None and logits.device.type == "cpu":
+            sampled = self._sample_cpu_kernel(self.cpu_kernel, processed, metadata)
+        elif self.triton and triton_takes(processed):
             u = self._kernel_uniforms(processed, metadata)
             m = metadata
             sampled = sample_triton(

@@ -16,8 +16,6 @@ import torch
 import triton
 import triton.language as tl
 
-from models.layers.triton_ops import triton_kernels_enabled
-
 TAKES_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_TILE = 2048
 # Order keys of -inf (int32(0xFF800000) ^ 0x7FFFFFFF) and of 1.0.
@@ -247,12 +245,7 @@ def _sample_kernel(
 
 def triton_takes(logits: torch.Tensor) -> bool:
     """Whether `sample_triton` takes these logits as they are (else the torch path samples)."""
-    return (
-        logits.is_cuda
-        and logits.dim() == 2
-        and logits.dtype in TAKES_DTYPES
-        and triton_kernels_enabled()
-    )
+    return logits.is_cuda and logits.dim() == 2 and logits.dtype in TAKES_DTYPES
 
 
 def sample_triton(

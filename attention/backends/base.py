@@ -3,33 +3,34 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 
 from attention.metadata import AttentionMetadata, CommonAttentionMetadata
-
-if TYPE_CHECKING:
-    from attention.layer import Attention
+from attention.rotation import RopeTables
+from attention.spec import AttentionSpec
+from attention.store_kv import store_kv_torch
 
 
 class AttentionBackend(ABC):
-    """How a step's attention runs.
+    """How a step's attention runs, and how its K/V reach the paged cache.
 
     Eager steps: the model runner lays out the batch (CommonAttentionMetadata) and calls
     `build_metadata` once, before the forward pass; each Attention layer stores its K/V
-    by the slot mapping and calls `forward` with that metadata.
+    by the slot mapping (`store_kv`, or `rotate_and_store_kv`) and calls `forward` with
+    its AttentionSpec and that metadata.
 
     CUDA graphs (worker/cuda_graph.py) capture pure-decode batches padded to a few
     sizes. For each size, `build_cudagraph_metadata` runs once, before capture, over
     views of the runner's persistent buffers; each replay is preceded by
     `prepare_replay` once the step's inputs sit in those buffers. `cudagraph_support`
-    says whether `forward` on such metadata depends only on device values and the padded
-    size, i.e. whether it may be captured at all.
+    says whether the store and `forward` on such metadata depend only on device values and
+    the padded size, i.e. whether they may be captured at all.
     """
 
     name: ClassVar[str]
-    cudagraph_support: ClassVar[bool] = False
+    cudagraph_support: bool = False
 
     def build_metadata(self, common: CommonAttentionMetadata) -> AttentionMetadata:
         """The step's metadata: the batch and its split into decodes and prefills."""
@@ -47,9 +48,31 @@ class AttentionBackend(ABC):
         """Called outside any graph before each replay over `md`, after the step's inputs
         were written to the buffers it views: drop what was derived from earlier values."""
 
+    def store_kv(
+        self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        """Write k/v ([T, num_kv_heads, head_size]) into kv_cache ([2, num_blocks,
+        block_size, num_kv_heads, head_size]) at flat slot ids; slot -1 (padding) is
+        skipped. Here with torch ops; a backend with a kernel of its own overrides it."""
+        store_kv_torch(k, v, kv_cache, slot_mapping)
+
+    def rotate_and_store_kv(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        tables: RopeTables,
+    ) -> bool:
+        """Rotate q and k ([T, heads, head_size]) in place by `tables` and store k and v as
+        `store_kv` does, in one kernel, where the backend has one that takes these tensors.
+        False: nothing was done, and the layer rotates and then calls `store_kv`."""
+        return False
+
     def forward(
         self,
-        layer: Attention,
+        spec: AttentionSpec,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
@@ -61,13 +84,13 @@ class AttentionBackend(ABC):
         padding rows past md.num_actual_tokens zeroed."""
         out = torch.empty_like(q)
         out[md.num_actual_tokens :] = 0
-        self.attend(layer, q, k, v, kv_cache, md, out)
+        self.attend(spec, q, k, v, kv_cache, md, out)
         return out
 
     @abstractmethod
     def attend(
         self,
-        layer: Attention,
+        spec: AttentionSpec,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,

@@ -15,7 +15,6 @@
 
 #include "cpu_math.h"
 
-#include <immintrin.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -61,8 +60,14 @@ inline void softmax_rows(float* scores, int64_t rows, int64_t n) {
 // is read again after the softmax; a whole context of one KV head fits in L2).
 constexpr int64_t kPrefetchBlocks = 4;
 
-// As asm: gcc 12 deletes a loop of __builtin_prefetch calls as having no effect.
-inline void prefetch_line(const char* p) { asm volatile("prefetcht0 %0" : : "m"(*p)); }
+// As asm on x86: gcc 12 deletes a loop of __builtin_prefetch calls as having no effect.
+inline void prefetch_line(const char* p) {
+#if defined(__x86_64__)
+  asm volatile("prefetcht0 %0" : : "m"(*p));
+#else
+  __builtin_prefetch(p);
+#endif
+}
 
 template <typename T>
 inline void prefetch_block(const T* cache, const int32_t* blocks, int64_t block_index,
@@ -139,9 +144,6 @@ void attend_item(const T* q, T* out, const T* cache, const int32_t* blocks, int6
   }
 }
 
-// Cleared by set_amx (tests of the AVX512-BF16 path, or an escape hatch).
-bool amx_enabled = true;
-
 }  // namespace
 
 #include "cpu_attn_bf16.h"
@@ -153,8 +155,8 @@ namespace {
 // Whether a bf16 decode with this layout takes the AMX path (items of at most 16 query
 // heads, chunks of 16 positions within a block).
 bool takes_amx_path(const Layout& L) {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  return amx_enabled && L.group <= 16 && L.block_size % 16 == 0 && amx_usable();
+#if defined(SPLITSERVE_AMX)
+  return L.group <= 16 && L.block_size % 16 == 0 && amx_usable();
 #else
   return false;
 #endif
@@ -182,7 +184,7 @@ void decode_all(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor&
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     std::vector<float> work;
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(SPLITSERVE_AMX)
     if (amx) configure_score_tiles(L.group);
 #endif
 #pragma omp for schedule(dynamic, 1)
@@ -193,9 +195,9 @@ void decode_all(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor&
       const T* q_row = q_ptr + row * L.q_row_stride;
       T* out_row = out_ptr + row * L.out_row_stride;
       const int32_t* blocks = table + req * L.table_stride;
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(SPLITSERVE_AVX512_BF16)
       if constexpr (kBf16Path) {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(SPLITSERVE_AMX)
         if (amx) {
           attend_item_amx<D>(q_row, out_row, cache, blocks, first, seq_len, kv_head, heads,
                              static_cast<float>(scale), L, work);
@@ -210,7 +212,7 @@ void decode_all(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor&
       attend_item<T, D>(q_row, out_row, cache, blocks, first, seq_len, kv_head,
                         static_cast<float>(scale), L, work);
     }
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(SPLITSERVE_AMX)
     if (amx) _tile_release();
 #endif
   }
@@ -258,10 +260,11 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache,
   });
 }
 
-// k, v: [T, num_kv_heads, head_dim] with dense rows (rows may be strided, as views of one
-// projection); kv_cache as above; slot_mapping [N <= T] int64 flat slot ids, -1 = skip.
-// Token t's K and V rows are copied to kv_cache[0] and kv_cache[1] at slot_mapping[t].
-void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor kv_cache,
+// k, v: [T, num_kv_heads, head_dim] (rows may be strided, as views of one projection);
+// kv_cache as above; slot_mapping [N <= T] int64 flat slot ids, -1 = skip. Token t's K and
+// V rows are copied to kv_cache[0] and kv_cache[1] at slot_mapping[t]. Returns false,
+// writing nothing, where the rows are not dense (the caller stores them another way).
+bool store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor kv_cache,
               torch::Tensor slot_mapping) {
   TORCH_CHECK(k.device().is_cpu() && v.device().is_cpu() && kv_cache.device().is_cpu(),
               "store_kv runs on CPU");
@@ -273,7 +276,7 @@ void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor kv_cache,
                   v.sizes() == k.sizes(),
               "k/v heads do not match the cache");
   for (const auto& x : {k, v})
-    TORCH_CHECK(x.stride(2) == 1 && x.stride(1) == x.size(2), "k/v rows must be dense");
+    if (x.stride(2) != 1 || x.stride(1) != x.size(2)) return false;
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1,
               "slot_mapping is int64 [N]");
   auto slots_t = slot_mapping.contiguous();
@@ -295,19 +298,12 @@ void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor kv_cache,
       std::memcpy(value_cache + slots[t] * row_bytes, value + t * v_stride, row_bytes);
     }
   });
-}
-
-// Whether bf16 decodes may take the AMX path (where the CPU has it); returns the
-// previous setting.
-bool set_amx(bool enabled) {
-  const bool previous = amx_enabled;
-  amx_enabled = enabled;
-  return previous;
+  return true;
 }
 
 bool has_amx_path() {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  return amx_enabled && amx_usable();
+#if defined(SPLITSERVE_AMX)
+  return amx_usable();
 #else
   return false;
 #endif
@@ -315,8 +311,8 @@ bool has_amx_path() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "Paged decode attention reading K/V in place");
-  m.def("paged_prefill", &paged_prefill, "Causal prefill attention over the paged cache (AMX)");
-  m.def("set_amx", &set_amx, "Allow or forbid the AMX decode path; returns the old value");
-  m.def("has_amx_path", &has_amx_path, "Whether the AMX paths are built, allowed and usable");
+  m.def("paged_prefill", &paged_prefill,
+        "Causal prefill attention over the paged cache (AMX); false where it takes none");
+  m.def("has_amx_path", &has_amx_path, "Whether the AMX paths are built and usable");
   m.def("store_kv", &store_kv, "Write this step's K/V rows into the paged cache");
 }

@@ -7,7 +7,7 @@
 // of them would stall the core on its 16 line-fill buffers).
 #pragma once
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(SPLITSERVE_AMX)
 #include <cmath>
 
 namespace {

@@ -3,18 +3,16 @@
 // of V rows, used where the CPU has AVX512-BF16 but no AMX.
 #pragma once
 
-#include <immintrin.h>
-
 namespace {
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(SPLITSERVE_AVX512_BF16)
 constexpr bool kHaveBf16Path = true;
 #else
 constexpr bool kHaveBf16Path = false;
 #endif
 constexpr int64_t kWholeRequestsPerThread = 8;
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(SPLITSERVE_AVX512_BF16)
 // bf16 with AVX512-BF16: q.k by VDPBF16PS straight from the bf16 rows (products of two
 // bf16 are exact in fp32), 16 positions at a time, their 16 partial-sum vectors reduced
 // together by a transpose-add tree; V rows widened to fp32 once per position and

@@ -15,7 +15,7 @@
 #include <utility>
 #include <vector>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(SPLITSERVE_AMX)
 
 namespace {
 
@@ -183,27 +183,31 @@ void prefill_tile(const uint16_t* q, uint16_t* out, int64_t n, int64_t first_pos
 // head_dim] with dense rows; kv_cache as above, holding every context position already;
 // block_table [R, max_blocks] int32 (rows may be strided); seq_lens [R] int32;
 // query_start_loc [R + 1] int32; reqs [P] int64: the prefills, whose query rows are
-// query_start_loc[r] .. query_start_loc[r + 1] - 1, the last positions of their context.
-void paged_prefill(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache,
+// query_start_loc[r] .. query_start_loc[r + 1] - 1, the last positions of their context;
+// window > 0: the layer's sliding window. Returns false, computing nothing, where this is
+// no prefill the kernel takes (no AMX in the build or for the process, not bf16, a window,
+// head_dim other than 64 or 128, blocks not a multiple of 16 positions): the caller runs
+// its own. Inputs that do not fit together raise.
+bool paged_prefill(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache,
                    torch::Tensor block_table, torch::Tensor seq_lens,
-                   torch::Tensor query_start_loc, torch::Tensor reqs, double scale) {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  TORCH_CHECK(amx_enabled && amx_usable(), "paged_prefill needs AMX");
+                   torch::Tensor query_start_loc, torch::Tensor reqs, double scale,
+                   int64_t window) {
   TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "paged_prefill runs on CPU");
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && kv_cache.dim() == 5, "bad ranks");
+  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() && out.scalar_type() == q.scalar_type(),
+              "q, out and kv_cache must share a dtype");
+  const int64_t kv_heads = kv_cache.size(3), dim = kv_cache.size(4), heads = q.size(1);
+  TORCH_CHECK(q.size(2) == dim && heads % kv_heads == 0, "head shapes do not match");
+#if defined(SPLITSERVE_AMX)
+  if (!amx_usable() || q.scalar_type() != at::kBFloat16 || window > 0 ||
+      (dim != 64 && dim != 128) || kv_cache.size(2) % 16 != 0)
+    return false;
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q rows must be dense");
   TORCH_CHECK(out.stride(2) == 1 && out.stride(1) == out.size(2), "out rows must be dense");
   TORCH_CHECK(kv_cache.is_contiguous() && block_table.stride(1) == 1, "cache, table rows dense");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && kv_cache.scalar_type() == at::kBFloat16 &&
-                  out.scalar_type() == at::kBFloat16,
-              "paged_prefill takes bf16");
   TORCH_CHECK(block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
                   query_start_loc.scalar_type() == at::kInt && reqs.scalar_type() == at::kLong,
               "int32 table, lengths and offsets; int64 request ids");
-  const int64_t kv_heads = kv_cache.size(3), dim = kv_cache.size(4), heads = q.size(1);
-  TORCH_CHECK(q.size(2) == dim && heads % kv_heads == 0, "head shapes do not match");
-  TORCH_CHECK(dim == 64 || dim == 128, "paged_prefill takes head_dim 64 or 128");
-  TORCH_CHECK(kv_cache.size(2) % 16 == 0, "paged_prefill takes blocks of a multiple of 16");
   auto lens_t = seq_lens.contiguous(), starts_t = query_start_loc.contiguous();
   auto reqs_t = reqs.contiguous();
   const int32_t* lens = lens_t.data_ptr<int32_t>();
@@ -264,7 +268,8 @@ void paged_prefill(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache,
     }
     _tile_release();
   }
+  return true;
 #else
-  TORCH_CHECK(false, "paged_prefill needs AMX");
+  return false;
 #endif
 }

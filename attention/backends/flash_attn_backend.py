@@ -2,11 +2,11 @@
 
 import torch
 
-from attention.backends.base import AttentionBackend
+from attention.backends.triton_store import TritonStoreBackend
 from attention.metadata import AttentionMetadata
 
 
-class FlashAttentionBackend(AttentionBackend):
+class FlashAttentionBackend(TritonStoreBackend):
     """Decodes through `flash_attn_with_kvcache`, prefills through
     `flash_attn_varlen_func`, both reading K/V from the paged cache by block table.
 
@@ -17,7 +17,8 @@ class FlashAttentionBackend(AttentionBackend):
     seq_len - query_len + i). A sliding window of w tokens is window_size=(w - 1, 0).
 
     Upstream flash-attn 2 takes fp16/bf16 only and pages of a multiple of 256 tokens;
-    the selector checks both (`supports`).
+    the selector checks both (`supports`). K/V are stored as TritonStoreBackend stores
+    them.
     """
 
     name = "flash_attn"
@@ -27,7 +28,8 @@ class FlashAttentionBackend(AttentionBackend):
     block_size_multiple = 256
     dtypes = (torch.float16, torch.bfloat16)
 
-    def __init__(self) -> None:
+    def __init__(self, triton_store: bool = True) -> None:
+        super().__init__(triton_store)
         from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
 
         self._varlen = flash_attn_varlen_func
@@ -38,10 +40,10 @@ class FlashAttentionBackend(AttentionBackend):
         block_ok = block_size is None or block_size % cls.block_size_multiple == 0
         return block_ok and (dtype is None or dtype in cls.dtypes)
 
-    def attend(self, layer, q, k, v, kv_cache, md: AttentionMetadata, out) -> None:
+    def attend(self, spec, q, k, v, kv_cache, md: AttentionMetadata, out) -> None:
         split = md.split
         key_cache, value_cache = kv_cache.unbind(0)
-        window = (-1, -1) if layer.sliding_window is None else (layer.sliding_window - 1, 0)
+        window = (-1, -1) if spec.sliding_window is None else (spec.sliding_window - 1, 0)
         if split.num_decodes:
             result = self._with_kvcache(
                 q[split.decode_rows].unsqueeze(1),
@@ -49,7 +51,7 @@ class FlashAttentionBackend(AttentionBackend):
                 value_cache,
                 cache_seqlens=md.seq_lens[split.decode_reqs],
                 block_table=md.block_table[split.decode_reqs],
-                softmax_scale=layer.scale,
+                softmax_scale=spec.scale,
                 causal=True,
                 window_size=window,
             )
@@ -63,7 +65,7 @@ class FlashAttentionBackend(AttentionBackend):
                 cu_seqlens_k=split.prefill_seq_start_loc,
                 max_seqlen_q=split.max_prefill_query_len,
                 max_seqlen_k=split.max_prefill_seq_len,
-                softmax_scale=layer.scale,
+                softmax_scale=spec.scale,
                 causal=True,
                 window_size=window,
                 block_table=md.block_table[split.prefill_reqs],

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from attention.backends.base import AttentionBackend
 from attention.batch_split import DecodeGroup
 from attention.metadata import AttentionMetadata, CommonAttentionMetadata
+from attention.spec import AttentionSpec
 from ipc.utils import cdiv
 
 Window = int | None
@@ -65,16 +66,16 @@ class TorchAttentionBackend(AttentionBackend):
         md.decode_layouts.clear()
         md.prefill_masks.clear()
 
-    def attend(self, layer, q, k, v, kv_cache, md: AttentionMetadata, out) -> None:
+    def attend(self, spec, q, k, v, kv_cache, md: AttentionMetadata, out) -> None:
         assert isinstance(md, TorchAttentionMetadata), "metadata of another backend"
         for index, group in enumerate(md.split.decode_groups):
-            self._decode(layer, q, kv_cache, md, out, index, group)
+            self._decode(spec, q, kv_cache, md, out, index, group)
         for req in md.split.prefill_reqs_cpu:
-            self._prefill(layer, req, q, k, v, kv_cache, md, out)
+            self._prefill(spec, req, q, k, v, kv_cache, md, out)
 
     def _decode(
         self,
-        layer,
+        spec: AttentionSpec,
         q: torch.Tensor,
         kv_cache: torch.Tensor,
         md: TorchAttentionMetadata,
@@ -85,26 +86,28 @@ class TorchAttentionBackend(AttentionBackend):
         num_decodes, block_size = group.reqs.shape[0], kv_cache.shape[2]
         block_ids, valid = _shared(
             md.decode_layouts,
-            (index, layer.sliding_window),
-            lambda: _decode_layout(md, group, layer.sliding_window, block_size),
+            (index, spec.sliding_window),
+            lambda: _decode_layout(md, group, spec.sliding_window, block_size),
         )
         keys, values = self._gather(kv_cache, block_ids)
-        shape = (num_decodes, valid.shape[-1], layer.num_kv_heads, layer.head_dim)
-        query = q[group.rows].view(num_decodes, layer.num_kv_heads, -1, layer.head_dim)
+        shape = (num_decodes, valid.shape[-1], spec.num_kv_heads, spec.head_size)
+        query = q[group.rows].view(num_decodes, spec.num_kv_heads, -1, spec.head_size)
         result = F.scaled_dot_product_attention(
             query,
             keys.view(shape).transpose(1, 2),
             values.view(shape).transpose(1, 2),
             attn_mask=valid,
-            scale=layer.scale,
+            scale=spec.scale,
         )
-        out[group.rows] = result.reshape(num_decodes, layer.num_heads, layer.head_dim)
+        out[group.rows] = result.reshape(num_decodes, spec.num_heads, spec.head_size)
 
-    def _prefill(self, layer, req: int, q, k, v, kv_cache, md: TorchAttentionMetadata, out) -> None:
+    def _prefill(
+        self, spec: AttentionSpec, req: int, q, k, v, kv_cache, md: TorchAttentionMetadata, out
+    ) -> None:
         start = int(md.query_start_loc_cpu[req])
         end = int(md.query_start_loc_cpu[req + 1])
         seq_len = int(md.seq_lens_cpu[req])
-        query_len, window = end - start, layer.sliding_window
+        query_len, window = end - start, spec.sliding_window
         first = 0 if window is None else max(0, seq_len - query_len - window + 1)
         if seq_len == query_len:
             keys, values = k[start:end], v[start:end]
@@ -113,7 +116,7 @@ class TorchAttentionBackend(AttentionBackend):
             first -= first % block_size
             blocks = md.block_table[req, first // block_size : cdiv(seq_len, block_size)]
             keys, values = self._gather(kv_cache, blocks)
-            heads = (-1, layer.num_kv_heads, layer.head_dim)
+            heads = (-1, spec.num_kv_heads, spec.head_size)
             keys = keys.view(heads)[: seq_len - first]
             values = values.view(heads)[: seq_len - first]
         mask = None
@@ -131,7 +134,7 @@ class TorchAttentionBackend(AttentionBackend):
             values.transpose(0, 1)[None],
             attn_mask=mask,
             is_causal=mask is None,
-            scale=layer.scale,
+            scale=spec.scale,
             enable_gqa=True,
         )
         out[start:end] = result[0].transpose(0, 1)

@@ -5,8 +5,8 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from attention.backends.base import AttentionBackend
 from attention.backends.triton_kernels import SplitPartials, paged_attention
+from attention.backends.triton_store import TritonStoreBackend
 from attention.metadata import AttentionMetadata
 
 # About two resident programs per SM of an H100/H200 (132 SMs): a decode launch with fewer
@@ -56,12 +56,13 @@ class DecodeLaunch:
     num_stages: int | None = None
 
 
-class TritonAttentionBackend(AttentionBackend):
+class TritonAttentionBackend(TritonStoreBackend):
     """Launches the decode kernel over the decodes and the prefill kernel over the
     prefills (fresh prompts, cached prefixes and chunks alike); each reads the step's
     rows of q and the context from the paged cache, in any request order. Small decode
     batches split each context over several programs (`decode_num_splits`), combining
-    their partials from float32 scratch that is kept per shape and reused."""
+    their partials from float32 scratch that is kept per shape and reused. K/V are stored
+    as TritonStoreBackend stores them."""
 
     name = "triton"
     # The decode launch grid is (padded batch, splits, kv heads), the split count a function
@@ -76,14 +77,16 @@ class TritonAttentionBackend(AttentionBackend):
         block_n: int = 32,
         target_decode_programs: int = TARGET_DECODE_PROGRAMS,
         decode: DecodeLaunch | None = None,
+        triton_store: bool = True,
     ) -> None:
+        super().__init__(triton_store)
         self.prefill_block_q = prefill_block_q
         self.block_n = block_n
         self.decode = decode or DecodeLaunch(block_n)
         self.target_decode_programs = target_decode_programs
         self._partials: dict[tuple, SplitPartials] = {}
 
-    def attend(self, layer, q, k, v, kv_cache, md: AttentionMetadata, out) -> None:
+    def attend(self, spec, q, k, v, kv_cache, md: AttentionMetadata, out) -> None:
         split = md.split
         common = dict(
             q=q,
@@ -92,8 +95,8 @@ class TritonAttentionBackend(AttentionBackend):
             block_table=md.block_table,
             query_start_loc=md.query_start_loc,
             seq_lens=md.seq_lens,
-            scale=layer.scale,
-            sliding_window=layer.sliding_window,
+            scale=spec.scale,
+            sliding_window=spec.sliding_window,
         )
         if split.num_decodes:
             partials = self._decode_partials(split.num_decodes, q, kv_cache, md.block_table)

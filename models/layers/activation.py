@@ -2,26 +2,28 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.layers import triton_ops
-from models.layers.cpu_ops import cpu_kernels, fits_rows
+from kernels import KernelSet
+from models.layers.fused_ops import fused_ops
 
 
 class SiluAndMul(nn.Module):
-    """x = [gate; up] along the last dim -> silu(gate) * up (the C++ kernel on CPU, the
-    Triton kernel on CUDA)."""
+    """x = [gate; up] along the last dim -> silu(gate) * up (the kernel set's fused kernel
+    where it takes x, else the torch code)."""
+
+    ops: ModuleType | None = None  # the fused kernels (bind_kernels); None: torch code
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
-            ops = triton_ops.triton_kernels(x.device, x.dtype) if triton_ops.rows_fit(x) else None
-        else:
-            ops = cpu_kernels(x.device, x.dtype) if fits_rows(x) else None
-        if ops is None or x.shape[-1] % 2:
-            return self.forward_torch(x)
-        return ops.silu_and_mul(x)
+        out = None if self.ops is None else self.ops.silu_and_mul(x)
+        return self.forward_torch(x) if out is None else out
+
+    def bind_kernels(self, kernels: KernelSet) -> None:
+        self.ops = fused_ops(kernels)
 
     @staticmethod
     def forward_torch(x: torch.Tensor) -> torch.Tensor:

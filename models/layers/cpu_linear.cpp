@@ -11,19 +11,28 @@
 // in chunks of 32 rows: C tiles tmm0-3 (the chunk's rows 0-15 and 16-31, two blocks
 // each), x tiles tmm4-5, weight tiles tmm6-7.
 // Accumulation is float32; results round to bf16 once, after the bias, as F.linear's.
+//
+// pack_weight and linear say which tensors they take: they return None, doing nothing, for
+// the others (the layer then runs F.linear).
 
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <torch/extension.h>
 
 #include "cpu_math.h"
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 
 namespace {
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(SPLITSERVE_AMX)
+
+// A bf16 CPU matrix whose rows are dense.
+bool bf16_rows(const torch::Tensor& t) {
+  return t.scalar_type() == torch::kBFloat16 && t.device().is_cpu() && t.dim() == 2 &&
+         t.stride(1) == 1;
+}
 
 constexpr int64_t kTileN = 16;  // output features per weight tile
 constexpr int64_t kTileK = 32;  // input features per weight tile
@@ -33,18 +42,13 @@ using splitserve::amx_usable;
 using splitserve::load_tile_config;
 using splitserve::TileConfig;
 
-void check_weight(const torch::Tensor& w, const char* name) {
-  TORCH_CHECK(w.scalar_type() == torch::kBFloat16, name, " must be bfloat16");
-  TORCH_CHECK(w.device().is_cpu(), name, " must be on the CPU");
-}
-
-torch::Tensor pack_weight(const torch::Tensor& weight) {
-  check_weight(weight, "weight");
-  TORCH_CHECK(weight.dim() == 2, "weight must be [out_features, in_features]");
+// The weight [out_features, in_features] in the tile layout; None unless it is bf16 on the
+// CPU with both sizes multiples of 32.
+std::optional<torch::Tensor> pack_weight(const torch::Tensor& weight) {
+  if (weight.scalar_type() != torch::kBFloat16 || !weight.device().is_cpu() || weight.dim() != 2)
+    return std::nullopt;
   const int64_t N = weight.size(0), K = weight.size(1);
-  TORCH_CHECK(N % (2 * kTileN) == 0 && K % kTileK == 0,
-              "pack_weight needs out_features % 32 == 0 and in_features % 32 == 0, got ", N,
-              " x ", K);
+  if (N % (2 * kTileN) != 0 || K % kTileK != 0) return std::nullopt;
   const auto w = weight.contiguous();
   auto packed = torch::empty({N / kTileN, K / kTileK, kTileK / 2, kTileN, 2}, w.options());
   const auto* src = reinterpret_cast<const uint16_t*>(w.data_ptr());
@@ -90,13 +94,14 @@ void configure_tiles(int64_t rows0, int64_t rows1) {
   load_tile_config(config);
 }
 
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed,
-                     const c10::optional<torch::Tensor>& bias) {
-  check_weight(x, "x");
-  check_weight(packed, "packed");
+// x [rows, in_features] W^T (+ bias); None unless x is bf16 rows (dense) on the CPU.
+std::optional<torch::Tensor> linear(const torch::Tensor& x, const torch::Tensor& packed,
+                                    const std::optional<torch::Tensor>& bias) {
+  if (!bf16_rows(x)) return std::nullopt;
   TORCH_CHECK(amx_usable(), "AMX tiles are not available to this process");
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [rows, in_features], rows dense");
-  TORCH_CHECK(packed.dim() == 5 && packed.is_contiguous(), "packed must come from pack_weight");
+  TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.dim() == 5 &&
+                  packed.is_contiguous(),
+              "packed must come from pack_weight");
   const int64_t M = x.size(0), K = x.size(1);
   const int64_t num_n_tiles = packed.size(0), num_k_tiles = packed.size(1);
   const int64_t N = num_n_tiles * kTileN;
@@ -170,15 +175,15 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& packed,
   return out;
 }
 
-#else  // a CPU without AMX-BF16: the layers keep F.linear
+#else  // a build without AMX-BF16: the layers keep F.linear
 
 bool amx_usable() { return false; }
 
-torch::Tensor pack_weight(const torch::Tensor&) { TORCH_CHECK(false, "built without AMX"); }
+std::optional<torch::Tensor> pack_weight(const torch::Tensor&) { return std::nullopt; }
 
-torch::Tensor linear(const torch::Tensor&, const torch::Tensor&,
-                     const c10::optional<torch::Tensor>&) {
-  TORCH_CHECK(false, "built without AMX");
+std::optional<torch::Tensor> linear(const torch::Tensor&, const torch::Tensor&,
+                                    const std::optional<torch::Tensor>&) {
+  return std::nullopt;
 }
 
 #endif
@@ -187,8 +192,10 @@ torch::Tensor linear(const torch::Tensor&, const torch::Tensor&,
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_usable", &amx_usable, "whether this process may use AMX tiles");
-  m.def("pack_weight", &pack_weight, "a bf16 [N, K] weight in the kernel's tile layout",
+  m.def("pack_weight", &pack_weight,
+        "a bf16 [N, K] weight in the kernel's tile layout; None where it takes none",
         py::arg("weight"));
-  m.def("linear", &linear, "x W^T (+ bias), W packed by pack_weight", py::arg("x"),
+  m.def("linear", &linear, "x W^T (+ bias), W packed by pack_weight; None for other x",
+        py::arg("x"),
         py::arg("packed"), py::arg("bias") = py::none());
 }

@@ -4,15 +4,17 @@
 // code (models/layers/*.py, as transformers) stores a tensor, so both paths agree
 // bitwise: see `round_to` and `sum_of_squares`.
 //
-// Tensors are 1-3 dimensional with a contiguous last dimension (rows may be strided).
+// The kernels take CPU tensors of float32, bfloat16 or float16 with 1-3 dimensions and a
+// contiguous last dimension (rows may be strided); each returns None (false for the
+// in-place ones), touching nothing, for tensors it does not take, and the layer runs its
+// torch code. Arguments that do not fit together raise.
 
-// ATen's vector types take their instruction set from CPU_CAPABILITY_*. The build is
-// -march=native, so pick the one torch's runtime dispatch picks on this CPU for SiLU: the
-// same vector width (where its vector part ends) and the same exp.
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
-    defined(__AVX512DQ__)
+// ATen's vector types take their instruction set from CPU_CAPABILITY_*: the widest the
+// build's ISA has, which on the CPU it was probed from is the one torch's runtime dispatch
+// picks for SiLU: the same vector width (where its vector part ends) and the same exp.
+#if defined(SPLITSERVE_AVX512)
 #define CPU_CAPABILITY_AVX512
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(SPLITSERVE_AVX2)
 #define CPU_CAPABILITY_AVX2
 #endif
 
@@ -23,6 +25,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <type_traits>
 
 namespace {
@@ -105,12 +108,24 @@ struct Rows {
   T* operator[](int64_t row) const { return base + (row / rows1) * s0 + (row % rows1) * s1; }
 };
 
-void check_rows(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
-  TORCH_CHECK(t.dim() >= 1 && t.dim() <= 3, name, " must have 1 to 3 dimensions");
-  TORCH_CHECK(t.stride(-1) == 1 || t.size(-1) <= 1, name, ": last dimension not contiguous");
+// Whether the kernels take t as rows.
+bool takes_rows(const torch::Tensor& t) {
+  const auto dtype = t.scalar_type();
+  return t.device().is_cpu() && t.dim() >= 1 && t.dim() <= 3 &&
+         (t.stride(-1) == 1 || t.size(-1) <= 1) &&
+         (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf);
 }
 
+// Whether the kernels take `others` (residual, outputs) along with rows x: x's shape and
+// dtype, rows the kernels take.
+bool take_like(const torch::Tensor& x, std::initializer_list<const torch::Tensor*> others) {
+  for (const auto* t : others)
+    if (!takes_rows(*t) || t->sizes() != x.sizes() || t->scalar_type() != x.scalar_type())
+      return false;
+  return true;
+}
+
+// f(T{}) for t's dtype, one that takes_rows accepted.
 template <typename F>
 void dispatch(const torch::Tensor& t, const F& f) {
   switch (t.scalar_type()) {
@@ -118,10 +133,8 @@ void dispatch(const torch::Tensor& t, const F& f) {
       return f(float{});
     case at::kBFloat16:
       return f(at::BFloat16{});
-    case at::kHalf:
-      return f(at::Half{});
     default:
-      TORCH_CHECK(false, "cpu_ops: unsupported dtype ", t.scalar_type());
+      return f(at::Half{});
   }
 }
 
@@ -228,16 +241,17 @@ void norm_row(const T* x, const T* weight, T* out, int64_t n, float eps) {
   }
 }
 
-void check_weight(const torch::Tensor& x, const torch::Tensor& weight) {
-  check_rows(x, "x");
-  TORCH_CHECK(weight.device().is_cpu() && weight.dim() == 1 && weight.is_contiguous() &&
-                  weight.size(0) == x.size(-1),
-              "weight must be a contiguous CPU tensor [hidden]");
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "weight and x differ in dtype");
+// Whether the norm kernels take rows x with this weight: [hidden], contiguous, x's dtype
+// (the torch code promotes another).
+bool takes_norm(const torch::Tensor& x, const torch::Tensor& weight) {
+  return takes_rows(x) && weight.device().is_cpu() && weight.dim() == 1 &&
+         weight.is_contiguous() && weight.size(0) == x.size(-1) &&
+         weight.scalar_type() == x.scalar_type();
 }
 
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
-  check_weight(x, weight);
+std::optional<torch::Tensor> rms_norm(const torch::Tensor& x, const torch::Tensor& weight,
+                                      double eps) {
+  if (!takes_norm(x, weight)) return std::nullopt;
   auto out = torch::empty(x.sizes(), x.options());
   const int64_t n = x.size(-1);
   const int64_t rows = n == 0 ? 0 : x.numel() / n;
@@ -256,15 +270,10 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 
 // sum = x + residual, out = norm(sum). out may be x and sum may be residual (in place, as
 // vLLM's fused_add_rms_norm): each row is read before it is written.
-void add_rms_norm(const torch::Tensor& x, const torch::Tensor& residual,
+bool add_rms_norm(const torch::Tensor& x, const torch::Tensor& residual,
                   const torch::Tensor& weight, double eps, const torch::Tensor& out,
                   const torch::Tensor& sum) {
-  check_weight(x, weight);
-  for (const auto* t : {&residual, &out, &sum}) {
-    check_rows(*t, "residual and outputs");
-    TORCH_CHECK(t->sizes() == x.sizes() && t->scalar_type() == x.scalar_type(),
-                "residual and outputs must match x in shape and dtype");
-  }
+  if (!takes_norm(x, weight) || !take_like(x, {&residual, &out, &sum})) return false;
   const int64_t n = x.size(-1);
   const int64_t rows = n == 0 ? 0 : x.numel() / n;
   dispatch(x, [&](auto tag) {
@@ -283,6 +292,7 @@ void add_rms_norm(const torch::Tensor& x, const torch::Tensor& residual,
       }
     });
   });
+  return true;
 }
 
 // Neox rotation of each head of one token: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
@@ -302,21 +312,19 @@ void rotate_heads(T* x, int64_t heads, int64_t head_dim, int64_t j, int64_t coun
 
 // Rotates q [T, heads * head_dim] and k [T, kv_heads * head_dim] in place by the float32
 // cos/sin caches [max_position, head_dim / 2] at positions [T] (cos/sin rounded to T first).
-void rotary_embedding(const torch::Tensor& positions, const torch::Tensor& q,
+// Every position is checked before any row is written.
+bool rotary_embedding(const torch::Tensor& positions, const torch::Tensor& q,
                       const torch::Tensor& k, const torch::Tensor& cos_cache,
                       const torch::Tensor& sin_cache, int64_t head_dim) {
   TORCH_CHECK(positions.device().is_cpu() && positions.dim() == 1 &&
                   positions.scalar_type() == at::kLong && positions.is_contiguous(),
               "positions must be a contiguous int64 CPU vector");
-  TORCH_CHECK(head_dim > 0 && head_dim % 2 == 0, "head_dim must be even");
   const int64_t tokens = positions.size(0), half = head_dim / 2;
-  for (const auto* t : {&q, &k}) {
-    check_rows(*t, "q and k");
-    TORCH_CHECK(t->dim() == 2 && t->size(0) == tokens && t->size(1) % head_dim == 0,
-                "q and k must be [T, heads * head_dim]");
-    TORCH_CHECK(t->stride(1) == 1, "q and k: last dimension not contiguous");
-    TORCH_CHECK(t->scalar_type() == q.scalar_type(), "q and k differ in dtype");
-  }
+  if (head_dim <= 0 || head_dim % 2 != 0) return false;
+  for (const auto* t : {&q, &k})
+    if (!takes_rows(*t) || t->dim() != 2 || t->size(0) != tokens || t->size(1) % head_dim != 0 ||
+        t->scalar_type() != q.scalar_type())
+      return false;
   for (const auto* t : {&cos_cache, &sin_cache}) {
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous() &&
                     t->dim() == 2 && t->size(1) == half,
@@ -325,6 +333,8 @@ void rotary_embedding(const torch::Tensor& positions, const torch::Tensor& q,
   const int64_t max_position = cos_cache.size(0);
   const int64_t q_heads = q.size(1) / head_dim, k_heads = k.size(1) / head_dim;
   const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_position, "position ", pos[t], " out of range");
   const float *cos_base = cos_cache.data_ptr<float>(), *sin_base = sin_cache.data_ptr<float>();
   dispatch(q, [&](auto tag) {
     using T = decltype(tag);
@@ -332,7 +342,6 @@ void rotary_embedding(const torch::Tensor& positions, const torch::Tensor& q,
     const int64_t q_stride = q.stride(0), k_stride = k.stride(0);
     at::parallel_for(0, tokens, grain((q_heads + k_heads) * head_dim), [&](int64_t b, int64_t e) {
       for (int64_t t = b; t < e; ++t) {
-        TORCH_CHECK(pos[t] >= 0 && pos[t] < max_position, "position ", pos[t], " out of range");
         for (int64_t j = 0; j < half; j += kStep) {
           const int64_t count = std::min(kStep, half - j);
           const Floats cos = round_to<T>(vload(cos_base + pos[t] * half + j, count));
@@ -343,15 +352,15 @@ void rotary_embedding(const torch::Tensor& positions, const torch::Tensor& q,
       }
     });
   });
+  return true;
 }
 
 // x = [gate; up] along the last dimension -> T(T(silu(gate)) * up). Like torch's silu, the
 // vector exp covers whole blocks of two vectors of T and std::exp the rest of a row.
 fVec silu_of(const fVec& g) { return g / (fVec(1.0f) + g.neg().exp()); }
 
-torch::Tensor silu_and_mul(const torch::Tensor& x) {
-  check_rows(x, "x");
-  TORCH_CHECK(x.size(-1) % 2 == 0, "x must have an even last dimension");
+std::optional<torch::Tensor> silu_and_mul(const torch::Tensor& x) {
+  if (!takes_rows(x) || x.size(-1) % 2 != 0) return std::nullopt;
   const int64_t d = x.size(-1) / 2;
   auto sizes = x.sizes().vec();
   sizes.back() = d;
@@ -384,13 +393,15 @@ torch::Tensor silu_and_mul(const torch::Tensor& x) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, "weight * norm(x) in a new tensor", py::arg("x"),
-        py::arg("weight"), py::arg("eps"));
-  m.def("add_rms_norm", &add_rms_norm, "sum = x + residual; out = weight * norm(sum)",
-        py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"), py::arg("out"),
-        py::arg("sum"));
-  m.def("rotary_embedding", &rotary_embedding, "neox rotary of q and k, in place",
-        py::arg("positions"), py::arg("q"), py::arg("k"), py::arg("cos_cache"),
-        py::arg("sin_cache"), py::arg("head_dim"));
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for x = [gate; up]", py::arg("x"));
+  m.def("rms_norm", &rms_norm, "weight * norm(x) in a new tensor; None if not taken",
+        py::arg("x"), py::arg("weight"), py::arg("eps"));
+  m.def("add_rms_norm", &add_rms_norm,
+        "sum = x + residual; out = weight * norm(sum); false if not taken", py::arg("x"),
+        py::arg("residual"), py::arg("weight"), py::arg("eps"), py::arg("out"), py::arg("sum"));
+  m.def("rotary_embedding", &rotary_embedding,
+        "neox rotary of q and k, in place; false if not taken", py::arg("positions"),
+        py::arg("q"), py::arg("k"), py::arg("cos_cache"), py::arg("sin_cache"),
+        py::arg("head_dim"));
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for x = [gate; up]; None if not taken",
+        py::arg("x"));
 }

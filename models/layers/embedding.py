@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ipc.utils import cdiv
-from models.layers.cpu_linear import linear
+from models.layers.cpu_linear import PackedWeightMixin, linear
 from models.layers.utils import (
     ShardedModule,
     copy_weight,
@@ -87,14 +87,12 @@ class VocabParallelEmbedding(ShardedModule):
         return tp_all_reduce(out)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
+class ParallelLMHead(PackedWeightMixin, VocabParallelEmbedding):
     """The output projection, sharded by vocabulary like the embedding.
 
     With tied embeddings, call `tie_weights(embedding)`: the head then shares the
     embedding's weight shard (same Parameter).
     """
-
-    packed_weight: torch.Tensor | None = None  # for small batches on the CPU: cpu_linear.py
 
     def tie_weights(self, embedding: VocabParallelEmbedding) -> ParallelLMHead:
         if embedding.num_embeddings_padded != self.num_embeddings_padded:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.layers.cpu_linear import linear
+from models.layers.cpu_linear import PackedWeightMixin, linear
 from models.layers.utils import (
     ShardedModule,
     copy_weight,
@@ -28,11 +28,9 @@ from models.layers.utils import (
 from models.parallel_state import get_tp_size, tp_all_reduce
 
 
-class ColumnParallelLinear(ShardedModule):
+class ColumnParallelLinear(PackedWeightMixin, ShardedModule):
     """y = x A^T + b with A's rows (output features) split across ranks: the output is
     this rank's slice [.., output_size / tp]."""
-
-    packed_weight: torch.Tensor | None = None  # for small batches on the CPU: cpu_linear.py
 
     def __init__(
         self, input_size: int, output_size: int, bias: bool = True, prefix: str = ""
@@ -164,12 +162,10 @@ class QKVParallelLinear(ColumnParallelLinear):
         )
 
 
-class RowParallelLinear(ShardedModule):
+class RowParallelLinear(PackedWeightMixin, ShardedModule):
     """y = x A^T + b with A's columns (input features) split across ranks: the input is
     this rank's slice [.., input_size / tp]. Partial outputs are all-reduced and the
     bias is added once, after the reduction."""
-
-    packed_weight: torch.Tensor | None = None  # for small batches on the CPU: cpu_linear.py
 
     def __init__(
         self, input_size: int, output_size: int, bias: bool = True, prefix: str = ""

@@ -1,9 +1,9 @@
 """RMSNorm, computed in float32 as transformers does, with a fused residual add.
 
-On CPU tensors the fused C++ kernel (cpu_ops.cpp) does it in one pass per row, on CUDA
-tensors the Triton kernel (triton_ops.py); the torch code is the fallback and the reference
-they match (the C++ kernel bitwise). GemmaRMSNorm is Gemma's variant (weight stored as an
-offset from 1, applied in float32), torch only.
+With the kernel set's fused kernels (fused_ops.py: C++ on the CPU, Triton on CUDA) it runs
+in one pass per row; the torch code is the fallback and the reference they match (the C++
+kernel bitwise). GemmaRMSNorm is Gemma's variant (weight stored as an offset from 1,
+applied in float32), torch only.
 """
 
 from __future__ import annotations
@@ -13,12 +13,14 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from models.layers import triton_ops
-from models.layers.cpu_ops import cpu_kernels, fits_rows
+from kernels import KernelSet
+from models.layers.fused_ops import fused_ops
 from models.layers.utils import default_weight_loader, new_parameter, set_weight_attrs
 
 
 class RMSNorm(nn.Module):
+    ops: ModuleType | None = None  # the fused kernels (bind_kernels); None: torch code
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.hidden_size = hidden_size
@@ -34,18 +36,23 @@ class RMSNorm(nn.Module):
         """norm(x), or with `residual`: (norm(x + residual), x + residual). With in_place,
         the kernel writes these two into x and residual and returns them (as vLLM's
         fused_add_rms_norm): the caller gives both up."""
-        ops = self._kernels(x) if residual is None else self._kernels(x, residual)
+        ops = self.ops
         if ops is None:
             return self.forward_torch(x, residual)
         if residual is None:
-            return ops.rms_norm(x, self.weight, self.variance_epsilon)
+            out = ops.rms_norm(x, self.weight, self.variance_epsilon)
+            return self.forward_torch(x) if out is None else out
         if in_place:
             out, total = x, residual
         else:
             out = torch.empty_like(x, memory_format=torch.contiguous_format)
             total = torch.empty_like(out)
-        ops.add_rms_norm(x, residual, self.weight, self.variance_epsilon, out, total)
-        return out, total
+        if ops.add_rms_norm(x, residual, self.weight, self.variance_epsilon, out, total):
+            return out, total
+        return self.forward_torch(x, residual)
+
+    def bind_kernels(self, kernels: KernelSet) -> None:
+        self.ops = fused_ops(kernels)
 
     def forward_torch(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -61,18 +68,6 @@ class RMSNorm(nn.Module):
         variance = x.pow(2).mean(-1, keepdim=True)
         x = x * torch.rsqrt(variance + self.variance_epsilon)
         return self.weight * x.to(dtype)
-
-    def _kernels(self, x: torch.Tensor, *others: torch.Tensor) -> ModuleType | None:
-        """The CPU or the Triton kernels when they take these tensors, else None."""
-        if x.is_cuda:
-            fits = triton_ops.norm_fits(x, self.weight, *others)
-            return triton_ops.triton_kernels(x.device, x.dtype) if fits else None
-        ops = cpu_kernels(x.device, x.dtype)
-        if ops is None or self.weight.dtype != x.dtype or not fits_rows(x):
-            return None
-        if any(t.shape != x.shape or t.dtype != x.dtype or not fits_rows(t) for t in others):
-            return None
-        return ops
 
 
 class GemmaRMSNorm(nn.Module):

@@ -5,11 +5,12 @@ default, linear, llama3 and yarn, from `config.rope_parameters` (transformers 5)
 `config.rope_scaling` + `config.rope_theta` (transformers 4). cos/sin for every position
 up to max_position_embeddings are cached in float32. A forward pass asks once for
 `rotary_emb.rotator(positions, dtype)`, the `Rotator` every layer hands its attention layer
-to apply to its q and k: the C++ kernel on CPU (cpu_ops.cpp) or the Triton kernel on CUDA
-(triton_ops.py), in place, both in one pass, else `apply_rotary` with cos/sin looked up once
-(`get_cos_sin`), the reference the kernels match (the C++ one bitwise). On CUDA the Rotator
-also offers its cos/sin tables, so that the attention layer can rotate q and k in the kernel
-that stores k and v in the KV cache (attention/triton_rope_store.py).
+to apply to its q and k: the kernel set's fused kernel (fused_ops.py: C++ on the CPU, Triton
+on CUDA), in place, in one pass, where it takes them, else `apply_rotary` with cos/sin
+looked up (`get_cos_sin`), the reference the kernels match (the C++ one bitwise). With the
+Triton kernels the Rotator also offers its cos/sin tables, so that the attention backend can
+rotate q and k in the kernel that stores k and v in the KV cache
+(attention/triton_rope_store.py).
 """
 
 from __future__ import annotations
@@ -17,14 +18,15 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import torch
 from torch import nn
 
 from attention.rotation import RopeTables
-from models.layers import triton_ops
-from models.layers.cpu_ops import cpu_kernels
+from kernels import KernelSet
+from models.layers.fused_ops import fused_ops
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -36,7 +38,7 @@ class Rotator:
     """The rotation of q [T, heads * head_dim] and k [T, kv_heads * head_dim] at one forward
     pass's positions, for every layer of the pass (an `attention.Rotation`): rotate(q, k) ->
     (q, k), perhaps in place. `rope_tables` is set where the Triton kernels run, for the
-    attention layer's fused rotary + store-KV kernel."""
+    attention backend's fused rotary + store-KV kernel."""
 
     apply: QKRotate
     rope_tables: RopeTables | None = None
@@ -169,6 +171,9 @@ def _yarn_inv_freq(
 class RotaryEmbedding(nn.Module):
     """cos/sin cache [max_position, head_dim // 2] (float32) for neox-style rotary."""
 
+    ops: ModuleType | None = None  # the fused kernels (bind_kernels); None: torch code
+    offers_tables = False  # whether rotators offer RopeTables (the Triton kernels)
+
     def __init__(
         self,
         head_dim: int,
@@ -199,40 +204,33 @@ class RotaryEmbedding(nn.Module):
         sin = self.sin_cache.index_select(0, positions).to(dtype).unsqueeze(1)
         return cos, sin
 
+    def bind_kernels(self, kernels: KernelSet) -> None:
+        self.ops = fused_ops(kernels)
+        self.offers_tables = kernels.triton and self.ops is not None
+
     def rotator(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotator:
         """The rotation of q and k (of `dtype`) at positions [T], for every layer of a pass;
         it may rotate them in place."""
-        head_dim = self.head_dim
-        if triton_ops.triton_kernels(positions.device, dtype) is not None:
-            return self._triton_rotator(positions.contiguous(), dtype)
-        ops = cpu_kernels(positions.device, dtype)
-        if ops is not None:
-            positions = positions.long()
-
-            def rotate(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-                ops.rotary_embedding(positions, q, k, self.cos_cache, self.sin_cache, head_dim)
-                return q, k
-
-        else:
+        head_dim, ops = self.head_dim, self.ops
+        if ops is None:
             cos, sin = self.get_cos_sin(positions, dtype)
 
             def rotate(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
                 return apply_rotary(q, cos, sin, head_dim), apply_rotary(k, cos, sin, head_dim)
 
-        return Rotator(rotate)
+            return Rotator(rotate)
+        positions = positions.long().contiguous()
 
-    def _triton_rotator(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotator:
-        """The Triton kernel, in place; q and k it does not take go through `apply_rotary`."""
-        head_dim = self.head_dim
+        def rotate_in_place(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            if ops.rotary_embedding(positions, q, k, self.cos_cache, self.sin_cache, head_dim):
+                return q, k
+            cos, sin = self.get_cos_sin(positions, dtype)
+            return apply_rotary(q, cos, sin, head_dim), apply_rotary(k, cos, sin, head_dim)
 
-        def rotate(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            if not triton_ops.rotary_fits(q, k, dtype, head_dim):
-                cos, sin = self.get_cos_sin(positions, dtype)
-                return apply_rotary(q, cos, sin, head_dim), apply_rotary(k, cos, sin, head_dim)
-            triton_ops.rotary_embedding(positions, q, k, self.cos_cache, self.sin_cache, head_dim)
-            return q, k
-
-        return Rotator(rotate, RopeTables(positions, self.cos_cache, self.sin_cache, dtype))
+        tables = None
+        if self.offers_tables:
+            tables = RopeTables(positions, self.cos_cache, self.sin_cache, dtype)
+        return Rotator(rotate_in_place, tables)
 
 
 def apply_rotary(

@@ -1,19 +1,14 @@
 """The fused CUDA kernels of models/layers, in Triton: RMSNorm (with the residual add),
 SiLU-and-mul, neox rotary embedding of q and k in place.
 
-They have the functions and signatures of the C++ CPU kernels (cpu_ops.cpp), and round to
-the tensor dtype where the torch code stores a tensor, computing in float32 in between;
+They have the functions and signatures of the C++ CPU kernels (cpu_ops.cpp), and like them
+return None (False for the in-place ones), doing nothing, for tensors they do not take (the
+`*_fits` functions say which they take; the layers then run their torch code). They round
+to the tensor dtype where the torch code stores a tensor, computing in float32 in between;
 they are not bitwise equal to it (sums reduce in another order, exp may differ in an ulp).
-`triton_kernels(device, dtype)` is this module for CUDA tensors of float32, bfloat16 or
-float16, else None; the `*_fits` functions say whether a kernel takes given tensors (the
-layers run their torch code when not).
 """
 
 from __future__ import annotations
-
-import os
-import sys
-from types import ModuleType
 
 import torch
 import triton
@@ -27,18 +22,6 @@ MAX_NORM_BLOCK = 65536
 # Elements a norm program covers: rows narrower than this share a program.
 _NORM_TILE = 2048
 _SILU_BLOCK = 1024
-
-
-def triton_kernels_enabled() -> bool:
-    """SPLITSERVE_TRITON_KERNELS=0 sends CUDA tensors down the torch code instead (the layers
-    here and the sampler), as SPLITSERVE_CPU_KERNELS=0 does for the C++ kernels."""
-    return os.environ.get("SPLITSERVE_TRITON_KERNELS", "1") not in ("0", "false", "no")
-
-
-def triton_kernels(device: torch.device, dtype: torch.dtype) -> ModuleType | None:
-    if device.type != "cuda" or dtype not in DTYPES or not triton_kernels_enabled():
-        return None
-    return sys.modules[__name__]
 
 
 def rows_fit(x: torch.Tensor) -> bool:
@@ -55,12 +38,13 @@ def norm_fits(x: torch.Tensor, weight: torch.Tensor, *others: torch.Tensor) -> b
     return all(t.shape == x.shape and t.dtype == x.dtype and rows_fit(t) for t in others)
 
 
-def rotary_fits(q: torch.Tensor, k: torch.Tensor, dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether the rotary kernel takes q [T, heads * head_dim] and k [T, kv_heads * head_dim]."""
+def rotary_fits(q: torch.Tensor, k: torch.Tensor, head_dim: int) -> bool:
+    """Whether the rotary kernel takes q [T, heads * head_dim] and k [T, kv_heads * head_dim]
+    (of one dtype)."""
     return head_dim % 2 == 0 and all(
-        t.dtype == dtype
+        rows_fit(t)
         and t.dim() == 2
-        and t.stride(1) == 1
+        and t.dtype == q.dtype
         and t.shape[0] == q.shape[0]
         and t.shape[1] % head_dim == 0
         for t in (q, k)
@@ -169,8 +153,10 @@ def _launch_norm(
     )
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """weight * norm(x) in a new contiguous tensor (x: rows, see `norm_fits`)."""
+    if not norm_fits(x, weight):
+        return None
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     _launch_norm(x, None, weight, eps, out, None)
     return out
@@ -183,10 +169,13 @@ def add_rms_norm(
     eps: float,
     out: torch.Tensor,
     total: torch.Tensor,
-) -> None:
+) -> bool:
     """total = x + residual, out = weight * norm(total); out may be x and total may be
     residual (in place): a program reads its rows before it writes them."""
+    if not norm_fits(x, weight, residual, out, total):
+        return False
     _launch_norm(x, residual, weight, eps, out, total)
+    return True
 
 
 @triton.jit(do_not_specialize=["num_rows"])
@@ -205,9 +194,11 @@ def _silu_and_mul_kernel(
     tl.store(out_ptr + out_at, (silu * up).to(dtype), mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
     """x = [gate; up] along the last dimension (even; x: rows, see `rows_fit`) ->
     silu(gate) * up in a new contiguous tensor."""
+    if not rows_fit(x) or x.shape[-1] % 2:
+        return None
     d = x.shape[-1] // 2
     out = torch.empty((*x.shape[:-1], d), dtype=x.dtype, device=x.device)
     num_rows = _num_rows(out)
@@ -280,13 +271,15 @@ def rotary_embedding(
     cos_cache: torch.Tensor,
     sin_cache: torch.Tensor,
     head_dim: int,
-) -> None:
+) -> bool:
     """Rotates q and k (see `rotary_fits`) in place by the contiguous float32 cos/sin caches
-    [max_position, head_dim / 2] at positions [T] (integers within the caches), one program
-    per token."""
+    [max_position, head_dim / 2] at positions [T] (contiguous integers within the caches),
+    one program per token."""
+    if not rotary_fits(q, k, head_dim):
+        return False
     num_tokens = positions.shape[0]
     if num_tokens == 0:
-        return
+        return True
     q_heads, k_heads = q.shape[1] // head_dim, k.shape[1] // head_dim
     _rotary_kernel[(num_tokens,)](
         positions,
@@ -304,3 +297,4 @@ def rotary_embedding(
         HALF_PAD=triton.next_power_of_2(head_dim // 2),
         enable_fp_fusion=False,  # no FMA: each product is rounded, as in torch
     )
+    return True

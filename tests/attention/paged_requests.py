@@ -82,7 +82,11 @@ class PagedRequests:
 
     def expected(self, req: int, start: int, query_len: int) -> torch.Tensor:
         full = reference_attention(
-            self.q[req], self.k[req], self.v[req], self.layer.scale, self.layer.sliding_window
+            self.q[req],
+            self.k[req],
+            self.v[req],
+            self.layer.spec.scale,
+            self.layer.spec.sliding_window,
         )
         return full[start : start + query_len]
 
@@ -107,7 +111,7 @@ class PagedRequests:
         q, k, v = qkv.split([q.shape[1], k.shape[1], v.shape[1]], dim=1)
         with set_forward_context([metadata], backend):
             out = self.layer(q, k, v)
-        out = out.view(out.shape[0], self.layer.num_heads, self.layer.head_dim)
+        out = out.view(out.shape[0], self.layer.spec.num_heads, self.layer.spec.head_size)
         assert out[metadata.num_actual_tokens :].eq(0).all()
         return [out[r].cpu() for r in rows]
 

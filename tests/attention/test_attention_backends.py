@@ -14,6 +14,7 @@ from attention.backends.cpu_backend import CPUAttentionBackend, load_cpu_attenti
 from attention.backends.flash_attn_backend import FlashAttentionBackend
 from attention.backends.torch_backend import TorchAttentionBackend
 from attention.backends.triton_backend import TritonAttentionBackend
+from kernels import KernelSet
 
 HEAD_DIM = 8
 BLOCK_SIZE = 4
@@ -22,7 +23,7 @@ BLOCK_SIZE = 4
 @pytest.fixture(params=["torch", "cpu", "triton", "flash_attn"])
 def backend(request, monkeypatch):
     if request.param == "cpu":
-        return CPUAttentionBackend(load_cpu_attention())
+        return CPUAttentionBackend(load_cpu_attention(KernelSet(cpu=True)))
     if request.param == "flash_attn":
         monkeypatch.setitem(sys.modules, "flash_attn", fake_flash_attn)
         return FlashAttentionBackend()

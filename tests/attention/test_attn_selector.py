@@ -5,13 +5,20 @@ import pytest
 import torch
 
 from attention import get_attn_backend
+from kernels import KernelSet
 
 
-def test_auto_on_cpu_is_the_cpp_kernels_else_torch(monkeypatch):
-    assert get_attn_backend().name == "cpu"
-    assert get_attn_backend("auto", torch.device("cpu")).name == "cpu"
+def test_auto_on_cpu_is_the_cpp_kernels_else_torch():
+    assert get_attn_backend(kernels=KernelSet(cpu=True)).name == "cpu"
+    assert get_attn_backend("auto", torch.device("cpu"), kernels=KernelSet(cpu=True)).name == "cpu"
+    assert get_attn_backend("auto", torch.device("cpu"), kernels=KernelSet()).name == "torch"
+
+
+def test_the_kernels_default_to_the_environment_read_when_asked(monkeypatch):
     monkeypatch.setenv("SPLITSERVE_CPU_KERNELS", "0")
-    assert get_attn_backend("auto", torch.device("cpu")).name == "torch"
+    assert get_attn_backend("auto", "cpu").name == "torch"
+    monkeypatch.setenv("SPLITSERVE_CPU_KERNELS", "1")
+    assert get_attn_backend("auto", "cpu").name == "cpu"
 
 
 def test_auto_on_cuda_prefers_flash_attn_when_installed_and_supported(monkeypatch):

@@ -1,7 +1,6 @@
 """The C++ paged decode kernel (attention/backends/cpu_attn.cpp) against attention computed
-in float64 over each request's context gathered by hand from random page tables."""
-
-from pathlib import Path
+in float64 over each request's context gathered by hand from random page tables, built for
+each of its paths' ISAs that this CPU has."""
 
 import pytest
 import torch
@@ -10,17 +9,20 @@ from paged_requests import random_pages, strided_q
 from attention import get_attn_backend
 from attention.backends.cpu_backend import CPUAttentionBackend, load_cpu_attention
 from attention.backends.torch_backend import TorchAttentionBackend
+from kernels import KernelSet, probe_isa
+from kernels.isa import ladder
 
 
-@pytest.fixture(scope="module", params=["amx", "avx512"])
+@pytest.fixture(scope="module", params=["amx", "avx512_bf16", "generic"])
 def kernels(request):
-    """The kernels with the AMX bf16 path allowed, then forbidden (the AVX512-BF16 path;
-    both are the generic path where the CPU lacks them)."""
-    module = load_cpu_attention()
+    """The kernels built for AMX (bf16 decodes on tiles), AVX512-BF16 (bf16 dot products)
+    and the baseline (the generic path, which every dtype and head size can take)."""
+    native = probe_isa()
+    if ladder().index(request.param) > ladder().index(native):
+        pytest.skip(f"this CPU has no {request.param} (it has {native})")
+    module = load_cpu_attention(KernelSet(cpu=True, isa=request.param))
     assert module is not None, "the C++ kernels must build wherever the tests run (g++)"
-    previous = module.set_amx(request.param == "amx")
-    yield module
-    module.set_amx(previous)
+    return module
 
 
 def reference(q, cache, table, seq_lens, reqs, rows, scale, window):
@@ -115,14 +117,9 @@ def test_many_query_heads_per_request(kernels, kv_heads, group):
     check(kernels, [1, 17, 40, 130] * 5, kv_heads, group, 64, 16, torch.bfloat16)
 
 
-def test_amx_path_is_built_where_the_cpu_has_it(kernels):
-    """has_amx_path: built, allowed (set_amx) and granted by the kernel."""
-    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
-    flags = next(line for line in cpuinfo if line.startswith("flags")).split()
-    allowed = kernels.set_amx(True)
-    kernels.set_amx(allowed)
-    cpu_has_amx = "amx_bf16" in flags and "amx_tile" in flags
-    assert kernels.has_amx_path() == (allowed and cpu_has_amx)
+def test_amx_path_is_built_for_amx_only(kernels):
+    """has_amx_path: built for AMX (and the kernel granted the tiles)."""
+    assert kernels.has_amx_path() == kernels.__name__.endswith("_amx")
 
 
 def test_bad_inputs_are_refused(kernels):
@@ -134,10 +131,11 @@ def test_bad_inputs_are_refused(kernels):
         kernels.paged_decode(out, q, cache, table.long(), seq_lens, reqs, rows, 1.0, 0)
 
 
-def test_auto_picks_the_kernels_and_falls_back_without_them(kernels, monkeypatch):
-    assert isinstance(get_attn_backend("auto", "cpu"), CPUAttentionBackend)
-    assert isinstance(get_attn_backend("cpu", "cpu"), CPUAttentionBackend)
-    monkeypatch.setenv("SPLITSERVE_CPU_KERNELS", "0")
-    assert isinstance(get_attn_backend("auto", "cpu"), TorchAttentionBackend)
+def test_auto_picks_the_kernels_and_falls_back_without_them(kernels):
+    on = KernelSet(cpu=True)
+    assert isinstance(get_attn_backend("auto", "cpu", kernels=on), CPUAttentionBackend)
+    assert isinstance(get_attn_backend("cpu", "cpu", kernels=on), CPUAttentionBackend)
+    off = KernelSet()  # SPLITSERVE_CPU_KERNELS=0
+    assert isinstance(get_attn_backend("auto", "cpu", kernels=off), TorchAttentionBackend)
     with pytest.raises(RuntimeError, match="could not be built"):
-        get_attn_backend("cpu", "cpu")
+        get_attn_backend("cpu", "cpu", kernels=off)

@@ -1,17 +1,20 @@
 """The C++ AMX prefill kernel (attention/backends/cpu_prefill_amx.h) against causal
 attention computed in float64 over each request's context gathered by hand from random
-page tables: fresh prompts, cached prefixes and chunks, GQA groups, head sizes 64/128."""
+page tables: fresh prompts, cached prefixes and chunks, GQA groups, head sizes 64/128. And
+what it declines: it says so, and the CPU backend's torch prefill runs instead."""
 
 import pytest
 import torch
-from paged_requests import random_pages, strided_q
+from paged_requests import PagedRequests, random_pages, strided_q
 
-from attention.backends.cpu_backend import load_cpu_attention
+from attention.backends.cpu_backend import CPUAttentionBackend, load_cpu_attention
+from attention.backends.torch_backend import TorchAttentionBackend
+from kernels import KernelSet
 
 
 @pytest.fixture(scope="module")
 def kernels():
-    module = load_cpu_attention()
+    module = load_cpu_attention(KernelSet(cpu=True))
     assert module is not None, "the C++ kernels must build wherever the tests run (g++)"
     if not module.has_amx_path():
         pytest.skip("this CPU has no AMX: the torch prefill path runs instead")
@@ -50,7 +53,7 @@ def check(kernels, query_lens, seq_lens, kv_heads, group, head_dim, block_size, 
     reqs = torch.arange(len(query_lens)) if reqs is None else torch.tensor(reqs)
     out = torch.full_like(q, 7.0)
     scale = head_dim**-0.5
-    kernels.paged_prefill(out, q, cache, table, seq_lens, starts, reqs, scale)
+    assert kernels.paged_prefill(out, q, cache, table, seq_lens, starts, reqs, scale, 0)
     expected = reference(q, cache, table, seq_lens, starts, reqs, scale)
     written = torch.zeros(q.shape[0], dtype=torch.bool)
     for r in reqs.tolist():
@@ -84,10 +87,45 @@ def test_long_prompt(kernels):
 
 def test_bad_inputs_are_refused(kernels):
     q, cache, table, seq_lens, starts = prefill_case([4], [4], 1, 2, 64, 16)
-    out = torch.zeros_like(q)
-    with pytest.raises(RuntimeError, match="bf16"):
-        kernels.paged_prefill(
-            out.float(), q.float(), cache, table, seq_lens, starts, torch.tensor([0]), 1.0
-        )
+    out, reqs = torch.zeros_like(q), torch.tensor([0])
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        kernels.paged_prefill(out.float(), q.float(), cache, table, seq_lens, starts, reqs, 1.0, 0)
     with pytest.raises(RuntimeError, match="more queries than context"):
-        kernels.paged_prefill(out, q, cache, table, seq_lens - 1, starts, torch.tensor([0]), 1.0)
+        kernels.paged_prefill(out, q, cache, table, seq_lens - 1, starts, reqs, 1.0, 0)
+
+
+def test_what_the_kernel_does_not_take_it_declines():
+    """float32, a window, head_dim 32, blocks of 8: False, and nothing written. Any build
+    (a CPU without AMX declines everything)."""
+    kernels = load_cpu_attention(KernelSet(cpu=True))
+    declined = [
+        ((2, 2, 64, 16, torch.float32), 0),
+        ((2, 2, 64, 16, torch.bfloat16), 5),
+        ((2, 2, 32, 16, torch.bfloat16), 0),
+        ((2, 2, 64, 8, torch.bfloat16), 0),
+    ]
+    gen = torch.Generator().manual_seed(0)
+    for (kv_heads, group, head_dim, block_size, dtype), window in declined:
+        cache, table = random_pages([9], kv_heads, head_dim, block_size, dtype, gen, 1, 2)
+        q = strided_q(9, kv_heads * group, kv_heads, head_dim, dtype, gen)
+        out = torch.full_like(q, 7.0)
+        starts, seq_lens = torch.tensor([0, 9], dtype=torch.int32), torch.tensor([9]).int()
+        args = (out, q, cache, table, seq_lens, starts, torch.tensor([0]), 0.125, window)
+        assert not kernels.paged_prefill(*args)
+        assert out.eq(7.0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("window", [None, 5])
+def test_the_backend_prefills_what_the_kernel_declines_with_torch(dtype, window):
+    """A bf16 layer without a window takes the kernel (on AMX CPUs), the others the torch
+    prefill; both match the torch backend."""
+    kernels = load_cpu_attention(KernelSet(cpu=True))
+    reqs = PagedRequests([40, 23], 4, 2, 64, 16, sliding_window=window, dtype=dtype)
+    reqs.cache_prefix(0, 10)
+    schedule = [(0, 10, 30), (1, 0, 23)]
+    expected = reqs.run_step(TorchAttentionBackend(), schedule)
+    got = reqs.run_step(CPUAttentionBackend(kernels), schedule)
+    tolerance = dict(atol=3e-2, rtol=3e-2) if dtype == torch.bfloat16 else {}
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, **tolerance)

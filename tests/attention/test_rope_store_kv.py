@@ -1,7 +1,8 @@
 """The fused rotary + store-KV kernel (attention/triton_rope_store.py; on the GPU, or under
 TRITON_INTERPRET=1 without one) against the torch code it replaces: `apply_rotary`, then the
-torch store. And the attention layer's choice: the fused kernel for CUDA caches where it
-takes the tensors, rotation then store everywhere else.
+torch store. And the attention layer's choice, made by its backend: the fused kernel for
+CUDA caches where it takes the tensors (and the kernel set has Triton on), rotation then
+store everywhere else.
 
 Tolerances are a few units of the dtype's rounding, as for the rotary kernel of
 models/layers (tests/models/test_triton_ops.py); v and the slots nobody writes must match
@@ -15,10 +16,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import attention.layer
-from attention import Attention, AttentionBackend, RopeTables, set_forward_context
-from attention.store_kv import store_kv_cache
+from attention import Attention, RopeTables, set_forward_context
+from attention.backends.triton_store import TritonStoreBackend
+from attention.store_kv import store_kv_torch
 from attention.triton_rope_store import rope_store_fits, rotate_and_store_kv
+from kernels import KernelSet
 from models.layers.rotary import RotaryEmbedding, Rotator, apply_rotary
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -94,7 +96,7 @@ class Step:
         cache = self.cache.cpu().clone()
         n = q.shape[0]
         shape = (n, self.num_kv_heads, self.head_dim)
-        store_kv_cache(k.view(shape), self.v.cpu().view(shape), cache, self.slot_mapping.cpu())
+        store_kv_torch(k.view(shape), self.v.cpu().view(shape), cache, self.slot_mapping.cpu())
         return q, k, cache
 
     def check(self, expected: tuple[torch.Tensor, torch.Tensor, torch.Tensor], cache_before):
@@ -160,38 +162,37 @@ def test_shapes_the_fused_kernel_does_not_take():
     assert not rope_store_fits(q, k, v, cache, slots, fewer_positions)
 
 
-class RecordingBackend(AttentionBackend):
-    """Attention that answers q and keeps (clones of) the q, k and v it was handed."""
+class RecordingBackend(TritonStoreBackend):
+    """Attention that answers q and keeps (clones of) the q, k and v it was handed, and the
+    names of the stores it ran (`stores`)."""
 
     name = "recording"
 
-    def attend(self, layer, q, k, v, kv_cache, md, out) -> None:
+    def __init__(self, triton_store: bool = True) -> None:
+        super().__init__(triton_store)
+        self.stores: list[str] = []
+
+    def store_kv(self, *args) -> None:
+        self.stores.append("store_kv")
+        super().store_kv(*args)
+
+    def rotate_and_store_kv(self, *args) -> bool:
+        fused = super().rotate_and_store_kv(*args)
+        if fused:
+            self.stores.append("rotate_and_store_kv")
+        return fused
+
+    def attend(self, spec, q, k, v, kv_cache, md, out) -> None:
         self.seen = (q.clone(), k.clone(), v.clone())
         out[: md.num_actual_tokens] = q[: md.num_actual_tokens]
 
 
-@pytest.fixture
-def store_calls(monkeypatch) -> list[str]:
-    """The names of the store functions the attention layer calls (each still runs)."""
-    calls: list[str] = []
-    for name in ("rotate_and_store_kv", "store_kv_cache"):
-        function = getattr(attention.layer, name)
-
-        def spy(*args, name=name, function=function):
-            calls.append(name)
-            return function(*args)
-
-        monkeypatch.setattr(attention.layer, name, spy)
-    return calls
-
-
-def run_layer(step: Step, rotate: Rotator) -> None:
+def run_layer(step: Step, rotate: Rotator, backend: RecordingBackend) -> None:
     """One step of an Attention layer with a cache over `step`, checked against the torch
     code: the output, what the backend was handed, the cache."""
     expected, cache_before = step.expected(), step.cache.cpu().clone()
     layer = Attention(step.num_heads, step.head_dim, step.head_dim**-0.5, step.num_kv_heads)
     layer.kv_cache = step.cache
-    backend = RecordingBackend()
     num_tokens = step.q.shape[0]
     md = SimpleNamespace(slot_mapping=step.slot_mapping, num_actual_tokens=num_tokens)
     q, k, v = step.q.clone(), step.k.clone(), step.v.clone()
@@ -207,36 +208,43 @@ def run_layer(step: Step, rotate: Rotator) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_layer_rotates_then_stores_a_cpu_cache(store_calls, dtype):
+def test_layer_rotates_then_stores_a_cpu_cache(dtype):
     """Even a rotation that offers its tables: the fused kernel is for CUDA caches."""
     step = Step("cpu", dtype, 9, (4, 2), 64, 16, num_padding=2)
     rotator = step.rope.rotator(step.positions, dtype)
     assert rotator.rope_tables is None
-    run_layer(step, Rotator(rotator.apply, step.tables()))
-    assert store_calls == ["store_kv_cache"]
+    backend = RecordingBackend()
+    run_layer(step, Rotator(rotator.apply, step.tables()), backend)
+    assert backend.stores == ["store_kv"]
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_layer_fuses_rotary_and_store_for_a_cuda_cache(store_calls, dtype):
+def test_layer_fuses_rotary_and_store_for_a_cuda_cache(dtype):
     step = Step("cuda", dtype, 9, (4, 2), 64, 16, num_padding=2)
+    step.rope.bind_kernels(KernelSet.for_device("cuda", environ={}))
     rotator = step.rope.rotator(step.positions, dtype)
     assert rotator.rope_tables is not None
-    run_layer(step, rotator)
-    assert store_calls == ["rotate_and_store_kv"]
+    backend = RecordingBackend()
+    run_layer(step, rotator, backend)
+    assert backend.stores == ["rotate_and_store_kv"]
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-def test_the_switch_sends_a_cuda_layer_down_rotation_then_store(store_calls, monkeypatch):
-    monkeypatch.setenv("SPLITSERVE_TRITON_KERNELS", "0")
+def test_the_switch_sends_a_cuda_layer_down_rotation_then_store():
+    """SPLITSERVE_TRITON_KERNELS=0: the rotation offers no tables, and the backend would not
+    fuse (nor store with Triton) if it did."""
+    kernels = KernelSet.for_device("cuda", environ={"SPLITSERVE_TRITON_KERNELS": "0"})
     step = Step("cuda", torch.bfloat16, 9, (4, 2), 64, 16, num_padding=2)
+    step.rope.bind_kernels(kernels)
     rotator = step.rope.rotator(step.positions, torch.bfloat16)
     assert rotator.rope_tables is None
-    run_layer(step, rotator)
-    assert store_calls == ["store_kv_cache"]
+    backend = RecordingBackend(kernels.triton)
+    run_layer(step, Rotator(rotator.apply, step.tables()), backend)
+    assert backend.stores == ["store_kv"]
 
 
-def test_layer_without_metadata_rotates_and_attends_causally(store_calls):
+def test_layer_without_metadata_rotates_and_attends_causally():
     """The profiling run: no cache is touched, and rotating in the layer is rotating first."""
     step = Step("cpu", torch.float32, 7, (4, 2), 64, 16)
     layer = Attention(4, 64, 64**-0.5, 2)
@@ -244,4 +252,3 @@ def test_layer_without_metadata_rotates_and_attends_causally(store_calls):
     rotate = step.rope.rotator(step.positions, torch.float32)
     out = layer(step.q.clone(), step.k.clone(), step.v, rotate=rotate)
     assert_close(out, layer(expected_q, expected_k, step.v))
-    assert store_calls == []

@@ -1,13 +1,25 @@
-"""The Triton store-KV kernel (on the GPU, or under TRITON_INTERPRET=1 without one) against
-the torch path on the CPU, exactly."""
+"""The store-KV kernels against the torch store, exactly: the Triton kernel (on the GPU, or
+under TRITON_INTERPRET=1 without one) and the CPU backend's C++ row copy. And the store each
+backend runs, as the kernel set says."""
 
 import pytest
 import torch
 
-from attention import store_kv
-from attention.backends.cpu_backend import load_cpu_attention
-from attention.store_kv import store_kv_cache
+from attention import get_attn_backend
+from attention.backends import triton_store
+from attention.backends.cpu_backend import CPUAttentionBackend, load_cpu_attention
+from attention.backends.torch_backend import TorchAttentionBackend
+from attention.backends.triton_backend import TritonAttentionBackend
+from attention.store_kv import store_kv_torch
 from attention.triton_store_kv import store_kv_triton
+from kernels import KernelSet
+
+
+@pytest.fixture(scope="module")
+def cpu_attention():
+    module = load_cpu_attention(KernelSet(cpu=True))
+    assert module is not None, "the C++ kernels must build wherever tests run"
+    return module
 
 
 def stored_both_ways(
@@ -23,7 +35,7 @@ def stored_both_ways(
     kv = torch.randn(total, 3, num_kv_heads, head_dim, generator=gen)
     k, v = kv[:, 0], kv[:, 2]
     expected, actual = cache.clone(), cache.clone().to(device)
-    store_kv_cache(k, v, expected, slot_mapping)
+    store_kv_torch(k, v, expected, slot_mapping)
     kv_on_device = kv.to(device)
     k_on_device, v_on_device = kv_on_device[:, 0], kv_on_device[:, 2]
     store_kv_triton(k_on_device, v_on_device, actual, slot_mapping.to(device), tile=16)
@@ -58,13 +70,11 @@ def test_triton_store_kv_equals_torch(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_tokens, num_padding", [(1, 0), (37, 5), (1500, 20)])
 def test_cpu_store_kv_writes_each_row_at_its_slot(
-    monkeypatch, path, dtype, num_tokens, num_padding
+    cpu_attention, path, dtype, num_tokens, num_padding
 ):
-    """The C++ store (cpu_attn.cpp) and the torch fallback against a row-by-row copy: every
+    """The C++ store (cpu_attn.cpp) and the torch store against a row-by-row copy: every
     slot gets its token's K and V rows, padding (-1) and every other slot are untouched."""
-    assert load_cpu_attention() is not None, "the C++ kernels must build wherever tests run"
-    if path == "torch":
-        monkeypatch.setattr(store_kv, "load_cpu_attention", lambda: None)
+    backend = CPUAttentionBackend(cpu_attention) if path == "c++" else TorchAttentionBackend()
     gen = torch.Generator().manual_seed(num_tokens)
     num_kv_heads, head_dim, block_size, num_blocks = 3, 64, 16, 200
     cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
@@ -78,15 +88,60 @@ def test_cpu_store_kv_writes_each_row_at_its_slot(
     for t, slot in enumerate(slot_mapping.tolist()):
         if slot >= 0:
             expected[:, slot // block_size, slot % block_size] = torch.stack([k[t], v[t]])
-    store_kv_cache(k, v, cache, slot_mapping)
+    backend.store_kv(k, v, cache, slot_mapping)
     assert torch.equal(cache, expected)
 
 
-def test_cpu_store_kv_refuses_a_slot_outside_the_cache():
-    kernels = load_cpu_attention()
-    assert kernels is not None
+def test_cpu_store_kv_declines_rows_that_are_not_dense(cpu_attention):
+    """The kernel says it does not take them, writing nothing; the backend stores them with
+    torch ops."""
+    cache, slot_mapping = torch.zeros(2, 4, 16, 2, 8), torch.tensor([5, -1, 17])
+    k, v = torch.randn(3, 8, 2).transpose(1, 2), torch.randn(3, 2, 8)  # k: heads strided
+    assert not cpu_attention.store_kv(k, v, cache, slot_mapping)
+    assert not cache.any()
+    expected = cache.clone()
+    store_kv_torch(k, v, expected, slot_mapping)
+    CPUAttentionBackend(cpu_attention).store_kv(k, v, cache, slot_mapping)
+    assert torch.equal(cache, expected) and cache.any()
+
+
+def test_cpu_store_kv_refuses_a_slot_outside_the_cache(cpu_attention):
     cache = torch.zeros(2, 4, 16, 1, 8)
     k = v = torch.ones(2, 1, 8)
     with pytest.raises(RuntimeError, match="outside the cache"):
-        kernels.store_kv(k, v, cache, torch.tensor([3, 64]))
+        cpu_attention.store_kv(k, v, cache, torch.tensor([3, 64]))
     assert not cache.any()
+
+
+@pytest.fixture
+def triton_stores(monkeypatch) -> list[str]:
+    """The devices of the caches the Triton store kernel writes (it still runs)."""
+    calls: list[str] = []
+
+    def spy(k, v, kv_cache, slot_mapping):
+        calls.append(kv_cache.device.type)
+        return store_kv_triton(k, v, kv_cache, slot_mapping)
+
+    monkeypatch.setattr(triton_store, "store_kv_triton", spy)
+    return calls
+
+
+@pytest.mark.parametrize("triton", [True, False])
+def test_cuda_backends_store_with_triton_where_the_kernel_set_has_it(
+    kernel_device, triton_stores, triton
+):
+    """SPLITSERVE_TRITON_KERNELS=0 (a KernelSet without Triton) reaches the CUDA store;
+    CPU caches (the Triton backend under the interpreter) are stored with torch ops."""
+    backend = get_attn_backend("triton", "cuda", kernels=KernelSet(triton=triton))
+    assert isinstance(backend, TritonAttentionBackend) and backend.triton_store == triton
+    assert backend.cudagraph_support == triton  # the torch store syncs: no capture
+    gen = torch.Generator().manual_seed(3)
+    cache = torch.randn(2, 8, 4, 2, 8, generator=gen)
+    slot_mapping = torch.cat([torch.randperm(32, generator=gen)[:9], torch.full((2,), -1)])
+    k, v = torch.randn(11, 2, 8, generator=gen), torch.randn(11, 2, 8, generator=gen)
+    expected, on_device = cache.clone(), cache.to(kernel_device)
+    store_kv_torch(k, v, expected, slot_mapping)
+    to = {"device": kernel_device}
+    backend.store_kv(k.to(**to), v.to(**to), on_device, slot_mapping.to(**to))
+    assert torch.equal(on_device.cpu(), expected)
+    assert triton_stores == (["cuda"] if kernel_device == "cuda" and triton else [])

@@ -7,20 +7,21 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kernels.kernel_set
+from kernels import KernelSet
 from models import load_model
-from models.layers import cpu_ops
 from models.layers.activation import SiluAndMul
+from models.layers.fused_ops import fused_ops
 from models.layers.norm import RMSNorm
 from models.layers.rotary import RotaryEmbedding, apply_rotary
+from models.loader import bind_kernels
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-CPU = torch.device("cpu")
 
 
 @pytest.fixture
-def ops(monkeypatch):
-    monkeypatch.delenv("SPLITSERVE_CPU_KERNELS", raising=False)
-    module = cpu_ops.cpu_kernels(CPU, torch.float32)
+def ops():
+    module = fused_ops(KernelSet(cpu=True))
     assert module is not None, "the C++ kernels failed to build"
     return module
 
@@ -71,10 +72,10 @@ def test_add_rms_norm_into_new_tensors_and_in_place(ops, threads, dtype, shape):
     x, residual = torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype)
     expected_out, expected_sum = norm.forward_torch(x, residual)
     out, total = torch.empty_like(x), torch.empty_like(x)
-    ops.add_rms_norm(x, residual, norm.weight, 1e-5, out, total)
+    assert ops.add_rms_norm(x, residual, norm.weight, 1e-5, out, total)
     assert_same(out, expected_out)
     assert_same(total, expected_sum)
-    ops.add_rms_norm(x, residual, norm.weight, 1e-5, x, residual)  # as vLLM's, in place
+    assert ops.add_rms_norm(x, residual, norm.weight, 1e-5, x, residual)  # in place, as vLLM
     assert_same(x, expected_out)
     assert_same(residual, expected_sum)
 
@@ -97,22 +98,48 @@ def test_rotary_in_place_on_views_of_qkv(ops, threads, dtype, tokens, heads, kv_
         apply_rotary(k, cos, sin, head_dim),
     )
     v_before = v.clone()
-    ops.rotary_embedding(positions, q, k, rope.cos_cache, rope.sin_cache, head_dim)
+    assert ops.rotary_embedding(positions, q, k, rope.cos_cache, rope.sin_cache, head_dim)
     assert_same(q, expected_q)
     assert_same(k, expected_k)
     assert_same(v, v_before)
 
 
 def test_rotary_refuses_what_it_cannot_take(ops):
+    """A position out of range or int32 positions raise, before any row is written; q or k
+    it does not take (strided last dimension, another dtype, no whole heads) it declines."""
     rope = RotaryEmbedding(8, 16, torch.ones(4))
     q, k = torch.randn(2, 16), torch.randn(2, 8)
+    q_before, k_before = q.clone(), k.clone()
     args = (rope.cos_cache, rope.sin_cache, 8)
     with pytest.raises(RuntimeError, match="out of range"):
         ops.rotary_embedding(torch.tensor([0, 16]), q, k, *args)
-    with pytest.raises(RuntimeError, match="not contiguous"):
-        ops.rotary_embedding(torch.tensor([0, 1]), torch.randn(16, 2).t(), k, *args)
     with pytest.raises(RuntimeError, match="int64"):
         ops.rotary_embedding(torch.tensor([0, 1], dtype=torch.int32), q, k, *args)
+    positions = torch.tensor([0, 1])
+    strided = torch.randn(16, 2).t()
+    assert not ops.rotary_embedding(positions, strided, k, *args)
+    assert not ops.rotary_embedding(positions, q, k.double(), *args)
+    assert not ops.rotary_embedding(positions, q, torch.randn(2, 12), *args)
+    assert torch.equal(q, q_before) and torch.equal(k, k_before)
+
+
+def test_kernels_decline_tensors_they_do_not_take(ops):
+    weight = torch.ones(8)
+    x = torch.randn(8, 6).t()  # last dimension strided
+    declined = [
+        ops.rms_norm(x, weight, 1e-5),
+        ops.rms_norm(torch.randn(2, 3, 4, 8), weight, 1e-5),  # four dimensions
+        ops.rms_norm(torch.randn(3, 8, dtype=torch.float64), weight.double(), 1e-5),
+        ops.rms_norm(torch.randn(3, 8), weight.bfloat16(), 1e-5),  # the torch code promotes
+        ops.silu_and_mul(torch.randn(3, 7)),  # odd
+        ops.silu_and_mul(torch.randn(3, 8, dtype=torch.float64)),
+    ]
+    assert declined == [None] * len(declined)
+    y, residual = torch.randn(3, 8), torch.randn(3, 8)
+    out, total = torch.zeros(3, 8), torch.zeros(3, 8)
+    assert not ops.add_rms_norm(y, residual.double(), weight, 1e-5, out, total)
+    assert not ops.add_rms_norm(y, residual, weight, 1e-5, out, torch.zeros(3, 16)[:, ::2])
+    assert not out.any() and not total.any()
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -128,29 +155,36 @@ def test_silu_and_mul_of_strided_rows(ops):
     assert_same(ops.silu_and_mul(x), SiluAndMul.forward_torch(x))
 
 
-# --- the layers: kernel on CPU when it can take the tensors, torch code otherwise -----------
+# --- the layers: the kernel set's kernel where it takes the tensors, torch code otherwise ----
 
 
-@pytest.fixture
-def spy(ops, monkeypatch):
-    """Names of the kernels the layers call."""
-    calls: list[str] = []
+class Spy:
+    """The kernels, recording the names of those called and whether each took its tensors."""
 
-    class Spy:
-        def __getattr__(self, name):
-            calls.append(name)
-            return getattr(ops, name)
+    def __init__(self, ops) -> None:
+        self.ops, self.calls = ops, []
 
-    for module in ("models.layers.norm", "models.layers.activation", "models.layers.rotary"):
-        monkeypatch.setattr(f"{module}.cpu_kernels", lambda *a: cpu_ops.cpu_kernels(*a) and Spy())
-    return calls
+    def __getattr__(self, name):
+        def call(*args):
+            result = getattr(self.ops, name)(*args)
+            self.calls.append(name if result is not None and result is not False else "declined")
+            return result
+
+        return call
 
 
-@pytest.mark.parametrize("disable", ["env", "no-compiler"])
-def test_layers_use_the_kernels_and_fall_back(spy, monkeypatch, disable):
+def bind(layers, ops) -> None:
+    for layer in layers:
+        layer.ops = ops
+
+
+@pytest.mark.parametrize("disable", ["kernel set", "no-compiler"])
+def test_layers_use_the_kernels_and_fall_back(ops, monkeypatch, disable):
     dtype = torch.bfloat16
     norm, act = make_norm(64, dtype), SiluAndMul()
     rope = RotaryEmbedding(16, 64, torch.rand(8))
+    spy = Spy(ops)
+    bind((norm, act, rope), spy)
     x, residual = torch.randn(5, 64, dtype=dtype), torch.randn(5, 64, dtype=dtype)
     x_before, residual_before = x.clone(), residual.clone()
     positions = torch.arange(5)
@@ -161,54 +195,64 @@ def test_layers_use_the_kernels_and_fall_back(spy, monkeypatch, disable):
 
     torch.manual_seed(0)
     with_kernels = run()
-    assert spy == ["rms_norm", "add_rms_norm", "silu_and_mul", "rotary_embedding"]
+    assert spy.calls == ["rms_norm", "add_rms_norm", "silu_and_mul", "rotary_embedding"]
     assert_same(x, x_before)  # forward(x, residual) leaves its inputs alone
     assert_same(residual, residual_before)
-    if disable == "env":
-        monkeypatch.setenv("SPLITSERVE_CPU_KERNELS", "0")
+    kernel_set = KernelSet(cpu=True)
+    if disable == "kernel set":  # SPLITSERVE_CPU_KERNELS=0
+        kernel_set = KernelSet()
     else:
-        monkeypatch.setattr(cpu_ops, "load_cpp_extension", lambda *a: None)
+        monkeypatch.setattr(kernels.kernel_set, "load_cpp_extension", lambda *a: None)
+    for layer in (norm, act, rope):
+        layer.bind_kernels(kernel_set)
+    assert norm.ops is act.ops is rope.ops is None
     torch.manual_seed(0)
     without = run()
-    assert len(spy) == 4
+    assert len(spy.calls) == 4
     for a, b in zip(with_kernels, without, strict=True):
         assert_same(a, b)
 
 
-def test_rms_norm_in_place_writes_into_its_inputs(spy):
+def test_rms_norm_in_place_writes_into_its_inputs(ops):
     norm = make_norm(576, torch.bfloat16)
+    spy = Spy(ops)
+    bind([norm], spy)
     x, residual = torch.randn(333, 576, dtype=torch.bfloat16), torch.randn(333, 576).bfloat16()
     expected_out, expected_sum = norm.forward_torch(x, residual)
     out, total = norm(x, residual, in_place=True)
-    assert spy == ["add_rms_norm"]
+    assert spy.calls == ["add_rms_norm"]
     assert out is x and total is residual
     assert_same(out, expected_out)
     assert_same(total, expected_sum)
 
 
-def test_layers_fall_back_on_tensors_the_kernels_do_not_take(spy):
-    norm = make_norm(8, torch.float32)
+def test_layers_fall_back_on_tensors_the_kernels_do_not_take(ops):
+    norm, act = make_norm(8, torch.float32), SiluAndMul()
+    spy = Spy(ops)
+    bind((norm, act), spy)
     x = torch.randn(8, 6).t()  # last dim not contiguous
     assert_same(norm(x), norm.forward_torch(x))
     x4 = torch.randn(2, 3, 4, 8)  # four dimensions
     assert_same(norm(x4), norm.forward_torch(x4))
     x64 = torch.randn(3, 8, dtype=torch.float64)  # a dtype the kernels do not take
     assert_same(norm(x64), norm.forward_torch(x64))
-    assert spy == []
+    assert_same(norm(x64, x64.clone())[0], norm.forward_torch(x64, x64.clone())[0])
+    assert_same(act(x64), SiluAndMul.forward_torch(x64))
+    assert spy.calls == ["declined"] * 5
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
 @torch.no_grad()
-def test_model_forward_is_bitwise_the_same_with_and_without_kernels(
-    ops, monkeypatch, tiny_checkpoint, arch
-):
+def test_model_forward_is_bitwise_the_same_with_and_without_kernels(ops, tiny_checkpoint, arch):
     path = tiny_checkpoint(arch, hidden_size=96, num_attention_heads=3, num_key_value_heads=1)
-    model = load_model(path, torch.bfloat16)
+    model = load_model(path, torch.bfloat16, kernels=KernelSet(cpu=True))
+    assert any(getattr(m, "ops", None) is ops for m in model.modules())
     for module in model.modules():  # the linear kernel rounds as F.linear, not bitwise:
         if hasattr(module, "packed_weight"):  # test_cpu_linear.py
             module.packed_weight = None
     input_ids = torch.randint(0, 288, (37,))
     positions = torch.arange(37) + 5
     with_kernels = model(input_ids, positions)
-    monkeypatch.setenv("SPLITSERVE_CPU_KERNELS", "0")
+    bind_kernels(model, KernelSet())  # SPLITSERVE_CPU_KERNELS=0
+    assert not any(getattr(m, "ops", None) for m in model.modules())
     assert_same(with_kernels, model(input_ids, positions))

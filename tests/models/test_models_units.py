@@ -57,13 +57,13 @@ def test_resolve_dtype_explicit(option, expected):
 
 
 def test_resolve_dtype_auto(monkeypatch):
-    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(loader, "has_native_bf16", lambda: False)
     assert resolve_dtype("auto", _cfg("bfloat16")) == torch.bfloat16
     assert resolve_dtype("auto", _cfg(torch.float16)) == torch.float16
     assert resolve_dtype("auto", _cfg("float32")) == torch.float32
     assert resolve_dtype("auto", types.SimpleNamespace(torch_dtype="float32")) == torch.float32
     assert resolve_dtype("auto", types.SimpleNamespace()) == torch.float32
-    monkeypatch.setattr(loader, "cpu_has_native_bf16", lambda: True)
+    monkeypatch.setattr(loader, "has_native_bf16", lambda: True)
     assert resolve_dtype("auto", _cfg("float32")) == torch.bfloat16
     assert resolve_dtype("auto", _cfg(torch.float32)) == torch.bfloat16
     assert resolve_dtype("auto", _cfg("float16")) == torch.float16
@@ -80,7 +80,7 @@ def test_resolve_dtype_errors():
 
 
 def test_cpu_bf16_detection_runs():
-    assert isinstance(loader.cpu_has_native_bf16(), bool)
+    assert isinstance(loader.has_native_bf16(), bool)
 
 
 def test_kv_cache_shape_info():

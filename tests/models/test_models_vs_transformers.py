@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -107,11 +109,11 @@ def test_logits_match_transformers(tmp_path, case):
 def test_sliding_window_layers_and_effect(tmp_path, arch, overrides, windows):
     path = make_tiny_checkpoint(tmp_path, arch, **overrides)
     model = load_model(path, torch.float32)
-    assert [layer.sliding_window for layer in model.attention_layers()] == windows
+    assert [layer.spec.sliding_window for layer in model.attention_layers()] == windows
     # The window changes the result for tokens past it (so the tests above mean something).
     full = model.compute_logits(model(PROMPT, torch.arange(len(PROMPT))))
     for layer in model.attention_layers():
-        layer.sliding_window = None
+        layer.spec = dataclasses.replace(layer.spec, sliding_window=None)
     no_window = model.compute_logits(model(PROMPT, torch.arange(len(PROMPT))))
     torch.testing.assert_close(full[:3], no_window[:3])
     assert (full[4:] - no_window[4:]).abs().max() > 1e-3
@@ -155,13 +157,13 @@ def test_model_structure(tmp_path, arch, cls):
     assert type(model) is cls
     layers = model.attention_layers()
     assert len(layers) == 2
-    assert all(layer.scale == 16**-0.5 for layer in layers)
+    assert all(layer.spec.scale == 16**-0.5 for layer in layers)
     assert [layer.prefix for layer in layers] == [
         "model.layers.0.self_attn.attn",
         "model.layers.1.self_attn.attn",
     ]
-    assert all(layer.num_heads == 4 and layer.num_kv_heads == 2 for layer in layers)
-    assert all(layer.head_dim == 16 and layer.kv_cache is None for layer in layers)
+    assert all(layer.spec.num_heads == 4 and layer.spec.num_kv_heads == 2 for layer in layers)
+    assert all(layer.spec.head_size == 16 and layer.kv_cache is None for layer in layers)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert not any(p.requires_grad for p in model.parameters())
     has_bias = model.model.layers[0].self_attn.qkv_proj.bias is not None
@@ -177,9 +179,9 @@ def test_gemma3_structure(tmp_path):
     assert [layer.prefix for layer in layers] == [
         f"model.layers.{i}.self_attn.attn" for i in range(6)
     ]
-    assert [layer.sliding_window for layer in layers] == [8, 8, 8, 8, 8, None]
-    assert all(layer.num_heads == 4 and layer.num_kv_heads == 2 for layer in layers)
-    assert all(layer.head_dim == 16 and layer.scale == 24**-0.5 for layer in layers)
+    assert [layer.spec.sliding_window for layer in layers] == [8, 8, 8, 8, 8, None]
+    assert all(layer.spec.num_heads == 4 and layer.spec.num_kv_heads == 2 for layer in layers)
+    assert all(layer.spec.head_size == 16 and layer.spec.scale == 24**-0.5 for layer in layers)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert not any(p.requires_grad for p in model.parameters())
 

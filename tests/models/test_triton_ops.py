@@ -1,6 +1,6 @@
 """The fused Triton kernels (models/layers/triton_ops.py; on the GPU, or under
-TRITON_INTERPRET=1 without one) against the layers' torch code, and the layers' choice of
-kernels: Triton for CUDA tensors, C++ or torch for CPU ones.
+TRITON_INTERPRET=1 without one) against the layers' torch code, and the layers' kernels as
+the kernel set of their device has them: Triton on CUDA, C++ or torch on the CPU.
 
 Tolerances are a few units of the dtype's rounding: the kernels sum in another order, and
 the interpreter rounds float32 to bfloat16 by truncation where the GPU rounds to nearest.
@@ -13,8 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels import KernelSet
 from models.layers import triton_ops
 from models.layers.activation import SiluAndMul
+from models.layers.fused_ops import fused_ops
 from models.layers.norm import RMSNorm
 from models.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -86,6 +88,8 @@ def test_rms_norm_layer_semantics(kernel_device, dtype, in_place):
     into x and residual when in place and into new tensors otherwise."""
     torch.manual_seed(3)
     norm = make_norm(1000, dtype, kernel_device)
+    norm.bind_kernels(KernelSet(triton=True))
+    assert norm.ops is triton_ops
     x = rows((4, 1000), dtype, kernel_device, strided=False)
     residual = rows((4, 1000), dtype, kernel_device, strided=False)
     x_before, residual_before = x.clone(), residual.clone()
@@ -134,8 +138,8 @@ def test_rotary_rotates_q_and_k_of_fused_qkv_rows_in_place(
         apply_rotary(q, cos, sin, head_dim),
         apply_rotary(k, cos, sin, head_dim),
     )
-    assert triton_ops.rotary_fits(q, k, dtype, head_dim)
-    triton_ops.rotary_embedding(positions, q, k, rope.cos_cache, rope.sin_cache, head_dim)
+    assert triton_ops.rotary_fits(q, k, head_dim)
+    assert triton_ops.rotary_embedding(positions, q, k, rope.cos_cache, rope.sin_cache, head_dim)
     assert_close(q, expected_q, scale=4.0)
     assert_close(k, expected_k, scale=4.0)
     assert torch.equal(v, v_before)
@@ -151,12 +155,22 @@ def test_empty_batches(kernel_device):
     triton_ops.rotary_embedding(positions, x, x, rope.cos_cache, rope.sin_cache, 64)
 
 
-def test_kernels_are_for_cuda_tensors_of_float_dtypes():
-    cuda = torch.device("cuda")
-    for dtype in DTYPES:
-        assert triton_ops.triton_kernels(cuda, dtype) is triton_ops
-        assert triton_ops.triton_kernels(torch.device("cpu"), dtype) is None
-    assert triton_ops.triton_kernels(cuda, torch.float64) is None
+def test_the_kernel_set_of_a_cuda_model_has_them():
+    assert fused_ops(KernelSet.for_device("cuda", environ={})) is triton_ops
+    assert fused_ops(KernelSet()) is None
+    assert fused_ops(KernelSet(cpu=True)) is not triton_ops
+
+
+def test_the_kernels_decline_what_they_do_not_take():
+    x = torch.randn(3, 8, dtype=torch.float64)
+    out, total = torch.zeros_like(x), torch.zeros_like(x)
+    assert triton_ops.rms_norm(x, torch.ones(8, dtype=torch.float64), 1e-5) is None
+    assert not triton_ops.add_rms_norm(x, x, torch.ones(8, dtype=torch.float64), 1e-5, out, total)
+    assert triton_ops.silu_and_mul(x) is None
+    assert triton_ops.silu_and_mul(torch.randn(3, 7)) is None
+    cache = torch.zeros(4, 4)
+    assert not triton_ops.rotary_embedding(torch.arange(3), x, x, cache, cache, 8)
+    assert not out.any() and not total.any()
 
 
 def test_shapes_the_kernels_do_not_take():
@@ -170,11 +184,12 @@ def test_shapes_the_kernels_do_not_take():
     wide = triton_ops.MAX_NORM_BLOCK + 1
     assert not triton_ops.norm_fits(torch.empty(1, wide), torch.empty(wide))
     q, k = torch.randn(3, 9 * 64), torch.randn(3, 3 * 64)
-    assert triton_ops.rotary_fits(q, k, torch.float32, 64)
-    assert not triton_ops.rotary_fits(q, k, torch.bfloat16, 64)
-    assert not triton_ops.rotary_fits(q.reshape(3, 9, 64), k, torch.float32, 64)
-    assert not triton_ops.rotary_fits(q, k[:2], torch.float32, 64)
-    assert not triton_ops.rotary_fits(q, k, torch.float32, 128)  # 3 * 64 is no whole head
+    assert triton_ops.rotary_fits(q, k, 64)
+    assert not triton_ops.rotary_fits(q, k.bfloat16(), 64)
+    assert not triton_ops.rotary_fits(q.double(), k.double(), 64)
+    assert not triton_ops.rotary_fits(q.reshape(3, 9, 64), k, 64)
+    assert not triton_ops.rotary_fits(q, k[:2], 64)
+    assert not triton_ops.rotary_fits(q, k, 128)  # 3 * 64 is no whole head
 
 
 @pytest.fixture
@@ -197,16 +212,22 @@ def triton_calls(monkeypatch) -> list[str]:
 
 
 def run_layers(device: str, dtype: torch.dtype) -> None:
-    """Every fused layer once, checked against its torch code."""
+    """Every fused layer, with the kernel set of a model on `device`, once, checked against
+    its torch code."""
+    kernels = KernelSet.for_device(device, environ={})
     norm = make_norm(576, dtype, device)
+    norm.bind_kernels(kernels)
     x = torch.randn(5, 576, dtype=dtype, device=device)
     residual = torch.randn_like(x)
     assert_close(norm(x), norm.forward_torch(x), scale=10.0)
     out, total = norm(x, residual)
     assert_close(out, norm.forward_torch(x, residual)[0], scale=10.0)
     gate_up = torch.randn(5, 256, dtype=dtype, device=device)
-    assert_close(SiluAndMul()(gate_up), SiluAndMul.forward_torch(gate_up), scale=10.0)
+    act = SiluAndMul()
+    act.bind_kernels(kernels)
+    assert_close(act(gate_up), SiluAndMul.forward_torch(gate_up), scale=10.0)
     rope = make_rope(64, 32, device)
+    rope.bind_kernels(kernels)
     positions = torch.tensor([4, 0, 31, 4, 9], device=device)
     q, k = (
         torch.randn(5, 9 * 64, dtype=dtype, device=device),
@@ -232,13 +253,17 @@ def test_layers_never_run_triton_kernels_on_cpu_tensors(triton_calls, dtype):
     assert triton_calls == []
 
 
-def test_the_switch_sends_cuda_tensors_to_the_torch_code(monkeypatch):
-    """SPLITSERVE_TRITON_KERNELS=0: no Triton for the layers nor the sampler (read per call)."""
-    from worker.sampler_triton import triton_takes
+def test_the_switch_sends_cuda_tensors_to_the_torch_code():
+    """SPLITSERVE_TRITON_KERNELS=0: no Triton for the layers nor the sampler (read once,
+    into the kernel set)."""
+    from worker.sampler import Sampler
 
-    cuda = torch.device("cuda")
-    assert triton_ops.triton_kernels(cuda, torch.bfloat16) is triton_ops
-    monkeypatch.setenv("SPLITSERVE_TRITON_KERNELS", "0")
-    assert triton_ops.triton_kernels(cuda, torch.bfloat16) is None
-    if torch.cuda.is_available():
-        assert not triton_takes(torch.zeros(2, 8, device="cuda"))
+    on = KernelSet.for_device("cuda", environ={})
+    off = KernelSet.for_device("cuda", environ={"SPLITSERVE_TRITON_KERNELS": "0"})
+    assert on.triton and not off.triton and not on.cpu
+    assert fused_ops(off) is None
+    layers = (make_norm(64, torch.float32, "cpu"), SiluAndMul(), make_rope(64, 32, "cpu"))
+    for layer in layers:
+        layer.bind_kernels(off)
+        assert layer.ops is None
+    assert Sampler(kernels=on).triton and not Sampler(kernels=off).triton

@@ -4,11 +4,10 @@ numpy references of the allowed tokens and their exact distribution, and a chi-s
 import math
 
 import numpy as np
-import pytest
 import torch
 
-from attention.cpp_extension import cpu_kernels_enabled
-from worker.sampler import SAMPLING_EPS, Sampler, SamplingMetadata, cpu_kernels
+from kernels import KernelSet
+from worker.sampler import SAMPLING_EPS, Sampler, SamplingMetadata
 
 # Exact in bf16 and fp32, and no filter boundary of the cases below is within 1e-3.
 LOGITS = [0.75, -1.5, 2.0, 0.0, 1.25, -0.25, 3.0, -1.0, 1.5, 0.5, 2.25, -0.75]
@@ -31,13 +30,12 @@ CASES = [  # temperature, top_k, top_p, min_p
 
 
 def make_sampler(path: str, generator: torch.Generator | None = None) -> Sampler:
-    """path "kernel": the C++ kernel, which must build (g++ is there in CI), unless
-    SPLITSERVE_CPU_KERNELS=0 turns it off; "torch": the torch path, the reference."""
+    """path "kernel": the C++ kernel, which must build (g++ is there in CI); "torch": the
+    torch path, the reference."""
+    sampler = Sampler(generator, KernelSet(cpu=path == "kernel"))
     if path == "kernel":
-        if not cpu_kernels_enabled():
-            pytest.skip("SPLITSERVE_CPU_KERNELS=0")
-        assert cpu_kernels() is not None, "the C++ sampling kernel did not build"
-    return Sampler(generator, use_cpu_kernel=path == "kernel")
+        assert sampler.cpu_kernel is not None, "the C++ sampling kernel did not build"
+    return sampler
 
 
 def make_metadata(temperature, top_p=None, top_k=None, min_p=None, generators=None, logprobs=None):

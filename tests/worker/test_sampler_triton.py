@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from attention.cpp_extension import cpu_kernels_enabled
+from kernels import KernelSet
 from tests.worker.sampler_helpers import (
     CASES,
     LOGITS,
@@ -18,7 +18,13 @@ from tests.worker.sampler_helpers import (
     random_settings,
 )
 from worker import sampler as sampler_module
-from worker.sampler import SAMPLING_EPS, Sampler, SamplingMetadata, _draw_uniforms, cpu_kernels
+from worker.sampler import (
+    SAMPLING_EPS,
+    Sampler,
+    SamplingMetadata,
+    _draw_uniforms,
+    cpu_sampling_kernel,
+)
 from worker.sampler_triton import sample_triton
 
 
@@ -48,15 +54,15 @@ def triton_tokens(logits, metadata, seed, tile=2048, cpu_draws=False) -> torch.T
 
 def torch_tokens(logits, metadata, seed) -> torch.Tensor:
     generator = torch.Generator(logits.device.type).manual_seed(seed)
-    reference = Sampler(generator, use_cpu_kernel=False, use_triton_kernel=False)
+    reference = Sampler(generator, KernelSet())
     return reference(logits, metadata).sampled_token_ids
 
 
 def cpp_tokens(logits, metadata, seed) -> torch.Tensor | None:
-    """The C++ kernel's tokens for CPU logits, None where it is off or the logits are not."""
-    if logits.device.type != "cpu" or not cpu_kernels_enabled():
+    """The C++ kernel's tokens for CPU logits, None where the logits are not."""
+    if logits.device.type != "cpu":
         return None
-    kernels = cpu_kernels()
+    kernels = cpu_sampling_kernel(KernelSet(cpu=True))
     assert kernels is not None, "the C++ sampling kernel did not build"
     m = metadata
     u = uniforms(m, logits.shape[0], seed, "cpu")
@@ -197,9 +203,10 @@ def test_sampler_dispatches_only_cuda_logits_to_triton(kernel_device, monkeypatc
     monkeypatch.setattr(sampler_module, "sample_triton", spy)
     logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(16)).to(kernel_device)
     metadata = on_device(make_metadata([0.0, 1.0, 0.7, 1.2], top_k=[0, 5, 0, 20]), kernel_device)
-    for use_cpu_kernel in (True, False):
-        sampled = Sampler(use_cpu_kernel=use_cpu_kernel)(logits, metadata).sampled_token_ids
+    for cpu in (True, False):
+        sampler = Sampler(kernels=KernelSet(cpu=cpu, triton=True))
+        sampled = sampler(logits, metadata).sampled_token_ids
         assert sampled.device.type == kernel_device and sampled[0] == logits[0].argmax()
     assert calls == (["cuda", "cuda"] if kernel_device == "cuda" else [])
-    Sampler(use_triton_kernel=False)(logits, metadata)
+    Sampler(kernels=KernelSet(cpu=True))(logits, metadata)
     assert len(calls) == (2 if kernel_device == "cuda" else 0)

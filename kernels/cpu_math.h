@@ -1,12 +1,29 @@
-// Numeric helpers shared by the C++ CPU kernels (attention/cpp_extension.py puts this
-// folder on every kernel's include path).
+// Numeric helpers shared by the C++ CPU kernels (kernels/build.py puts this folder on
+// every kernel's include path), and the check of the ISA the build targets.
+//
+// kernels/isa.py builds for one ISA and defines SPLITSERVE_<RUNG> for each rung up to it:
+// SPLITSERVE_AVX2, SPLITSERVE_AVX512, SPLITSERVE_AVX512_BF16, SPLITSERVE_AMX (x86) or
+// SPLITSERVE_NEON (Arm). Kernels choose their paths by these macros only.
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AMX_TILE__)
+#if (defined(SPLITSERVE_AVX2) && !(defined(__AVX2__) && defined(__FMA__))) ||         \
+    (defined(SPLITSERVE_AVX512) &&                                                    \
+     !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) &&      \
+       defined(__AVX512DQ__))) ||                                                     \
+    (defined(SPLITSERVE_AVX512_BF16) && !defined(__AVX512BF16__)) ||                  \
+    (defined(SPLITSERVE_AMX) && !(defined(__AMX_TILE__) && defined(__AMX_BF16__)))
+#error "the SPLITSERVE_<ISA> macros need the compiler flags of kernels/isa.py"
+#endif
+
+#if defined(SPLITSERVE_AVX2)
+#include <immintrin.h>
+#endif
+
+#if defined(SPLITSERVE_AMX)
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -41,7 +58,7 @@ inline float exp_nonpositive(float y) {
   return y < -87.0f ? 0.0f : p * scale;
 }
 
-#if defined(__AMX_TILE__)
+#if defined(SPLITSERVE_AMX)
 // Linux hands out the AMX tile state only to processes that ask for it.
 inline bool amx_usable() {
   static const bool usable = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,

@@ -1,0 +1,88 @@
+"""Build-once loading of the project's C++ CPU kernels (torch.utils.cpp_extension).
+
+Each kernel file lives beside the Python that calls it and is compiled the first time a
+process asks for it for an ISA (kernels/isa.py: its flags, -O3 and OpenMP) into a folder
+under the user cache keyed by torch version, machine, ISA and the sources; later processes
+load the cached library. Kernels may include this folder's headers (cpu_math.h). When
+there is no compiler or the build fails, `load_cpp_extension` returns None after one
+warning and the caller falls back to its torch path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import sys
+import warnings
+from collections.abc import Sequence
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from kernels.isa import compiler_flags, machine
+
+logger = logging.getLogger(__name__)
+
+HEADERS = Path(__file__).parent
+CFLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
+
+
+def build_root(isa: str) -> Path:
+    base = os.environ.get("SPLITSERVE_CACHE") or Path.home() / ".cache" / "splitserve"
+    version = torch.__version__.replace("+", "_")
+    return Path(base) / "cpp_extensions" / f"torch-{version}-{machine()}" / isa
+
+
+def load_cpp_extension(name: str, sources: Sequence[Path], isa: str) -> ModuleType | None:
+    """The module `name` built from `sources` for `isa`, or None (with one warning) when it
+    cannot be had. Concurrent processes wait for one build (torch's file lock)."""
+    return _load(name, tuple(Path(s).resolve() for s in sources), isa)
+
+
+def _sources_digest(sources: tuple[Path, ...], flags: list[str]) -> str:
+    """Names a build by its flags and its sources' paths and contents, and those of the
+    headers beside them and here: ninja rebuilds whenever a source path changes, so two
+    checkouts sharing one folder would rebuild each other's kernels on every switch."""
+    digest = hashlib.sha1(" ".join(flags).encode())
+    headers = sorted({h for s in sources for h in s.parent.glob("*.h")} | set(HEADERS.glob("*.h")))
+    for path in (*sources, *headers):
+        digest.update(str(path.resolve()).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+@cache
+def _load(name: str, sources: tuple[Path, ...], isa: str) -> ModuleType | None:
+    from torch.utils import cpp_extension
+
+    flags = CFLAGS + compiler_flags(isa)
+    module_name = f"{name}_{isa}"  # each ISA's build is a module of its own
+    build_dir = build_root(isa) / name / _sources_digest(sources, flags)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    # ninja may come from the venv's `ninja` wheel, whose bin folder need not be on PATH.
+    venv_bin = str(Path(sys.executable).parent)
+    if venv_bin not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = venv_bin + os.pathsep + os.environ.get("PATH", "")
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        warnings.warn(f"no C++ compiler: {name} runs on its torch fallback", stacklevel=2)
+        return None
+    if not any(build_dir.glob(f"{module_name}*.so")):
+        logger.warning("building C++ kernels %s into %s (once; about a minute)", name, build_dir)
+    try:
+        return cpp_extension.load(
+            name=module_name,
+            sources=[str(s) for s in sources],
+            extra_cflags=flags,
+            extra_include_paths=[str(HEADERS)],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            verbose=False,
+        )
+    except Exception as e:  # a compiler error, a missing header: keep serving on torch
+        message = f"C++ kernels {name} ({isa}) failed to build ({e}); using the torch fallback"
+        warnings.warn(message, stacklevel=2)
+        return None

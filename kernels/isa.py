@@ -1,0 +1,128 @@
+"""The instruction set the C++ CPU kernels are built for: this CPU's best, or a lower one
+forced with SPLITSERVE_CPU_ISA, so that every path can be built and tested on one machine.
+
+The ISAs of an architecture form a ladder, each including the ones below it. x86: generic
+(the x86-64 baseline), avx2 (x86-64-v3), avx512 (x86-64-v4), avx512_bf16, amx (AMX-BF16
+tiles). Arm: generic, neon (the Armv8-A baseline has NEON, so both build alike; neon only
+names it). A build for an ISA passes that rung's compiler flags and defines
+SPLITSERVE_<RUNG> for each non-generic rung up to it; the C++ keys its paths on those
+macros alone (kernels/cpu_math.h checks they agree with the compiler's).
+"""
+
+from __future__ import annotations
+
+import platform
+from functools import cache
+from pathlib import Path
+
+import torch
+
+X86 = ("generic", "avx2", "avx512", "avx512_bf16", "amx")
+ARM = ("generic", "neon")
+# The /proc/cpuinfo flags each rung needs besides those of the rungs below it.
+_X86_NEEDS = {
+    "avx2": {"avx", "avx2", "fma", "bmi1", "bmi2", "f16c", "movbe", "abm", "xsave"}
+    | {"cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3"},
+    "avx512": {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"},
+    "avx512_bf16": {"avx512_bf16"},
+    "amx": {"amx_tile", "amx_bf16"},
+}
+# The compiler flags of each rung besides those of the rungs below it (avx2 and avx512 are
+# x86-64-v3 and -v4, spelled out for compilers that do not know those names).
+_X86_FLAGS = {
+    "generic": ["-march=x86-64"],
+    "avx2": ["-mavx", "-mavx2", "-mfma", "-mbmi", "-mbmi2", "-mf16c", "-mmovbe", "-mlzcnt"]
+    + ["-mxsave", "-mcx16", "-msahf", "-mpopcnt", "-msse4.1", "-msse4.2", "-mssse3"],
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512cd", "-mavx512dq", "-mavx512vl"],
+    "avx512_bf16": ["-mavx512bf16"],
+    "amx": ["-mamx-tile", "-mamx-bf16"],
+}
+# torch's dispatch level, where /proc/cpuinfo cannot be read.
+_TORCH_CAPABILITY = {"AVX2": "avx2", "AVX512": "avx512"}
+
+
+def machine() -> str:
+    name = platform.machine().lower()
+    if name in ("x86_64", "amd64"):
+        return "x86_64"
+    return "aarch64" if name in ("aarch64", "arm64") else name
+
+
+def ladder(arch: str | None = None) -> tuple[str, ...]:
+    """The ISAs kernels can be built for on `arch` (default: this machine), lowest first."""
+    arch = arch or machine()
+    if arch == "x86_64":
+        return X86
+    return ARM if arch == "aarch64" else ("generic",)
+
+
+@cache
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (x86 `flags`, Arm `Features`); empty where unreadable."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return frozenset()
+    for line in lines:
+        key, _, value = line.partition(":")
+        if key.strip().lower() in ("flags", "features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def probe_isa(flags: frozenset[str] | None = None, arch: str | None = None) -> str:
+    """The highest ISA of the ladder that the CPU (its `flags`) has."""
+    arch = arch or machine()
+    flags = cpu_flags() if flags is None else flags
+    if arch == "aarch64":
+        return "neon"
+    if arch != "x86_64":
+        return "generic"
+    if not flags:
+        return _TORCH_CAPABILITY.get(str(torch.backends.cpu.get_cpu_capability()), "generic")
+    best = "generic"
+    for isa in X86[1:]:
+        if not _X86_NEEDS[isa] <= flags:
+            break
+        best = isa
+    return best
+
+
+def check_isa(isa: str, native: str | None = None) -> str:
+    """`isa`, when this CPU can run kernels built for it (it is `native` or below), else a
+    ValueError that says which ISAs it can."""
+    rungs = ladder()
+    native = native or probe_isa()
+    if isa not in rungs:
+        raise ValueError(
+            f"CPU ISA {isa!r} is not one of this {machine()} machine's: {', '.join(rungs)}"
+        )
+    if rungs.index(isa) > rungs.index(native):
+        allowed = ", ".join(rungs[: rungs.index(native) + 1])
+        raise ValueError(
+            f"CPU ISA {isa!r} is above this CPU's ({native!r}); "
+            f"SPLITSERVE_CPU_ISA may only force a lower one: {allowed}"
+        )
+    return isa
+
+
+def compiler_flags(isa: str) -> list[str]:
+    """The flags that build kernels for `isa`: those of its rungs, -mtune=native (tuning
+    only, so the build still runs on any CPU with the ISA) and its SPLITSERVE_<RUNG>
+    macros."""
+    rungs = ladder()
+    included = rungs[: rungs.index(isa) + 1]
+    macros = [f"-DSPLITSERVE_{rung.upper()}" for rung in included[1:]]
+    if machine() == "x86_64":
+        return [flag for rung in included for flag in _X86_FLAGS[rung]] + ["-mtune=native", *macros]
+    if machine() == "aarch64":
+        return ["-march=armv8-a", *macros]
+    return macros
+
+
+def has_native_bf16() -> bool:
+    """Whether the CPU computes in bf16 natively (AVX512-BF16 or AMX-BF16, or Arm BF16): a
+    float32 checkpoint then runs in bf16 by default."""
+    if machine() == "aarch64":
+        return "bf16" in cpu_flags()
+    return probe_isa() in ("avx512_bf16", "amx")

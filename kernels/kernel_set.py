@@ -1,0 +1,63 @@
+"""The kernels a model runs, chosen once when it is loaded."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from kernels.build import load_cpp_extension
+from kernels.isa import check_isa, ladder, probe_isa
+
+_OFF = ("0", "false", "no")
+
+
+@dataclass(frozen=True)
+class KernelSet:
+    """Which compiled kernels run: the C++ kernels on CPU tensors (`cpu`, built for `isa`)
+    and the Triton kernels on CUDA tensors (`triton`); where one is off, or does not take a
+    tensor, the torch code runs, which is also the reference both match. The worker makes
+    one at model load (`for_device`, the only place the environment is read) and hands it
+    to the model's layers, its attention backend and its sampler; each asks once for its
+    C++ module (`cpp`) and keeps it. KernelSet() runs torch everywhere."""
+
+    cpu: bool = False
+    triton: bool = False
+    isa: str = field(default_factory=probe_isa)
+
+    def __post_init__(self) -> None:
+        check_isa(self.isa)
+
+    @classmethod
+    def for_device(
+        cls, device: torch.device | str, environ: Mapping[str, str] = os.environ
+    ) -> KernelSet:
+        """The set of a model on `device`: the C++ kernels on a CPU, unless
+        SPLITSERVE_CPU_KERNELS=0, built for SPLITSERVE_CPU_ISA (a lower ISA than this
+        CPU's; default its own); the Triton kernels on CUDA, unless
+        SPLITSERVE_TRITON_KERNELS=0."""
+        device_type = torch.device(device).type
+        forced = environ.get("SPLITSERVE_CPU_ISA", "").strip().lower()
+        return cls(
+            cpu=device_type == "cpu" and _on(environ, "SPLITSERVE_CPU_KERNELS"),
+            triton=device_type == "cuda" and _on(environ, "SPLITSERVE_TRITON_KERNELS"),
+            isa=forced or probe_isa(),
+        )
+
+    def cpp(self, name: str, *sources: Path) -> ModuleType | None:
+        """The C++ module `name` built from `sources` for this set's ISA (once per process);
+        None when the C++ kernels are off or cannot be built."""
+        return load_cpp_extension(name, sources, self.isa) if self.cpu else None
+
+    def has(self, isa: str) -> bool:
+        """Whether this set's ISA includes `isa` (e.g. "amx")."""
+        rungs = ladder()
+        return isa in rungs and rungs.index(isa) <= rungs.index(self.isa)
+
+
+def _on(environ: Mapping[str, str], name: str) -> bool:
+    return environ.get(name, "1").strip().lower() not in _OFF

@@ -1,0 +1,114 @@
+"""The ISA probe, the forced-ISA switch and the flags a build gets (kernels/isa.py), and the
+KernelSet read from the environment (kernels/kernel_set.py)."""
+
+import platform
+
+import pytest
+import torch
+
+from kernels import KernelSet, check_isa, probe_isa
+from kernels.isa import compiler_flags, ladder
+
+X86_BASE = frozenset(
+    [
+        "avx",
+        "avx2",
+        "fma",
+        "bmi1",
+        "bmi2",
+        "f16c",
+        "movbe",
+        "abm",
+        "xsave",
+        "cx16",
+        "lahf_lm",
+        "popcnt",
+        "sse4_1",
+        "sse4_2",
+        "ssse3",
+    ]
+)
+AVX512 = frozenset(["avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"])
+SAPPHIRE_RAPIDS = X86_BASE | AVX512 | {"avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"}
+on_x86 = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 only")
+
+
+@pytest.mark.parametrize(
+    "flags, isa",
+    [
+        (SAPPHIRE_RAPIDS, "amx"),
+        (SAPPHIRE_RAPIDS - {"amx_tile"}, "avx512_bf16"),
+        (X86_BASE | AVX512 | {"avx512_bf16"}, "avx512_bf16"),
+        (X86_BASE | AVX512, "avx512"),
+        (X86_BASE | AVX512 - {"avx512vl"} | {"avx512_bf16", "amx_tile", "amx_bf16"}, "avx2"),
+        (X86_BASE, "avx2"),
+        (X86_BASE - {"fma"} | AVX512, "generic"),
+        (frozenset({"sse2"}), "generic"),
+    ],
+)
+def test_probe_climbs_the_x86_ladder_while_every_flag_is_there(flags, isa):
+    assert probe_isa(flags, "x86_64") == isa
+
+
+def test_probe_on_other_machines():
+    assert probe_isa(frozenset({"fp", "asimd"}), "aarch64") == "neon"
+    assert probe_isa(frozenset(), "riscv64") == "generic"
+    assert ladder("aarch64") == ("generic", "neon")
+
+
+def test_this_cpu_is_probed_onto_its_ladder():
+    assert probe_isa() in ladder()
+
+
+@on_x86
+def test_a_forced_isa_must_be_the_cpus_or_lower():
+    assert check_isa("avx2", native="avx512") == "avx2"
+    assert check_isa("avx512", native="avx512") == "avx512"
+    with pytest.raises(ValueError, match="above this CPU's .'avx2'.*generic, avx2$"):
+        check_isa("avx512", native="avx2")
+    with pytest.raises(ValueError, match="'sse9' is not one of .*generic, avx2, avx512, "):
+        check_isa("sse9", native="amx")
+
+
+@on_x86
+def test_each_isa_builds_with_its_march_and_the_macros_of_its_rungs():
+    assert compiler_flags("generic") == ["-march=x86-64", "-mtune=native"]
+    avx2 = compiler_flags("avx2")
+    assert {"-mavx2", "-mfma", "-mf16c"} <= set(avx2) and avx2[0] == "-march=x86-64"
+    assert [flag for flag in avx2 if flag.startswith("-D")] == ["-DSPLITSERVE_AVX2"]
+    assert not any("avx512" in flag for flag in avx2)
+    amx = compiler_flags("amx")
+    assert set(avx2) - {"-DSPLITSERVE_AVX2"} <= set(amx)
+    assert {"-mavx512f", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"} <= set(amx)
+    macros = [flag for flag in amx if flag.startswith("-D")]
+    assert macros == [f"-DSPLITSERVE_{rung}" for rung in ("AVX2", "AVX512", "AVX512_BF16", "AMX")]
+
+
+def test_the_environment_gives_the_set_of_a_device():
+    native = probe_isa()
+    assert KernelSet.for_device("cpu", {}) == KernelSet(cpu=True, triton=False, isa=native)
+    assert KernelSet.for_device(torch.device("cuda", 1), {}) == KernelSet(triton=True)
+    assert not KernelSet.for_device("cpu", {"SPLITSERVE_CPU_KERNELS": "0"}).cpu
+    assert not KernelSet.for_device("cuda", {"SPLITSERVE_TRITON_KERNELS": "false"}).triton
+    generic = KernelSet.for_device("cpu", {"SPLITSERVE_CPU_ISA": " Generic "})
+    assert generic.isa == "generic" and generic.cpu
+
+
+def test_a_forced_isa_the_cpu_lacks_is_refused_at_start():
+    rungs = ladder()
+    higher = rungs[rungs.index(probe_isa()) + 1 :] or ["sse9"]
+    with pytest.raises(ValueError, match=f"'{higher[0]}'"):
+        KernelSet.for_device("cpu", {"SPLITSERVE_CPU_ISA": higher[0]})
+    with pytest.raises(ValueError, match="'sse9' is not one of"):
+        KernelSet(cpu=True, isa="sse9")
+
+
+def test_a_set_says_which_isas_it_includes():
+    generic = KernelSet(cpu=True, isa="generic")
+    assert generic.has("generic") and not generic.has("neon") and not generic.has("amx")
+    native = KernelSet(cpu=True)
+    assert all(native.has(isa) for isa in ladder()[: ladder().index(native.isa) + 1])
+
+
+def test_a_set_without_cpu_kernels_builds_none():
+    assert KernelSet().cpp("never_built", "no/such/file.cpp") is None
