@@ -7,7 +7,7 @@
 #   bash benchmarks/gpu_check.sh sweep            # the decode kernel's launch options (~4 min)
 #   bash benchmarks/gpu_check.sh tests            # the suite, natively (~5 min)
 # Steps:
-#   tests    the suite but the slow tests, 4 pytest workers sharing the GPU
+#   tests    the suite but the slow tests, 4 pytest workers sharing the GPU ($TESTS: a selection)
 #   llm      nano-vllm's workload (Qwen3-0.6B shape, 256 requests, prompts and outputs of
 #            100-1024 tokens) through LLM, lockstep then async scheduling, same process
 #   cluster  launch.py + throughput_bench over ZMQ, lockstep then async: output tok/s and
@@ -43,8 +43,8 @@ for s in ${1:-tests}; do
   echo "=== $s $(date +%T)"
   case $s in
     tests)
-      timeout 500 python3 -m pytest -q -p no:cacheprovider -m "not slow" -n 4 --timeout 150 \
-        tests > "$OUT/tests.log" 2>&1
+      timeout ${TESTS_TIMEOUT:-500} python3 -m pytest -q -p no:cacheprovider -m "not slow" -n 4 \
+        --timeout 150 ${TESTS:-tests} > "$OUT/tests.log" 2>&1
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -40 ;;
     llm)
       timeout 240 python3 -m benchmarks.throughput_bench --mode llm --compare-async --model $Q \
