@@ -95,7 +95,7 @@ class LLM:
                 processed = outputs.process_outputs(self.engine.step())
                 if processed.reqs_to_abort:
                     self.engine.abort_requests(processed.reqs_to_abort)
-                bar.update(sum(out.finished for out in processed.request_outputs))
+                bar.update(len(processed.finished))
         return [handle.result for handle in handles]
 
 

@@ -27,8 +27,8 @@ from worker.step_output import LaunchedStep
 
 Launch = Callable[[SchedulerOutput], LaunchedStep]
 Finish = Callable[[LaunchedStep], ModelRunnerOutput]
-# A step's id and its answer: its output, or what launching or finishing it raised.
-Answer = tuple[int, ModelRunnerOutput | BaseException]
+# Takes a step's id and its answer: its output, or what launching or finishing it raised.
+Deliver = Callable[[int, ModelRunnerOutput | BaseException], None]
 
 # While a launched step runs, a worker waiting for the next one looks this often (seconds)
 # whether it is done: from then on the device is idle.
@@ -36,13 +36,14 @@ POLL_SECONDS = 0.001
 
 
 class StepPipeline:
-    """Launches the steps it is given in order and answers each by the policy above. Every
-    method returns the answers it produced, oldest first; errors are answers too, so the
-    caller decides whether one ends it (a worker process) or fails only its step (the
-    in-process step thread)."""
+    """Launches the steps it is given in order and answers each by the policy above,
+    handing every answer to `deliver` the moment it exists (an answer given before the
+    next launch must not wait for that launch). Errors are answers too, so `deliver`
+    decides whether one ends it (a worker process) or fails only its step (the in-process
+    step thread)."""
 
-    def __init__(self, launch: Launch, finish: Finish) -> None:
-        self._launch, self._finish = launch, finish
+    def __init__(self, launch: Launch, finish: Finish, deliver: Deliver) -> None:
+        self._launch, self._finish, self._deliver = launch, finish, deliver
         self._unanswered: LaunchedStep | None = None  # at most one
         self._idle = IdleClock()
 
@@ -51,46 +52,41 @@ class StepPipeline:
         step runs, poll for its end (the device's idle time starts there)."""
         return POLL_SECONDS if self._idle.waiting(self._unanswered) else None
 
-    def run(self, scheduler_output: SchedulerOutput) -> list[Answer]:
+    def run(self, scheduler_output: SchedulerOutput) -> None:
         idle_before = self._idle.take()
-        answers = []
         if self._unanswered is not None and self._unanswered.done():
-            self._answer(answers)
+            self._answer()
         try:
             launched = self._launch(scheduler_output)
         except BaseException as e:
-            self._answer(answers)
-            answers.append((scheduler_output.step_id, e))
-            return answers
+            self._answer()
+            self._deliver(scheduler_output.step_id, e)
+            return
         launched.idle_before = idle_before
-        self._answer(answers)
+        self._answer()
         self._unanswered = launched
         if scheduler_output.lockstep:
-            self._answer(answers)
-        return answers
+            self._answer()
 
-    def finish_step(self, step_id: int) -> list[Answer]:
+    def finish_step(self, step_id: int) -> None:
         """The EngineCore waits for step `step_id` and sent no later step: answer it now,
         unless it was answered already."""
-        answers = []
         if self._unanswered is not None and self._unanswered.step_id == step_id:
-            self._answer(answers)
-        return answers
+            self._answer()
 
-    def close(self) -> list[Answer]:
+    def close(self) -> None:
         """Answer the step still unanswered, if any."""
-        answers = []
-        self._answer(answers)
-        return answers
+        self._answer()
 
-    def _answer(self, answers: list[Answer]) -> None:
+    def _answer(self) -> None:
         step, self._unanswered = self._unanswered, None
         if step is None:
             return
         try:
-            answers.append((step.step_id, self._finish(step)))
+            answer = self._finish(step)
         except BaseException as e:
-            answers.append((step.step_id, e))
+            answer = e
+        self._deliver(step.step_id, answer)
 
 
 class IdleClock:

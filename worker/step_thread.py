@@ -13,6 +13,7 @@ KV cache, and its StepThread's finalizer then stops the thread.
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import weakref
@@ -22,7 +23,7 @@ from concurrent.futures import Future
 import torch
 
 from ipc.messages import FinishStep, ModelRunnerOutput, SchedulerOutput
-from worker.pipeline import Answer, Finish, Launch, StepPipeline
+from worker.pipeline import Finish, Launch, StepPipeline
 
 # A submitted step and its answer's future, a request to answer a step now, or None: stop.
 _Job = tuple[SchedulerOutput, Future] | FinishStep | None
@@ -34,7 +35,8 @@ class StepThread:
     in order."""
 
     def __init__(self, launch: Launch, finish: Finish, device: torch.device) -> None:
-        self._pipeline = StepPipeline(launch, finish)
+        futures: dict[int, Future] = {}  # by step id, until answered
+        self._pipeline = StepPipeline(launch, finish, functools.partial(_settle, futures))
         cuda_index = None
         if device.type == "cuda":
             cuda_index = torch.cuda.current_device() if device.index is None else device.index
@@ -42,7 +44,7 @@ class StepThread:
         self._submitted: deque[tuple[SchedulerOutput, Future]] = deque()
         self._thread = threading.Thread(
             target=_serve,
-            args=(weakref.ref(self._pipeline), self._jobs, cuda_index),
+            args=(weakref.ref(self._pipeline), self._jobs, futures, cuda_index),
             name="splitserve-step",
             daemon=True,
         )
@@ -75,48 +77,43 @@ class StepThread:
         self._submitted.clear()
 
 
-def _serve(
-    pipeline: weakref.ref[StepPipeline], jobs: queue.SimpleQueue[_Job], cuda_index: int | None
+def _settle(
+    futures: dict[int, Future], step_id: int, answer: ModelRunnerOutput | BaseException
 ) -> None:
+    future = futures.pop(step_id)
+    if isinstance(answer, BaseException):
+        future.set_exception(answer)
+    else:
+        future.set_result(answer)
+
+
+def _serve(
+    pipeline_ref: weakref.ref[StepPipeline],
+    jobs: queue.SimpleQueue[_Job],
+    futures: dict[int, Future],
+    cuda_index: int | None,
+) -> None:
+    """Give each job to the pipeline, whose answers settle their futures. The pipeline is
+    referenced only while a job is handled, never during the wait for the next one."""
     if cuda_index is not None:
         torch.cuda.set_device(cuda_index)
-    futures: dict[int, Future] = {}  # by step id, until answered
     timeout = None
     while True:
         try:
             job = jobs.get(timeout=timeout)
         except queue.Empty:  # the launched step may be done by now
             job = _POLL
-        handled = _handle(pipeline, job, futures)
-        if handled is None:  # the StepThread is gone
+        pipeline = pipeline_ref()
+        if pipeline is None:  # the StepThread is gone
             return
-        answers, timeout = handled
-        for step_id, answer in answers:
-            future = futures.pop(step_id)
-            if isinstance(answer, BaseException):
-                future.set_exception(answer)
-            else:
-                future.set_result(answer)
         if job is None:
+            pipeline.close()
             return
-
-
-def _handle(
-    pipeline_ref: weakref.ref[StepPipeline], job: _Job | object, futures: dict[int, Future]
-) -> tuple[list[Answer], float | None] | None:
-    """Give `job` to the pipeline; returns its answers and how long to wait for the next
-    job, or None when the pipeline is gone. Only in here is the pipeline referenced."""
-    pipeline = pipeline_ref()
-    if pipeline is None:
-        return None
-    if job is None:
-        answers = pipeline.close()
-    elif isinstance(job, FinishStep):
-        answers = pipeline.finish_step(job.step_id)
-    elif isinstance(job, tuple):
-        scheduler_output, future = job
-        futures[scheduler_output.step_id] = future
-        answers = pipeline.run(scheduler_output)
-    else:
-        answers = []
-    return answers, pipeline.wait_timeout()
+        if isinstance(job, FinishStep):
+            pipeline.finish_step(job.step_id)
+        elif isinstance(job, tuple):
+            scheduler_output, future = job
+            futures[scheduler_output.step_id] = future
+            pipeline.run(scheduler_output)
+        timeout = pipeline.wait_timeout()
+        del pipeline

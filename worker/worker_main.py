@@ -27,6 +27,7 @@ from ipc.messages import (
     FinishStep,
     InitKVCache,
     KVCacheReady,
+    ModelRunnerOutput,
     SchedulerOutput,
     Shutdown,
     WorkerError,
@@ -105,7 +106,16 @@ def run_worker(
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
-        pipeline = StepPipeline(runner.launch, runner.finish)
+
+        def deliver(answered: int, answer: ModelRunnerOutput | BaseException) -> None:
+            nonlocal step_id
+            if isinstance(answer, BaseException):
+                step_id = answered  # the WorkerError names the step that failed
+                raise answer
+            if rank == 0:
+                sock.send(encode(answer))
+
+        pipeline = StepPipeline(runner.launch, runner.finish, deliver)
         while True:
             timeout = pipeline.wait_timeout()
             ready = dict(poller.poll(None if timeout is None else round(1e3 * timeout)))
@@ -117,23 +127,16 @@ def run_worker(
             msg = decoder.decode(sock.recv())
             if isinstance(msg, SchedulerOutput):
                 step_id = msg.step_id
-                answers = pipeline.run(msg)
+                pipeline.run(msg)
             elif isinstance(msg, FinishStep):
-                answers = pipeline.finish_step(msg.step_id)
+                pipeline.finish_step(msg.step_id)
             elif isinstance(msg, InitKVCache):
                 runner.initialize_kv_cache(msg.num_blocks, msg.num_host_blocks)
                 runner.capture_cuda_graphs()
                 sock.send(encode(KVCacheReady(rank)))
-                continue
             else:
                 destroy_distributed()
                 return 0
-            for answered, answer in answers:
-                if isinstance(answer, BaseException):
-                    step_id = answered  # the WorkerError names the step that failed
-                    raise answer
-                if rank == 0:
-                    sock.send(encode(answer))
     except Exception:
         message = traceback.format_exc()
         logger.error("rank %d failed:\n%s", rank, message)

@@ -27,8 +27,10 @@ def engine_states(handle: Handle) -> list[RequestState]:
 
 @dataclass
 class ProcessedOutputs:
-    # The deltas of requests without a queue, in the order the engine gave them.
-    request_outputs: list[RequestOutput] = field(default_factory=list)
+    # The requests without a queue that finished, as their whole results (vLLM's offline
+    # FINAL_ONLY: their deltas are folded into the results and not kept, so that a step's
+    # worth of them never outlives a garbage collection).
+    finished: list[RequestOutput] = field(default_factory=list)
     # Engine request ids to abort: those that reached a stop string (the engine goes
     # on), and the live siblings of a child the engine failed.
     reqs_to_abort: list[str] = field(default_factory=list)
@@ -121,7 +123,8 @@ class OutputProcessor:
                 if delta.finished:
                     del self.requests[handle.request.request_id]
             if handle.queue is None:
-                processed.request_outputs.append(delta)
+                if delta.finished:
+                    processed.finished.append(handle.result)
             else:
                 handle.queue.put_nowait(delta)
         return processed
@@ -130,14 +133,13 @@ class OutputProcessor:
         self, handle: Handle, delta: RequestOutput, error: RequestError, processed: ProcessedOutputs
     ) -> None:
         """The engine failed `handle`'s request, or a child of it, whose live siblings then
-        finish with "abort", here and in the engine. Without a queue, the deltas say so."""
+        finish with "abort", here and in the engine."""
         self.pop(handle.request.request_id)
-        deltas = [delta]
         if isinstance(handle, ParentRequest) and not delta.finished:
             processed.reqs_to_abort += handle.live_request_ids()
-            deltas.append(handle.abort())
+            handle.abort()
         if handle.queue is None:
-            processed.request_outputs += deltas
+            processed.finished.append(handle.result)
         else:
             handle.queue.put_nowait(error)
 

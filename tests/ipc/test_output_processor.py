@@ -1,7 +1,7 @@
 """The InputProcessor and the OutputProcessor on their own, as LLM uses them: requests
-without a queue, whose deltas come back from process_outputs, and the engine request ids
-the caller must abort. The clients' path (queues, RequestError) is test_parallel_sampling's
-and test_client*'s."""
+without a queue, whose results come back from process_outputs once finished, and the engine
+request ids the caller must abort. The clients' path (queues, RequestError) is
+test_parallel_sampling's and test_client*'s."""
 
 from __future__ import annotations
 
@@ -45,19 +45,19 @@ def test_the_input_processor_encodes_prompts_and_bad_words():
         InputProcessor(None).process([1], SamplingParams(stop=["x"]), "y")
 
 
-def test_deltas_come_back_without_a_queue_and_a_stop_string_is_aborted():
+def test_results_come_back_finished_without_a_queue_and_a_stop_string_is_aborted():
     processor, handle = tracked(stop=["lo"])
     first = processor.process_outputs(step(EngineCoreOutput("r", ids("he"))))
     # The last character waits: a stop string could begin there.
-    assert [d.outputs[0].text for d in first.request_outputs] == ["h"]
-    assert first.reqs_to_abort == []
+    assert handle.result.outputs[0].text == "h"
+    assert first.finished == [] and first.reqs_to_abort == []
     last = processor.process_outputs(step(EngineCoreOutput("r", ids("llo"))))
     assert last.reqs_to_abort == ["r"]  # the engine goes on past a stop string
-    assert [d.finished for d in last.request_outputs] == [True]
+    assert last.finished == [handle.result]
     assert handle.result.outputs[0].text == "hel" and handle.result.prompt == "hi"
     assert not processor.has_unfinished_requests() and not processor.request_states
     late = processor.process_outputs(step(EngineCoreOutput("r", ids("x"))))
-    assert late.request_outputs == [] and late.reqs_to_abort == []
+    assert late.finished == [] and late.reqs_to_abort == []
 
 
 def test_children_map_to_their_parent_until_they_finish():
@@ -69,13 +69,15 @@ def test_children_map_to_their_parent_until_they_finish():
     processed = processor.process_outputs(
         step(EngineCoreOutput("1_r", [9], FinishReason.LENGTH), EngineCoreOutput("0_r", [8]))
     )
-    assert [(d.request_id, d.outputs[0].index, d.finished) for d in processed.request_outputs] == [
-        ("r", 1, False),
-        ("r", 0, False),
+    assert processed.finished == []
+    states = engine_states(handle)
+    assert [(s.result.outputs[0].token_ids, s.result.finished) for s in states] == [
+        ([8], False),
+        ([9], True),
     ]
     assert list(processor.parent_of) == ["0_r"]
     processed = processor.process_outputs(step(EngineCoreOutput("0_r", [7], FinishReason.STOP)))
-    assert [d.finished for d in processed.request_outputs] == [True]
+    assert processed.finished == [handle.result]
     assert [(c.index, c.token_ids) for c in handle.result.outputs] == [(0, [8, 7]), (1, [9])]
     assert not processor.parent_of and not processor.request_states
     assert not processor.has_unfinished_requests()
@@ -87,7 +89,7 @@ def test_a_failed_child_finishes_its_parent_and_aborts_its_live_siblings():
     failed = EngineCoreOutput("0_r", [], FinishReason.ERROR, error="bad grammar")
     processed = processor.process_outputs(step(failed))
     assert processed.reqs_to_abort == ["1_r"]
-    assert processed.request_outputs[-1].finished
+    assert processed.finished == [handle.result]
     result = handle.result
     assert result.finished and result.error == "bad grammar"
     reasons = [(c.index, c.finish_reason) for c in result.outputs]

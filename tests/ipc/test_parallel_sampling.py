@@ -146,8 +146,8 @@ def test_best_of_keeps_the_n_highest_cumulative_logprobs(user_logprobs):
         sums[child.request.request_id] = sum(values)
         end = EngineCoreOutput(child.request.request_id, [7] * len(values), FinishReason.LENGTH)
         end.logprobs = _lp(*values)
-        deltas = processor.process_outputs(EngineCoreOutputs([end])).request_outputs
-    assert deltas[-1].finished and parent.result.finished
+        finished = processor.process_outputs(EngineCoreOutputs([end])).finished
+    assert finished == [parent.result] and parent.result.finished
     best = sorted(sums.values(), reverse=True)[:2]  # -0.5 (child 1), -1.25 (child 3)
     outputs = parent.result.outputs
     assert [c.cumulative_logprob for c in outputs] == best

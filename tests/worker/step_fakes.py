@@ -2,7 +2,10 @@
 launched steps report `done`, launching a step in `fail_launch` or finishing one in
 `fail_finish` raises, and launching step `hold` waits for `release`."""
 
+import gc
 import threading
+import time
+import weakref
 from dataclasses import dataclass
 
 from ipc.messages import CachedRequestData, SchedulerOutput
@@ -44,3 +47,14 @@ class Steps:
 
 def step(step_id: int, lockstep: bool = False) -> SchedulerOutput:
     return SchedulerOutput(step_id, [], CachedRequestData(), {}, 0, lockstep=lockstep)
+
+
+def wait_until_collected(refs: list[weakref.ref], timeout: float = 10.0) -> None:
+    """Collect garbage until every referent is gone: a step thread may hold a step's
+    owner a moment after answering its last step."""
+    deadline = time.monotonic() + timeout
+    gc.collect()
+    while any(ref() is not None for ref in refs):
+        assert time.monotonic() < deadline, "still alive after the step thread was dropped"
+        time.sleep(0.01)
+        gc.collect()

@@ -11,12 +11,32 @@ from worker.pipeline import POLL_SECONDS, IdleClock, StepPipeline
 
 
 class PipelineSteps(Steps):
+    """Steps through a StepPipeline: each call returns the answers delivered during it,
+    and the log records each delivery (("answer", step id)) among the launches and
+    finishes."""
+
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self.pipeline = StepPipeline(self.launch, self.finish)
+        self.pipeline = StepPipeline(self.launch, self.finish, self.deliver)
+        self.answers = []
+
+    def deliver(self, step_id, answer):
+        self.log.append(("answer", step_id))
+        self.answers.append((step_id, answer))
+
+    def _answers_of(self, call, *args):
+        self.answers = []
+        call(*args)
+        return self.answers
 
     def run(self, step_id, lockstep=False):
-        return self.pipeline.run(step(step_id, lockstep))
+        return self._answers_of(self.pipeline.run, step(step_id, lockstep))
+
+    def finish_step(self, step_id):
+        return self._answers_of(self.pipeline.finish_step, step_id)
+
+    def close(self):
+        return self._answers_of(self.pipeline.close)
 
 
 def _errors(answers):
@@ -27,33 +47,48 @@ def test_a_lockstep_step_is_answered_at_once():
     steps = PipelineSteps()
     assert steps.run(0, lockstep=True) == [(0, 0)]
     assert steps.run(1, lockstep=True) == [(1, 10)]
-    assert steps.log == [("launch", 0), ("finish", 0), ("launch", 1), ("finish", 1)]
-    assert steps.pipeline.close() == []
+    assert steps.log == [
+        ("launch", 0),
+        ("finish", 0),
+        ("answer", 0),
+        ("launch", 1),
+        ("finish", 1),
+        ("answer", 1),
+    ]
+    assert steps.close() == []
 
 
 def test_the_next_step_launches_before_the_last_one_finishes():
     steps = PipelineSteps()
     assert steps.run(0) == []
     assert steps.run(1) == [(0, 0)]
-    assert steps.pipeline.close() == [(1, 10)]
-    assert steps.log == [("launch", 0), ("launch", 1), ("finish", 0), ("finish", 1)]
+    assert steps.close() == [(1, 10)]
+    assert steps.log == [
+        ("launch", 0),
+        ("launch", 1),
+        ("finish", 0),
+        ("answer", 0),
+        ("finish", 1),
+        ("answer", 1),
+    ]
 
 
 def test_a_step_done_when_the_next_arrives_is_finished_first():
     steps = PipelineSteps(done=True)
     assert steps.run(0) == []
     assert steps.run(1) == [(0, 0)]
-    assert steps.log == [("launch", 0), ("finish", 0), ("launch", 1)]
+    # Answered before the next launch, which must not delay the answer.
+    assert steps.log == [("launch", 0), ("finish", 0), ("answer", 0), ("launch", 1)]
 
 
 def test_finish_step_answers_only_the_step_still_unanswered():
     steps = PipelineSteps()
     steps.run(0)
-    assert steps.pipeline.finish_step(7) == []  # not the unanswered step
-    assert steps.pipeline.finish_step(0) == [(0, 0)]
-    assert steps.pipeline.finish_step(0) == []  # answered already
+    assert steps.finish_step(7) == []  # not the unanswered step
+    assert steps.finish_step(0) == [(0, 0)]
+    assert steps.finish_step(0) == []  # answered already
     assert steps.run(1, lockstep=True) == [(1, 10)]
-    assert steps.pipeline.finish_step(1) == []
+    assert steps.finish_step(1) == []
 
 
 def test_a_failed_launch_answers_the_step_before_it_then_itself():
@@ -61,14 +96,14 @@ def test_a_failed_launch_answers_the_step_before_it_then_itself():
     steps.run(0)
     assert _errors(steps.run(1)) == [(0, "0"), (1, "launch 1 failed")]
     assert steps.run(2) == []
-    assert steps.pipeline.close() == [(2, 20)]
+    assert steps.close() == [(2, 20)]
 
 
 def test_a_failed_finish_is_its_own_steps_answer():
     steps = PipelineSteps(fail_finish={0})
     steps.run(0)
     assert _errors(steps.run(1)) == [(0, "finish 0 failed")]
-    assert steps.pipeline.close() == [(1, 10)]
+    assert steps.close() == [(1, 10)]
 
 
 def test_the_pipeline_polls_while_its_launched_step_runs():

@@ -2,12 +2,12 @@
 collected, so a second LLM in the same process finds the memory; also with async
 scheduling (the default on CUDA), whose step thread must not keep the model alive."""
 
-import gc
 import weakref
 
 import pytest
 
 from splitserve import LLM, SamplingParams
+from tests.worker.step_fakes import wait_until_collected
 
 
 @pytest.fixture(params=[False, True], ids=["lockstep", "async"])
@@ -45,7 +45,6 @@ def test_shutdown_frees_the_model_and_kv_cache(checkpoint, async_scheduling):
 def test_garbage_collection_frees_the_model_and_kv_cache(checkpoint, async_scheduling):
     llm, refs = _llm_and_refs(checkpoint, async_scheduling)
     del llm
-    gc.collect()
-    assert [ref() for ref in refs] == [None] * len(refs)
+    wait_until_collected(refs)
     second, _ = _llm_and_refs(checkpoint, async_scheduling)
     second.shutdown()

@@ -3,7 +3,6 @@ done by then), a step that nothing follows is finished when its answer is asked 
 once, sent in lockstep), answers come in order, a failed launch raises in its own place,
 and the thread keeps nothing alive once its StepThread is dropped."""
 
-import gc
 import threading
 import time
 import weakref
@@ -12,7 +11,7 @@ from concurrent.futures import wait
 import pytest
 import torch
 
-from tests.worker.step_fakes import Steps, step
+from tests.worker.step_fakes import Steps, step, wait_until_collected
 from worker.step_thread import StepThread
 
 CPU = torch.device("cpu")
@@ -107,7 +106,6 @@ def test_a_dropped_step_thread_frees_its_steps_owner_and_stops():
     worker = thread._thread
     owner = weakref.ref(steps)
     del steps, thread
-    gc.collect()
-    assert owner() is None
+    wait_until_collected([owner])
     worker.join(5)
     assert not worker.is_alive()
