@@ -51,12 +51,17 @@ def rotary_fits(q: torch.Tensor, k: torch.Tensor, head_dim: int) -> bool:
     )
 
 
-def _row_layout(t: torch.Tensor) -> tuple[int, int, int]:
-    """(rows per outer index, outer stride, inner stride) of a 1-3 dimensional t: row r
-    starts at (r // rows1) * s0 + (r % rows1) * s1."""
-    if t.dim() == 3:
-        return t.shape[1], t.stride(0), t.stride(1)
-    return 1, (t.stride(0) if t.dim() == 2 else 0), 0
+def _rows1(t: torch.Tensor) -> int:
+    """Rows per outer index of a 1-3 dimensional t (see `_row_strides`)."""
+    return t.shape[1] if t.dim() == 3 else 1
+
+
+def _row_strides(t: torch.Tensor | None) -> tuple[int, int]:
+    """(s0, s1) of a 1-3 dimensional t: row r starts at (r // rows1) * s0 + (r % rows1) * s1,
+    rows1 from `_rows1`. (0, 0) for None, a tensor the kernel does not read."""
+    if t is None or t.dim() == 1:
+        return 0, 0
+    return t.stride(0), (t.stride(1) if t.dim() == 3 else 0)
 
 
 def _num_rows(t: torch.Tensor) -> int:
@@ -124,10 +129,6 @@ def _launch_norm(
         return
     block = triton.next_power_of_2(n)
     rows_per_program = max(1, _NORM_TILE // block)
-    rows1, x_s0, x_s1 = _row_layout(x)
-    _, res_s0, res_s1 = _row_layout(residual) if residual is not None else (1, 0, 0)
-    _, out_s0, out_s1 = _row_layout(out)
-    _, sum_s0, sum_s1 = _row_layout(total) if total is not None else (1, 0, 0)
     _rms_norm_kernel[(triton.cdiv(num_rows, rows_per_program),)](
         x,
         residual if residual is not None else x,
@@ -137,15 +138,11 @@ def _launch_norm(
         num_rows,
         n,
         eps,
-        rows1,
-        x_s0,
-        x_s1,
-        res_s0,
-        res_s1,
-        out_s0,
-        out_s1,
-        sum_s0,
-        sum_s1,
+        _rows1(x),
+        *_row_strides(x),
+        *_row_strides(residual),
+        *_row_strides(out),
+        *_row_strides(total),
         ADD_RESIDUAL=residual is not None,
         ROWS=rows_per_program,
         BLOCK=block,
@@ -205,10 +202,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
     if num_rows == 0:
         return out
     block = min(_SILU_BLOCK, triton.next_power_of_2(d))
-    rows1, x_s0, x_s1 = _row_layout(x)
-    _, out_s0, out_s1 = _row_layout(out)
     _silu_and_mul_kernel[(num_rows, triton.cdiv(d, block))](
-        x, out, num_rows, d, rows1, x_s0, x_s1, out_s0, out_s1, BLOCK=block
+        x, out, num_rows, d, _rows1(x), *_row_strides(x), *_row_strides(out), BLOCK=block
     )
     return out
 
