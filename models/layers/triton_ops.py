@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attention.triton_rope_store import load_cos_sin, rotated_halves
+from attention.triton_rope_store import rotate
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The widest row a norm program holds in registers; wider rows run the torch code.
@@ -208,57 +208,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
-@triton.jit
-def _rotate_heads(
-    row_ptr,
-    cos,
-    sin,
-    dims,
-    dims_mask,
-    HEADS: tl.constexpr,
-    HEADS_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-):
-    """Neox rotation of the HEADS heads of one token's row, each product and sum rounded to
-    the row's dtype as the torch code does."""
-    heads = tl.arange(0, HEADS_PAD)
-    mask = (heads < HEADS)[:, None] & dims_mask[None, :]
-    first = row_ptr + heads[:, None] * HEAD_DIM + dims[None, :]
-    a, b = rotated_halves(first, mask, cos[None, :], sin[None, :], HEAD_DIM // 2)
-    tl.store(first, a, mask)
-    tl.store(first + HEAD_DIM // 2, b, mask)
-
-
-@triton.jit
-def _rotary_kernel(
-    positions_ptr,
-    q_ptr,
-    k_ptr,
-    cos_ptr,
-    sin_ptr,
-    q_stride,
-    k_stride,
-    Q_HEADS: tl.constexpr,
-    Q_HEADS_PAD: tl.constexpr,
-    K_HEADS: tl.constexpr,
-    K_HEADS_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HALF_PAD: tl.constexpr,
-):
-    half: tl.constexpr = HEAD_DIM // 2
-    token = tl.program_id(0).to(tl.int64)
-    position = tl.load(positions_ptr + token).to(tl.int64)
-    dims = tl.arange(0, HALF_PAD)
-    dims_mask = dims < half
-    cos, sin = load_cos_sin(cos_ptr, sin_ptr, position, dims, dims_mask, q_ptr, half)
-    _rotate_heads(
-        q_ptr + token * q_stride, cos, sin, dims, dims_mask, Q_HEADS, Q_HEADS_PAD, HEAD_DIM
-    )
-    _rotate_heads(
-        k_ptr + token * k_stride, cos, sin, dims, dims_mask, K_HEADS, K_HEADS_PAD, HEAD_DIM
-    )
-
-
 def rotary_embedding(
     positions: torch.Tensor,
     q: torch.Tensor,
@@ -269,27 +218,9 @@ def rotary_embedding(
 ) -> bool:
     """Rotates q and k (see `rotary_fits`) in place by the contiguous float32 cos/sin caches
     [max_position, head_dim / 2] at positions [T] (contiguous integers within the caches),
-    one program per token."""
+    one program per token: the kernel of attention/triton_rope_store.py, storing nothing."""
     if not rotary_fits(q, k, head_dim):
         return False
-    num_tokens = positions.shape[0]
-    if num_tokens == 0:
-        return True
-    q_heads, k_heads = q.shape[1] // head_dim, k.shape[1] // head_dim
-    _rotary_kernel[(num_tokens,)](
-        positions,
-        q,
-        k,
-        cos_cache,
-        sin_cache,
-        q.stride(0),
-        k.stride(0),
-        Q_HEADS=q_heads,
-        Q_HEADS_PAD=triton.next_power_of_2(q_heads),
-        K_HEADS=k_heads,
-        K_HEADS_PAD=triton.next_power_of_2(k_heads),
-        HEAD_DIM=head_dim,
-        HALF_PAD=triton.next_power_of_2(head_dim // 2),
-        enable_fp_fusion=False,  # no FMA: each product is rounded, as in torch
-    )
+    heads = (-1, head_dim)
+    rotate(positions, q.unflatten(1, heads), k.unflatten(1, heads), cos_cache, sin_cache)
     return True
