@@ -27,7 +27,7 @@ import zmq
 
 from ipc.auth import CLIENT, Credentials, engine_context
 from ipc.messages import (
-    AbortRequests,
+    FROM_CLIENTS,
     DecodeError,
     Decoder,
     EngineCoreOutput,
@@ -36,7 +36,6 @@ from ipc.messages import (
     ErrorCode,
     FinishReason,
     UtilityOutput,
-    UtilityRequest,
     encode,
 )
 from ipc.sockets import HELLO, HWM, WELCOME, make_socket, socket_address
@@ -100,7 +99,7 @@ class ClientIO:
     # input thread
 
     def _input_loop(self) -> None:
-        decoder = Decoder(EngineCoreRequest, AbortRequests, UtilityRequest)
+        decoder = Decoder(*FROM_CLIENTS)
         sock = self._input
         while not self._stopping.is_set():
             if not sock.poll(_POLL_MS):

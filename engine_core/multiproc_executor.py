@@ -38,16 +38,15 @@ from ipc.auth import WORKER, Credentials, engine_context
 from ipc.config import EngineConfig
 from ipc.executor import Executor, WorkerFailure, WorkerGroupSpec
 from ipc.messages import (
+    FROM_WORKERS,
     DecodeError,
     Decoder,
     FinishStep,
     InitKVCache,
-    KVCacheReady,
     ModelRunnerOutput,
     SchedulerOutput,
     Shutdown,
     WorkerError,
-    WorkerReady,
     encode,
 )
 from ipc.sockets import make_socket, remove_ipc_files, socket_address
@@ -97,7 +96,7 @@ class MultiprocExecutor(Executor):
         self._request_new_workers = request_new_workers
         self._processes: list[subprocess.Popen] = []
         self._hostname = socket.gethostname()
-        self._decoder = Decoder(ModelRunnerOutput, WorkerError, WorkerReady, KVCacheReady)
+        self._decoder = Decoder(*FROM_WORKERS)
         self._strangers: set[bytes] = set()
         self._replaced: set[bytes] = set()  # identities of workers replaced since
         self._ctx = engine_context(credentials)

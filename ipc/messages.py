@@ -284,6 +284,13 @@ class Shutdown(_Tagged):
     pass
 
 
+# The messages each socket carries, each way (what a Decoder on that side expects).
+FROM_CLIENTS = (EngineCoreRequest, AbortRequests, UtilityRequest)
+TO_CLIENTS = (EngineCoreOutputs, UtilityOutput)
+TO_WORKERS = (SchedulerOutput, FinishStep, InitKVCache, Shutdown)
+FROM_WORKERS = (ModelRunnerOutput, WorkerError, WorkerReady, KVCacheReady)
+
+
 class DecodeError(ValueError):
     """A frame that is not a valid message of the expected type."""
 

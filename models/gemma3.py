@@ -15,13 +15,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from attention import Attention
 from models.causal_lm import CausalLM
 from models.layers.embedding import VocabParallelEmbedding
-from models.layers.linear import QKVParallelLinear, RowParallelLinear
 from models.layers.norm import GemmaRMSNorm
-from models.layers.rotary import RotaryEmbedding, Rotator, get_head_dim
-from models.llama import LlamaMLP
+from models.layers.rotary import RotaryEmbedding, Rotator
+from models.llama import DecoderOptions, LlamaAttention, LlamaMLP
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -40,48 +38,19 @@ def _window(config: Any, layer_type: str) -> int | None:
     return (getattr(config, "sliding_window", None) or None) if layer_type == SLIDING else None
 
 
-class Gemma3Attention(nn.Module):
-    def __init__(self, config: Any, sliding_window: int | None, prefix: str) -> None:
-        super().__init__()
-        self.head_dim = get_head_dim(config)
-        bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = QKVParallelLinear(
-            config.hidden_size,
-            self.head_dim,
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            bias=bias,
-            prefix=f"{prefix}.qkv_proj",
-        )
-        self.num_heads = self.qkv_proj.num_heads
-        self.num_kv_heads = self.qkv_proj.num_kv_heads
-        self.q_size = self.qkv_proj.q_size
-        self.kv_size = self.qkv_proj.kv_size
-        self.o_proj = RowParallelLinear(
-            config.num_attention_heads * self.head_dim,
-            config.hidden_size,
-            bias=bias,
-            prefix=f"{prefix}.o_proj",
-        )
-        self.q_norm = GemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps)
-        self.attn = Attention(
-            self.num_heads,
-            self.head_dim,
-            config.query_pre_attn_scalar**-0.5,
-            self.num_kv_heads,
-            sliding_window=sliding_window,
-            prefix=f"{prefix}.attn",
-        )
+class Gemma3Attention(LlamaAttention):
+    """Llama's attention with q/k norms always on, Gemma's norm and Gemma's scale."""
 
-    def forward(self, hidden_states: torch.Tensor, rotate: Rotator) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden_states).split(
-            [self.q_size, self.kv_size, self.kv_size], dim=-1
+    def __init__(self, config: Any, sliding_window: int | None, prefix: str) -> None:
+        bias = bool(getattr(config, "attention_bias", False))
+        super().__init__(
+            config,
+            DecoderOptions(qkv_bias=bias, o_bias=bias, qk_norm=True),
+            sliding_window,
+            prefix,
+            scale=config.query_pre_attn_scalar**-0.5,
+            norm=GemmaRMSNorm,
         )
-        n = q.shape[0]
-        q = self.q_norm(q.reshape(n, self.num_heads, self.head_dim)).reshape(n, self.q_size)
-        k = self.k_norm(k.reshape(n, self.num_kv_heads, self.head_dim)).reshape(n, self.kv_size)
-        return self.o_proj(self.attn(q, k, v, rotate=rotate))
 
 
 class Gemma3DecoderLayer(nn.Module):

@@ -70,7 +70,12 @@ class LlamaAttention(nn.Module):
         options: DecoderOptions,
         sliding_window: int | None,
         prefix: str,
+        *,
+        scale: float | None = None,
+        norm: type[RMSNorm] = RMSNorm,
     ) -> None:
+        """`scale`: the attention's (head_dim ** -0.5 unless given); `norm`: the class of
+        the q/k norms (options.qk_norm)."""
         super().__init__()
         self.hidden_size = config.hidden_size
         self.head_dim = get_head_dim(config)
@@ -97,12 +102,12 @@ class LlamaAttention(nn.Module):
         )
         self.qk_norm = options.qk_norm
         if self.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+            self.q_norm = norm(self.head_dim, eps=config.rms_norm_eps)
+            self.k_norm = norm(self.head_dim, eps=config.rms_norm_eps)
         self.attn = Attention(
             self.num_heads,
             self.head_dim,
-            self.head_dim**-0.5,
+            self.head_dim**-0.5 if scale is None else scale,
             self.num_kv_heads,
             sliding_window=sliding_window,
             prefix=f"{prefix}.attn",

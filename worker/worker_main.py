@@ -23,13 +23,13 @@ import zmq
 from ipc.auth import WORKER, Credentials
 from ipc.config import EngineConfig
 from ipc.messages import (
+    TO_WORKERS,
     Decoder,
     FinishStep,
     InitKVCache,
     KVCacheReady,
     ModelRunnerOutput,
     SchedulerOutput,
-    Shutdown,
     WorkerError,
     WorkerReady,
     encode,
@@ -102,7 +102,7 @@ def run_worker(
             num_blocks,
             num_host_blocks,
         )
-        decoder = Decoder(SchedulerOutput, FinishStep, InitKVCache, Shutdown)
+        decoder = Decoder(*TO_WORKERS)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)

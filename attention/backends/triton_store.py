@@ -5,7 +5,7 @@ import torch
 
 from attention.backends.base import AttentionBackend
 from attention.rotation import RopeTables
-from attention.triton_rope_store import rope_store_fits, rotate_and_store_kv
+from attention.triton_rope_store import rotate_and_store_kv
 from attention.triton_store_kv import store_kv_triton
 
 
@@ -37,7 +37,4 @@ class TritonStoreBackend(AttentionBackend):
     ) -> bool:
         if not (self.triton_store and kv_cache.is_cuda):
             return False
-        if not rope_store_fits(q, k, v, kv_cache, slot_mapping, tables):
-            return False
-        rotate_and_store_kv(q, k, v, kv_cache, slot_mapping, tables)
-        return True
+        return rotate_and_store_kv(q, k, v, kv_cache, slot_mapping, tables)

@@ -37,6 +37,7 @@ from ipc.client.output_processor import Handle, OutputProcessor, engine_states
 from ipc.client.parallel_sampling import ParentRequest
 from ipc.client.request_state import Sink
 from ipc.messages import (
+    TO_CLIENTS,
     AbortRequests,
     DecodeError,
     Decoder,
@@ -94,7 +95,7 @@ class ClientCore:
         # garbage-collected while this thread holds the lock aborts its request from
         # inside the collector.
         self._lock = threading.RLock()
-        self._decoder = Decoder(EngineCoreOutputs, UtilityOutput)
+        self._decoder = Decoder(*TO_CLIENTS)
 
     @property
     def tokenizer(self) -> TokenizerLike | None:

@@ -70,27 +70,18 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-class GemmaRMSNorm(nn.Module):
+class GemmaRMSNorm(RMSNorm):
     """x / rms(x) * (1 + weight), all in float32, then cast back (Gemma's RMSNorm: the
     weight multiplies before the cast, unlike Llama's). With `residual`:
     (norm(x + residual), x + residual), the sum in x's dtype."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.hidden_size = hidden_size
-        self.variance_epsilon = eps
-        self.weight = new_parameter(hidden_size)
+        super().__init__(hidden_size, eps)
         with torch.no_grad():
             self.weight.zero_()
-        set_weight_attrs(self.weight, {"weight_loader": default_weight_loader})
 
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            return self._norm(x)
-        x = x + residual
-        return self._norm(x), x
+    def bind_kernels(self, kernels: KernelSet) -> None:
+        """Torch only: the fused kernels compute Llama's norm."""
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         normed = x.float()

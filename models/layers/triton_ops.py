@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from attention.triton_rope_store import load_cos_sin, rotated_halves
+from attention.triton_rope_store import rotate
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The widest row a norm program holds in registers; wider rows run the torch code.
@@ -51,12 +51,17 @@ def rotary_fits(q: torch.Tensor, k: torch.Tensor, head_dim: int) -> bool:
     )
 
 
-def _row_layout(t: torch.Tensor) -> tuple[int, int, int]:
-    """(rows per outer index, outer stride, inner stride) of a 1-3 dimensional t: row r
-    starts at (r // rows1) * s0 + (r % rows1) * s1."""
-    if t.dim() == 3:
-        return t.shape[1], t.stride(0), t.stride(1)
-    return 1, (t.stride(0) if t.dim() == 2 else 0), 0
+def _rows1(t: torch.Tensor) -> int:
+    """Rows per outer index of a 1-3 dimensional t (see `_row_strides`)."""
+    return t.shape[1] if t.dim() == 3 else 1
+
+
+def _row_strides(t: torch.Tensor | None) -> tuple[int, int]:
+    """(s0, s1) of a 1-3 dimensional t: row r starts at (r // rows1) * s0 + (r % rows1) * s1,
+    rows1 from `_rows1`. (0, 0) for None, a tensor the kernel does not read."""
+    if t is None or t.dim() == 1:
+        return 0, 0
+    return t.stride(0), (t.stride(1) if t.dim() == 3 else 0)
 
 
 def _num_rows(t: torch.Tensor) -> int:
@@ -124,10 +129,6 @@ def _launch_norm(
         return
     block = triton.next_power_of_2(n)
     rows_per_program = max(1, _NORM_TILE // block)
-    rows1, x_s0, x_s1 = _row_layout(x)
-    _, res_s0, res_s1 = _row_layout(residual) if residual is not None else (1, 0, 0)
-    _, out_s0, out_s1 = _row_layout(out)
-    _, sum_s0, sum_s1 = _row_layout(total) if total is not None else (1, 0, 0)
     _rms_norm_kernel[(triton.cdiv(num_rows, rows_per_program),)](
         x,
         residual if residual is not None else x,
@@ -137,15 +138,11 @@ def _launch_norm(
         num_rows,
         n,
         eps,
-        rows1,
-        x_s0,
-        x_s1,
-        res_s0,
-        res_s1,
-        out_s0,
-        out_s1,
-        sum_s0,
-        sum_s1,
+        _rows1(x),
+        *_row_strides(x),
+        *_row_strides(residual),
+        *_row_strides(out),
+        *_row_strides(total),
         ADD_RESIDUAL=residual is not None,
         ROWS=rows_per_program,
         BLOCK=block,
@@ -205,63 +202,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
     if num_rows == 0:
         return out
     block = min(_SILU_BLOCK, triton.next_power_of_2(d))
-    rows1, x_s0, x_s1 = _row_layout(x)
-    _, out_s0, out_s1 = _row_layout(out)
     _silu_and_mul_kernel[(num_rows, triton.cdiv(d, block))](
-        x, out, num_rows, d, rows1, x_s0, x_s1, out_s0, out_s1, BLOCK=block
+        x, out, num_rows, d, _rows1(x), *_row_strides(x), *_row_strides(out), BLOCK=block
     )
     return out
-
-
-@triton.jit
-def _rotate_heads(
-    row_ptr,
-    cos,
-    sin,
-    dims,
-    dims_mask,
-    HEADS: tl.constexpr,
-    HEADS_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-):
-    """Neox rotation of the HEADS heads of one token's row, each product and sum rounded to
-    the row's dtype as the torch code does."""
-    heads = tl.arange(0, HEADS_PAD)
-    mask = (heads < HEADS)[:, None] & dims_mask[None, :]
-    first = row_ptr + heads[:, None] * HEAD_DIM + dims[None, :]
-    a, b = rotated_halves(first, mask, cos[None, :], sin[None, :], HEAD_DIM // 2)
-    tl.store(first, a, mask)
-    tl.store(first + HEAD_DIM // 2, b, mask)
-
-
-@triton.jit
-def _rotary_kernel(
-    positions_ptr,
-    q_ptr,
-    k_ptr,
-    cos_ptr,
-    sin_ptr,
-    q_stride,
-    k_stride,
-    Q_HEADS: tl.constexpr,
-    Q_HEADS_PAD: tl.constexpr,
-    K_HEADS: tl.constexpr,
-    K_HEADS_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    HALF_PAD: tl.constexpr,
-):
-    half: tl.constexpr = HEAD_DIM // 2
-    token = tl.program_id(0).to(tl.int64)
-    position = tl.load(positions_ptr + token).to(tl.int64)
-    dims = tl.arange(0, HALF_PAD)
-    dims_mask = dims < half
-    cos, sin = load_cos_sin(cos_ptr, sin_ptr, position, dims, dims_mask, q_ptr, half)
-    _rotate_heads(
-        q_ptr + token * q_stride, cos, sin, dims, dims_mask, Q_HEADS, Q_HEADS_PAD, HEAD_DIM
-    )
-    _rotate_heads(
-        k_ptr + token * k_stride, cos, sin, dims, dims_mask, K_HEADS, K_HEADS_PAD, HEAD_DIM
-    )
 
 
 def rotary_embedding(
@@ -274,27 +218,9 @@ def rotary_embedding(
 ) -> bool:
     """Rotates q and k (see `rotary_fits`) in place by the contiguous float32 cos/sin caches
     [max_position, head_dim / 2] at positions [T] (contiguous integers within the caches),
-    one program per token."""
+    one program per token: the kernel of attention/triton_rope_store.py, storing nothing."""
     if not rotary_fits(q, k, head_dim):
         return False
-    num_tokens = positions.shape[0]
-    if num_tokens == 0:
-        return True
-    q_heads, k_heads = q.shape[1] // head_dim, k.shape[1] // head_dim
-    _rotary_kernel[(num_tokens,)](
-        positions,
-        q,
-        k,
-        cos_cache,
-        sin_cache,
-        q.stride(0),
-        k.stride(0),
-        Q_HEADS=q_heads,
-        Q_HEADS_PAD=triton.next_power_of_2(q_heads),
-        K_HEADS=k_heads,
-        K_HEADS_PAD=triton.next_power_of_2(k_heads),
-        HEAD_DIM=head_dim,
-        HALF_PAD=triton.next_power_of_2(head_dim // 2),
-        enable_fp_fusion=False,  # no FMA: each product is rounded, as in torch
-    )
+    heads = (-1, head_dim)
+    rotate(positions, q.unflatten(1, heads), k.unflatten(1, heads), cos_cache, sin_cache)
     return True

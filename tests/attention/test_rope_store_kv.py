@@ -19,7 +19,7 @@ import torch
 from attention import Attention, RopeTables, set_forward_context
 from attention.backends.triton_store import TritonStoreBackend
 from attention.store_kv import store_kv_torch
-from attention.triton_rope_store import rope_store_fits, rotate_and_store_kv
+from attention.triton_rope_store import rotate_and_store_kv
 from kernels import KernelSet
 from models.layers.rotary import RotaryEmbedding, Rotator, apply_rotary
 
@@ -135,31 +135,33 @@ def test_fused_kernel_equals_rotary_then_store(
     step = Step(kernel_device, dtype, num_tokens, heads, head_dim, block_size, num_padding)
     expected, cache_before = step.expected(), step.cache.cpu().clone()
     tables = step.tables()
-    assert rope_store_fits(*step.views(), step.cache, step.slot_mapping, tables)
-    rotate_and_store_kv(*step.views(), step.cache, step.slot_mapping, tables)
+    assert rotate_and_store_kv(*step.views(), step.cache, step.slot_mapping, tables)
     step.check(expected, cache_before)
 
 
 def test_shapes_the_fused_kernel_does_not_take():
+    """It declines them, touching nothing; the last call takes its tensors."""
     step = Step("cpu", torch.bfloat16, 4, (4, 2), 64, 16)
     q, k, v = step.views()
     tables, cache, slots = step.tables(), step.cache, step.slot_mapping
-    assert rope_store_fits(q, k, v, cache, slots, tables)
-    assert not rope_store_fits(q, k, v, cache.float(), slots, tables)  # the cache's dtype
+    before = [t.clone() for t in (q, k, v, cache)]
+    assert not rotate_and_store_kv(q, k, v, cache.float(), slots, tables)  # the cache's dtype
     as_float = RopeTables(tables.positions, tables.cos_cache, tables.sin_cache, torch.float32)
-    assert not rope_store_fits(q, k, v, cache, slots, as_float)  # the rotation's dtype
+    assert not rotate_and_store_kv(q, k, v, cache, slots, as_float)  # the rotation's dtype
     wider = make_rope(128, "cpu")
     wider_tables = RopeTables(tables.positions, wider.cos_cache, wider.sin_cache, q.dtype)
-    assert not rope_store_fits(q, k, v, cache, slots, wider_tables)  # the head_dim
+    assert not rotate_and_store_kv(q, k, v, cache, slots, wider_tables)  # the head_dim
     as_double = [t.double() for t in (q, k, v, cache)]
     double_tables = RopeTables(tables.positions, tables.cos_cache, tables.sin_cache, torch.float64)
-    assert not rope_store_fits(*as_double, slots, double_tables)
+    assert not rotate_and_store_kv(*as_double, slots, double_tables)
     strided_q = torch.randn(4, 4, 128, dtype=q.dtype)[..., ::2]
-    assert not rope_store_fits(strided_q, k, v, cache, slots, tables)
-    assert not rope_store_fits(q, k, v, cache[:, :, :, :1], slots, tables)  # kv heads
-    assert not rope_store_fits(q, k, v, cache, slots[:3], tables)
+    assert not rotate_and_store_kv(strided_q, k, v, cache, slots, tables)
+    assert not rotate_and_store_kv(q, k, v, cache[:, :, :, :1], slots, tables)  # kv heads
+    assert not rotate_and_store_kv(q, k, v, cache, slots[:3], tables)
     fewer_positions = RopeTables(tables.positions[:3], tables.cos_cache, tables.sin_cache, q.dtype)
-    assert not rope_store_fits(q, k, v, cache, slots, fewer_positions)
+    assert not rotate_and_store_kv(q, k, v, cache, slots, fewer_positions)
+    assert all(torch.equal(t, b) for t, b in zip((q, k, v, cache), before, strict=True))
+    assert rotate_and_store_kv(q, k, v, cache, slots, tables)
 
 
 class RecordingBackend(TritonStoreBackend):

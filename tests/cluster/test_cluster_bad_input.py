@@ -12,8 +12,8 @@ import zmq
 
 from ipc.client import EngineClient
 from ipc.messages import (
+    TO_CLIENTS,
     Decoder,
-    EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
     UtilityOutput,
@@ -93,7 +93,7 @@ def test_garbage_frames_get_errors_and_the_engine_goes_on(llama_tp1, raw_client)
     for frame, _ in INVALID.values():
         send.send(frame)
 
-    decoder = Decoder(EngineCoreOutputs, UtilityOutput)
+    decoder = Decoder(*TO_CLIENTS)
     undecodable, finished = 0, {}
     deadline = time.monotonic() + 30
     while (undecodable < NUM_GARBAGE + 1 or len(finished) < len(INVALID)) and receive.poll(

@@ -3,8 +3,6 @@ registered, nobody else is heard, and a second WorkerReady is ignored, never fat
 
 from __future__ import annotations
 
-import os
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -14,17 +12,16 @@ import zmq
 from engine_core.multiproc_executor import MultiprocExecutor
 from ipc.config import EngineConfig
 from ipc.messages import (
-    CachedRequestData,
-    Decoder,
-    InitKVCache,
-    KVCacheReady,
     ModelRunnerOutput,
-    SchedulerOutput,
     WorkerError,
-    WorkerReady,
     encode,
 )
-from ipc.sockets import socket_address
+from tests.cluster.fake_workers import (
+    answer_init_kv_caches,
+    connect,
+    one_token_step,
+    worker_ready,
+)
 
 
 @pytest.fixture
@@ -35,13 +32,7 @@ def cluster(tmp_path):
         EngineConfig(max_model_len=64, tensor_parallel_size=2), address, ready_timeout=2.0
     )
     ctx = zmq.Context()
-    peers = []
-    for name in (b"fake-0", b"fake-1", b"stranger"):
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IDENTITY, name)
-        sock.connect(socket_address(address, "workers"))
-        peers.append(sock)
+    peers = [connect(ctx, address, name) for name in (b"fake-0", b"fake-1", b"stranger")]
     yield executor, peers
     executor.shutdown()
     for sock in peers:
@@ -49,32 +40,16 @@ def cluster(tmp_path):
     ctx.term()
 
 
-def _ready(rank: int, blocks: int = 8) -> bytes:
-    return encode(WorkerReady(rank, blocks, os.getpid(), socket.gethostname()))
-
-
-def _answer_init_kv_cache(*ranks: zmq.Socket) -> None:
-    """Each fake rank takes its InitKVCache and answers KVCacheReady, as a worker does."""
-    decoder = Decoder(InitKVCache)
-    for rank, sock in enumerate(ranks):
-        assert sock.poll(5000) and isinstance(decoder.decode(sock.recv()), InitKVCache)
-        sock.send(encode(KVCacheReady(rank)))
-
-
-def _step(step_id: int) -> SchedulerOutput:
-    return SchedulerOutput(step_id, [], CachedRequestData(), {"a": 1}, 1)
-
-
 def test_a_second_worker_ready_for_a_rank_is_ignored(cluster, caplog):
     executor, (rank0, rank1, stranger) = cluster
     with ThreadPoolExecutor(1) as pool:
         spec = pool.submit(executor.initialize_workers)
-        rank0.send(_ready(0, blocks=8))
-        rank0.send(_ready(1, blocks=1))  # the same peer again, as another rank
-        stranger.send(_ready(0, blocks=1))  # another peer for a rank that is taken
+        rank0.send(worker_ready(0, blocks=8))
+        rank0.send(worker_ready(1, blocks=1))  # the same peer again, as another rank
+        stranger.send(worker_ready(0, blocks=1))  # another peer for a rank that is taken
         time.sleep(0.3)  # all three are read before rank 1 registers
-        rank1.send(_ready(1, blocks=8))
-        _answer_init_kv_cache(rank0, rank1)
+        rank1.send(worker_ready(1, blocks=8))
+        answer_init_kv_caches([rank0, rank1])
         assert spec.result().num_kv_blocks == 8
     assert [w.identity for w in executor.workers] == [b"fake-0", b"fake-1"]
     assert caplog.text.count("ignored a second WorkerReady") == 2
@@ -84,16 +59,16 @@ def test_after_registration_a_stranger_is_not_heard(cluster, caplog):
     executor, (rank0, rank1, stranger) = cluster
     with ThreadPoolExecutor(1) as pool:
         spec = pool.submit(executor.initialize_workers)
-        rank0.send(_ready(0))
-        rank1.send(_ready(1))
-        _answer_init_kv_cache(rank0, rank1)
+        rank0.send(worker_ready(0))
+        rank1.send(worker_ready(1))
+        answer_init_kv_caches([rank0, rank1])
         assert spec.result().num_kv_blocks == 8
     stranger.send(encode(WorkerError(0, "forged", 0)))
-    stranger.send(_ready(0))
+    stranger.send(worker_ready(0))
     executor.check_workers()  # a WorkerError from a worker would raise here
     stranger.send(encode(WorkerError(1, "forged", 0)))
     stranger.send(encode(ModelRunnerOutput(0, ["a"], [[666]])))
     answer = ModelRunnerOutput(0, ["a"], [[7]])
     rank0.send(encode(answer))
-    assert executor.execute_model(_step(0)) == answer
+    assert executor.execute_model(one_token_step(0)) == answer
     assert caplog.text.count("not a registered worker") == 1  # once per stranger

@@ -17,21 +17,21 @@ from engine_core.multiproc_executor import MultiprocExecutor
 from ipc.config import EngineConfig
 from ipc.executor import WorkerFailure
 from ipc.messages import (
-    CachedRequestData,
-    Decoder,
     FinishStep,
     InitKVCache,
     KVCacheReady,
     ModelRunnerOutput,
-    SchedulerOutput,
-    Shutdown,
     WorkerError,
     WorkerReady,
     encode,
 )
-from ipc.sockets import socket_address
-
-_decoder = Decoder(InitKVCache, SchedulerOutput, FinishStep, Shutdown)
+from tests.cluster.fake_workers import (
+    connect,
+    decoder,
+    init_kv_caches,
+    one_token_step,
+    worker_ready,
+)
 
 
 @pytest.fixture
@@ -46,13 +46,7 @@ def setup(tmp_path):
             address,
             ready_timeout=0.5,
         )
-        workers = []
-        for rank in range(tp):
-            sock = ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.IDENTITY, f"fake-{rank}".encode())
-            sock.connect(socket_address(address, "workers"))
-            workers.append(sock)
+        workers = [connect(ctx, address, f"fake-{rank}".encode()) for rank in range(tp)]
         created.append((executor, workers))
         return executor, workers
 
@@ -66,22 +60,7 @@ def setup(tmp_path):
 
 def _ready(workers, blocks, pids=None):
     for rank, sock in enumerate(workers):
-        pid = os.getpid() if pids is None else pids[rank]
-        sock.send(encode(WorkerReady(rank, blocks[rank], pid, socket.gethostname())))
-
-
-def init_kv_caches(call, workers):
-    """Run `call` (initialize_workers or replace_workers) while each fake worker takes
-    its InitKVCache and answers KVCacheReady, as a worker does once its cache exists.
-    Returns what `call` returned and the InitKVCache each worker got."""
-    with ThreadPoolExecutor(1) as pool:
-        result = pool.submit(call)
-        inits = []
-        for rank, sock in enumerate(workers):
-            assert sock.poll(5000), f"rank {rank} got no InitKVCache"
-            inits.append(_decoder.decode(sock.recv()))
-            sock.send(encode(KVCacheReady(rank)))
-        return result.result(timeout=5), inits
+        sock.send(worker_ready(rank, blocks[rank], None if pids is None else pids[rank]))
 
 
 def _registered(setup):
@@ -90,10 +69,6 @@ def _registered(setup):
     _ready(workers, [8, 8])
     init_kv_caches(executor.initialize_workers, workers)
     return executor, workers
-
-
-def _step(step_id: int) -> SchedulerOutput:
-    return SchedulerOutput(step_id, [], CachedRequestData(), {"a": 1}, 1)
 
 
 @pytest.mark.parametrize(("override", "expected"), [(None, 30), (20, 20), (99, 30)])
@@ -112,7 +87,7 @@ def test_the_executor_is_ready_only_once_every_rank_has_its_kv_cache(setup):
     with ThreadPoolExecutor(1) as pool:
         spec = pool.submit(executor.initialize_workers)
         for sock in workers:
-            assert sock.poll(5000) and _decoder.decode(sock.recv()) == InitKVCache(8)
+            assert sock.poll(5000) and decoder.decode(sock.recv()) == InitKVCache(8)
         workers[0].send(encode(KVCacheReady(0)))
         workers[1].send(encode(ModelRunnerOutput(0, ["a"], [[1]])))  # not an answer to it
         assert not workers[1].poll(150)
@@ -158,9 +133,7 @@ def test_new_workers_get_the_host_blocks_in_use_or_fail_holding_fewer(setup, new
     fresh = []
     try:
         for rank in range(2):
-            sock = ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(socket_address(executor.address, "workers"))
+            sock = connect(ctx, executor.address)
             blocks = [new_host_blocks, 80][rank]
             sock.send(encode(WorkerReady(rank, 40, os.getpid(), "", num_host_blocks=blocks)))
             fresh.append(sock)
@@ -181,41 +154,41 @@ def test_a_step_sends_the_same_bytes_and_returns_rank_0s_answer(setup):
     answer = ModelRunnerOutput(0, ["a"], [[7]])
     workers[1].send(encode(ModelRunnerOutput(0, ["a"], [[666]])))  # not the driver: ignored
     workers[0].send(encode(answer))
-    assert executor.execute_model(_step(0)) == answer
+    assert executor.execute_model(one_token_step(0)) == answer
     frames = [sock.recv() for sock in workers]
-    assert frames[0] == frames[1] == encode(_step(0))
+    assert frames[0] == frames[1] == encode(one_token_step(0))
 
 
 def test_workers_are_told_to_finish_a_step_only_when_no_later_step_was_sent(setup):
     """Under async scheduling the EngineCore may wait for a step it sent without
     `lockstep` after all (the next schedule came out empty)."""
     executor, workers = _registered(setup)
-    executor.submit(_step(0))
-    executor.submit(_step(1))
+    executor.submit(one_token_step(0))
+    executor.submit(one_token_step(1))
     workers[0].send(encode(ModelRunnerOutput(0, ["a"], [[7]])))
-    assert executor.collect(_step(0)).step_id == 0  # step 1 was sent: no FinishStep
+    assert executor.collect(one_token_step(0)).step_id == 0  # step 1 was sent: no FinishStep
     workers[0].send(encode(ModelRunnerOutput(1, ["a"], [[8]])))
-    assert executor.collect(_step(1)).step_id == 1
+    assert executor.collect(one_token_step(1)).step_id == 1
     for sock in workers:
-        frames = [_decoder.decode(sock.recv()) for _ in range(3)]
-        assert frames == [_step(0), _step(1), FinishStep(1)] and not sock.poll(50)
+        frames = [decoder.decode(sock.recv()) for _ in range(3)]
+        assert frames == [one_token_step(0), one_token_step(1), FinishStep(1)] and not sock.poll(50)
 
 
 def test_a_step_sent_in_lockstep_needs_no_finish_step(setup):
     executor, workers = _registered(setup)
-    step = _step(0)
+    step = one_token_step(0)
     step.lockstep = True
     workers[0].send(encode(ModelRunnerOutput(0, ["a"], [[7]])))
     assert executor.execute_model(step).step_id == 0
     for sock in workers:
-        assert _decoder.decode(sock.recv()) == step and not sock.poll(50)
+        assert decoder.decode(sock.recv()) == step and not sock.poll(50)
 
 
 def test_a_worker_error_names_its_rank(setup):
     executor, workers = _registered(setup)
     workers[1].send(encode(WorkerError(1, "Traceback ...\nValueError: boom", 0)))
     with pytest.raises(WorkerFailure, match=r"(?s)worker rank 1 failed at step 0:\n.*boom"):
-        executor.execute_model(_step(0))
+        executor.execute_model(one_token_step(0))
 
 
 def test_a_dead_worker_is_noticed_while_waiting(setup):
@@ -225,7 +198,7 @@ def test_a_dead_worker_is_noticed_while_waiting(setup):
     _ready(workers, [8, 8], pids=[os.getpid(), dead.pid])
     init_kv_caches(executor.initialize_workers, workers)
     with pytest.raises(WorkerFailure, match=rf"worker rank 1 \(pid {dead.pid}\) died"):
-        executor.execute_model(_step(0))
+        executor.execute_model(one_token_step(0))
 
 
 def test_a_missing_worker_times_out_with_a_clear_error(setup):

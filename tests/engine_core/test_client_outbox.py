@@ -35,16 +35,19 @@ def pair(tmp_path):
     ctx.term()
 
 
-def _burst(out: _Outbox, n: int) -> None:
-    for i in range(n):
+def _outbox_after_a_burst(router: zmq.Socket) -> tuple[_Outbox, queue.Queue]:
+    """An outbox on `router` handed 500 frames of 2 kB for the reader, and the queue on which
+    it reports the clients it drops."""
+    gone: queue.Queue = queue.Queue()
+    out = _Outbox(router, gone)
+    for i in range(500):
         out.deliver(IDENTITY, b"%06d" % i + bytes(2000))
+    return out, gone
 
 
 def test_a_burst_past_the_pipe_waits_in_the_backlog_and_arrives_in_order(pair):
     router, dealer = pair
-    gone: queue.Queue = queue.Queue()
-    out = _Outbox(router, gone)
-    _burst(out, 500)
+    out, gone = _outbox_after_a_burst(router)
     assert out.backlogs[IDENTITY], "the burst should have filled the pipe"
     received = []
     deadline = time.monotonic() + 30
@@ -60,9 +63,7 @@ def test_a_burst_past_the_pipe_waits_in_the_backlog_and_arrives_in_order(pair):
 def test_a_client_that_never_reads_is_dropped_after_the_stall(pair, monkeypatch):
     monkeypatch.setattr(client_io, "_STALL_S", 0.2)
     router, _ = pair
-    gone: queue.Queue = queue.Queue()
-    out = _Outbox(router, gone)
-    _burst(out, 500)
+    out, gone = _outbox_after_a_burst(router)
     deadline = time.monotonic() + 10
     while IDENTITY not in out.gone and time.monotonic() < deadline:
         out.retry()
@@ -76,8 +77,6 @@ def test_a_client_that_never_reads_is_dropped_after_the_stall(pair, monkeypatch)
 def test_a_backlog_past_its_bound_drops_the_client(pair, monkeypatch):
     monkeypatch.setattr(client_io, "_MAX_BACKLOG", 50)
     router, _ = pair
-    gone: queue.Queue = queue.Queue()
-    out = _Outbox(router, gone)
-    _burst(out, 500)
+    out, gone = _outbox_after_a_burst(router)
     assert out.gone == {IDENTITY} and out.backlogs == {}
     assert gone.get_nowait() == (IDENTITY, ClientGone)

@@ -1,5 +1,6 @@
 """What the parity tests share: transformers' greedy tokens as the reference, random
-prompts, and the engine's greedy generation."""
+prompts, the engine's greedy generation checked against the reference, and the prefix-hit
+scenario."""
 
 import random
 from collections.abc import Callable
@@ -42,3 +43,23 @@ def generate_greedy(llm: LLM, prompts: list[list[int]], **params) -> list:
     params.setdefault("max_tokens", MAX_TOKENS)
     sp = SamplingParams(temperature=0, ignore_eos=True, **params)
     return llm.generate(prompts, sp, use_tqdm=False)
+
+
+def generate_and_check(llm: LLM, prompts: list[list[int]], reference: Callable) -> list:
+    """The engine's greedy outputs of `prompts`, each checked against `reference` (a
+    greedy_reference)."""
+    outs = generate_greedy(llm, prompts)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == reference(prompt)
+    return outs
+
+
+def check_prefix_hits(llm: LLM, reference: Callable) -> None:
+    """Four prompts sharing a 40-token prefix, the first generated alone: the other three
+    find all 40 tokens cached, and every continuation is the reference's."""
+    shared = random_prompts(1, 40, 40, seed=2)[0]
+    prompts = [shared + tail for tail in random_prompts(4, 1, 12, seed=3)]
+    first = generate_and_check(llm, prompts[:1], reference)
+    rest = generate_and_check(llm, prompts[1:], reference)
+    assert first[0].num_cached_tokens == 0
+    assert all(out.num_cached_tokens == 40 for out in rest)

@@ -7,7 +7,11 @@ import pytest
 from ipc.messages import EngineCoreRequest
 from ipc.utils import cdiv
 from splitserve import LLM, SamplingParams
-from tests.integration.greedy import generate_greedy, greedy_reference, random_prompts
+from tests.integration.greedy import (
+    check_prefix_hits,
+    generate_and_check,
+    random_prompts,
+)
 
 WINDOW = 8
 
@@ -20,14 +24,7 @@ GROUP_WINDOWS = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(GROUP_WINDOWS))
-def model(request, tiny_checkpoint):
-    return tiny_checkpoint(request.param), GROUP_WINDOWS[request.param]
-
-
-@pytest.fixture(scope="module")
-def reference(model):
-    return greedy_reference(model[0])
+pytestmark = pytest.mark.parametrize("model", sorted(GROUP_WINDOWS), indirect=True)
 
 
 def _engine(model, **kw) -> LLM:
@@ -42,28 +39,19 @@ def _engine(model, **kw) -> LLM:
 def test_prompts_longer_than_the_window(model, reference):
     llm = _engine(model)
     prompts = random_prompts(8, 1, 60)
-    for prompt, out in zip(prompts, generate_greedy(llm, prompts), strict=True):
-        assert out.outputs[0].token_ids == reference(prompt)
+    generate_and_check(llm, prompts, reference)
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])
 def test_chunked_prefill(model, reference, backend):
     llm = _engine(model, max_num_batched_tokens=6, max_num_seqs=4, attention_backend=backend)
     prompts = random_prompts(5, 20, 50, seed=1)
-    for prompt, out in zip(prompts, generate_greedy(llm, prompts), strict=True):
-        assert out.outputs[0].token_ids == reference(prompt)
+    generate_and_check(llm, prompts, reference)
 
 
 def test_prefix_hits(model, reference):
     llm = _engine(model)
-    shared = random_prompts(1, 40, 40, seed=2)[0]
-    prompts = [shared + tail for tail in random_prompts(4, 1, 12, seed=3)]
-    first = generate_greedy(llm, prompts[:1])
-    rest = generate_greedy(llm, prompts[1:])
-    assert first[0].num_cached_tokens == 0
-    assert all(out.num_cached_tokens == 40 for out in rest)
-    for prompt, out in zip(prompts, first + rest, strict=True):
-        assert out.outputs[0].token_ids == reference(prompt)
+    check_prefix_hits(llm, reference)
 
 
 def test_preemption(model, reference):
@@ -75,10 +63,8 @@ def test_preemption(model, reference):
         model, max_model_len=64, max_num_batched_tokens=16, num_gpu_blocks_override=num_blocks
     )
     prompts = random_prompts(6, 20, 40, seed=4)
-    outs = generate_greedy(llm, prompts)
+    generate_and_check(llm, prompts, reference)
     assert llm.engine.get_stats().num_preemptions > 0
-    for prompt, out in zip(prompts, outs, strict=True):
-        assert out.outputs[0].token_ids == reference(prompt)
 
 
 def test_window_groups_stop_growing(model, reference):

@@ -9,7 +9,11 @@ import pytest
 
 from ipc.utils import cdiv
 from splitserve import LLM
-from tests.integration.greedy import generate_greedy, greedy_reference, random_prompts
+from tests.integration.greedy import (
+    generate_and_check,
+    generate_greedy,
+    random_prompts,
+)
 
 BLOCK_SIZE = 4
 MAX_MODEL_LEN = 64
@@ -19,14 +23,7 @@ CHUNK = 16
 GROUP_WINDOWS = {"llama": [None], "qwen2-hybrid": [None, 8]}
 
 
-@pytest.fixture(scope="module", params=sorted(GROUP_WINDOWS))
-def model(request, tiny_checkpoint):
-    return tiny_checkpoint(request.param), GROUP_WINDOWS[request.param]
-
-
-@pytest.fixture(scope="module")
-def reference(model):
-    return greedy_reference(model[0])
+pytestmark = pytest.mark.parametrize("model", sorted(GROUP_WINDOWS), indirect=True)
 
 
 def _fewest_blocks(groups: list[int | None]) -> int:
@@ -65,9 +62,7 @@ def test_preemption_by_swap_and_by_recompute(model, reference, mode):
     llm = _engine(model, num_host_blocks=64, preemption_mode=mode)
     assert llm.engine.kv_cache_manager.host_block_pool.num_blocks == 64
     prompts = random_prompts(6, 20, 40, seed=4)
-    outs = generate_greedy(llm, prompts)
-    for prompt, out in zip(prompts, outs, strict=True):
-        assert out.outputs[0].token_ids == reference(prompt)
+    generate_and_check(llm, prompts, reference)
     stats = llm.engine.get_stats()
     assert stats.num_preemptions > 0
     if mode == "swap":
@@ -81,9 +76,7 @@ def test_preemption_by_swap_and_by_recompute(model, reference, mode):
 def test_a_host_tier_too_small_falls_back_to_recompute(model, reference):
     llm = _engine(model, num_host_blocks=3, preemption_mode="swap")
     prompts = random_prompts(6, 20, 40, seed=4)
-    outs = generate_greedy(llm, prompts)
-    for prompt, out in zip(prompts, outs, strict=True):
-        assert out.outputs[0].token_ids == reference(prompt)
+    generate_and_check(llm, prompts, reference)
     stats = llm.engine.get_stats()
     assert stats.num_preemptions > 0 and stats.num_swapped_out_blocks == 0
     _assert_both_tiers_empty(llm)

@@ -4,7 +4,14 @@ chunked prefill, prefix hits and preemption in play (fp32, tiny random checkpoin
 import pytest
 
 from splitserve import LLM, SamplingParams
-from tests.integration.greedy import MAX_TOKENS, generate_greedy, greedy_reference, random_prompts
+from tests.integration.greedy import (
+    MAX_TOKENS,
+    check_prefix_hits,
+    generate_and_check,
+    generate_greedy,
+    greedy_reference,
+    random_prompts,
+)
 
 pytestmark = pytest.mark.parametrize("checkpoint", ["llama", "qwen3"], indirect=True)
 
@@ -22,28 +29,19 @@ def _engine(checkpoint: str, **kw) -> LLM:
 
 def test_many_prompts_of_different_lengths(checkpoint, reference):
     prompts = random_prompts(8, 1, 60)
-    for prompt, out in zip(prompts, generate_greedy(_engine(checkpoint), prompts), strict=True):
-        assert out.outputs[0].token_ids == reference(prompt)
-        assert out.outputs[0].finish_reason == "length"
+    outs = generate_and_check(_engine(checkpoint), prompts, reference)
+    assert all(out.outputs[0].finish_reason == "length" for out in outs)
 
 
 def test_chunked_prefill(checkpoint, reference):
     llm = _engine(checkpoint, max_num_batched_tokens=16, max_num_seqs=4)
     prompts = random_prompts(5, 20, 70, seed=1)
-    for prompt, out in zip(prompts, generate_greedy(llm, prompts), strict=True):
-        assert out.outputs[0].token_ids == reference(prompt)
+    generate_and_check(llm, prompts, reference)
 
 
 def test_prefix_hits(checkpoint, reference):
     llm = _engine(checkpoint, block_size=8)
-    shared = random_prompts(1, 40, 40, seed=2)[0]
-    prompts = [shared + tail for tail in random_prompts(4, 1, 12, seed=3)]
-    first = generate_greedy(llm, prompts[:1])
-    rest = generate_greedy(llm, prompts[1:])
-    assert first[0].num_cached_tokens == 0
-    assert all(out.num_cached_tokens == 40 for out in rest)
-    for prompt, out in zip(prompts, first + rest, strict=True):
-        assert out.outputs[0].token_ids == reference(prompt)
+    check_prefix_hits(llm, reference)
 
 
 def test_preemption(checkpoint, reference):
@@ -55,10 +53,8 @@ def test_preemption(checkpoint, reference):
         max_num_batched_tokens=64,
     )
     prompts = random_prompts(6, 20, 40, seed=4)
-    outs = generate_greedy(llm, prompts)
+    generate_and_check(llm, prompts, reference)
     assert llm.engine.get_stats().num_preemptions > 0
-    for prompt, out in zip(prompts, outs, strict=True):
-        assert out.outputs[0].token_ids == reference(prompt)
 
 
 def test_min_tokens_blocks_stop_tokens(checkpoint, reference):

@@ -34,6 +34,7 @@ import zmq
 
 from ipc.auth import CLIENT, Credentials, engine_context
 from ipc.messages import (
+    FROM_CLIENTS,
     AbortRequests,
     Decoder,
     EngineCoreOutput,
@@ -131,7 +132,7 @@ class FakeEngine:
         poller = zmq.Poller()
         poller.register(inputs, zmq.POLLIN)
         poller.register(outputs, zmq.POLLIN)
-        decoder = Decoder(EngineCoreRequest, AbortRequests, UtilityRequest)
+        decoder = Decoder(*FROM_CLIENTS)
         self._ready.set()
         while not self._stop.is_set():
             events = dict(poller.poll(1 if self._live else 10))

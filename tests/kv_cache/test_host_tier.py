@@ -246,15 +246,8 @@ def test_hybrid_swap_keeps_window_nulls_and_caches_the_last_block_when_full():
     h = a.block_hashes
     assert manager.swap_out(a)
     # The window group's first block is before the next token's window: not copied.
-    assert keys(host, range(1, 8)) == [
-        (h[0], 0),
-        (h[1], 0),
-        (h[2], 0),
-        None,
-        (h[1], 1),
-        (h[2], 1),
-        None,
-    ]
+    swapped = [(h[0], 0), (h[1], 0), (h[2], 0), None, (h[1], 1), (h[2], 1), None]
+    assert keys(host, range(1, 8)) == swapped
     assert free_ids(manager) == [9, 10, 11, 12, 4, 8, 3, 7, 2, 6, 1, 5]
     copies = [(1, 1), (2, 2), (3, 3), (4, 4), (6, 5), (7, 6), (8, 7)]
     assert manager.take_block_copies() == (copies, [])
@@ -263,15 +256,7 @@ def test_hybrid_swap_keeps_window_nulls_and_caches_the_last_block_when_full():
 
     resume(manager, a)
     assert manager.get_block_ids("a") == [[9, 10, 11, 12], [0, 4, 8, 3]]
-    assert keys(device, [9, 10, 11, 12, 4, 8, 3]) == [
-        (h[0], 0),
-        (h[1], 0),
-        (h[2], 0),
-        None,
-        (h[1], 1),
-        (h[2], 1),
-        None,
-    ]
+    assert keys(device, [9, 10, 11, 12, 4, 8, 3]) == swapped
     assert free_ids(manager) == [7, 2, 6, 1, 5]
     swap_ins = [(1, 9), (2, 10), (3, 11), (4, 12), (5, 4), (6, 8), (7, 3)]
     assert manager.take_block_copies() == ([], swap_ins)

@@ -19,13 +19,9 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from kv_fakes import FakeRequest, check_invariants, ids, snapshot
+from kv_strategies import PREFIXES, VOCAB, group_layouts, tokens
 
 from kv_cache import KVCacheManager
-
-VOCAB = 3
-PREFIXES = [[], [0, 1, 2, 0, 1, 2, 0, 1], [2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0], [1, 0]]
-LAYOUTS = [("full",), ("window",), ("full", "window"), ("window", "full", "window")]
-tokens = st.lists(st.integers(0, VOCAB - 1), max_size=12)
 
 
 class HostTierMachine(RuleBasedStateMachine):
@@ -34,8 +30,7 @@ class HostTierMachine(RuleBasedStateMachine):
         num_host_blocks=st.integers(2, 24),
         block_size=st.sampled_from([1, 2, 4]),
         enable_caching=st.booleans(),
-        layout=st.sampled_from(LAYOUTS),
-        windows=st.lists(st.integers(2, 10), min_size=2, max_size=2),
+        groups=group_layouts(),
         max_model_len=st.integers(4, 40),
     )
     def setup(
@@ -44,12 +39,10 @@ class HostTierMachine(RuleBasedStateMachine):
         num_host_blocks,
         block_size,
         enable_caching,
-        layout,
-        windows,
+        groups,
         max_model_len,
     ):
-        sliding = iter(windows)
-        group_windows = [None if kind == "full" else next(sliding) for kind in layout]
+        layout, group_windows = groups
         self.manager = KVCacheManager(
             num_blocks,
             block_size,

@@ -10,13 +10,9 @@ from hypothesis.stateful import (
     rule,
 )
 from kv_fakes import FakeRequest, check_invariants, free_ids, snapshot
+from kv_strategies import PREFIXES, VOCAB, group_layouts, tokens
 
 from kv_cache import KVCacheManager
-
-VOCAB = 3  # a tiny vocabulary makes shared blocks, and so cache hits, common
-PREFIXES = [[], [0, 1, 2, 0, 1, 2, 0, 1], [2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0], [1, 0]]
-LAYOUTS = [("full",), ("window",), ("full", "window"), ("window", "full", "window")]
-tokens = st.lists(st.integers(0, VOCAB - 1), max_size=12)
 
 
 class KVCacheMachine(RuleBasedStateMachine):
@@ -24,8 +20,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         num_blocks=st.integers(2, 40),
         block_size=st.sampled_from([1, 2, 4]),
         enable_caching=st.booleans(),
-        layout=st.sampled_from(LAYOUTS),
-        windows=st.lists(st.integers(2, 10), min_size=2, max_size=2),
+        groups=group_layouts(),
         single_group_by_sliding_window=st.booleans(),
         max_model_len=st.integers(4, 48),
     )
@@ -34,13 +29,11 @@ class KVCacheMachine(RuleBasedStateMachine):
         num_blocks,
         block_size,
         enable_caching,
-        layout,
-        windows,
+        groups,
         single_group_by_sliding_window,
         max_model_len,
     ):
-        sliding = iter(windows)
-        group_windows = [None if kind == "full" else next(sliding) for kind in layout]
+        layout, group_windows = groups
         if len(group_windows) == 1 and single_group_by_sliding_window:
             layout_kwargs = {"sliding_window": group_windows[0]}
         else:

@@ -9,6 +9,7 @@ import types
 import pytest
 import torch
 
+from kernels import KernelSet
 from models import layer_sliding_windows, load_config
 from models.layers.activation import GeluTanhAndMul, get_act_and_mul
 from models.layers.norm import GemmaRMSNorm
@@ -95,8 +96,10 @@ def test_gemma3_rope_from_an_old_style_config():
         torch.testing.assert_close(compute_inv_freq(old_style, layer_type)[0], expected)
 
 
+@pytest.mark.parametrize("cpu_kernels", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gemma_rms_norm_is_transformers_bitwise(dtype):
+def test_gemma_rms_norm_is_transformers_bitwise(dtype, cpu_kernels):
+    """With the fused kernels bound too: they compute Llama's norm, not Gemma's."""
     from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 
     gen = torch.Generator().manual_seed(0)
@@ -106,6 +109,7 @@ def test_gemma_rms_norm_is_transformers_bitwise(dtype):
     norm = GemmaRMSNorm(48, eps=1e-6)
     norm.weight.data.copy_(weight)
     norm.weight.data = norm.weight.data.to(dtype)
+    norm.bind_kernels(KernelSet(cpu=cpu_kernels))
     ref.weight.data = ref.weight.data.to(dtype)
     x = torch.randn(5, 48, generator=gen).to(dtype)
     residual = torch.randn(5, 48, generator=gen).to(dtype)

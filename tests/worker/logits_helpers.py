@@ -1,8 +1,9 @@
 """What the logits-processing tests share: a hand-made InputBatch of requests, and greedy
 steps of requests through a ModelRunner."""
 
-from ipc.messages import CachedRequestData, NewRequestData, SchedulerOutput
+from ipc.messages import NewRequestData
 from ipc.sampling_params import SamplingParams
+from tests.worker.scheduler_outputs import decoding, runner_step
 from worker.input_batch import CachedRequestState, InputBatch
 
 VOCAB, MAX_REQS, MAX_MODEL_LEN = 12, 6, 32
@@ -24,24 +25,14 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_STEPS)
 def generate(runner, requests: dict[str, SamplingParams]) -> dict[str, list[int]]:
     """Prefill then greedy decode steps; each request owns one block of 8 tokens."""
     new = [NewRequestData(r, PROMPT, p, [[i + 1]], 0) for i, (r, p) in enumerate(requests.items())]
-    scheduled = {r: len(PROMPT) for r in requests}
-    out = runner.execute_model(
-        SchedulerOutput(0, new, CachedRequestData(), scheduled, sum(scheduled.values()))
-    )
+    out = runner.execute_model(runner_step(0, new))
     tokens = {r: list(t) for r, t in zip(out.req_ids, out.sampled_token_ids, strict=True)}
     for step in range(1, NUM_STEPS):
-        ids = list(requests)
-        cached = CachedRequestData(
-            ids,
-            [False] * len(ids),
-            [[]] * len(ids),
-            [[[]]] * len(ids),
-            [len(PROMPT) + step - 1] * len(ids),
-        )
+        cached = decoding(dict.fromkeys(requests, len(PROMPT) + step - 1))
         out = runner.execute_model(
-            SchedulerOutput(step, [], cached, dict.fromkeys(ids, 1), len(ids))
+            runner_step(step, cached=cached, scheduled=dict.fromkeys(requests, 1))
         )
         for r, t in zip(out.req_ids, out.sampled_token_ids, strict=True):
             tokens[r] += t
-    runner.execute_model(SchedulerOutput(NUM_STEPS, [], CachedRequestData(), {}, 0, list(requests)))
+    runner.execute_model(runner_step(NUM_STEPS, finished=list(requests)))
     return tokens

@@ -1,5 +1,6 @@
 """What the sampler tests share: a sampler on either path, SamplingMetadata from lists,
-numpy references of the allowed tokens and their exact distribution, and a chi-square test."""
+numpy references of the allowed tokens and their exact distribution, a chi-square test,
+and a batch with most tokens masked."""
 
 import math
 
@@ -29,6 +30,17 @@ CASES = [  # temperature, top_k, top_p, min_p
 ]
 
 
+# One row of each: greedy, temperature, top-k, top-p, min-p, and all three filters.
+_MIXED_SETTINGS = [  # temperature, top_k, top_p, min_p
+    (0.0, 0, 1.0, 0.0),
+    (1.0, 0, 1.0, 0.0),
+    (0.6, 100, 1.0, 0.0),
+    (1.5, 0, 0.9, 0.0),
+    (1.0, 0, 1.0, 0.2),
+    (2.0, 60, 0.95, 0.05),
+]
+
+
 def make_sampler(path: str, generator: torch.Generator | None = None) -> Sampler:
     """path "kernel": the C++ kernel, which must build (g++ is there in CI); "torch": the
     torch path, the reference."""
@@ -51,6 +63,30 @@ def make_metadata(temperature, top_p=None, top_k=None, min_p=None, generators=No
         generators=generators or {},
         max_num_logprobs=logprobs,
     )
+
+
+def metadata_of(settings: list[tuple[float, int, float, float]]) -> SamplingMetadata:
+    """SamplingMetadata of rows with these (temperature, top_k, top_p, min_p)."""
+    temperature, top_k, top_p, min_p = (list(column) for column in zip(*settings, strict=True))
+    return make_metadata(temperature, top_p, top_k, min_p)
+
+
+def masked_batch(
+    rows: int, vocab: int, keep_fraction: float, single: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, SamplingMetadata]:
+    """(logits, keep, metadata): random logits with all but about `keep_fraction` of each
+    row at -inf (even rows keep token 0), each row r in `single` keeping only token 7 * r,
+    at -30; the rows take turns at greedy, temperature, top-k, top-p, min-p and all three
+    filters (rows: a multiple of 6)."""
+    generator = torch.Generator().manual_seed(14)
+    logits = torch.randn(rows, vocab, generator=generator) * 2
+    keep = torch.rand(rows, vocab, generator=generator) < keep_fraction
+    keep[0::2, 0] = True
+    keep[single] = False
+    keep[single, single * 7] = True
+    logits = logits.masked_fill(~keep, float("-inf"))
+    logits[single, single * 7] = -30.0
+    return logits, keep, metadata_of(_MIXED_SETTINGS * (rows // 6))
 
 
 def allowed_tokens(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, tol=1e-4):

@@ -9,9 +9,10 @@ import torch
 
 import worker.buffers
 from engine_core import EngineConfig
-from ipc.messages import CachedRequestData, NewRequestData, SchedulerOutput
+from ipc.messages import NewRequestData
 from ipc.sampling_params import SamplingParams
 from tests.models.tiny import make_tiny_checkpoint
+from tests.worker.scheduler_outputs import decoding, runner_step
 from worker.buffers import CpuGpuBuffer, InputBuffers, zeros_on_huge_pages
 from worker.model_runner import ModelRunner
 
@@ -54,18 +55,6 @@ def test_padding_rows_are_one_token_requests():
     assert (buffers.slot_mapping == -1).all()
 
 
-def _step(step_id, new=(), cached=None, scheduled=None, finished=()):
-    scheduled = scheduled or {r.req_id: len(r.prompt_token_ids) for r in new}
-    return SchedulerOutput(
-        step_id,
-        list(new),
-        cached or CachedRequestData(),
-        scheduled,
-        sum(scheduled.values()),
-        list(finished),
-    )
-
-
 def test_every_step_writes_the_same_buffers(tmp_path, monkeypatch):
     """A prefill step and a decode step: the metadata's tensors are views of the runner's
     persistent buffers (so a step's values last until the next step), holding the step's
@@ -91,9 +80,9 @@ def test_every_step_writes_the_same_buffers(tmp_path, monkeypatch):
         NewRequestData("a", [5, 6, 7], params, [[3]], 0),
         NewRequestData("b", [8], params, [[5]], 0),
     ]
-    runner.execute_model(_step(0, new))
-    cached = CachedRequestData(["a", "b"], [False, False], [[], []], [[[]], [[]]], [3, 1])
-    runner.execute_model(_step(1, cached=cached, scheduled={"a": 1, "b": 1}))
+    runner.execute_model(runner_step(0, new))
+    cached = decoding({"a": 3, "b": 1})
+    runner.execute_model(runner_step(1, cached=cached, scheduled={"a": 1, "b": 1}))
 
     buffers = runner.inputs
     for common, _ in seen:

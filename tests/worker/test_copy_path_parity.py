@@ -9,7 +9,11 @@ import pytest
 import torch
 
 from splitserve import LLM, SamplingParams
-from tests.integration.greedy import generate_greedy, greedy_reference, random_prompts
+from tests.integration.greedy import (
+    generate_and_check,
+    greedy_reference,
+    random_prompts,
+)
 from worker.model_runner import ModelRunner
 
 # tiny checkpoint -> attention backend. The hybrid's block tables are row-strided views of
@@ -45,9 +49,7 @@ def _engine(model, monkeypatch, separate: bool) -> LLM:
 def test_greedy_tokens_match_transformers(model, monkeypatch):
     reference = greedy_reference(model[0])
     prompts = random_prompts(6, 1, 40, seed=4)
-    outputs = generate_greedy(_engine(model, monkeypatch, separate=True), prompts)
-    for prompt, out in zip(prompts, outputs, strict=True):
-        assert out.outputs[0].token_ids == reference(prompt)
+    generate_and_check(_engine(model, monkeypatch, separate=True), prompts, reference)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the device arena is always separate")

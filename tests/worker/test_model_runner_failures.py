@@ -5,16 +5,12 @@ mask and took the whole cluster down.)"""
 
 import pytest
 
-from ipc.messages import CachedRequestData, NewRequestData, SchedulerOutput
+from ipc.messages import NewRequestData
 from ipc.sampling_params import SamplingParams
+from tests.worker.scheduler_outputs import runner_step
 
 VOCAB_SIZE = 288  # the tiny checkpoint's
 GOOD = SamplingParams(temperature=0.0, max_tokens=4)
-
-
-def _step(step_id: int, new: list[NewRequestData]) -> SchedulerOutput:
-    scheduled = {r.req_id: len(r.prompt_token_ids) for r in new}
-    return SchedulerOutput(step_id, new, CachedRequestData(), scheduled, sum(scheduled.values()))
 
 
 def _new(req_id: str, block: int, params: SamplingParams, prompt=(5, 6, 7)) -> NewRequestData:
@@ -31,14 +27,14 @@ def _new(req_id: str, block: int, params: SamplingParams, prompt=(5, 6, 7)) -> N
     ],
 )
 def test_a_bad_request_fails_alone(runner, params, prompt, error):
-    alone = runner.execute_model(_step(0, [_new("good", 1, GOOD)]))
-    runner.execute_model(SchedulerOutput(1, [], CachedRequestData(), {}, 0, ["good"]))
-    step = _step(2, [_new("bad", 2, params, prompt), _new("good2", 3, GOOD)])
+    alone = runner.execute_model(runner_step(0, [_new("good", 1, GOOD)]))
+    runner.execute_model(runner_step(1, finished=["good"]))
+    step = runner_step(2, [_new("bad", 2, params, prompt), _new("good2", 3, GOOD)])
     out = runner.execute_model(step)
     assert list(out.failed_requests) == ["bad"] and error in out.failed_requests["bad"]
     assert out.req_ids == ["good2"]
     assert out.sampled_token_ids == alone.sampled_token_ids
     # The engine finishes the failed request; the next step does not trip over it.
-    finish = SchedulerOutput(3, [], CachedRequestData(), {}, 0, ["bad", "good2"])
+    finish = runner_step(3, finished=["bad", "good2"])
     assert runner.execute_model(finish).failed_requests == {}
     assert runner.input_batch.num_reqs == 0 and not runner.requests

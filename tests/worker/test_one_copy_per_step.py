@@ -10,8 +10,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ipc.config import EngineConfig
-from ipc.messages import CachedRequestData, NewRequestData, SchedulerOutput
+from ipc.messages import NewRequestData
 from ipc.sampling_params import SamplingParams
+from tests.worker.scheduler_outputs import decoding, runner_step
 from worker import model_runner as model_runner_module
 from worker.model_runner import ModelRunner
 from worker.staging_arena import StagingArena
@@ -46,28 +47,6 @@ class ArenaTraffic(TorchDispatchMode):
 
 def _storage(value) -> int | None:
     return value.untyped_storage().data_ptr() if isinstance(value, torch.Tensor) else None
-
-
-def _step(step_id, new=(), cached=None, scheduled=None):
-    return SchedulerOutput(
-        step_id,
-        list(new),
-        cached or CachedRequestData(),
-        scheduled,
-        sum(scheduled.values()),
-        [],
-    )
-
-
-def _cached(num_computed: dict[str, int], num_groups: int) -> CachedRequestData:
-    ids = list(num_computed)
-    return CachedRequestData(
-        ids,
-        [False] * len(ids),
-        [[] for _ in ids],
-        [[[]] * num_groups for _ in ids],
-        [*num_computed.values()],
-    )
 
 
 def _device_inputs(step) -> dict[str, torch.Tensor]:
@@ -142,7 +121,7 @@ def test_every_step_copies_once_from_the_host_arena(checkpoint, mode, monkeypatc
         NewRequestData("b", list(range(30, 50)), seeded, blocks(2, 3, 4), 0),
         NewRequestData("c", [7, 8, 9], greedy, blocks(5), 0),
     ]
-    steps = [("prefill", _step(0, new, scheduled={"a": 2, "b": 8, "c": 3}))]
+    steps = [("prefill", runner_step(0, new, scheduled={"a": 2, "b": 8, "c": 3}))]
     running = [  # (kind, tokens computed before the step, tokens scheduled): b in chunks
         ("mixed", {"a": 2, "b": 8, "c": 3}, {"a": 1, "b": 8, "c": 1}),
         ("mixed", {"a": 3, "b": 16, "c": 4}, {"a": 1, "b": 4, "c": 1}),
@@ -150,8 +129,8 @@ def test_every_step_copies_once_from_the_host_arena(checkpoint, mode, monkeypatc
         ("decode", {"a": 5, "b": 21, "c": 6}, {"a": 1, "b": 1, "c": 1}),
     ]
     for step_id, (kind, computed, scheduled) in enumerate(running, start=1):
-        cached = _cached(computed, num_groups)
-        steps.append((kind, _step(step_id, cached=cached, scheduled=scheduled)))
+        cached = decoding(computed, num_groups)
+        steps.append((kind, runner_step(step_id, cached=cached, scheduled=scheduled)))
     for kind, scheduler_output in steps:
         with ArenaTraffic(arena) as traffic:
             output = runner.execute_model(scheduler_output)

@@ -12,6 +12,7 @@ from tests.worker.sampler_helpers import (
     exact_probs,
     make_metadata,
     make_sampler,
+    masked_batch,
     random_settings,
 )
 from worker.sampler import skip_sample_draws
@@ -112,25 +113,8 @@ def test_masked_tokens_are_never_sampled(path, dtype):
     """-inf logits (allowed_token_ids, min_tokens) have no mass in any filter; a row with
     one finite logit always samples it."""
     rows, vocab = 600, 5000
-    generator = torch.Generator().manual_seed(14)
-    logits = torch.randn(rows, vocab, generator=generator) * 2
-    keep = torch.rand(rows, vocab, generator=generator) < 0.01
-    keep[0::2, 0] = True
     odd = torch.arange(1, rows, 2)
-    keep[odd] = False
-    keep[odd, odd * 7] = True
-    logits = logits.masked_fill(~keep, float("-inf"))
-    logits[odd, odd * 7] = -30.0
-    settings = [
-        (0.0, 0, 1.0, 0.0),
-        (1.0, 0, 1.0, 0.0),
-        (0.6, 100, 1.0, 0.0),
-        (1.5, 0, 0.9, 0.0),
-        (1.0, 0, 1.0, 0.2),
-        (2.0, 60, 0.95, 0.05),
-    ] * (rows // 6)
-    temperature, top_k, top_p, min_p = (list(column) for column in zip(*settings, strict=True))
-    metadata = make_metadata(temperature, top_p, top_k, min_p)
+    logits, keep, metadata = masked_batch(rows, vocab, 0.01, odd)
     sampler = make_sampler(path, torch.Generator().manual_seed(15))
     sampled = sampler(logits.to(dtype), metadata).sampled_token_ids
     assert keep[torch.arange(rows), sampled].all()

@@ -15,6 +15,8 @@ from tests.worker.sampler_helpers import (
     chi_square_ok,
     exact_probs,
     make_metadata,
+    masked_batch,
+    metadata_of,
     random_settings,
 )
 from worker import sampler as sampler_module
@@ -125,8 +127,7 @@ def test_frequencies_fit_the_exact_distribution(kernel_device):
     cases = [CASES[1], CASES[9], CASES[11]]
     per_case = 160
     settings = [case for case in cases for _ in range(per_case)]
-    temperature, top_k, top_p, min_p = (list(column) for column in zip(*settings, strict=True))
-    metadata = make_metadata(temperature, top_p, top_k, min_p)
+    metadata = metadata_of(settings)
     logits = torch.tensor(LOGITS).expand(len(settings), len(LOGITS)).contiguous()
     sampled = triton_tokens(logits.to(kernel_device), on_device(metadata, kernel_device), 21)
     sampled = sampled.cpu().numpy().reshape(len(cases), per_case)
@@ -167,26 +168,11 @@ def test_masked_tokens_are_never_sampled(kernel_device, dtype):
     """-inf logits have no mass in any filter; a row with one finite logit samples it, and a
     row of -inf takes token 0 (torch.argmax's)."""
     rows, vocab = 24, 700
-    generator = torch.Generator().manual_seed(14)
-    logits = torch.randn(rows, vocab, generator=generator) * 2
-    keep = torch.rand(rows, vocab, generator=generator) < 0.02
-    keep[0::2, 0] = True
     odd = torch.arange(1, rows - 1, 2)
-    keep[odd] = False
-    keep[odd, odd * 7] = True
+    logits, keep, metadata = masked_batch(rows, vocab, 0.02, odd)
     keep[-1] = False
-    logits = logits.masked_fill(~keep, float("-inf"))
-    logits[odd, odd * 7] = -30.0
-    settings = [
-        (0.0, 0, 1.0, 0.0),
-        (1.0, 0, 1.0, 0.0),
-        (0.6, 100, 1.0, 0.0),
-        (1.5, 0, 0.9, 0.0),
-        (1.0, 0, 1.0, 0.2),
-        (2.0, 60, 0.95, 0.05),
-    ] * (rows // 6)
-    temperature, top_k, top_p, min_p = (list(column) for column in zip(*settings, strict=True))
-    metadata = on_device(make_metadata(temperature, top_p, top_k, min_p), kernel_device)
+    logits[-1] = float("-inf")
+    metadata = on_device(metadata, kernel_device)
     sampled = triton_tokens(logits.to(dtype).to(kernel_device), metadata, 15, 256).cpu()
     assert keep[torch.arange(rows - 1), sampled[:-1]].all()
     assert torch.equal(sampled[odd], odd * 7)
