@@ -36,7 +36,7 @@ def get_attn_backend(
             return CPUAttentionBackend(module) if module else TorchAttentionBackend()
         if FlashAttentionBackend.supports(block_size, dtype):
             try:
-                return FlashAttentionBackend(kernels.triton)
+                return FlashAttentionBackend(triton_store=kernels.triton)
             except ImportError:
                 pass
         return TritonAttentionBackend(triton_store=kernels.triton)
@@ -50,7 +50,7 @@ def get_attn_backend(
                 f"block_size={block_size}, dtype={dtype}"
             )
         try:
-            return FlashAttentionBackend(kernels.triton)
+            return FlashAttentionBackend(triton_store=kernels.triton)
         except ImportError as e:
             raise ImportError("attention backend flash_attn needs `pip install flash-attn`") from e
     if name == "triton":

@@ -119,20 +119,6 @@ def _rope_kernel(
         tl.store(value_cache_ptr + cache_first + half, v2, cache_mask)
 
 
-def rotate(
-    positions: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    cos_cache: torch.Tensor,
-    sin_cache: torch.Tensor,
-) -> None:
-    """Rotates q [T, heads, head_dim] and k [T, kv_heads, head_dim] (of one dtype, any token
-    and head strides, the last dimension contiguous) in place by the contiguous float32
-    cos/sin caches [max_position, head_dim / 2] at positions [T] (contiguous integers within
-    the caches), one program per token: the rotary kernel of models/layers/triton_ops.py."""
-    _launch(positions, cos_cache, sin_cache, q, k)
-
-
 def rotate_and_store_kv(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -170,11 +156,11 @@ def rotate_and_store_kv(
         return False
     key_cache, value_cache = kv_cache.unbind(0)
     positions, cos_cache, sin_cache = tables.positions, tables.cos_cache, tables.sin_cache
-    _launch(positions, cos_cache, sin_cache, q, k, (slot_mapping, v, key_cache, value_cache))
+    rotate(positions, cos_cache, sin_cache, q, k, (slot_mapping, v, key_cache, value_cache))
     return True
 
 
-def _launch(
+def rotate(
     positions: torch.Tensor,
     cos_cache: torch.Tensor,
     sin_cache: torch.Tensor,
@@ -182,8 +168,12 @@ def _launch(
     k: torch.Tensor,
     store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """The kernel over q and k, storing with `store` (slot_mapping, v, key_cache,
-    value_cache) when given."""
+    """Rotates q [T, heads, head_dim] and k [T, kv_heads, head_dim] (of one dtype, any token
+    and head strides, the last dimension contiguous) in place by the contiguous float32
+    cos/sin caches [max_position, head_dim / 2] at positions [T] (contiguous integers within
+    the caches), one program per token; with `store` (slot_mapping, v, key_cache,
+    value_cache), also stores the rotated k and v. Without it, the rotary kernel of
+    models/layers/triton_ops.py."""
     num_tokens, q_heads, head_dim = q.shape
     if num_tokens == 0:
         return

@@ -222,5 +222,5 @@ def rotary_embedding(
     if not rotary_fits(q, k, head_dim):
         return False
     heads = (-1, head_dim)
-    rotate(positions, q.unflatten(1, heads), k.unflatten(1, heads), cos_cache, sin_cache)
+    rotate(positions, cos_cache, sin_cache, q.unflatten(1, heads), k.unflatten(1, heads))
     return True
