@@ -1,0 +1,1 @@
+"""Quantized weights: the formats, their kernels and the per-layer quantization methods."""
