@@ -50,6 +50,11 @@ class PreemptionMode(str, enum.Enum):
 PREEMPTION_MODES = tuple(mode.value for mode in PreemptionMode)
 ATTENTION_BACKENDS = ("auto", "flash_attn", "triton", "cpu", "torch")
 DEVICES = ("auto", "cpu", "cuda")
+# --quantization values: a checkpoint's own (quantization_config.quant_method, or gguf for
+# a .gguf file) and the online methods, which quantize a 16-bit checkpoint at load.
+CHECKPOINT_QUANTIZATION = ("awq", "gptq", "compressed-tensors", "fp8", "gguf")
+ONLINE_QUANTIZATION = ("fp8", "int8")
+QUANTIZATION_METHODS = tuple(dict.fromkeys(CHECKPOINT_QUANTIZATION + ONLINE_QUANTIZATION))
 
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _UNITS.update({f"{u}i": 1024 ** "kmgt".index(u) * 1024 for u in "kmgt"})
@@ -104,6 +109,16 @@ class EngineConfig:
             "the weights' and activations' dtype; auto: the checkpoint's (float32 checkpoints "
             "run in bfloat16 where the hardware has it)",
             choices=DTYPES,
+        ),
+    )
+    quantization: str | None = field(
+        default=None,
+        metadata=option(
+            "how the weights are quantized: one of "
+            f"{', '.join(QUANTIZATION_METHODS)}; fp8 and int8 also quantize a 16-bit "
+            "checkpoint at load (per output channel)",
+            "the checkpoint's (its quantization_config, or gguf for a .gguf file)",
+            metavar="METHOD",
         ),
     )
     max_model_len: int | None = field(
@@ -237,6 +252,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.model is not None:
             self._read_model_folder(Path(self.model))
+            self.quantization = resolve_quantization(self.model, self.quantization)
         if self.tokenizer is None:
             self.tokenizer = self.model
         if self.max_model_len is None:
@@ -332,6 +348,43 @@ class EngineConfig:
                 f"({self.max_model_len}) when chunked prefill is disabled, or long prompts could "
                 "never be scheduled"
             )
+
+
+def checkpoint_quantization(model: str) -> str | None:
+    """The quantization a checkpoint ships with: gguf for a .gguf file, else its
+    config.json's quantization_config.quant_method (None: a 16/32-bit checkpoint)."""
+    if str(model).endswith(".gguf"):
+        return "gguf"
+    quant = _read_json(Path(model) / "config.json").get("quantization_config") or {}
+    method = quant.get("quant_method")
+    return None if method is None else str(method).lower()
+
+
+def resolve_quantization(model: str, requested: str | None) -> str | None:
+    """The method to run `model` with, given --quantization (None: the checkpoint's);
+    a clear error where the two disagree or the engine has no such method."""
+    detected = checkpoint_quantization(model)
+    if detected is not None and detected not in CHECKPOINT_QUANTIZATION:
+        raise ValueError(
+            f"{model}: checkpoint quantization {detected!r} is not supported (supported: "
+            f"{', '.join(CHECKPOINT_QUANTIZATION)})"
+        )
+    if requested is None:
+        return detected
+    if requested not in QUANTIZATION_METHODS:
+        raise ValueError(
+            f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}; got {requested!r}"
+        )
+    if detected is None and requested not in ONLINE_QUANTIZATION:
+        raise ValueError(
+            f"--quantization {requested}: {model} is not a {requested} checkpoint (it has no "
+            "quantization_config); only fp8 and int8 quantize a 16-bit checkpoint at load"
+        )
+    if detected is not None and requested != detected:
+        raise ValueError(
+            f"--quantization {requested} does not match {model}, a {detected} checkpoint"
+        )
+    return requested
 
 
 def _read_json(path: Path) -> dict:

@@ -17,11 +17,12 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from ipc.config import DTYPES
+from ipc.config import DTYPES, resolve_quantization
 from kernels import KernelSet, has_native_bf16
 from models.layers.linear import kv_heads_per_rank
 from models.layers.rotary import get_head_dim
 from models.llama import LlamaForCausalLM
+from models.quantization import building_with, get_quantization_config
 from models.registry import get_model_class
 
 # Every name in ipc.config.DTYPES but "auto" is a torch attribute ("float" and "half"
@@ -128,23 +129,33 @@ def load_model(
     device: torch.device | str = "cpu",
     config: Any = None,
     kernels: KernelSet | None = None,
+    quantization: str | None = None,
 ) -> nn.Module:
     """Build the model for `model_path` on `device` in `dtype`, load this tensor-parallel
-    rank's shard of the weights and hand its layers the kernel set (default: the set of a
-    model on `device`, KernelSet.for_device). Initialise models.parallel_state first for
-    TP > 1."""
+    rank's shard of the weights, quantized as `quantization` says (a --quantization
+    value; None: as the checkpoint is), and hand its layers the kernel set (default: the
+    set of a model on `device`, KernelSet.for_device). Initialise models.parallel_state
+    first for TP > 1."""
     if config is None:
         config = load_config(model_path)
     if not isinstance(dtype, torch.dtype):
         dtype = resolve_dtype(dtype, config, device)
     model_cls = get_model_class(getattr(config, "architectures", None))
     device = torch.device(device)
-    with _default_dtype(dtype), device:
+    method = resolve_quantization(model_path, quantization)
+    quant_config = get_quantization_config(method, config)
+    if quant_config is not None:
+        quant_config.check_dtype(dtype)
+    with _default_dtype(dtype), device, building_with(quant_config):
         model = model_cls(config)
     loaded = model.load_weights(iterate_safetensors(model_path))
     missing = sorted(set(dict(model.named_parameters())) - loaded)
     if missing:
         raise ValueError(f"checkpoint {model_path} has no weights for {missing}")
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
     bind_kernels(model, kernels or KernelSet.for_device(device))
     return model.eval()
 

@@ -56,6 +56,19 @@ def one_torch_thread():
     torch.set_num_threads(previous)
 
 
+@pytest.fixture
+def fake_tp(monkeypatch) -> Callable[[int, int], None]:
+    """fake_tp(rank, size): layers built next take that tensor-parallel rank (their
+    weight loaders only: no process group, no collectives)."""
+    from models import parallel_state
+
+    def set_rank(rank: int, size: int) -> None:
+        monkeypatch.setattr(parallel_state, "_TP_RANK", rank)
+        monkeypatch.setattr(parallel_state, "_TP_SIZE", size)
+
+    return set_rank
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> Callable[..., str]:
     """tiny_checkpoint(name="llama", **config_overrides) -> the folder of a tiny random

@@ -59,7 +59,12 @@ class ModelRunner:
         # Chosen once, from the environment; every kernel below is built now, before READY.
         self.kernels = KernelSet.for_device(self.device)
         self.model = load_model(
-            config.model, self.dtype, self.device, self.hf_config, kernels=self.kernels
+            config.model,
+            self.dtype,
+            self.device,
+            self.hf_config,
+            kernels=self.kernels,
+            quantization=config.quantization,
         )
         self.num_layers, self.num_kv_heads, self.head_dim = kv_cache_shape_info(
             self.hf_config, get_tp_size()

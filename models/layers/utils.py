@@ -38,35 +38,18 @@ class ShardedModule(nn.Module):
         self.tp_size = get_tp_size()
         self.prefix = prefix
 
-    def load_rank_slice(self, param: nn.Parameter, loaded: Any, shard_id: Any, dim: int) -> None:
-        """Copy this rank's slice along `dim` of the full checkpoint weight (each rank
-        holds param.shape[dim] of it; one rank, the whole weight). No shard_id here."""
-        if shard_id is not None:
-            raise ValueError(f"{self.prefix}: {type(self).__name__} takes no shard_id")
-        size = param.shape[dim]
-        if self.tp_size == 1:
-            shard = full_weight(loaded)
-        else:
-            shard = narrow_weight(loaded, dim, self.tp_rank * size, size)
-        copy_weight(param.data, shard, self.prefix)
 
-
-def register_linear_params(
-    module: nn.Module,
-    out_features: int,
-    in_features: int,
-    bias: bool,
-    bias_loader: WeightLoader | None = None,
+def set_shard_axes(
+    param: nn.Parameter,
+    out: tuple[int, int] | None = None,
+    inp: tuple[int, int] | None = None,
 ) -> None:
-    """`module.weight` [out_features, in_features], loaded by `module.weight_loader`, and
-    `module.bias` [out_features] (or None), loaded by `bias_loader` (default the same)."""
-    module.weight = new_parameter(out_features, in_features)
-    set_weight_attrs(module.weight, {"weight_loader": module.weight_loader})
-    if bias:
-        module.bias = new_parameter(out_features)
-        set_weight_attrs(module.bias, {"weight_loader": bias_loader or module.weight_loader})
-    else:
-        module.register_parameter("bias", None)
+    """Say how a linear layer shards `param`: `out` = (tensor dim, output features per
+    index along it) for column-parallel sharding, `inp` the same for input features (row
+    parallel). None: that axis is not sharded (replicated). A packed int4 tensor [K, N/8]
+    has out=(1, 8); a group scale [K/g, N] has out=(1, 1), inp=(0, g)."""
+    param.out_axis = out
+    param.in_axis = inp
 
 
 def weight_shape(loaded: Any) -> tuple[int, ...]:
@@ -101,7 +84,6 @@ def copy_weight(param: torch.Tensor, value: torch.Tensor, what: str = "") -> Non
     param.copy_(value)
 
 
-@torch.no_grad()
 @torch.no_grad()
 def default_weight_loader(param: nn.Parameter, loaded_weight: Any, shard_id: Any = None) -> None:
     """Copy a replicated (unsharded) weight whole."""

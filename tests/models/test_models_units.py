@@ -208,15 +208,6 @@ def test_rms_norm_residual():
 # --- sharding (simulated ranks: only the weight loaders, no collectives) -----------------
 
 
-@pytest.fixture
-def fake_tp(monkeypatch):
-    def set_rank(rank, size):
-        monkeypatch.setattr(parallel_state, "_TP_RANK", rank)
-        monkeypatch.setattr(parallel_state, "_TP_SIZE", size)
-
-    return set_rank
-
-
 @pytest.mark.parametrize(("tp", "kv"), [(2, 2), (4, 2), (4, 1), (2, 4)])
 def test_qkv_shards(fake_tp, tp, kv):
     heads, hd, hidden = 4, 3, 5

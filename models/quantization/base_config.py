@@ -1,0 +1,92 @@
+"""The quantization seam, in vLLM's shape: a `QuantizationConfig` (one per model, read
+from the checkpoint or the --quantization flag) gives each layer its method, and the
+method owns the layer's weights: `create_weights` registers the parameters the checkpoint
+fills, `process_weights_after_loading` turns them into what `apply` computes on, and
+`bind_kernels` hands them to the kernel set once.
+
+Linear layers are built while a config is current (`building_with`, which the model
+loader enters), so the model classes need not pass it through every constructor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from contextvars import ContextVar
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from kernels import KernelSet
+
+
+class QuantizeMethodBase(ABC):
+    @abstractmethod
+    def create_weights(self, layer: nn.Module, *args: Any, **kwargs: Any) -> None: ...
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Called once after every checkpoint tensor of `layer` is loaded."""
+        return
+
+    def bind_kernels(self, layer: nn.Module, kernels: KernelSet) -> None:
+        """Prepare the loaded weights for the kernel set (again after weights change)."""
+        return
+
+    @abstractmethod
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor: ...
+
+
+class LinearMethodBase(QuantizeMethodBase):
+    @abstractmethod
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+    ) -> None:
+        """Register this rank's parameters on `layer`. Each carries `weight_loader` (the
+        layer's, which shards by the parameter's `out_axis` / `in_axis`: see
+        models.layers.utils.set_shard_axes) unless the method loads it itself."""
+
+
+class QuantizationConfig(ABC):
+    """One model's quantization. `name` is its --quantization value."""
+
+    name: ClassVar[str]
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> QuantizationConfig:
+        """From a checkpoint's `quantization_config` (an online method ignores it)."""
+        return cls()
+
+    @abstractmethod
+    def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        """The method for `layer` (None: unquantized)."""
+
+    def check_dtype(self, dtype: torch.dtype) -> None:
+        """Raise if the model cannot run with activations in `dtype`."""
+        return
+
+
+_current: ContextVar[QuantizationConfig | None] = ContextVar("quant_config", default=None)
+
+
+@contextlib.contextmanager
+def building_with(config: QuantizationConfig | None) -> Iterator[None]:
+    """Layers built inside take their methods from `config`."""
+    token = _current.set(config)
+    try:
+        yield
+    finally:
+        _current.reset(token)
+
+
+def current_quant_config() -> QuantizationConfig | None:
+    return _current.get()
