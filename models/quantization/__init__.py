@@ -19,7 +19,9 @@ from models.quantization.base_config import (
 )
 
 # --quantization value -> "module:QuantizationConfig subclass".
-_CONFIGS: dict[str, str] = {}
+_CONFIGS: dict[str, str] = {
+    "int8": "models.quantization.int8:Int8Config",
+}
 
 
 def get_quantization_config(method: str | None, hf_config: Any) -> QuantizationConfig | None:
