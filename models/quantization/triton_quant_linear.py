@@ -39,7 +39,7 @@ class Tiles:
 
 
 SKINNY = Tiles(block_m=16, block_n=32, max_block_k=128, num_warps=4, num_stages=4)
-GENERAL = Tiles(block_m=64, block_n=128, max_block_k=64, num_warps=4, num_stages=3)
+GENERAL = Tiles(block_m=64, block_n=64, max_block_k=64, num_warps=4, num_stages=3)
 
 
 @triton.jit(do_not_specialize=["m"])
