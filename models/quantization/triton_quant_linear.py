@@ -38,8 +38,12 @@ class Tiles:
     num_stages: int
 
 
-SKINNY = Tiles(block_m=16, block_n=32, max_block_k=128, num_warps=4, num_stages=4)
-GENERAL = Tiles(block_m=64, block_n=64, max_block_k=64, num_warps=4, num_stages=3)
+# (decode, general) tiles for 16-bit activations, whose dots run on tensor cores, and for
+# float32 ones, whose exact dots run on FMA units and need smaller tiles to fit registers.
+TILES = {  # keyed by "x is float32"
+    False: (Tiles(16, 32, 128, 4, 4), Tiles(64, 64, 64, 4, 3)),
+    True: (Tiles(16, 32, 64, 4, 2), Tiles(64, 64, 32, 8, 2)),
+}
 
 
 @triton.jit(do_not_specialize=["m"])
@@ -67,19 +71,23 @@ def _quant_matmul_kernel(
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    rows = tl.program_id(1).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < m
-    col_ok = cols < n
+    # 64-bit offsets of the tile's first row and column; 32-bit ones within the tile
+    row0 = tl.program_id(1).to(tl.int64) * BLOCK_M
+    col0 = tl.program_id(0).to(tl.int64) * BLOCK_N
+    x_ptr += row0 * x_stride
+    q_ptr += col0 * q_stride
+    scales_ptr += col0 * scale_stride_n
+    mins_ptr += col0 * scale_stride_n
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    row_ok = rows < m - row0
+    col_ok = cols < n - col0
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, k, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < k
-        x = tl.load(
-            x_ptr + rows[:, None] * x_stride + ks[None, :],
-            row_ok[:, None] & k_ok[None, :],
-            other=0.0,
-        )
+        x_mask = row_ok[:, None] & k_ok[None, :]
+        x = tl.load(x_ptr + rows[:, None] * x_stride + ks[None, :], x_mask, other=0.0)
         w_mask = k_ok[:, None] & col_ok[None, :]
         if BITS == 4:  # byte i of a 32-run: element i low, element i + 16 high
             byte = (ks // 32) * 16 + ks % 16
@@ -98,8 +106,8 @@ def _quant_matmul_kernel(
             low = tl.load(mins_ptr + at, col_ok, other=0.0).to(tl.float32)
             acc += tl.sum(x.to(tl.float32), axis=1)[:, None] * low[None, :]
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, col_ok, other=0.0).to(tl.float32)[None, :]
-    out_at = rows[:, None] * out_stride + cols[None, :]
+        acc += tl.load(bias_ptr + col0 + cols, col_ok, other=0.0).to(tl.float32)[None, :]
+    out_at = row0 * out_stride + col0 + rows[:, None] * out_stride + cols[None, :]
     tl.store(out_ptr + out_at, acc.to(out_ptr.dtype.element_ty), row_ok[:, None] & col_ok[None, :])
 
 
@@ -132,7 +140,7 @@ def _launch(
     m = x2.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m and n:
-        tiles = SKINNY if m <= SKINNY_M else GENERAL
+        tiles = TILES[x.dtype == torch.float32][m > SKINNY_M]
         grid = (triton.cdiv(n, tiles.block_n), triton.cdiv(m, tiles.block_m))
         _quant_matmul_kernel[grid](
             x2,

@@ -66,15 +66,16 @@ def test_block_quant_matches_dequantized_linear(kernel_device, bits, mins, block
     assert_rounded_exact(out, x, w.dequantize().double(), bias)
 
 
+@pytest.mark.parametrize("leading", [(2, 3), (3, 11)], ids=["decode", "general"])
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("x_dtype", X_DTYPES, ids=str)
-def test_dtypes_leading_dims_and_a_narrowed_weight(kernel_device, x_dtype, scale_dtype):
-    """x [2, 3, K] of each dtype; the weight a slice of input features of a wider one, so
-    its rows (and its scales' rows) are strided."""
+def test_dtypes_leading_dims_and_a_narrowed_weight(kernel_device, x_dtype, scale_dtype, leading):
+    """x [*leading, K] of each dtype (the tiles differ for float32); the weight a slice of
+    input features of a wider one, so its rows (and its scales' rows) are strided."""
     whole = random_weight(4, 40, 192, 32, True, scale_dtype, seed=3)
     w = whole.narrow(1, 64, 64)
     assert w.qweight.stride(0) != w.qweight.shape[1]
-    x = torch.randn(2, 3, 64).to(x_dtype)
+    x = torch.randn(*leading, 64).to(x_dtype)
     out = triton_quant_linear(x.to(kernel_device), on(w, kernel_device))
     assert_rounded_exact(out, x, w.dequantize().double(), None)
 
