@@ -186,7 +186,7 @@ def triton_fp8_linear(
 ) -> torch.Tensor:
     """x [..., K] @ (scale * weight)^T (+ bias [N]) in x's dtype: weight float8_e4m3fn
     [N, K] (rows contiguous), scale one value per output feature ([N] or [N, 1]) or one
-    for the whole tensor."""
+    for the whole tensor. Triton compiles float8_e4m3fn for compute capability 8.9 on."""
     n, k = weight.shape
     if weight.dtype != torch.float8_e4m3fn or weight.stride(1) != 1:
         raise ValueError(f"weight must be float8_e4m3fn with contiguous rows, got {weight.dtype}")
