@@ -138,10 +138,15 @@ def _llama_cpp_permute(rows: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_tiny_gguf(
-    folder: Path, arch: str = "llama", types: dict[str, str] | None = None, seed: int = 0
+    folder: Path,
+    arch: str = "llama",
+    types: dict[str, str] | None = None,
+    seed: int = 0,
+    eot_id: int | None = None,
 ) -> tuple[Path, dict[str, torch.Tensor]]:
     """A random tiny `arch` model as folder/tiny-<arch>.gguf, and its expected HF tensors.
-    `types` overrides DEFAULT_TYPES (tensors not named are F32)."""
+    `types` overrides DEFAULT_TYPES (tensors not named are F32); `eot_id` is written as
+    tokenizer.ggml.eot_token_id."""
     rng = np.random.default_rng(seed)
     path = Path(folder) / f"tiny-{arch}.gguf"
     writer = GGUFWriter(str(path), arch)
@@ -166,6 +171,8 @@ def write_tiny_gguf(
     writer.add_bos_token_id(BOS_ID)
     writer.add_eos_token_id(EOS_ID)
     writer.add_pad_token_id(BOS_ID)
+    if eot_id is not None:
+        writer.add_eot_token_id(eot_id)
     writer.add_add_bos_token(False)
     writer.add_chat_template(CHAT_TEMPLATE)
     types = {**DEFAULT_TYPES, **(types or {})}
