@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGUFReader
 
 from models.quantization.gguf_types import GGUFWeight
 
@@ -78,12 +78,7 @@ def gguf_config(path: str | os.PathLike) -> Any:
 def gguf_metadata(reader: GGUFReader, key: str, default: Any = None) -> Any:
     """A metadata value (a scalar, a string or a list), or `default` if absent."""
     field = reader.get_field(key)
-    if field is None:
-        return default
-    value = field.contents()
-    if field.types[0] == GGUFValueType.ARRAY:
-        return list(value)
-    return value
+    return default if field is None else field.contents()
 
 
 def hf_name(gguf_name: str) -> str | None:
