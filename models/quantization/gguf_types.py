@@ -91,6 +91,28 @@ def _q4_1(blocks: torch.Tensor) -> BlockQuantWeight:
     return BlockQuantWeight(4, blocks[..., 4:].reshape(n, nb * 16), d, m, 32)
 
 
+def _q5_values(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
+    """Q5_0/Q5_1's 5-bit values, uint8 [N, nb, 32] in 0..31: the low nibbles as Q4_0's,
+    the fifth bits in qh, a little-endian uint32 whose bit j belongs to element j."""
+    n, nb, _ = qs.shape
+    shifts = torch.arange(8, dtype=torch.uint8)
+    high = ((qh.unsqueeze(-1) >> shifts) & 1).reshape(n, nb, 32)
+    return torch.cat([qs & 15, qs >> 4], dim=-1) | (high << 4)
+
+
+def _q5_0(blocks: torch.Tensor) -> BlockQuantWeight:
+    n, nb, _ = blocks.shape
+    q = _q5_values(blocks[..., 2:6], blocks[..., 6:]).view(torch.int8) - 16
+    return BlockQuantWeight(8, q.reshape(n, nb * 32), _f16(blocks[..., :2]), None, 32)
+
+
+def _q5_1(blocks: torch.Tensor) -> BlockQuantWeight:
+    n, nb, _ = blocks.shape
+    d, m = _f16(blocks[..., :2]), _f16(blocks[..., 2:4])
+    q = _q5_values(blocks[..., 4:8], blocks[..., 8:]).view(torch.int8)
+    return BlockQuantWeight(8, q.reshape(n, nb * 32), d, m, 32)
+
+
 def _k_scales(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q4_K/Q5_K's 8 sub-block scales and mins, float32 [N, nb * 8]: d * sc, -dmin * m.
 
@@ -153,6 +175,8 @@ _CONVERSIONS: dict[str, Callable[[torch.Tensor], BlockQuantWeight]] = {
     "Q8_0": _q8_0,
     "Q4_0": _q4_0,
     "Q4_1": _q4_1,
+    "Q5_0": _q5_0,
+    "Q5_1": _q5_1,
     "Q4_K": _q4_k,
     "Q5_K": _q5_k,
     "Q6_K": _q6_k,

@@ -9,7 +9,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from models.quantization.gguf_types import GGUFWeight
 
-QUANTIZABLE = ("Q8_0", "Q4_0", "Q4_1")  # gguf-py quantizes these
+QUANTIZABLE = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")  # gguf-py quantizes these
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")  # gguf-py only dequantizes these
 # Byte offsets of the fp16 scales in a block of each K-quant (the rest may be any bytes).
 FP16_OFFSETS = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
@@ -51,6 +51,8 @@ def test_dequantize_equals_gguf(ggml_type):
         ("Q8_0", 8, 32, torch.float16, False),
         ("Q4_0", 4, 32, torch.float16, True),
         ("Q4_1", 4, 32, torch.float16, True),
+        ("Q5_0", 8, 32, torch.float16, False),
+        ("Q5_1", 8, 32, torch.float16, True),
         ("Q4_K", 4, 32, torch.float32, True),
         ("Q5_K", 8, 32, torch.float32, True),
         ("Q6_K", 8, 16, torch.float32, False),
@@ -62,9 +64,8 @@ def test_block_quant_layout(ggml_type, bits, block_size, scale_dtype, has_mins):
     assert (bq.bits, bq.block_size, bq.scales.dtype) == (bits, block_size, scale_dtype)
     assert (bq.mins is not None) == has_mins
     q = bq.int_values()
-    low, high = {"Q5_K": (0, 31), "Q6_K": (-32, 31)}.get(
-        ggml_type, (-128, 127) if bits == 8 else (0, 15)
-    )
+    ranges = {"Q5_0": (-16, 15), "Q5_1": (0, 31), "Q5_K": (0, 31), "Q6_K": (-32, 31)}
+    low, high = ranges.get(ggml_type, (-128, 127) if bits == 8 else (0, 15))
     assert low <= q.min() and q.max() <= high
 
 

@@ -27,10 +27,10 @@ HEAD_DIM = HIDDEN // HEADS
 VOCAB = 260  # 256 bytes, 3 specials, one merge
 _FLOAT16 = {"F16": torch.float16, "BF16": torch.bfloat16}
 
-# GGUF name -> ggml type: every supported type, each input width they allow.
+# GGUF name -> ggml type: every supported type, at each input width the model has.
 DEFAULT_TYPES = {
     "token_embd.weight": "Q8_0",
-    "output.weight": "F16",
+    "output.weight": "Q5_1",
     "blk.0.attn_q.weight": "Q8_0",
     "blk.0.attn_k.weight": "Q4_0",
     "blk.0.attn_v.weight": "Q4_1",
@@ -38,8 +38,9 @@ DEFAULT_TYPES = {
     "blk.0.ffn_gate.weight": "Q5_K",
     "blk.0.ffn_up.weight": "Q6_K",
     "blk.0.ffn_down.weight": "Q4_K",
-    "blk.1.attn_q.weight": "F16",
+    "blk.1.attn_q.weight": "F16",  # every tensor not named here is F32
     "blk.1.attn_k.weight": "BF16",
+    "blk.1.attn_v.weight": "Q5_0",
     "blk.1.attn_output.weight": "Q6_K",
     "blk.1.ffn_gate.weight": "Q8_0",
     "blk.1.ffn_up.weight": "Q4_1",
@@ -116,7 +117,7 @@ def _draw(ggml_type: str, shape: tuple[int, ...], rng: np.random.Generator):
         return raw, value.float().numpy()
     qtype = GGMLQuantizationType[ggml_type]
     n, k = shape
-    if ggml_type in ("Q8_0", "Q4_0", "Q4_1"):
+    if ggml_type in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"):
         raw = quants.quantize(rng.standard_normal(shape).astype(np.float32) * 0.1, qtype)
     else:
         elems, nbytes = GGML_QUANT_SIZES[qtype]
