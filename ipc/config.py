@@ -84,8 +84,8 @@ class EngineConfig:
     without one (tests), `max_model_len` must be given. The fields without a command-line
     option are read from the folder's config.json and generation_config.json when left
     None, once: a config that crosses to another process carries them. A .gguf file's
-    folder is `hf_config_path`, its metadata converted (splitserve.engine_args
-    .make_engine_config converts it), which is then also the default tokenizer.
+    are read from `hf_config_path`, the folder its metadata converts to (made by
+    splitserve.engine_args.make_engine_config), which is also its default tokenizer.
 
     Resilience: a worker that dies, reports an error or does not answer a step within
     `worker_step_timeout` seconds is replaced (all workers, a new process group) and the
