@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
         "model_tag",
         nargs="?",
         metavar="MODEL",
-        help="the model folder, as in `vllm serve MODEL` (the same as --model; default: none)",
+        help="the model folder or .gguf file, as in `vllm serve MODEL` (the same as --model; "
+        "default: none)",
     )
     p.add_argument(
         "--engine-host",

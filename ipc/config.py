@@ -85,10 +85,12 @@ def option(
 
 @dataclass
 class EngineConfig:
-    """Settings of one engine. `model` is a local Hugging Face folder; without one (tests),
-    `max_model_len` must be given. The fields without a command-line option are read from
-    the folder's config.json and generation_config.json when left None, once: a config
-    that crosses to another process carries them.
+    """Settings of one engine. `model` is a local Hugging Face folder or a .gguf file;
+    without one (tests), `max_model_len` must be given. The fields without a command-line
+    option are read from the folder's config.json and generation_config.json when left
+    None, once: a config that crosses to another process carries them. A .gguf file's
+    are read from `hf_config_path`, the folder its metadata converts to (made by
+    splitserve.engine_args.make_engine_config), which is also its default tokenizer.
 
     Resilience: a worker that dies, reports an error or does not answer a step within
     `worker_step_timeout` seconds is replaced (all workers, a new process group) and the
@@ -98,16 +100,20 @@ class EngineConfig:
 
     model: str | None = field(
         default=None,
-        metadata=option("a local Hugging Face model folder", "SmolLM2-135M-Instruct"),
+        metadata=option("a local Hugging Face model folder or .gguf file", "SmolLM2-135M-Instruct"),
     )
     tokenizer: str | None = field(
-        default=None, metadata=option("a Hugging Face tokenizer folder", "the model folder")
+        default=None,
+        metadata=option(
+            "a Hugging Face tokenizer folder",
+            "the model folder; for a .gguf file, its tokenizer converted once",
+        ),
     )
     dtype: str = field(
         default="auto",
         metadata=option(
             "the weights' and activations' dtype; auto: the checkpoint's (float32 checkpoints "
-            "run in bfloat16 where the hardware has it)",
+            "and .gguf files run in bfloat16 where the hardware has it)",
             choices=DTYPES,
         ),
     )
@@ -244,6 +250,7 @@ class EngineConfig:
         default=30.0, metadata=option("on SIGTERM, seconds to let running requests finish")
     )
     # Read from the model folder (no options).
+    hf_config_path: str | None = None
     max_position_embeddings: int | None = None
     vocab_size: int | None = None
     eos_token_ids: list[int] | None = None
@@ -251,10 +258,10 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.model is not None:
-            self._read_model_folder(Path(self.model))
+            self._read_model_folder(Path(self.hf_config_path or self.model))
             self.quantization = resolve_quantization(self.model, self.quantization)
         if self.tokenizer is None:
-            self.tokenizer = self.model
+            self.tokenizer = self.hf_config_path or self.model
         if self.max_model_len is None:
             self.max_model_len = self.max_position_embeddings
         if self.max_model_len is None:
@@ -285,6 +292,11 @@ class EngineConfig:
         if None not in unread and self.sampling_defaults is not None:
             return
         config_path = folder / "config.json"
+        if folder.suffix == ".gguf":
+            raise ValueError(
+                f"a .gguf model needs hf_config_path, the folder its metadata converts to "
+                f"(splitserve.engine_args.make_engine_config makes it): {folder}"
+            )
         if not config_path.is_file():
             raise ValueError(f"model must be a local model folder with a config.json: {folder}")
         hf_config = _read_json(config_path)

@@ -19,6 +19,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -81,27 +82,35 @@ def default_model_path() -> str:
     if _is_complete(target):
         return str(target)
     gguf = find_gguf()
+    return str(write_folder_atomically(target, lambda out: _convert(gguf, out), _is_complete))
+
+
+def write_folder_atomically(
+    target: Path, write: Callable[[Path], None], is_complete: Callable[[Path], bool]
+) -> Path:
+    """`target`, written by `write(tmp)` into a temporary folder beside it and renamed into
+    place, so that it is either complete or absent (a complete one is kept)."""
+    if is_complete(target):
+        return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.tmp-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         tmp.chmod(0o755)  # mkdtemp makes it private; the final folder is an ordinary one
-        _convert(gguf, tmp)
-        if target.exists() and not _is_complete(target):
+        write(tmp)
+        if target.exists() and not is_complete(target):
             # A folder left by something else (not by this atomic rename): replace it.
-            stale = Path(
-                tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}.stale-", dir=target.parent)
-            )
+            stale = Path(tempfile.mkdtemp(prefix=f".{target.name}.stale-", dir=target.parent))
             os.replace(target, stale / "old")
             shutil.rmtree(stale, ignore_errors=True)
         try:
             os.rename(tmp, target)
         except OSError:
-            if not _is_complete(target):  # another process won the race if it is complete
+            if not is_complete(target):  # another process won the race if it is complete
                 raise
     finally:
         with contextlib.suppress(OSError):
             shutil.rmtree(tmp)
-    return str(target)
+    return target
 
 
 def main() -> int:

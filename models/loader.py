@@ -19,6 +19,7 @@ from torch import nn
 
 from ipc.config import DTYPES, resolve_quantization
 from kernels import KernelSet, has_native_bf16
+from models.gguf_file import gguf_config, is_gguf
 from models.layers.linear import kv_heads_per_rank
 from models.layers.rotary import get_head_dim
 from models.llama import LlamaForCausalLM
@@ -118,6 +119,9 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def load_config(model_path: str) -> Any:
+    """The transformers config of a model folder or a .gguf file (from its metadata)."""
+    if is_gguf(model_path):
+        return gguf_config(model_path)
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(model_path)

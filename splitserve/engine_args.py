@@ -62,6 +62,17 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         from models.default import default_model_path
 
         kwargs["model"] = default_model_path()
+    return make_engine_config(**kwargs)
+
+
+def make_engine_config(**kwargs: Any) -> EngineConfig:
+    """EngineConfig(**kwargs); a .gguf model's metadata is first converted (once, cached)
+    into the folder of its config and tokenizer, given as hf_config_path."""
+    model = kwargs.get("model")
+    if model is not None and str(model).endswith(".gguf") and not kwargs.get("hf_config_path"):
+        from models.gguf_folder import gguf_hf_folder
+
+        kwargs["hf_config_path"] = gguf_hf_folder(model)
     return EngineConfig(**kwargs)
 
 

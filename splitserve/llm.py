@@ -11,6 +11,7 @@ from ipc.messages import EngineCoreRequest
 from ipc.outputs import RequestOutput
 from ipc.sampling_params import SamplingParams
 from ipc.tokenizer import Message, TokenizerLike
+from splitserve.engine_args import make_engine_config
 
 
 class LLM:
@@ -27,7 +28,7 @@ class LLM:
             from models.default import default_model_path
 
             model = default_model_path()
-        self.config = EngineConfig(model=model, **engine_args)
+        self.config = make_engine_config(model=model, **engine_args)
         self.tokenizer = load_tokenizer(self.config.tokenizer)
         self.input_processor = InputProcessor(self.tokenizer)
         self.engine = EngineCore(self.config, _make_executor(self.config))

@@ -4,14 +4,13 @@ from collections import deque
 
 import numpy as np
 import torch
-from transformers import AutoConfig
 
 from attention import get_attn_backend, set_forward_context
 from ipc.config import EngineConfig
 from ipc.messages import ModelRunnerOutput, SchedulerOutput
 from ipc.utils import cdiv
 from kernels import KernelSet
-from models import kv_cache_shape_info, load_model, resolve_dtype
+from models import kv_cache_shape_info, load_config, load_model, resolve_dtype
 from models.parallel_state import get_tp_rank, get_tp_size, tp_broadcast
 from worker.batch_update import update_batch
 from worker.buffers import InputBuffers, zeros_on_huge_pages
@@ -54,7 +53,7 @@ class ModelRunner:
     ) -> None:
         self.config = config
         self.device = torch.device(device or _default_device(config.device))
-        self.hf_config = AutoConfig.from_pretrained(config.model)
+        self.hf_config = load_config(config.model)
         self.dtype = resolve_dtype(config.dtype, self.hf_config, device=self.device)
         # Chosen once, from the environment; every kernel below is built now, before READY.
         self.kernels = KernelSet.for_device(self.device)

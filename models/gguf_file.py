@@ -1,0 +1,143 @@
+"""A GGUF file (llama.cpp's format) as a model: its config and its tensors by HF name.
+
+The tensors are memory-mapped: a quantized one is a `GGUFWeight` over its raw blocks,
+an F32/F16/BF16 one a plain tensor. llama.cpp's converter permutes the rows of a llama
+model's q_proj and k_proj (each head's two rotary halves interleaved); `iterate_gguf`
+puts them back, moving whole rows, so quantized blocks are untouched.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+
+from models.quantization.gguf_types import GGUFWeight
+
+# general.architecture / transformers' model_type -> config.architectures
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+# Tensors the models do not load: llama3's rope frequency factors are in the config.
+_SKIPPED = {"rope_freqs"}
+_PLAIN = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def is_gguf(path: str | os.PathLike) -> bool:
+    return str(path).endswith(".gguf")
+
+
+def gguf_config(path: str | os.PathLike) -> Any:
+    """The transformers config of the file's metadata, with `architectures` set."""
+    from transformers import AutoConfig
+
+    path = Path(path)
+    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    if config.model_type not in ARCHITECTURES:
+        raise ValueError(
+            f"GGUF file {path} holds a {config.model_type} model; supported: "
+            f"{', '.join(ARCHITECTURES)}"
+        )
+    config.architectures = [ARCHITECTURES[config.model_type]]
+    if config.model_type not in ("llama", "mistral"):
+        # transformers takes head_dim from the metadata for these only (others: its default)
+        head_dim = gguf_metadata(GGUFReader(path), f"{config.model_type}.attention.key_length")
+        if head_dim is not None:
+            config.head_dim = head_dim
+    return config
+
+
+def gguf_metadata(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    """A metadata value (a scalar, a string or a list), or `default` if absent."""
+    field = reader.get_field(key)
+    return default if field is None else field.contents()
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The HF parameter name of a GGUF tensor name; None for a tensor models do not load."""
+    base, _, kind = gguf_name.rpartition(".")
+    if base in _SKIPPED:
+        return None
+    if base in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[base]}.{kind}"
+    match = _LAYER.fullmatch(gguf_name)
+    if match and match[2] in _LAYER_NAMES:
+        return f"model.layers.{match[1]}.{_LAYER_NAMES[match[2]]}.{match[3]}"
+    raise ValueError(f"GGUF tensor {gguf_name} has no Hugging Face name this loader knows")
+
+
+def iterate_gguf(path: str | os.PathLike) -> Iterator[tuple[str, GGUFWeight | torch.Tensor]]:
+    """(HF name, tensor) for every tensor the model loads, memory-mapped (q_proj/k_proj
+    rows of a llama file are copied in HF's order)."""
+    reader = GGUFReader(path, "c")  # copy-on-write: writable arrays without copies
+    heads = _rotary_heads(reader)
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name)
+        if name is None:
+            continue
+        value = _tensor(tensor, name)
+        kind = tensor.name.split(".")[-2]
+        if kind in heads:
+            value = _unpermute_rows(value, heads[kind])
+        yield name, value
+
+
+def _tensor(tensor: Any, name: str) -> GGUFWeight | torch.Tensor:
+    type_name = tensor.tensor_type.name
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # ggml lists K first
+    if type_name in _PLAIN:
+        raw = torch.from_numpy(np.asarray(tensor.data).view(np.uint8))
+        return raw.reshape(-1).view(_PLAIN[type_name]).reshape(shape)
+    k = shape[-1]
+    rows = tensor.n_elements // k
+    raw = torch.from_numpy(np.asarray(tensor.data).view(np.uint8)).reshape(rows, -1)
+    return GGUFWeight(type_name, raw, (rows, k), name)
+
+
+def _rotary_heads(reader: GGUFReader) -> dict[str, int]:
+    """{"attn_q": heads, "attn_k": kv heads} of a llama file (llama.cpp permuted their
+    rows), else {}."""
+    arch = gguf_metadata(reader, "general.architecture")
+    if arch != "llama":
+        return {}
+    heads = gguf_metadata(reader, "llama.attention.head_count")
+    kv_heads = gguf_metadata(reader, "llama.attention.head_count_kv", heads)
+    return {"attn_q": heads, "attn_k": kv_heads}
+
+
+def _unpermute_rows(value: GGUFWeight | torch.Tensor, heads: int) -> GGUFWeight | torch.Tensor:
+    """Rows in HF's order: llama.cpp stores row (h, j, i) of the [heads, 2, half] view
+    at (h, i, j) of [heads, half, 2]."""
+    rows = value.shape[0]
+    order = torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
+    if isinstance(value, GGUFWeight):
+        return GGUFWeight(value.ggml_type, value.data[order], value.shape, value.name)
+    return value[order]
