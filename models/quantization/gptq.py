@@ -51,10 +51,10 @@ class GPTQLinearMethod(IntCheckpointLinearMethod):
         bits, k, n = self.config.bits, input_size_per_partition, sum(output_partition_sizes)
         g = self.config.group_size if self.config.group_size != -1 else input_size
         per_word = 32 // bits
-        replicated = k != input_size and (self.config.desc_act or g == input_size)
+        replicated = self.config.desc_act or g == input_size
         check_geometry(layer, k, output_partition_sizes, g, sharded_groups=not replicated)
         groups = None if replicated else (0, g)
-        num_groups = (input_size if replicated else k) // g
+        num_groups = -(-input_size // g) if replicated else k // g
         add_param(layer, "qweight", (k // per_word, n), torch.int32, out=(1, 1), inp=(0, per_word))
         add_param(
             layer, "qzeros", (num_groups, n // per_word), torch.int32, out=(1, per_word), inp=groups

@@ -177,3 +177,64 @@ def _narrow_logical(w, rows, sizes, inp):
     if rows:
         w = torch.cat([w[r : r + n] for r, n in zip(rows, sizes, strict=True)])
     return w if inp is None else w[:, inp.start : inp.start + inp.size]
+
+
+def _config(method: str, **changes):
+    config = {**IntFormat(method).config(), **changes}
+    return get_quantization_config(method, SimpleNamespace(quantization_config=config))
+
+
+@pytest.mark.parametrize(
+    ("method", "changes", "message"),
+    [
+        ("awq", {"bits": 8}, "only 4-bit"),
+        ("awq", {"version": "gemv"}, "only the GEMM version"),
+        ("gptq", {"bits": 3}, "only 4- and 8-bit"),
+        ("gptq", {"checkpoint_format": "marlin"}, "format 'marlin' is not supported"),
+        ("compressed-tensors", {"format": "float-quantized"}, "'float-quantized'"),
+    ],
+)
+def test_unsupported_checkpoints_are_clear_errors(method, changes, message):
+    with pytest.raises(ValueError, match=message):
+        _config(method, **changes)
+
+
+@pytest.mark.parametrize(
+    ("weights", "message"),
+    [
+        ({"num_bits": 4, "strategy": "tensor"}, "strategy 'tensor'"),
+        ({"num_bits": 8, "type": "float", "strategy": "channel"}, "weight-only int4/int8"),
+        ({"num_bits": 4, "strategy": "group", "group_size": 32, "actorder": "group"}, "actorder"),
+    ],
+)
+def test_unsupported_compressed_tensors_schemes_are_clear_errors(weights, message):
+    group = {"targets": ["Linear"], "weights": weights}
+    with pytest.raises(ValueError, match=message):
+        _config("compressed-tensors", config_groups={"group_0": group})
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq", "compressed-tensors"])
+def test_group_that_does_not_divide_the_shard_is_an_error_naming_the_layer(fake_tp, method):
+    fake_tp(1, 2)
+    with building_with(_config(method)), pytest.raises(ValueError, match="down_proj: group size"):
+        RowParallelLinear(192, 64, bias=False, prefix="model.layers.3.mlp.down_proj")
+
+
+def test_act_order_shards_any_group_size(fake_tp):
+    """With desc_act the scales are replicated (the last group of 192 features is 64), so
+    the group need not divide the shard."""
+    fake_tp(1, 2)
+    with building_with(_config("gptq", desc_act=True)):
+        layer = RowParallelLinear(192, 64, bias=False, prefix="l.down_proj")
+    assert layer.scales.shape == (2, 64) and layer.scales.in_axis is None
+
+
+def test_compressed_tensors_ignore_and_targets_pick_the_layers():
+    group = {"targets": ["re:.*mlp.*"], "weights": {"num_bits": 4, "strategy": "channel"}}
+    config = _config("compressed-tensors", config_groups={"g": group}, ignore=["re:.*up_proj"])
+    with building_with(config):
+        down = RowParallelLinear(64, 64, bias=False, prefix="model.layers.0.mlp.down_proj")
+        o = RowParallelLinear(64, 64, bias=False, prefix="model.layers.0.self_attn.o_proj")
+        with pytest.raises(ValueError, match="quantized differently"):
+            MergedColumnParallelLinear(64, [64, 64], prefix="model.layers.0.mlp.gate_up_proj")
+    assert hasattr(down, "weight_packed") and hasattr(o, "weight")
