@@ -21,6 +21,8 @@ from models.quantization.int_checkpoint import (
     IntWeight,
     add_param,
     check_geometry,
+    checkpoint_names,
+    same_for_all,
     scale_dtype_for,
     unpack_int32,
 )
@@ -83,6 +85,8 @@ class AWQConfig(QuantizationConfig):
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
         if not isinstance(layer, LinearBase):
             return None
-        if any(module in prefix for module in self.modules_to_not_convert):
-            return None
-        return AWQLinearMethod(self.group_size)
+        skipped = [
+            any(module in name for module in self.modules_to_not_convert)
+            for name in checkpoint_names(prefix)
+        ]
+        return None if same_for_all(prefix, skipped) else AWQLinearMethod(self.group_size)

@@ -27,15 +27,11 @@ from models.quantization.int_checkpoint import (
     IntWeight,
     add_param,
     check_geometry,
+    checkpoint_names,
+    same_for_all,
     scale_dtype_for,
     unpack_int32,
 )
-
-# Layers fused here -> the checkpoint's projections (targets and ignore name those).
-FUSED_PROJECTIONS = {
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-    "gate_up_proj": ("gate_proj", "up_proj"),
-}
 
 
 @dataclass(frozen=True)
@@ -155,15 +151,8 @@ class CompressedTensorsConfig(QuantizationConfig):
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
         if not isinstance(layer, LinearBase):
             return None
-        parent, _, leaf = prefix.rpartition(".")
-        names = [f"{parent}.{p}" if parent else p for p in FUSED_PROJECTIONS.get(leaf, (leaf,))]
-        schemes = [self._scheme_of(name) for name in names]
-        if len(set(schemes)) != 1:
-            raise ValueError(
-                f"{prefix}: the projections fused here ({', '.join(names)}) are quantized "
-                "differently in the checkpoint"
-            )
-        return None if schemes[0] is None else CompressedTensorsWNA16(schemes[0])
+        scheme = same_for_all(prefix, [self._scheme_of(n) for n in checkpoint_names(prefix)])
+        return None if scheme is None else CompressedTensorsWNA16(scheme)
 
     def _scheme_of(self, name: str) -> WeightScheme | None:
         if _matches(name, self.ignore):

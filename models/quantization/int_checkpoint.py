@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from abc import abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -59,7 +60,7 @@ def to_block_quant(
     groups are contiguous runs in order; else the weight's input features are reordered so
     that each group is contiguous, and x must be gathered by it first (an index equal to K
     means a zero: groups whose size is no multiple of a block are padded with zeros)."""
-    n, k = w.q.shape
+    k = w.q.shape[1]
     zeros = w.zeros if w.zeros is not None else torch.full_like(w.scales, 1 << (w.bits - 1))
     if w.group_ids is None:
         block, index, block_groups = k // w.scales.shape[1], None, None
@@ -79,9 +80,9 @@ def to_block_quant(
 
 
 def _contiguous_groups(group_ids: torch.Tensor) -> tuple[int, torch.Tensor | None, torch.Tensor]:
-    """(block size, input index or None, group of each block) for features in groups
-    `group_ids`: each group's features in order, the groups in order; every group's run is
-    padded to a multiple of PACK_RUN unless their sizes share a block (a multiple of 16)."""
+    """(block size, input index or None, group of each block) that lay out the features
+    of `group_ids` group after group. When the groups' sizes share a block (a multiple of
+    16) that is the block; else each group's run is padded to a multiple of PACK_RUN."""
     k = group_ids.numel()
     order = torch.argsort(group_ids, stable=True)
     groups, counts = torch.unique_consecutive(group_ids[order], return_counts=True)
@@ -96,6 +97,30 @@ def _contiguous_groups(group_ids: torch.Tensor) -> tuple[int, torch.Tensor | Non
         block_groups += [group] * (padded // PACK_RUN)
         start += count
     return PACK_RUN, torch.cat(runs), order.new_tensor(block_groups)
+
+
+# Layers fused here -> the checkpoint projections they hold (what a checkpoint's lists of
+# modules to skip or target name).
+FUSED_PROJECTIONS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+
+
+def checkpoint_names(prefix: str) -> list[str]:
+    """The checkpoint's names of the projections in the layer named `prefix`."""
+    parent, _, leaf = prefix.rpartition(".")
+    return [f"{parent}.{p}" if parent else p for p in FUSED_PROJECTIONS.get(leaf, (leaf,))]
+
+
+def same_for_all(prefix: str, values: list) -> Any:
+    """The one value a fused layer's projections share (else a clear error)."""
+    if any(v != values[0] for v in values):
+        raise ValueError(
+            f"{prefix}: the projections fused here ({', '.join(checkpoint_names(prefix))}) "
+            "are quantized differently in the checkpoint"
+        )
+    return values[0]
 
 
 def scale_dtype_for(params_dtype: torch.dtype) -> torch.dtype:
@@ -146,16 +171,15 @@ def check_geometry(
 
 class IntCheckpointLinearMethod(LinearMethodBase):
     """Loads a format's tensors, repacks them once (`int_weight`, then to_block_quant) and
-    computes on the BlockQuantWeight."""
-
-    scale_dtype = torch.float16
+    computes on the BlockQuantWeight. create_weights sets `scale_dtype`."""
 
     @abstractmethod
     def int_weight(self, layer: nn.Module) -> IntWeight:
         """The loaded parameters of `layer` as one logical weight (the format's part)."""
 
     @abstractmethod
-    def checkpoint_param_names(self) -> tuple[str, ...]: ...
+    def checkpoint_param_names(self) -> tuple[str, ...]:
+        """The parameters create_weights registers (dropped once repacked)."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         weight = self.int_weight(layer)

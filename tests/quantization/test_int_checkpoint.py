@@ -238,3 +238,13 @@ def test_compressed_tensors_ignore_and_targets_pick_the_layers():
         with pytest.raises(ValueError, match="quantized differently"):
             MergedColumnParallelLinear(64, [64, 64], prefix="model.layers.0.mlp.gate_up_proj")
     assert hasattr(down, "weight_packed") and hasattr(o, "weight")
+
+
+def test_awq_modules_to_not_convert_stay_dense():
+    with building_with(_config("awq", modules_to_not_convert=["down_proj"])):
+        down = RowParallelLinear(64, 64, bias=False, prefix="model.layers.0.mlp.down_proj")
+        qkv = QKVParallelLinear(128, 32, 4, 2, bias=False, prefix="model.layers.0.attn.qkv_proj")
+    assert hasattr(down, "weight") and hasattr(qkv, "qweight")
+    config = _config("awq", modules_to_not_convert=["k_proj"])
+    with building_with(config), pytest.raises(ValueError, match="quantized differently"):
+        QKVParallelLinear(128, 32, 4, 2, bias=False, prefix="l.qkv_proj")
