@@ -36,3 +36,24 @@ def test_greedy_matches_transformers_on_the_dequantized_weights(
     llm = LLM(str(tmp_path / "model"), dtype="float32", kv_cache_memory=2**24)
     assert llm.config.quantization == fmt.method
     check_greedy(llm, reference, random_prompts(4, 3, 20))
+
+
+# Row-parallel shards of act-order groups (uneven, padded) and of contiguous groups.
+TP_CASES = [
+    ("llama", IntFormat("gptq", bits=4, group=64, desc_act=True)),
+    ("qwen3", IntFormat("awq", group=64)),
+    ("llama", IntFormat("compressed-tensors", bits=8, group=32)),
+]
+
+
+@pytest.mark.gpus(2)
+@pytest.mark.parametrize(("arch", "fmt"), TP_CASES, ids=[f"{a}-{f}" for a, f in TP_CASES])
+def test_tp2_greedy_matches_transformers(tiny_checkpoint, tmp_path, monkeypatch, arch, fmt):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    source = tiny_checkpoint(arch, **SIZES)
+    dequantized = write_quantized(source, tmp_path / "model", fmt.quantize, fmt.config())
+    reference = dequantized_reference(source, lambda name, w: dequantized[name])
+    llm = LLM(
+        str(tmp_path / "model"), tensor_parallel_size=2, dtype="float32", kv_cache_memory=2**24
+    )
+    check_greedy(llm, reference, random_prompts(4, 3, 20))
