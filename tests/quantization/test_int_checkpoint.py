@@ -248,3 +248,21 @@ def test_awq_modules_to_not_convert_stay_dense():
     config = _config("awq", modules_to_not_convert=["k_proj"])
     with building_with(config), pytest.raises(ValueError, match="quantized differently"):
         QKVParallelLinear(128, 32, 4, 2, bias=False, prefix="l.qkv_proj")
+
+
+def test_a_16_bit_model_computes_with_float16_scales(fake_tp):
+    fake_tp(0, 1)
+    fmt = IntFormat("gptq", bits=4, group=32, desc_act=True)
+    weights = {None: fmt.quantize("l.down_proj", torch.randn(64, 256))}
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        layer = _build(fmt, "row", weights)
+    finally:
+        torch.set_default_dtype(old)
+    assert layer.quant_weight.scales.dtype == torch.float16
+    layer.bind_kernels(KernelSet.for_device("cpu"))
+    x = torch.randn(5, 256)
+    out = layer.quant_method.apply(layer, x.bfloat16())
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), x @ weights[None][1].t(), rtol=0.05, atol=0.2)
