@@ -20,6 +20,9 @@ from models.quantization.base_config import (
 
 # --quantization value -> "module:QuantizationConfig subclass".
 _CONFIGS: dict[str, str] = {
+    "awq": "models.quantization.awq:AWQConfig",
+    "compressed-tensors": "models.quantization.compressed_tensors:CompressedTensorsConfig",
+    "gptq": "models.quantization.gptq:GPTQConfig",
     "int8": "models.quantization.int8:Int8Config",
 }
 

@@ -1,0 +1,163 @@
+"""compressed-tensors checkpoints (quant_method "compressed-tensors") in the
+"pack-quantized" format: weight-only int4/int8 (W4A16, W8A16), stored output-major:
+
+    weight_packed     int32 [N, K * bits / 32]  signed codes + 2^(bits-1), code i of a
+                                                 word at bits i * bits
+    weight_scale      [N, K / g] (group strategy) or [N, 1] (channel)
+    weight_zero_point int32 [N * bits / 32, K / g] (asymmetric only), signed, packed
+                                                 along the output features the same way
+    weight_shape      int [2]: (N, K)
+
+w[n, k] = weight_scale[n, k // g] * (code[n, k] - zero_point[n, k // g]).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from models.layers.linear import LinearBase
+from models.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+from models.quantization.int_checkpoint import (
+    IntCheckpointLinearMethod,
+    IntWeight,
+    add_param,
+    check_geometry,
+    checkpoint_names,
+    same_for_all,
+    scale_dtype_for,
+    unpack_int32,
+)
+
+
+@dataclass(frozen=True)
+class WeightScheme:
+    bits: int
+    group_size: int | None  # None: one scale per output channel
+    symmetric: bool
+
+
+class CompressedTensorsWNA16(IntCheckpointLinearMethod):
+    def __init__(self, scheme: WeightScheme) -> None:
+        self.scheme = scheme
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+    ) -> None:
+        bits, k, n = self.scheme.bits, input_size_per_partition, sum(output_partition_sizes)
+        per_word, g = 32 // bits, self.scheme.group_size or input_size
+        check_geometry(layer, k, output_partition_sizes, g, sharded_groups=g != input_size)
+        groups = (1, g) if g != input_size else None
+        num_groups = k // g if groups else 1
+        add_param(layer, "weight_packed", (n, k // per_word), torch.int32, (0, 1), (1, per_word))
+        add_param(layer, "weight_scale", (n, num_groups), torch.float32, (0, 1), groups)
+        if not self.scheme.symmetric:
+            shape = (n // per_word, num_groups)
+            add_param(layer, "weight_zero_point", shape, torch.int32, (0, per_word), groups)
+        shards = len(output_partition_sizes)
+        add_param(layer, "weight_shape", (shards, 2), torch.int64, None, None, per_shard=True)
+        self.scale_dtype = scale_dtype_for(params_dtype)
+        self.expected_shapes = _projection_shapes(layer, input_size)
+
+    def checkpoint_param_names(self) -> tuple[str, ...]:
+        names = ("weight_packed", "weight_scale", "weight_shape")
+        return names if self.scheme.symmetric else (*names, "weight_zero_point")
+
+    def int_weight(self, layer: nn.Module) -> IntWeight:
+        shapes = [tuple(s) for s in layer.weight_shape.tolist()]
+        if shapes != self.expected_shapes:
+            raise ValueError(
+                f"{layer.prefix}: checkpoint weight_shape {shapes} != {self.expected_shapes}"
+            )
+        # Codes and zero points are both stored + 2^(bits-1): as stored they are the
+        # unsigned codes and their zero points.
+        bits = self.scheme.bits
+        q = unpack_int32(layer.weight_packed.data, bits, dim=1)
+        zeros = None
+        if not self.scheme.symmetric:
+            zeros = unpack_int32(layer.weight_zero_point.data, bits, dim=0).to(torch.int16)
+        return IntWeight(bits, q, layer.weight_scale.data, zeros)
+
+
+def _projection_shapes(layer: nn.Module, input_size: int) -> list[tuple[int, int]]:
+    """The checkpoint's (N, K) of each projection fused in `layer`."""
+    try:
+        rows = [rows for _, rows in layer.checkpoint_projections()]
+    except NotImplementedError:
+        rows = [layer.output_size]
+    return [(n, input_size) for n in rows]
+
+
+def _scheme(group: dict[str, Any]) -> WeightScheme:
+    weights = group.get("weights") or {}
+    bits, kind = weights.get("num_bits"), weights.get("type", "int")
+    strategy, actorder = weights.get("strategy"), weights.get("actorder")
+    if group.get("input_activations") or kind != "int" or bits not in (4, 8):
+        raise ValueError(
+            "compressed-tensors: only weight-only int4/int8 (W4A16, W8A16) is supported, "
+            f"got weights {weights} with input_activations {group.get('input_activations')}"
+        )
+    if strategy not in ("group", "channel"):
+        raise ValueError(f"compressed-tensors: weight strategy {strategy!r} is not supported")
+    if actorder == "group":
+        raise ValueError("compressed-tensors: actorder 'group' (weight_g_idx) is not supported")
+    group_size = int(weights["group_size"]) if strategy == "group" else None
+    return WeightScheme(bits, group_size, bool(weights.get("symmetric", True)))
+
+
+def _matches(name: str, patterns: list[str]) -> bool:
+    for pattern in patterns:
+        if pattern.startswith("re:"):
+            if re.match(pattern[3:], name):
+                return True
+        elif pattern in ("Linear", name) or name.endswith(f".{pattern}"):
+            return True
+    return False
+
+
+class CompressedTensorsConfig(QuantizationConfig):
+    name = "compressed-tensors"
+
+    def __init__(self, groups: list[tuple[list[str], WeightScheme]], ignore: list[str]) -> None:
+        self.groups = groups
+        self.ignore = ignore
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> CompressedTensorsConfig:
+        fmt = config.get("format")
+        groups = []
+        for name, group in (config.get("config_groups") or {}).items():
+            group_format = group.get("format") or fmt
+            if group_format != "pack-quantized":
+                raise ValueError(
+                    f"compressed-tensors: format {group_format!r} of {name} is not supported "
+                    "(supported: pack-quantized)"
+                )
+            groups.append((list(group.get("targets") or []), _scheme(group)))
+        if not groups:
+            raise ValueError("compressed-tensors: quantization_config has no config_groups")
+        return cls(groups, list(config.get("ignore") or []))
+
+    def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        if not isinstance(layer, LinearBase):
+            return None
+        scheme = same_for_all(prefix, [self._scheme_of(n) for n in checkpoint_names(prefix)])
+        return None if scheme is None else CompressedTensorsWNA16(scheme)
+
+    def _scheme_of(self, name: str) -> WeightScheme | None:
+        if _matches(name, self.ignore):
+            return None
+        for targets, scheme in self.groups:
+            if _matches(name, targets):
+                return scheme
+        return None

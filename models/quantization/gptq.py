@@ -1,0 +1,115 @@
+"""GPTQ checkpoints (quant_method "gptq"), 4 or 8 bits, stored input-major:
+
+    qweight int32 [K * bits / 32, N]  codes of consecutive input features, code i of a
+                                      word at bits i * bits
+    qzeros  int32 [K / g, N * bits / 32] zero points packed along the output features
+    scales  [K / g, N]
+    g_idx   int32 [K]                 the group of each input feature
+
+w[n, k] = scales[g_idx[k], n] * (q[k, n] - zero[g_idx[k], n]). The "gptq" checkpoint
+format (what AutoGPTQ and transformers/optimum write) stores zero - 1; "gptq_v2" stores
+the zero itself. With desc_act (act-order) g_idx is a permutation of the groups: the
+repack reorders the input features so that each group is contiguous and gathers x the
+same way; a row-parallel shard then holds uneven parts of groups, so the scales and
+zeros are replicated on every rank (as vLLM does) and indexed by the global g_idx.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from models.layers.linear import LinearBase
+from models.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+from models.quantization.int_checkpoint import (
+    IntCheckpointLinearMethod,
+    IntWeight,
+    add_param,
+    check_geometry,
+    scale_dtype_for,
+    unpack_int32,
+)
+
+ZERO_OFFSET = {"gptq": 1, "gptq_v2": 0}  # checkpoint format -> stored zero + offset
+
+
+class GPTQLinearMethod(IntCheckpointLinearMethod):
+    def __init__(self, config: GPTQConfig) -> None:
+        self.config = config
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+    ) -> None:
+        bits, k, n = self.config.bits, input_size_per_partition, sum(output_partition_sizes)
+        g = self.config.group_size if self.config.group_size != -1 else input_size
+        per_word = 32 // bits
+        replicated = self.config.desc_act or g == input_size
+        check_geometry(layer, k, output_partition_sizes, g, sharded_groups=not replicated)
+        groups = None if replicated else (0, g)
+        num_groups = -(-input_size // g) if replicated else k // g
+        add_param(layer, "qweight", (k // per_word, n), torch.int32, out=(1, 1), inp=(0, per_word))
+        add_param(
+            layer, "qzeros", (num_groups, n // per_word), torch.int32, out=(1, per_word), inp=groups
+        )
+        add_param(layer, "scales", (num_groups, n), torch.float32, out=(1, 1), inp=groups)
+        shards = len(output_partition_sizes)
+        add_param(layer, "g_idx", (shards, k), torch.int32, out=None, inp=(0, 1), per_shard=True)
+        self.scale_dtype = scale_dtype_for(params_dtype)
+
+    def checkpoint_param_names(self) -> tuple[str, ...]:
+        return ("qweight", "qzeros", "scales", "g_idx")
+
+    def int_weight(self, layer: nn.Module) -> IntWeight:
+        bits = self.config.bits
+        q = unpack_int32(layer.qweight.data, bits, dim=0).t().contiguous()
+        zeros = unpack_int32(layer.qzeros.data, bits, dim=1).to(torch.int16)
+        zeros = (zeros + ZERO_OFFSET[self.config.checkpoint_format]).t().contiguous()
+        scales = layer.scales.data.t().contiguous()
+        return IntWeight(bits, q, scales, zeros, self._group_ids(layer, scales.shape[1]))
+
+    def _group_ids(self, layer: nn.Module, num_groups: int) -> torch.Tensor | None:
+        if not self.config.desc_act:
+            return None
+        g_idx = layer.g_idx.data
+        if not bool((g_idx == g_idx[0]).all()):
+            raise ValueError(f"{layer.prefix}: the fused projections have different g_idx")
+        if g_idx.min() < 0 or g_idx.max() >= num_groups:
+            raise ValueError(f"{layer.prefix}.g_idx: group index out of range [0, {num_groups})")
+        return g_idx[0]
+
+
+class GPTQConfig(QuantizationConfig):
+    name = "gptq"
+
+    def __init__(self, bits: int, group_size: int, desc_act: bool, checkpoint_format: str) -> None:
+        self.bits = bits
+        self.group_size = group_size
+        self.desc_act = desc_act
+        self.checkpoint_format = checkpoint_format
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> GPTQConfig:
+        bits = config.get("bits")
+        if bits not in (4, 8):
+            raise ValueError(f"gptq: only 4- and 8-bit checkpoints are supported, got bits={bits}")
+        fmt = config.get("checkpoint_format") or config.get("format") or "gptq"
+        if fmt not in ZERO_OFFSET:
+            raise ValueError(
+                f"gptq: checkpoint format {fmt!r} is not supported (supported: "
+                f"{', '.join(ZERO_OFFSET)})"
+            )
+        if config.get("lm_head"):
+            raise ValueError("gptq: a quantized lm_head is not supported")
+        desc_act = bool(config.get("desc_act", False))
+        return cls(bits, int(config.get("group_size", 128)), desc_act, fmt)
+
+    def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        return GPTQLinearMethod(self) if isinstance(layer, LinearBase) else None
