@@ -20,6 +20,7 @@ from models.quantization.base_config import (
 
 # --quantization value -> "module:QuantizationConfig subclass".
 _CONFIGS: dict[str, str] = {
+    "fp8": "models.quantization.fp8:Fp8Config",
     "int8": "models.quantization.int8:Int8Config",
 }
 
