@@ -8,9 +8,9 @@
 // 2^8 goes into the output feature's scale. The NaN byte (0x7F, which no quantizer writes)
 // reads as 480 on the vector paths.
 //
-// `linear` is for the few rows of a decode step: each weight row is converted once per
-// group of kRowGroup rows of x (it stays in L1 between groups) and multiplied with FMA in
-// float32. `dequantize` is for larger batches: the weight in the activations' dtype, for
+// `linear` is for the few rows of a decode step: weight rows are converted in pairs, once
+// per group of kRowGroup rows of x (they stay in L1 between groups), and multiplied with
+// FMA in float32. `dequantize` is for larger batches: the weight in the activations' dtype, for
 // a matmul. Paths: AVX-512 (32 bytes a step), AVX2 + F16C (16), and a table lookup for
 // the generic build and the tail of K.
 
@@ -20,6 +20,7 @@
 
 #include "cpu_math.h"
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -28,7 +29,8 @@
 
 namespace {
 
-constexpr int64_t kRowGroup = 4;  // rows of x multiplied with one pass over a weight row
+constexpr int kWeightRows = 2;          // weight rows converted together
+constexpr int64_t kBlockBytes = 32 << 10;  // of x (float32) to keep in L1
 constexpr float kExponentShift = 256.0f;  // 2^(15 - 7): float16 vs e4m3 exponent bias
 
 // Each byte's value times 2^-8, as the vector paths compute it.
@@ -53,7 +55,7 @@ struct Simd {
   static V load(const float* p) { return _mm512_loadu_ps(p); }
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
-  static float sum(V a, V b) { return _mm512_reduce_add_ps(_mm512_add_ps(a, b)); }
+  static float sum(V a) { return _mm512_reduce_add_ps(a); }
   // 2 * kLanes bytes -> their values times 2^-8.
   static void widen(const uint8_t* p, V& lo, V& hi) {
     __m512i h = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -70,9 +72,8 @@ struct Simd {
   static V load(const float* p) { return _mm256_loadu_ps(p); }
   static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
-  static float sum(V a, V b) {
-    const __m256 s = _mm256_add_ps(a, b);
-    __m128 r = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  static float sum(V a) {
+    __m128 r = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
     r = _mm_add_ps(r, _mm_movehl_ps(r, r));
     return _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)));
   }
@@ -85,41 +86,66 @@ struct Simd {
 };
 #endif
 
-// dots[m] = sum_k x[m, k] * w[k] * 2^-8 for the kRows rows of x.
-template <int kRows>
-void dot_rows(const uint8_t* w, const float* x, int64_t x_stride, int64_t K, float* dots) {
+// Rows of x multiplied in one pass over the weight rows: as many as leave the
+// accumulators (kWeightRows per row) and the converted weights in registers.
+#if defined(SPLITSERVE_AVX512)
+constexpr int kRowGroup = 8;
+#else
+constexpr int kRowGroup = 4;
+#endif
+
+// dots[j * M + r] += sum_k x[r, k] * w_j[k] * 2^-8 over `len` input features, for the kW
+// weight rows w_j (w_stride apart) and the kX rows of x (x_stride apart). One accumulator
+// per (j, r): kW * kX independent FMA chains, and each x vector loaded serves kW rows.
+template <int kW, int kX>
+void dot_tile(const uint8_t* w, int64_t w_stride, const float* x, int64_t x_stride, int64_t len,
+              float* dots, int64_t M) {
   int64_t k = 0;
 #if defined(SPLITSERVE_AVX2)
   constexpr int64_t kStep = 2 * Simd::kLanes;
-  Simd::V acc[kRows][2];
-  for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = Simd::zero();
-  for (; k + kStep <= K; k += kStep) {
-    Simd::V lo, hi;
-    Simd::widen(w + k, lo, hi);
-    for (int r = 0; r < kRows; ++r) {
-      acc[r][0] = Simd::fma(lo, Simd::load(x + r * x_stride + k), acc[r][0]);
-      acc[r][1] = Simd::fma(hi, Simd::load(x + r * x_stride + k + Simd::kLanes), acc[r][1]);
+  Simd::V acc[kW][kX];
+  for (int j = 0; j < kW; ++j)
+    for (int r = 0; r < kX; ++r) acc[j][r] = Simd::zero();
+  for (; k + kStep <= len; k += kStep) {
+    Simd::V lo[kW], hi[kW];
+    for (int j = 0; j < kW; ++j) Simd::widen(w + j * w_stride + k, lo[j], hi[j]);
+    for (int r = 0; r < kX; ++r) {
+      const Simd::V x_lo = Simd::load(x + r * x_stride + k);
+      const Simd::V x_hi = Simd::load(x + r * x_stride + k + Simd::kLanes);
+      for (int j = 0; j < kW; ++j)
+        acc[j][r] = Simd::fma(hi[j], x_hi, Simd::fma(lo[j], x_lo, acc[j][r]));
     }
   }
-  for (int r = 0; r < kRows; ++r) dots[r] = Simd::sum(acc[r][0], acc[r][1]);
-#else
-  for (int r = 0; r < kRows; ++r) dots[r] = 0.0f;
+  for (int j = 0; j < kW; ++j)
+    for (int r = 0; r < kX; ++r) dots[j * M + r] += Simd::sum(acc[j][r]);
 #endif
   const auto& table = e4m3_table();
-  for (; k < K; ++k)
-    for (int r = 0; r < kRows; ++r) dots[r] += table[w[k]] * x[r * x_stride + k];
+  for (; k < len; ++k)
+    for (int j = 0; j < kW; ++j)
+      for (int r = 0; r < kX; ++r)
+        dots[j * M + r] += table[w[j * w_stride + k]] * x[r * x_stride + k];
 }
 
-// One weight row times rows [0, M) of x, in groups of kRowGroup.
-void dot_all_rows(const uint8_t* w, const float* x, int64_t M, int64_t K, float* dots) {
-  int64_t m = 0;
-  for (; m + kRowGroup <= M; m += kRowGroup) dot_rows<kRowGroup>(w, x + m * K, K, K, dots + m);
-  switch (M - m) {
-    case 3: dot_rows<3>(w, x + m * K, K, K, dots + m); break;
-    case 2: dot_rows<2>(w, x + m * K, K, K, dots + m); break;
-    case 1: dot_rows<1>(w, x + m * K, K, K, dots + m); break;
-    default: break;
+// kW weight rows times the last `rest` (< kRowGroup) rows of x.
+template <int kW, int kX = kRowGroup - 1>
+void dot_tail(int64_t rest, const uint8_t* w, int64_t w_stride, const float* x, int64_t x_stride,
+              int64_t len, float* dots, int64_t M) {
+  if constexpr (kX > 0) {
+    if (rest == kX)
+      dot_tile<kW, kX>(w, w_stride, x, x_stride, len, dots, M);
+    else
+      dot_tail<kW, kX - 1>(rest, w, w_stride, x, x_stride, len, dots, M);
   }
+}
+
+// kW weight rows times all M rows of x, in groups of kRowGroup rows.
+template <int kW>
+void dot_rows(const uint8_t* w, int64_t w_stride, const float* x, int64_t x_stride, int64_t len,
+              float* dots, int64_t M) {
+  int64_t m = 0;
+  for (; m + kRowGroup <= M; m += kRowGroup)
+    dot_tile<kW, kRowGroup>(w, w_stride, x + m * x_stride, x_stride, len, dots + m, M);
+  dot_tail<kW>(M - m, w, w_stride, x + m * x_stride, x_stride, len, dots + m, M);
 }
 
 void check_weight(const torch::Tensor& weight, const torch::Tensor& scale) {
@@ -151,12 +177,26 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
   const auto* wp = weight.data_ptr<uint8_t>();
   const int64_t w_stride = weight.stride(0);
   float* op = out.data_ptr<float>();
+  // The input features go in blocks of at most kBlockBytes of x, which stay in L1 while
+  // every weight row of this thread's range passes.
+  const int64_t block =
+      M * K * 4 <= kBlockBytes ? K : std::max<int64_t>(32, kBlockBytes / (4 * M) / 32 * 32);
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> dots(M);
+    std::vector<float> sums((end - begin) * M, 0.0f);  // [n - begin][m]
+    for (int64_t k0 = 0; k0 < K; k0 += block) {
+      const int64_t len = std::min(block, K - k0);
+      for (int64_t n = begin; n < end; n += kWeightRows) {
+        const uint8_t* w = wp + n * w_stride + k0;
+        float* dots = sums.data() + (n - begin) * M;
+        if (end - n >= kWeightRows)
+          dot_rows<kWeightRows>(w, w_stride, xp + k0, K, len, dots, M);
+        else
+          dot_rows<1>(w, w_stride, xp + k0, K, len, dots, M);
+      }
+    }
     for (int64_t n = begin; n < end; ++n) {
-      dot_all_rows(wp + n * w_stride, xp, M, K, dots.data());
       const float s = sp[n] * kExponentShift, b = bp == nullptr ? 0.0f : bp[n];
-      for (int64_t m = 0; m < M; ++m) op[m * N + n] = dots[m] * s + b;
+      for (int64_t m = 0; m < M; ++m) op[m * N + n] = sums[(n - begin) * M + m] * s + b;
     }
   });
   return out.to(x.scalar_type());

@@ -53,7 +53,7 @@ def test_dequantize_is_exact_for_every_byte(isa):
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("rows", [1, 3, 8, SMALL_BATCH_ROWS, SMALL_BATCH_ROWS + 5])
-@pytest.mark.parametrize(("n", "k"), [(48, 64), (33, 200), (16, 31)])
+@pytest.mark.parametrize(("n", "k"), [(48, 64), (33, 200), (16, 31), (24, 1100)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_kernel_matches_the_torch_reference(isa, rows, n, k, bias):
     prepared = prepare_fp8_weight(random_fp8(n, k), KernelSet(cpu=True, isa=isa))
@@ -61,7 +61,7 @@ def test_kernel_matches_the_torch_reference(isa, rows, n, k, bias):
     x = torch.randn(rows, k)
     b = torch.randn(n) if bias else None
     expected = torch_fp8_linear(x, prepared.weight, b)
-    torch.testing.assert_close(fp8_linear(x, prepared, b), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fp8_linear(x, prepared, b), expected, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("isa", ISAS)
