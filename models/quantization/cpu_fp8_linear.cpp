@@ -10,9 +10,9 @@
 //
 // `linear` is for the few rows of a decode step: weight rows are converted in pairs, once
 // per group of kRowGroup rows of x (they stay in L1 between groups), and multiplied with
-// FMA in float32. `dequantize` is for larger batches: the weight in the activations' dtype, for
-// a matmul. Paths: AVX-512 (32 bytes a step), AVX2 + F16C (16), and a table lookup for
-// the generic build and the tail of K.
+// FMA in float32; each weight byte is read from memory once. `dequantize` is for larger
+// batches: the weight in the activations' dtype, for a matmul. Paths: AVX-512 (32 bytes a
+// step), AVX2 + F16C (16), and a table lookup for the generic build and the tail of K.
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -29,9 +29,9 @@
 
 namespace {
 
-constexpr int kWeightRows = 2;          // weight rows converted together
+constexpr int kWeightRows = 2;             // weight rows converted together
 constexpr int64_t kBlockBytes = 32 << 10;  // of x (float32) to keep in L1
-constexpr float kExponentShift = 256.0f;  // 2^(15 - 7): float16 vs e4m3 exponent bias
+constexpr float kExponentShift = 256.0f;   // 2^(15 - 7): float16 vs e4m3 exponent bias
 
 // Each byte's value times 2^-8, as the vector paths compute it.
 const std::array<float, 256>& e4m3_table() {
