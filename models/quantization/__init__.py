@@ -22,6 +22,7 @@ from models.quantization.base_config import (
 _CONFIGS: dict[str, str] = {
     "awq": "models.quantization.awq:AWQConfig",
     "compressed-tensors": "models.quantization.compressed_tensors:CompressedTensorsConfig",
+    "fp8": "models.quantization.fp8:Fp8Config",
     "gptq": "models.quantization.gptq:GPTQConfig",
     "int8": "models.quantization.int8:Int8Config",
 }

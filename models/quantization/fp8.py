@@ -1,0 +1,231 @@
+"""--quantization fp8: float8_e4m3fn weights with one float32 scale per output feature.
+
+Two sources, one computed form (cpu_fp8_linear.Fp8Weight):
+* an fp8 checkpoint (quantization_config quant_method "fp8", as vLLM and llm-compressor
+  write it): `weight` float8_e4m3fn [N, K] and `weight_scale`, per tensor (a scalar, one
+  per checkpoint projection of a fused layer: each fills its projection's rows, so no
+  requantization is needed) or per channel [N, 1]; with activation_scheme "static" also
+  a per-tensor `input_scale`;
+* a 16/32-bit checkpoint quantized per output channel at load (scale = max|row| / 448).
+
+On a CPU the weights stay fp8 (weight-only: the C++ kernel, or the torch path); a static
+input_scale is only used on CUDA, where a GPU with fp8 (compute capability 8.9 or more)
+runs torch._scaled_mm on fp8 activations, and any other GPU computes weight-only.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from kernels import KernelSet
+from models.layers.linear import LinearBase, UnquantizedLinearMethod
+from models.layers.utils import full_weight, set_shard_axes, set_weight_attrs, weight_shape
+from models.quantization.base_config import (
+    LinearMethodBase,
+    QuantizationConfig,
+    QuantizeMethodBase,
+)
+from models.quantization.cpu_fp8_linear import (
+    FP8_DTYPE,
+    FP8_MAX,
+    Fp8Weight,
+    fp8_linear,
+    prepare_fp8_weight,
+    quantize_fp8_per_channel,
+    torch_fp8_linear,
+)
+
+# A fused layer's name -> the checkpoint projections it holds (for ignored_layers).
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _frozen(tensor: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(tensor, requires_grad=False)
+
+
+class Fp8LinearMethod(LinearMethodBase):
+    """The weights of an fp8 checkpoint (`static_input_scale`: it has input_scale too)."""
+
+    def __init__(self, static_input_scale: bool = False) -> None:
+        self.static_input_scale = static_input_scale
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+    ) -> None:
+        rows = sum(output_partition_sizes)
+        weight = _frozen(torch.empty(rows, input_size_per_partition, dtype=FP8_DTYPE))
+        set_shard_axes(weight, out=(0, 1), inp=(1, 1))
+        set_weight_attrs(weight, {"weight_loader": _fp8_loader(layer)})
+        layer.weight = weight
+        weight_scale = _frozen(torch.empty(rows, 1, dtype=torch.float32))
+        set_shard_axes(weight_scale, out=(0, 1))
+        set_weight_attrs(weight_scale, {"weight_loader": _scale_loader(layer)})
+        layer.weight_scale = weight_scale
+        if self.static_input_scale:
+            input_scale = _frozen(torch.empty(len(output_partition_sizes), dtype=torch.float32))
+            set_shard_axes(input_scale)
+            set_weight_attrs(
+                input_scale, {"per_shard": True, "weight_loader": _scale_loader(layer)}
+            )
+            layer.input_scale = input_scale
+        else:
+            layer.input_scale = None
+        layer.prepared_weight = None
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        layer.weight_scale = _frozen(layer.weight_scale.data.reshape(-1))
+        if layer.input_scale is not None:  # the fused projections share their input
+            layer.input_scale = _frozen(layer.input_scale.data.max())
+
+    def bind_kernels(self, layer: nn.Module, kernels: KernelSet) -> None:
+        fp8 = Fp8Weight(layer.weight.data, layer.weight_scale.data)
+        layer.prepared_weight = prepare_fp8_weight(fp8, kernels)
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        prepared = layer.prepared_weight
+        if x.is_cuda and has_fp8_matmul(x.device):
+            return scaled_mm_linear(x, prepared.weight, layer.input_scale, bias)
+        return fp8_linear(x, prepared, bias)
+
+
+class Fp8OnlineLinearMethod(Fp8LinearMethod):
+    """Loads the dense weight as the unquantized method does, then quantizes it."""
+
+    def create_weights(self, layer: nn.Module, *args: Any, **kwargs: Any) -> None:
+        UnquantizedLinearMethod().create_weights(layer, *args, **kwargs)
+        layer.input_scale = None
+        layer.prepared_weight = None
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        fp8 = quantize_fp8_per_channel(layer.weight.data)
+        layer.weight = _frozen(fp8.weight)
+        layer.weight_scale = _frozen(fp8.scale)
+
+
+class Fp8Config(QuantizationConfig):
+    """`checkpoint`: the weights are stored fp8 (else quantized at load)."""
+
+    name = "fp8"
+
+    def __init__(
+        self,
+        checkpoint: bool = False,
+        static_input_scale: bool = False,
+        ignored_layers: tuple[str, ...] = (),
+    ) -> None:
+        self.checkpoint = checkpoint
+        self.static_input_scale = static_input_scale
+        self.ignored_layers = frozenset(ignored_layers)
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> Fp8Config:
+        if config.get("quant_method") != "fp8":
+            return cls()
+        scheme = config.get("activation_scheme", "dynamic")
+        if scheme not in ("static", "dynamic"):
+            raise ValueError(f"fp8 activation_scheme must be static or dynamic, got {scheme!r}")
+        if config.get("weight_block_size") is not None:
+            raise ValueError(
+                f"fp8 checkpoint: block-wise weight scales (weight_block_size "
+                f"{config['weight_block_size']}) are not supported; per-tensor and "
+                "per-channel scales are"
+            )
+        if config.get("fmt", "e4m3") != "e4m3":
+            raise ValueError(f"fp8 checkpoint: format {config['fmt']!r} is not supported (e4m3)")
+        ignored = tuple(config.get("ignored_layers") or ())
+        return cls(True, scheme == "static", ignored)
+
+    def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        if not isinstance(layer, LinearBase) or self._ignored(prefix):
+            return None
+        if self.checkpoint:
+            return Fp8LinearMethod(self.static_input_scale)
+        return Fp8OnlineLinearMethod()
+
+    def _ignored(self, prefix: str) -> bool:
+        """Whether the checkpoint keeps the layer `prefix` unquantized: all of its fused
+        projections are in ignored_layers (some but not all is an error)."""
+        head, _, name = prefix.rpartition(".")
+        names = [f"{head}.{part}" if head else part for part in _FUSED.get(name, (name,))]
+        ignored = [n in self.ignored_layers for n in names]
+        if any(ignored) and not all(ignored):
+            raise ValueError(f"fp8 checkpoint: {prefix} fuses {names}, of which only some are fp8")
+        return all(ignored)
+
+
+def _fp8_loader(layer: LinearBase):
+    """The layer's loader, for float8_e4m3fn checkpoint tensors only (a 16-bit tensor
+    would be silently rounded to fp8)."""
+
+    def load(param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        dtype = loaded.dtype if isinstance(loaded, torch.Tensor) else loaded.get_dtype()
+        if dtype not in (FP8_DTYPE, "F8_E4M3"):
+            name = layer.prefix if shard_id is None else f"{layer.prefix}[{shard_id}]"
+            raise ValueError(f"fp8 checkpoint: {name}.weight is {dtype}, not float8_e4m3fn")
+        layer.weight_loader(param, loaded, shard_id)
+
+    return load
+
+
+def _scale_loader(layer: LinearBase):
+    """The layer's loader, but a single value (a per-tensor scale, 0-d or [1]) fills what
+    its projection holds: its rows of a per-row parameter, or its entry of a per-shard
+    one (all of them for a checkpoint that stores the projections fused)."""
+
+    def load(param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        if math.prod(weight_shape(loaded)) != 1:
+            layer.weight_loader(param, loaded, shard_id)
+            return
+        fused = shard_id is None and len(layer.output_partition_sizes) > 1
+        out = None if fused else layer.output_shard(shard_id)
+        dst = param.data
+        if out is not None:
+            per_shard = getattr(param, "per_shard", False)
+            dst = (
+                dst[out.index : out.index + 1] if per_shard else dst.narrow(0, out.offset, out.size)
+            )
+        dst.fill_(full_weight(loaded).reshape(()).item())
+
+    return load
+
+
+def has_fp8_matmul(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def scaled_mm_linear(
+    x: torch.Tensor,
+    w: Fp8Weight,
+    input_scale: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x (scale * W)^T (+ bias) on fp8 tensor cores (untested here: no GPU): x quantized
+    per tensor with `input_scale` (None: max|x| / 448 now), the products in float32, then
+    each output feature's scale."""
+    rows = x.reshape(-1, x.shape[-1])
+    n, k = w.weight.shape
+    if n % 16 or k % 16:  # torch._scaled_mm's shape rule
+        return torch_fp8_linear(x, w, bias)
+    if input_scale is None:
+        input_scale = rows.abs().amax().float().clamp_min(1e-12) / FP8_MAX
+    x_fp8 = (rows.float() / input_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    one = torch.ones((), dtype=torch.float32, device=x.device)
+    out = torch._scaled_mm(
+        x_fp8, w.weight.t(), scale_a=input_scale.float(), scale_b=one, out_dtype=torch.float32
+    )
+    out = out * w.scale
+    if bias is not None:
+        out = out + bias
+    return out.to(x.dtype).reshape(*x.shape[:-1], n)
