@@ -19,7 +19,7 @@ from torch import nn
 
 from ipc.config import DTYPES, resolve_quantization
 from kernels import KernelSet, has_native_bf16
-from models.gguf_file import gguf_config, is_gguf
+from models.gguf_file import gguf_config, is_gguf, iterate_gguf
 from models.layers.linear import kv_heads_per_rank
 from models.layers.rotary import get_head_dim
 from models.llama import LlamaForCausalLM
@@ -152,7 +152,8 @@ def load_model(
         quant_config.check_dtype(dtype)
     with _default_dtype(dtype), device, building_with(quant_config):
         model = model_cls(config)
-    loaded = model.load_weights(iterate_safetensors(model_path))
+    weights = iterate_gguf(model_path) if is_gguf(model_path) else iterate_safetensors(model_path)
+    loaded = model.load_weights(weights)
     missing = sorted(set(dict(model.named_parameters())) - loaded)
     if missing:
         raise ValueError(f"checkpoint {model_path} has no weights for {missing}")

@@ -23,6 +23,7 @@ _CONFIGS: dict[str, str] = {
     "awq": "models.quantization.awq:AWQConfig",
     "compressed-tensors": "models.quantization.compressed_tensors:CompressedTensorsConfig",
     "fp8": "models.quantization.fp8:Fp8Config",
+    "gguf": "models.quantization.gguf:GGUFConfig",
     "gptq": "models.quantization.gptq:GPTQConfig",
     "int8": "models.quantization.int8:Int8Config",
 }
