@@ -53,7 +53,7 @@ class ModelRunner:
     ) -> None:
         self.config = config
         self.device = torch.device(device or _default_device(config.device))
-        self.hf_config = load_config(config.model)
+        self.hf_config = load_config(config.hf_config_path or config.model)
         self.dtype = resolve_dtype(config.dtype, self.hf_config, device=self.device)
         # Chosen once, from the environment; every kernel below is built now, before READY.
         self.kernels = KernelSet.for_device(self.device)
