@@ -41,6 +41,18 @@ constexpr int64_t kRun = 32;     // elements per run (and per activation scale)
 constexpr int64_t kMaxRows = 4;  // rows of x one pass over a weight row serves
 constexpr int64_t kGrain = 16;   // output features per task, at least
 
+// Calls body(k, j0, j1) for each run k of a row, with the blocks its halves fall in
+// (relative to the row's first): a division-free walk over the blocks.
+template <typename Body>
+inline void over_runs(const QuantRows& w, const Body& body) {
+  if (w.block_size == 16) {
+    for (int64_t k = 0; k < w.K; k += kRun) body(k, k / 16, k / 16 + 1);
+    return;
+  }
+  for (int64_t j = 0; j < w.blocks(); ++j)
+    for (int64_t k = j * w.block_size; k < (j + 1) * w.block_size; k += kRun) body(k, j, j);
+}
+
 // The weight's tensors, when they are a contiguous BlockQuantWeight on the CPU.
 std::optional<QuantRows> quant_rows(const Tensor& qweight, const Tensor& scales,
                                     const std::optional<Tensor>& mins, int64_t bits,
@@ -100,16 +112,16 @@ void pass_f32(const QuantRows& w, int64_t n, const float* x, int64_t ldx, float*
   for (auto& row : acc) row[0] = row[1] = zeros();
   const uint8_t* q = w.q + n * w.row_bytes();
   const int64_t first = n * w.blocks();
-  for (int64_t k = 0; k < w.K; k += kRun) {
+  over_runs(w, [&](int64_t k, int64_t j0, int64_t j1) {
     const uint8_t* run = q + (Bits == 4 ? k / 2 : k);
     for (int h = 0; h < 2; ++h) {
-      const int64_t j = first + (k + 16 * h) / w.block_size;
+      const int64_t j = first + (h ? j1 : j0);
       const float m = w.mins == nullptr ? 0.0f : w.scale(w.mins, j);
       const F16x wv = dequant(Bits == 4 ? q4_half(run, h) : q8_half(run, h),
                               w.scale(w.scales, j), m);
       for (int r = 0; r < R; ++r) acc[r][h] = fma_x(wv, x + r * ldx + k + 16 * h, acc[r][h]);
     }
-  }
+  });
   for (int r = 0; r < R; ++r) res[r] = sum(add(acc[r][0], acc[r][1]));
 }
 
@@ -192,9 +204,9 @@ void pass_int8(const QuantRows& w, int64_t n, const int8_t* a, const float* d, c
   using namespace splitserve::quant;
   __m256 acc[R];
   for (auto& v : acc) v = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k += kRun) {
-    const int64_t j0 = first + k / w.block_size, j1 = first + (k + 16) / w.block_size;
-    const float s0 = w.scale(w.scales, j0), s1 = j1 == j0 ? s0 : w.scale(w.scales, j1);
+  over_runs(w, [&](int64_t k, int64_t j0, int64_t j1) {
+    const float s0 = w.scale(w.scales, first + j0);
+    const float s1 = j1 == j0 ? s0 : w.scale(w.scales, first + j1);
     const __m256 sv = _mm256_set_m128(_mm_set1_ps(s1), _mm_set1_ps(s0));
     __m256i u, signs;
     if constexpr (Bits == 4) {
@@ -209,13 +221,12 @@ void pass_int8(const QuantRows& w, int64_t n, const int8_t* a, const float* d, c
       const __m256 scale = _mm256_mul_ps(sv, _mm256_set1_ps(d[r * (K / kRun) + k / kRun]));
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_run(u, av)), scale, acc[r]);
     }
-  }
+  });
   for (int r = 0; r < R; ++r) res[r] = sum8(acc[r]);
 #else
   float acc[R] = {};
-  for (int64_t k = 0; k < K; k += kRun) {
-    const float s0 = w.scale(w.scales, first + k / w.block_size);
-    const float s1 = w.scale(w.scales, first + (k + 16) / w.block_size);
+  over_runs(w, [&](int64_t k, int64_t j0, int64_t j1) {
+    const float s0 = w.scale(w.scales, first + j0), s1 = w.scale(w.scales, first + j1);
     for (int r = 0; r < R; ++r) {
       const int8_t* ar = a + r * K + k;
       int32_t half_dot[2] = {0, 0};
@@ -226,7 +237,7 @@ void pass_int8(const QuantRows& w, int64_t n, const int8_t* a, const float* d, c
       }
       acc[r] += (s0 * float(half_dot[0]) + s1 * float(half_dot[1])) * d[r * (K / kRun) + k / kRun];
     }
-  }
+  });
   for (int r = 0; r < R; ++r) res[r] = acc[r];
 #endif
   if (w.mins == nullptr) return;
@@ -281,16 +292,18 @@ void dequantize_rows(const QuantRows& w, int64_t N, T* out) {
   at::parallel_for(0, N, kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const uint8_t* q = w.q + n * w.row_bytes();
-      for (int64_t k = 0; k < w.K; k += 16) {
-        const int64_t j = n * w.blocks() + k / w.block_size;
-        const float s = w.scale(w.scales, j), m = w.mins == nullptr ? 0.0f : w.scale(w.mins, j);
-        const int h = (k / 16) % 2;
-        for (int64_t i = 0; i < 16; ++i) {
-          const float v = w.bits == 4 ? float((q[(k - 16 * h) / 2 + i] >> (4 * h)) & 0x0F)
-                                      : float(static_cast<int8_t>(q[k + i]));
-          out[n * w.K + k + i] = static_cast<T>(v * s + m);
+      T* row = out + n * w.K;
+      over_runs(w, [&](int64_t k, int64_t j0, int64_t j1) {
+        for (int h = 0; h < 2; ++h) {
+          const int64_t j = n * w.blocks() + (h ? j1 : j0);
+          const float s = w.scale(w.scales, j), m = w.mins == nullptr ? 0.0f : w.scale(w.mins, j);
+          for (int64_t i = 0; i < 16; ++i) {
+            const float v = w.bits == 4 ? float((q[k / 2 + i] >> (4 * h)) & 0x0F)
+                                        : float(static_cast<int8_t>(q[k + 16 * h + i]));
+            row[k + 16 * h + i] = static_cast<T>(v * s + m);
+          }
         }
-      }
+      });
     }
   });
 }
