@@ -34,10 +34,12 @@
 
 namespace {
 
+using splitserve::quant::Acts;
+using splitserve::quant::ActsStorage;
+using splitserve::quant::kRun;
 using splitserve::quant::QuantRows;
 using torch::Tensor;
 
-constexpr int64_t kRun = 32;     // elements per run (and per activation scale)
 constexpr int64_t kMaxRows = 4;  // rows of x one pass over a weight row serves
 constexpr int64_t kGrain = 16;   // output features per task, at least
 
@@ -149,64 +151,17 @@ std::optional<Tensor> linear_f32(const Tensor& x, const Tensor& qweight, const T
 
 // ---- x bfloat16/float16: int8 activations, integer dot products -------------------------
 
-// x quantized per run: q [M, K], d [M, K / 32], and where the weight has mins the sum of
-// the dequantized x over each weight block, sums [M, K / block_size].
-struct QuantActs {
-  Tensor q, d, sums;
-};
-
-template <typename T>
-QuantActs quantize_acts(const Tensor& x, int64_t block_size, bool with_sums) {
-  const int64_t M = x.size(0), K = x.size(1), ldx = x.stride(0);
-  QuantActs a{torch::empty({M, K}, torch::kInt8), torch::empty({M, K / kRun}, torch::kFloat),
-              with_sums ? torch::empty({M, K / block_size}, torch::kFloat) : Tensor()};
-  const T* xp = reinterpret_cast<const T*>(x.data_ptr());
-  int8_t* qp = a.q.data_ptr<int8_t>();
-  float* dp = a.d.data_ptr<float>();
-  float* sp = with_sums ? a.sums.data_ptr<float>() : nullptr;
-  at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
-    float v[kRun];
-    for (int64_t m = begin; m < end; ++m) {
-      int8_t* q = qp + m * K;
-      float* d = dp + m * (K / kRun);
-      for (int64_t k = 0; k < K; k += kRun) {
-        float amax = 0.0f;
-        for (int64_t i = 0; i < kRun; ++i) {
-          v[i] = static_cast<float>(xp[m * ldx + k + i]);
-          amax = std::max(amax, std::fabs(v[i]));
-        }
-        const float dk = amax / 127.0f, inv = dk > 0.0f ? 1.0f / dk : 0.0f;
-        for (int64_t i = 0; i < kRun; ++i)
-          q[k + i] = static_cast<int8_t>(std::clamp(std::nearbyint(v[i] * inv), -127.0f, 127.0f));
-        d[k / kRun] = dk;
-      }
-      if (sp == nullptr) continue;
-      for (int64_t j = 0; j < K / block_size; ++j) {
-        float s = 0.0f;
-        for (int64_t k = j * block_size; k < (j + 1) * block_size; k += 16) {
-          int32_t t = 0;
-          for (int64_t i = 0; i < 16; ++i) t += q[k + i];
-          s += d[k / kRun] * static_cast<float>(t);
-        }
-        sp[m * (K / block_size) + j] = s;
-      }
-    }
-  });
-  return a;
-}
-
 template <int Bits, int R>
-void pass_int8(const QuantRows& w, int64_t n, const int8_t* a, const float* d, const float* sums,
-               float* res) {
+void pass_int8(const QuantRows& w, int64_t n, const Acts& a, int64_t m, float* res) {
   const int64_t K = w.K, first = n * w.blocks();
   const uint8_t* q = w.q + n * w.row_bytes();
+  const int8_t* x = a.q + m * K;
 #if defined(SPLITSERVE_AVX2)
   using namespace splitserve::quant;
   __m256 acc[R];
   for (auto& v : acc) v = _mm256_setzero_ps();
-  over_runs(w, [&](int64_t k, int64_t j0, int64_t j1) {
-    const float s0 = w.scale(w.scales, first + j0);
-    const float s1 = j1 == j0 ? s0 : w.scale(w.scales, first + j1);
+  // One run k, its halves' scales s0 and s1, into acc (256-bit lanes).
+  const auto one_run = [&](int64_t k, float s0, float s1) {
     const __m256 sv = _mm256_set_m128(_mm_set1_ps(s1), _mm_set1_ps(s0));
     __m256i u, signs;
     if constexpr (Bits == 4) {
@@ -216,26 +171,71 @@ void pass_int8(const QuantRows& w, int64_t n, const int8_t* a, const float* d, c
       u = _mm256_abs_epi8(signs);
     }
     for (int r = 0; r < R; ++r) {
-      __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + r * K + k));
+      __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + r * K + k));
       if constexpr (Bits == 8) av = _mm256_sign_epi8(av, signs);
-      const __m256 scale = _mm256_mul_ps(sv, _mm256_set1_ps(d[r * (K / kRun) + k / kRun]));
+      const __m256 scale = _mm256_mul_ps(sv, _mm256_set1_ps(a.d[(m + r) * a.runs + k / kRun]));
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_run(u, av)), scale, acc[r]);
     }
+  };
+#if defined(SPLITSERVE_AVX512)
+  // Pairs of runs in 512-bit lanes (x is stored in pair order), then an odd last run.
+  __m512 wide[R];
+  for (auto& v : wide) v = _mm512_setzero_ps();
+  const __m512i pair_lanes = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  for (int64_t p = 0; p < a.pairs; ++p) {
+    const int64_t k = 64 * p;
+    const int32_t* hb = a.half_block + 4 * p;  // blocks of run 0's halves, then run 1's
+    __m512 sw;
+    if (hb[0] == hb[3]) {
+      sw = _mm512_set1_ps(w.scale(w.scales, first + hb[0]));
+    } else {
+      const __m128 s4 = _mm_setr_ps(w.scale(w.scales, first + hb[0]), w.scale(w.scales, first + hb[2]),
+                                    w.scale(w.scales, first + hb[1]), w.scale(w.scales, first + hb[3]));
+      sw = _mm512_permutexvar_ps(pair_lanes, _mm512_castps128_ps512(s4));
+    }
+    __m512i u;
+    __mmask64 negative = 0;
+    if constexpr (Bits == 4) {
+      u = q4_pair(q + k / 2);
+    } else {
+      const __m512i v = q8_pair(q + k);
+      negative = _mm512_movepi8_mask(v);
+      u = _mm512_abs_epi8(v);
+    }
+    for (int r = 0; r < R; ++r) {
+      __m512i av = _mm512_loadu_si512(x + r * K + k);
+      if constexpr (Bits == 8) av = _mm512_mask_sub_epi8(av, negative, _mm512_setzero_si512(), av);
+      const __m512 scale = _mm512_mul_ps(sw, _mm512_loadu_ps(a.dv + ((m + r) * a.pairs + p) * 16));
+      wide[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_pair(u, av)), scale, wide[r]);
+    }
+  }
+  if (K % 64) {
+    const int64_t k = K - kRun;
+    one_run(k, w.scale(w.scales, first + a.half_block[k / 16]),
+            w.scale(w.scales, first + a.half_block[k / 16 + 1]));
+  }
+  for (int r = 0; r < R; ++r) res[r] = _mm512_reduce_add_ps(wide[r]) + sum8(acc[r]);
+#else
+  over_runs(w, [&](int64_t k, int64_t j0, int64_t j1) {
+    const float s0 = w.scale(w.scales, first + j0);
+    one_run(k, s0, j1 == j0 ? s0 : w.scale(w.scales, first + j1));
   });
   for (int r = 0; r < R; ++r) res[r] = sum8(acc[r]);
+#endif
 #else
   float acc[R] = {};
   over_runs(w, [&](int64_t k, int64_t j0, int64_t j1) {
     const float s0 = w.scale(w.scales, first + j0), s1 = w.scale(w.scales, first + j1);
     for (int r = 0; r < R; ++r) {
-      const int8_t* ar = a + r * K + k;
+      const int8_t* xr = x + r * K + k;
       int32_t half_dot[2] = {0, 0};
       for (int i = 0; i < kRun; ++i) {
         const int32_t wq = Bits == 4 ? (q[k / 2 + i % 16] >> (4 * (i / 16))) & 0x0F
                                      : static_cast<int8_t>(q[k + i]);
-        half_dot[i / 16] += wq * ar[i];
+        half_dot[i / 16] += wq * xr[i];
       }
-      acc[r] += (s0 * float(half_dot[0]) + s1 * float(half_dot[1])) * d[r * (K / kRun) + k / kRun];
+      const float d = a.d[(m + r) * a.runs + k / kRun];
+      acc[r] += (s0 * float(half_dot[0]) + s1 * float(half_dot[1])) * d;
     }
   });
   for (int r = 0; r < R; ++r) res[r] = acc[r];
@@ -243,31 +243,30 @@ void pass_int8(const QuantRows& w, int64_t n, const int8_t* a, const float* d, c
   if (w.mins == nullptr) return;
   const int64_t blocks = w.blocks();
   for (int r = 0; r < R; ++r) {
-    float m = 0.0f;
-    for (int64_t j = 0; j < blocks; ++j) m += w.scale(w.mins, first + j) * sums[r * blocks + j];
-    res[r] += m;
+    float sum = 0.0f;
+    const float* sums = a.sums + (m + r) * blocks;
+    for (int64_t j = 0; j < blocks; ++j) sum += w.scale(w.mins, first + j) * sums[j];
+    res[r] += sum;
   }
 }
 
-using PassInt8 = void (*)(const QuantRows&, int64_t, const int8_t*, const float*, const float*,
-                          float*);
+using PassInt8 = void (*)(const QuantRows&, int64_t, const Acts&, int64_t, float*);
 constexpr PassInt8 kPassInt8[2][kMaxRows] = {
     {pass_int8<4, 1>, pass_int8<4, 2>, pass_int8<4, 3>, pass_int8<4, 4>},
     {pass_int8<8, 1>, pass_int8<8, 2>, pass_int8<8, 3>, pass_int8<8, 4>}};
 
 template <typename T>
 Tensor run_int8(const Tensor& x, const QuantRows& w, int64_t N, const Tensor& bias) {
-  const int64_t M = x.size(0), K = w.K, blocks = w.blocks();
-  const QuantActs acts = quantize_acts<T>(x, w.block_size, w.mins != nullptr);
-  const int8_t* aq = acts.q.data_ptr<int8_t>();
-  const float* ad = acts.d.data_ptr<float>();
-  const float* as = w.mins == nullptr ? nullptr : acts.sums.data_ptr<float>();
+  const int64_t M = x.size(0);
+  const ActsStorage storage = splitserve::quant::quantize_acts(
+      reinterpret_cast<const T*>(x.data_ptr()), M, w.K, x.stride(0), w.block_size,
+      w.mins != nullptr);
+  const Acts acts = storage.view();
   auto out = torch::empty({M, N}, x.options());
   const auto* passes = kPassInt8[w.bits == 4 ? 0 : 1];
   over_rows(M, N, bias, reinterpret_cast<T*>(out.data_ptr()),
             [&](int64_t n, int64_t m, int64_t rows, float* res) {
-              passes[rows - 1](w, n, aq + m * K, ad + m * (K / kRun),
-                               as == nullptr ? nullptr : as + m * blocks, res);
+              passes[rows - 1](w, n, acts, m, res);
             });
   return out;
 }

@@ -5,13 +5,20 @@
 // its elements, so every half has one scale (block sizes are multiples of 16).
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
 #include "cpu_math.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <utility>
+#include <vector>
 
 namespace splitserve::quant {
+
+constexpr int64_t kRun = 32;  // elements per run, and per activation scale
 
 // A contiguous BlockQuantWeight's tensors as the kernels read them.
 struct QuantRows {
@@ -60,6 +67,27 @@ inline F16x fma_x(F16x w, const float* x, F16x acc) {
 }
 inline F16x add(F16x a, F16x b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline float sum(F16x a) { return _mm512_reduce_add_ps(a.v); }
+
+// Two runs' weights as 64 unsigned bytes in pair order: 16-byte lanes of run 0's first
+// half, run 1's first half, run 0's second half, run 1's second half (a 4-bit pair's
+// nibbles fall so). 8-bit: the weights themselves, their signs for the activations.
+inline __m512i q4_pair(const uint8_t* runs) {
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(runs));
+  const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(b), _mm256_srli_epi16(b, 4), 1);
+  return _mm512_and_si512(both, _mm512_set1_epi8(0x0F));
+}
+inline __m512i q8_pair(const uint8_t* runs) {
+  const __m512i v = _mm512_loadu_si512(runs);
+  return _mm512_shuffle_i64x2(v, v, _MM_SHUFFLE(3, 1, 2, 0));
+}
+// 16 int32 lanes, each the dot product of 4 unsigned weights and 4 int8 activations.
+inline __m512i dot_pair(__m512i u, __m512i a) {
+#if defined(SPLITSERVE_AVX512_BF16)
+  return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, a);
+#else
+  return _mm512_madd_epi16(_mm512_maddubs_epi16(u, a), _mm512_set1_epi16(1));
+#endif
+}
 
 #elif defined(SPLITSERVE_AVX2)
 
@@ -148,10 +176,6 @@ inline __m256i dot_run(__m256i u, __m256i a) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), _mm256_set1_epi16(1));
 #endif
 }
-// The per-lane weight scales times the activation scale.
-inline __m256 lane_scales(float s0, float s1, float d) {
-  return _mm256_mul_ps(_mm256_set_m128(_mm_set1_ps(s1), _mm_set1_ps(s0)), _mm256_set1_ps(d));
-}
 inline float sum8(__m256 s) {
   __m128 t = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
   t = _mm_add_ps(t, _mm_movehl_ps(t, t));
@@ -159,5 +183,79 @@ inline float sum8(__m256 s) {
 }
 
 #endif
+
+// One call's x quantized per run, rows of K features: q (int8; AVX-512 builds store each
+// pair of runs in pair order, as q4_pair), d [M, runs], the scale pattern of each pair's
+// lanes dv [M, pairs, 16] (AVX-512 builds), and where the weight has mins the sum of the
+// dequantized x over each weight block, sums [M, blocks]. half_block[h]: the weight block
+// of features 16h .. 16h + 15.
+struct Acts {
+  const int8_t* q;
+  const float *d, *dv, *sums;
+  const int32_t* half_block;
+  int64_t runs, pairs;
+};
+
+struct ActsStorage {
+  std::vector<int8_t> q;
+  std::vector<float> d, dv, sums;
+  std::vector<int32_t> half_block;
+  int64_t runs = 0, pairs = 0;
+
+  Acts view() const {
+    return {q.data(), d.data(), dv.data(), sums.data(), half_block.data(), runs, pairs};
+  }
+};
+
+// Quantizes one run: d = max|x| / 127, q = round(x / d) (to even, as torch.round).
+template <typename T>
+float quantize_run(const T* x, int8_t* q) {
+  float v[kRun], amax = 0.0f;
+  for (int64_t i = 0; i < kRun; ++i) {
+    v[i] = static_cast<float>(x[i]);
+    amax = std::max(amax, std::fabs(v[i]));
+  }
+  const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
+  for (int64_t i = 0; i < kRun; ++i)
+    q[i] = static_cast<int8_t>(std::clamp(std::nearbyint(v[i] * inv), -127.0f, 127.0f));
+  return d;
+}
+
+template <typename T>
+ActsStorage quantize_acts(const T* x, int64_t M, int64_t K, int64_t ldx, int64_t block_size,
+                          bool with_sums) {
+  ActsStorage a;
+  a.runs = K / kRun;
+#if defined(SPLITSERVE_AVX512)
+  a.pairs = K / (2 * kRun);
+#endif
+  const int64_t blocks = K / block_size;
+  a.q.resize(M * K);
+  a.d.resize(M * a.runs);
+  a.dv.resize(M * a.pairs * 16);
+  a.sums.resize(with_sums ? M * blocks : 0);
+  for (int64_t k = 0; k < K; k += 16) a.half_block.push_back(static_cast<int32_t>(k / block_size));
+  at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      int8_t* q = a.q.data() + m * K;
+      float* d = a.d.data() + m * a.runs;
+      for (int64_t k = 0; k < K; k += kRun) d[k / kRun] = quantize_run(x + m * ldx + k, q + k);
+      for (int64_t j = 0; with_sums && j < blocks; ++j) {
+        float s = 0.0f;
+        for (int64_t k = j * block_size; k < (j + 1) * block_size; k += 16) {
+          int32_t t = 0;
+          for (int64_t i = 0; i < 16; ++i) t += q[k + i];
+          s += d[k / kRun] * static_cast<float>(t);
+        }
+        a.sums[m * blocks + j] = s;
+      }
+      for (int64_t p = 0; p < a.pairs; ++p) {  // run 0's second half <-> run 1's first
+        std::swap_ranges(q + 64 * p + 16, q + 64 * p + 32, q + 64 * p + 32);
+        for (int64_t i = 0; i < 16; ++i) a.dv[(m * a.pairs + p) * 16 + i] = d[2 * p + (i / 4) % 2];
+      }
+    }
+  });
+  return a;
+}
 
 }  // namespace splitserve::quant
