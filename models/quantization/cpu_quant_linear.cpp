@@ -181,18 +181,10 @@ void pass_int8(const QuantRows& w, int64_t n, const Acts& a, int64_t m, float* r
   // Pairs of runs in 512-bit lanes (x is stored in pair order), then an odd last run.
   __m512 wide[R];
   for (auto& v : wide) v = _mm512_setzero_ps();
-  const __m512i pair_lanes = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
   for (int64_t p = 0; p < a.pairs; ++p) {
     const int64_t k = 64 * p;
-    const int32_t* hb = a.half_block + 4 * p;  // blocks of run 0's halves, then run 1's
-    __m512 sw;
-    if (hb[0] == hb[3]) {
-      sw = _mm512_set1_ps(w.scale(w.scales, first + hb[0]));
-    } else {
-      const __m128 s4 = _mm_setr_ps(w.scale(w.scales, first + hb[0]), w.scale(w.scales, first + hb[2]),
-                                    w.scale(w.scales, first + hb[1]), w.scale(w.scales, first + hb[3]));
-      sw = _mm512_permutexvar_ps(pair_lanes, _mm512_castps128_ps512(s4));
-    }
+    const __m512 sw =
+        pair_scales(w, first, a.half_block[4 * p], a.scale_lanes + 16 * p, a.scale_masks[p]);
     __m512i u;
     __mmask64 negative = 0;
     if constexpr (Bits == 4) {
@@ -243,10 +235,12 @@ void pass_int8(const QuantRows& w, int64_t n, const Acts& a, int64_t m, float* r
   if (w.mins == nullptr) return;
   const int64_t blocks = w.blocks();
   for (int r = 0; r < R; ++r) {
-    float sum = 0.0f;
     const float* sums = a.sums + (m + r) * blocks;
-    for (int64_t j = 0; j < blocks; ++j) sum += w.scale(w.mins, first + j) * sums[j];
-    res[r] += sum;
+#if defined(SPLITSERVE_AVX512)
+    res[r] += splitserve::quant::dot_scales(w, w.mins, first, sums, blocks);
+#else
+    for (int64_t j = 0; j < blocks; ++j) res[r] += w.scale(w.mins, first + j) * sums[j];
+#endif
   }
 }
 
@@ -286,25 +280,29 @@ std::optional<Tensor> linear_int8(const Tensor& x, const Tensor& qweight, const 
 
 // ---- the whole weight in a float dtype ---------------------------------------------------
 
-template <typename T>
+template <int Bits, typename T>
 void dequantize_rows(const QuantRows& w, int64_t N, T* out) {
+  using namespace splitserve::quant;
   at::parallel_for(0, N, kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const uint8_t* q = w.q + n * w.row_bytes();
       T* row = out + n * w.K;
       over_runs(w, [&](int64_t k, int64_t j0, int64_t j1) {
+        const uint8_t* run = q + (Bits == 4 ? k / 2 : k);
         for (int h = 0; h < 2; ++h) {
           const int64_t j = n * w.blocks() + (h ? j1 : j0);
-          const float s = w.scale(w.scales, j), m = w.mins == nullptr ? 0.0f : w.scale(w.mins, j);
-          for (int64_t i = 0; i < 16; ++i) {
-            const float v = w.bits == 4 ? float((q[k / 2 + i] >> (4 * h)) & 0x0F)
-                                        : float(static_cast<int8_t>(q[k + 16 * h + i]));
-            row[k + 16 * h + i] = static_cast<T>(v * s + m);
-          }
+          const float m = w.mins == nullptr ? 0.0f : w.scale(w.mins, j);
+          store16(row + k + 16 * h, dequant(Bits == 4 ? q4_half(run, h) : q8_half(run, h),
+                                            w.scale(w.scales, j), m));
         }
       });
     }
   });
+}
+
+template <typename T>
+void dequantize_as(const QuantRows& w, int64_t N, void* out) {
+  (w.bits == 4 ? dequantize_rows<4, T> : dequantize_rows<8, T>)(w, N, static_cast<T*>(out));
 }
 
 bool dequantize_into(Tensor& out, const Tensor& qweight, const Tensor& scales,
@@ -315,13 +313,9 @@ bool dequantize_into(Tensor& out, const Tensor& qweight, const Tensor& scales,
       out.sizes() != torch::IntArrayRef{N, w->K})
     return false;
   switch (out.scalar_type()) {
-    case torch::kFloat: dequantize_rows(*w, N, out.data_ptr<float>()); return true;
-    case torch::kBFloat16:
-      dequantize_rows(*w, N, reinterpret_cast<c10::BFloat16*>(out.data_ptr()));
-      return true;
-    case torch::kHalf:
-      dequantize_rows(*w, N, reinterpret_cast<c10::Half*>(out.data_ptr()));
-      return true;
+    case torch::kFloat: dequantize_as<float>(*w, N, out.data_ptr()); return true;
+    case torch::kBFloat16: dequantize_as<c10::BFloat16>(*w, N, out.data_ptr()); return true;
+    case torch::kHalf: dequantize_as<c10::Half>(*w, N, out.data_ptr()); return true;
     default: return false;
   }
 }

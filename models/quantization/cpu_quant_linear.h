@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -41,6 +42,18 @@ struct QuantRows {
   }
 };
 
+// `v` as it is: the compiler may not fuse the product it was rounded from into an FMA
+// with a later sum (BlockQuantWeight.dequantize rounds the product, then the sum).
+template <typename V>
+inline V rounded(V v) {
+#if defined(__x86_64__)
+  asm("" : "+x"(v));
+#elif defined(__aarch64__)
+  asm("" : "+w"(v));
+#endif
+  return v;
+}
+
 #if defined(SPLITSERVE_AVX512)
 
 // 16 float32 lanes.
@@ -60,7 +73,7 @@ inline F16x q8_half(const uint8_t* run, int h) {
 }
 // q * s + m, rounded after the product and after the sum as BlockQuantWeight.dequantize.
 inline F16x dequant(F16x q, float s, float m) {
-  return {_mm512_add_ps(_mm512_mul_ps(q.v, _mm512_set1_ps(s)), _mm512_set1_ps(m))};
+  return {_mm512_add_ps(rounded(_mm512_mul_ps(q.v, _mm512_set1_ps(s))), _mm512_set1_ps(m))};
 }
 inline F16x fma_x(F16x w, const float* x, F16x acc) {
   return {_mm512_fmadd_ps(w.v, _mm512_loadu_ps(x), acc.v)};
@@ -80,6 +93,32 @@ inline __m512i q8_pair(const uint8_t* runs) {
   const __m512i v = _mm512_loadu_si512(runs);
   return _mm512_shuffle_i64x2(v, v, _MM_SHUFFLE(3, 1, 2, 0));
 }
+// The weight scales of a pair's 16 lanes (as q4_pair): its halves fall in blocks
+// first + hb0 .. first + hb0 + 3; `mask` says which of these to load, `lanes` which of
+// them each lane takes.
+inline __m512 pair_scales(const QuantRows& w, int64_t first, int32_t hb0, const int32_t* lanes,
+                          uint8_t mask) {
+  const int64_t j = first + hb0;
+  const __m128 s = w.half ? _mm_cvtph_ps(_mm_maskz_loadu_epi16(
+                                mask, static_cast<const uint16_t*>(w.scales) + j))
+                          : _mm_maskz_loadu_ps(mask, static_cast<const float*>(w.scales) + j);
+  return _mm512_permutexvar_ps(_mm512_loadu_si512(lanes), _mm512_castps128_ps512(s));
+}
+
+// sum over j < count of table[first + j] * x[j].
+inline float dot_scales(const QuantRows& w, const void* table, int64_t first, const float* x,
+                        int64_t count) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t j = 0; j < count; j += 16) {
+    const __mmask16 mask = count - j >= 16 ? 0xFFFF : (1u << (count - j)) - 1;
+    const __m512 s = w.half ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(
+                                  mask, static_cast<const uint16_t*>(table) + first + j))
+                            : _mm512_maskz_loadu_ps(mask, static_cast<const float*>(table) + first + j);
+    acc = _mm512_fmadd_ps(s, _mm512_maskz_loadu_ps(mask, x + j), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
 // 16 int32 lanes, each the dot product of 4 unsigned weights and 4 int8 activations.
 inline __m512i dot_pair(__m512i u, __m512i a) {
 #if defined(SPLITSERVE_AVX512_BF16)
@@ -110,7 +149,8 @@ inline F16x q8_half(const uint8_t* run, int h) {
 }
 inline F16x dequant(F16x q, float s, float m) {
   const __m256 vs = _mm256_set1_ps(s), vm = _mm256_set1_ps(m);
-  return {_mm256_add_ps(_mm256_mul_ps(q.lo, vs), vm), _mm256_add_ps(_mm256_mul_ps(q.hi, vs), vm)};
+  return {_mm256_add_ps(rounded(_mm256_mul_ps(q.lo, vs)), vm),
+          _mm256_add_ps(rounded(_mm256_mul_ps(q.hi, vs)), vm)};
 }
 inline F16x fma_x(F16x w, const float* x, F16x acc) {
   return {_mm256_fmadd_ps(w.lo, _mm256_loadu_ps(x), acc.lo),
@@ -141,7 +181,7 @@ inline F16x q8_half(const uint8_t* run, int h) {
   return r;
 }
 inline F16x dequant(F16x q, float s, float m) {
-  for (float& v : q.v) v = v * s + m;
+  for (float& v : q.v) v = rounded(v * s) + m;
   return q;
 }
 inline F16x fma_x(F16x w, const float* x, F16x acc) {
@@ -159,6 +199,30 @@ inline float sum(F16x a) {
 }
 
 #endif
+
+// 16 values as T (float32, BFloat16 or Half), rounded to nearest even.
+template <typename T>
+inline void store16(T* out, F16x v) {
+#if defined(SPLITSERVE_AVX512)
+  if constexpr (std::is_same_v<T, float>) return _mm512_storeu_ps(out, v.v);
+  if constexpr (std::is_same_v<T, c10::Half>)
+    return _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
+                               _mm512_cvtps_ph(v.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#if defined(SPLITSERVE_AVX512_BF16)
+  if constexpr (std::is_same_v<T, c10::BFloat16>)
+    return _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), (__m256i)_mm512_cvtneps_pbh(v.v));
+#endif
+  alignas(64) float f[16];
+  _mm512_store_ps(f, v.v);
+#elif defined(SPLITSERVE_AVX2)
+  alignas(32) float f[16];
+  _mm256_store_ps(f, v.lo);
+  _mm256_store_ps(f + 8, v.hi);
+#else
+  const float* f = v.v;
+#endif
+  for (int i = 0; i < 16; ++i) out[i] = static_cast<T>(f[i]);
+}
 
 #if defined(SPLITSERVE_AVX2)
 
@@ -188,22 +252,27 @@ inline float sum8(__m256 s) {
 // pair of runs in pair order, as q4_pair), d [M, runs], the scale pattern of each pair's
 // lanes dv [M, pairs, 16] (AVX-512 builds), and where the weight has mins the sum of the
 // dequantized x over each weight block, sums [M, blocks]. half_block[h]: the weight block
-// of features 16h .. 16h + 15.
+// of features 16h .. 16h + 15; for each pair (AVX-512), the weight scales its lanes take
+// (pair_scales): scale_lanes [pairs, 16] and scale_masks [pairs].
 struct Acts {
   const int8_t* q;
   const float *d, *dv, *sums;
-  const int32_t* half_block;
+  const int32_t *half_block, *scale_lanes;
+  const uint8_t* scale_masks;
   int64_t runs, pairs;
 };
 
 struct ActsStorage {
   std::vector<int8_t> q;
   std::vector<float> d, dv, sums;
-  std::vector<int32_t> half_block;
+  std::vector<int32_t> half_block, scale_lanes;
+  std::vector<uint8_t> scale_masks;
   int64_t runs = 0, pairs = 0;
 
   Acts view() const {
-    return {q.data(), d.data(), dv.data(), sums.data(), half_block.data(), runs, pairs};
+    return {q.data(),          d.data(),           dv.data(),          sums.data(),
+            half_block.data(), scale_lanes.data(), scale_masks.data(), runs,
+            pairs};
   }
 };
 
@@ -235,6 +304,12 @@ ActsStorage quantize_acts(const T* x, int64_t M, int64_t K, int64_t ldx, int64_t
   a.dv.resize(M * a.pairs * 16);
   a.sums.resize(with_sums ? M * blocks : 0);
   for (int64_t k = 0; k < K; k += 16) a.half_block.push_back(static_cast<int32_t>(k / block_size));
+  for (int64_t p = 0; p < a.pairs; ++p) {  // lanes: run 0's first half, run 1's, then seconds
+    const int32_t* hb = a.half_block.data() + 4 * p;
+    for (int half : {0, 2, 1, 3})
+      for (int i = 0; i < 4; ++i) a.scale_lanes.push_back(hb[half] - hb[0]);
+    a.scale_masks.push_back(static_cast<uint8_t>((2u << (hb[3] - hb[0])) - 1));
+  }
   at::parallel_for(0, M, 8, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       int8_t* q = a.q.data() + m * K;

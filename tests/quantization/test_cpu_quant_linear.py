@@ -128,11 +128,18 @@ def test_int8_path_quantizes_x_per_32_features(kernel):
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_quant_linear_over_rows_and_threads(isa, dtype, threads):
+@pytest.mark.parametrize(
+    ("bits", "block_size", "mins", "scale_dtype"),
+    [(4, 32, True, torch.float16), (8, 64, False, torch.float32), (4, 16, True, torch.float32)],
+    ids=["q4_1", "q8-fp32-scales", "q4-16"],
+)
+def test_quant_linear_over_rows_and_threads(
+    isa, dtype, threads, bits, block_size, mins, scale_dtype
+):
     """Every path quant_linear picks by rows; past the kernels' rows, exactly the torch
     fallback (the C++ dequantizes as BlockQuantWeight.dequantize)."""
     torch.set_num_threads(threads)  # the conftest fixture restores it
-    w = make_weight(70, 576, 4, 32, True, torch.float16)
+    w = make_weight(70, 576, bits, block_size, mins, scale_dtype)
     prepared = prepare_quant_weight(w, KernelSet(cpu=True, isa=isa))
     assert prepared.kernel is not None
     bias = torch.randn(70).to(dtype)
