@@ -151,6 +151,16 @@ std::optional<Tensor> linear_f32(const Tensor& x, const Tensor& qweight, const T
 
 // ---- x bfloat16/float16: int8 activations, integer dot products -------------------------
 
+// res[r] plus the mins term of rows m + r of x: sum over blocks j of mins[j] * sums[j].
+inline void add_mins(const QuantRows& w, int64_t first, const Acts& a, int64_t m, int rows,
+                     float* res) {
+  if (w.mins == nullptr) return;
+  const int64_t blocks = w.blocks();
+  for (int r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < blocks; ++j)
+      res[r] += w.scale(w.mins, first + j) * a.sums[(m + r) * blocks + j];
+}
+
 template <int Bits, int R>
 void pass_int8(const QuantRows& w, int64_t n, const Acts& a, int64_t m, float* res) {
   const int64_t K = w.K, first = n * w.blocks();
@@ -201,18 +211,22 @@ void pass_int8(const QuantRows& w, int64_t n, const Acts& a, int64_t m, float* r
       wide[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_pair(u, av)), scale, wide[r]);
     }
   }
+  for (int r = 0; w.mins != nullptr && r < R; ++r)  // the mins term, in the same lanes
+    wide[r] = add_dot_scales(w, w.mins, first, a.sums + (m + r) * w.blocks(), w.blocks(), wide[r]);
+  for (int r = 0; r < R; ++r) res[r] = _mm512_reduce_add_ps(wide[r]);
   if (K % 64) {
     const int64_t k = K - kRun;
     one_run(k, w.scale(w.scales, first + a.half_block[k / 16]),
             w.scale(w.scales, first + a.half_block[k / 16 + 1]));
+    for (int r = 0; r < R; ++r) res[r] += sum8(acc[r]);
   }
-  for (int r = 0; r < R; ++r) res[r] = _mm512_reduce_add_ps(wide[r]) + sum8(acc[r]);
 #else
   over_runs(w, [&](int64_t k, int64_t j0, int64_t j1) {
     const float s0 = w.scale(w.scales, first + j0);
     one_run(k, s0, j1 == j0 ? s0 : w.scale(w.scales, first + j1));
   });
   for (int r = 0; r < R; ++r) res[r] = sum8(acc[r]);
+  add_mins(w, first, a, m, R, res);
 #endif
 #else
   float acc[R] = {};
@@ -231,17 +245,8 @@ void pass_int8(const QuantRows& w, int64_t n, const Acts& a, int64_t m, float* r
     }
   });
   for (int r = 0; r < R; ++r) res[r] = acc[r];
+  add_mins(w, first, a, m, R, res);
 #endif
-  if (w.mins == nullptr) return;
-  const int64_t blocks = w.blocks();
-  for (int r = 0; r < R; ++r) {
-    const float* sums = a.sums + (m + r) * blocks;
-#if defined(SPLITSERVE_AVX512)
-    res[r] += splitserve::quant::dot_scales(w, w.mins, first, sums, blocks);
-#else
-    for (int64_t j = 0; j < blocks; ++j) res[r] += w.scale(w.mins, first + j) * sums[j];
-#endif
-  }
 }
 
 using PassInt8 = void (*)(const QuantRows&, int64_t, const Acts&, int64_t, float*);

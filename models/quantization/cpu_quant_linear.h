@@ -85,9 +85,10 @@ inline float sum(F16x a) { return _mm512_reduce_add_ps(a.v); }
 // half, run 1's first half, run 0's second half, run 1's second half (a 4-bit pair's
 // nibbles fall so). 8-bit: the weights themselves, their signs for the activations.
 inline __m512i q4_pair(const uint8_t* runs) {
-  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(runs));
-  const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(b), _mm256_srli_epi16(b, 4), 1);
-  return _mm512_and_si512(both, _mm512_set1_epi8(0x0F));
+  const __m512i both = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(runs)));
+  const int64_t by4 = 0x0004000400040004;  // the upper 32 bytes shift to their high nibbles
+  const __m512i shifts = _mm512_set_epi64(by4, by4, by4, by4, 0, 0, 0, 0);
+  return _mm512_and_si512(_mm512_srlv_epi16(both, shifts), _mm512_set1_epi8(0x0F));
 }
 inline __m512i q8_pair(const uint8_t* runs) {
   const __m512i v = _mm512_loadu_si512(runs);
@@ -105,10 +106,9 @@ inline __m512 pair_scales(const QuantRows& w, int64_t first, int32_t hb0, const 
   return _mm512_permutexvar_ps(_mm512_loadu_si512(lanes), _mm512_castps128_ps512(s));
 }
 
-// sum over j < count of table[first + j] * x[j].
-inline float dot_scales(const QuantRows& w, const void* table, int64_t first, const float* x,
-                        int64_t count) {
-  __m512 acc = _mm512_setzero_ps();
+// acc plus table[first + j] * x[j] for j < count, in 16 lanes.
+inline __m512 add_dot_scales(const QuantRows& w, const void* table, int64_t first, const float* x,
+                             int64_t count, __m512 acc) {
   for (int64_t j = 0; j < count; j += 16) {
     const __mmask16 mask = count - j >= 16 ? 0xFFFF : (1u << (count - j)) - 1;
     const __m512 s = w.half ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(
@@ -116,7 +116,7 @@ inline float dot_scales(const QuantRows& w, const void* table, int64_t first, co
                             : _mm512_maskz_loadu_ps(mask, static_cast<const float*>(table) + first + j);
     acc = _mm512_fmadd_ps(s, _mm512_maskz_loadu_ps(mask, x + j), acc);
   }
-  return _mm512_reduce_add_ps(acc);
+  return acc;
 }
 
 // 16 int32 lanes, each the dot product of 4 unsigned weights and 4 int8 activations.

@@ -144,7 +144,7 @@ def test_quant_linear_over_rows_and_threads(
     assert prepared.kernel is not None
     bias = torch.randn(70).to(dtype)
     limit = EXACT_ROWS if dtype == torch.float32 else INT8_ROWS
-    for m in (1, limit, limit + 1, 300):
+    for m in (0, 1, limit, limit + 1, 300):
         x = torch.randn(m, 576).to(dtype)
         out = quant_linear(x, prepared, bias)
         expected = torch_quant_linear(x, w, bias)
