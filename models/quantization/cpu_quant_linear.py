@@ -1,6 +1,20 @@
-"""Placeholder until the C++ kernel lands: the torch path (dequantize per call)."""
+"""Linear layers on block-quantized weights on the CPU (cpu_quant_linear.cpp), and the
+torch fallback that dequantizes per call.
+
+`prepare_quant_weight` runs once at load: the weight stays quantized (made contiguous,
+which copies only a narrowed shard). `quant_linear` then picks by x's dtype and rows:
+float32 x of up to EXACT_ROWS rows: the exact path (the weight dequantized in registers,
+float32 products: F.linear(x, w.dequantize()) up to the order of the sums); bfloat16/
+float16 x of up to INT8_ROWS rows (decode): x quantized to int8 per 32 features and
+integer dot products; more rows (prefill): the weight dequantized in the C++ to x's dtype
+for torch's matmul. Whatever the C++ does not take runs `torch_quant_linear`.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -8,20 +22,63 @@ import torch.nn.functional as F
 from kernels import KernelSet
 from models.quantization.block_quant import BlockQuantWeight
 
-PreparedQuantWeight = BlockQuantWeight
+# Up to these rows the kernels beat dequantizing for torch's matmul (measured on
+# SmolLM2-135M's shapes, 2 threads: benchmarks/quant_linear_bench.py).
+EXACT_ROWS = 16
+INT8_ROWS = 16
+_SOURCE = Path(__file__).with_name("cpu_quant_linear.cpp")
+
+
+def quant_kernel(kernels: KernelSet) -> ModuleType | None:
+    """The compiled kernels for the set's ISA; None where they are off or cannot be built."""
+    return kernels.cpp("splitserve_cpu_quant_linear", _SOURCE)
+
+
+@dataclass(frozen=True)
+class PreparedQuantWeight:
+    """A quantized weight as the layer keeps it, with the kernel that reads it (None: the
+    torch fallback)."""
+
+    weight: BlockQuantWeight
+    kernel: ModuleType | None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.weight.shape
 
 
 def prepare_quant_weight(w: BlockQuantWeight, kernels: KernelSet) -> PreparedQuantWeight:
-    return w
+    kernel = quant_kernel(kernels)
+    if kernel is None or w.qweight.device.type != "cpu":
+        return PreparedQuantWeight(w, None)
+    mins = None if w.mins is None else w.mins.contiguous()
+    dense = BlockQuantWeight(
+        w.bits, w.qweight.contiguous(), w.scales.contiguous(), mins, w.block_size
+    )
+    return PreparedQuantWeight(dense, kernel)
 
 
 def torch_quant_linear(
     x: torch.Tensor, w: BlockQuantWeight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
+    """F.linear(x, w.dequantize()) in x's dtype."""
     return F.linear(x, w.dequantize(x.dtype), bias)
 
 
 def quant_linear(
     x: torch.Tensor, w: PreparedQuantWeight, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    return torch_quant_linear(x, w, bias)
+    """x [..., K] W^T (+ bias) -> [..., N] in x's dtype."""
+    q = w.weight
+    if w.kernel is None or x.device.type != "cpu":
+        return torch_quant_linear(x, q, bias)
+    if x.dim() != 2:
+        return quant_linear(x.reshape(-1, x.shape[-1]), w, bias).reshape(*x.shape[:-1], -1)
+    args = (q.qweight, q.scales, q.mins, q.bits, q.block_size)
+    exact = x.dtype == torch.float32
+    if x.shape[0] <= (EXACT_ROWS if exact else INT8_ROWS):
+        out = (w.kernel.linear_f32 if exact else w.kernel.linear_int8)(x, *args, bias)
+    else:
+        weight = torch.empty(q.shape, dtype=x.dtype)
+        out = F.linear(x, weight, bias) if w.kernel.dequantize_into(weight, *args) else None
+    return torch_quant_linear(x, q, bias) if out is None else out

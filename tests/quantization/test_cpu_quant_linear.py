@@ -1,0 +1,206 @@
+"""The block-quantized linear kernels (models/quantization/cpu_quant_linear.cpp) against
+torch references, for every ISA this CPU can run (each built with the forced-ISA switch):
+the exact float32 path against F.linear on the dequantized weight, the int8-activation
+path against a reference that quantizes x the same way, the prefill path bitwise against
+the torch fallback. The kernels are always built here (a compiler is required)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import KernelSet, probe_isa
+from kernels.isa import ladder
+from models.quantization.block_quant import BlockQuantWeight, pack_int4
+from models.quantization.cpu_quant_linear import (
+    EXACT_ROWS,
+    INT8_ROWS,
+    PreparedQuantWeight,
+    prepare_quant_weight,
+    quant_kernel,
+    quant_linear,
+    torch_quant_linear,
+)
+
+ISAS = ladder()[: ladder().index(probe_isa()) + 1]
+# (K, block_size): GGUF's 32, Q6_K's 16, group sizes, a per-channel scale (block = K).
+LAYOUTS = [(32, 16), (64, 32), (576, 32), (96, 16), (512, 128), (256, 64), (2048, 2048)]
+EXACT_M = [1, 2, 3, 4, 5, 9]
+INT8_M = [1, 2, 3, 4, 5, 8, 13, 64]
+
+
+@pytest.fixture(params=ISAS)
+def isa(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def kernel(isa):
+    module = quant_kernel(KernelSet(cpu=True, isa=isa))
+    assert module is not None, f"the {isa} build failed"
+    return module
+
+
+def make_weight(
+    n: int, k: int, bits: int, block_size: int, mins: bool, scale_dtype: torch.dtype, seed: int = 0
+) -> BlockQuantWeight:
+    g = torch.Generator().manual_seed(seed)
+    blocks = (n, k // block_size)
+    scales = (torch.rand(blocks, generator=g) * 0.05 + 0.01).to(scale_dtype)
+    offsets = None if not mins else (-torch.rand(blocks, generator=g) * 0.4).to(scale_dtype)
+    if bits == 4:
+        qweight = pack_int4(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8))
+    else:
+        qweight = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    return BlockQuantWeight(bits, qweight, scales, offsets, block_size)
+
+
+def args(w: BlockQuantWeight) -> tuple:
+    return w.qweight, w.scales, w.mins, w.bits, w.block_size
+
+
+def magnitude(x: torch.Tensor, w: BlockQuantWeight) -> torch.Tensor:
+    """|x| |W|^T: the scale a sum's rounding error is relative to."""
+    return x.double().abs() @ w.dequantize(torch.float64).abs().T
+
+
+def int8_reference(
+    x: torch.Tensor, w: BlockQuantWeight, bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x quantized per 32 features as the kernel does it, times W, in float64; and the
+    dequantized x."""
+    m, k = x.shape
+    runs = x.float().reshape(m, k // 32, 32)
+    d = runs.abs().amax(dim=2, keepdim=True) / 127.0
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    xq = (torch.round(runs * inv).clamp(-127, 127) * d).reshape(m, k)
+    out = xq.double() @ w.dequantize(torch.float64).T
+    return (out if bias is None else out + bias.double()), xq
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("mins", [False, True], ids=["no-mins", "mins"])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize(("k", "block_size"), LAYOUTS, ids=str)
+def test_exact_path_matches_dequantize_then_linear(kernel, bits, mins, scale_dtype, k, block_size):
+    w = make_weight(37, k, bits, block_size, mins, scale_dtype)
+    bias = torch.randn(37)
+    for m in EXACT_M:
+        x = torch.randn(m, k)
+        for b in (None, bias):
+            out = kernel.linear_f32(x, *args(w), b)
+            expected = F.linear(x, w.dequantize(), b)
+            assert out.dtype == torch.float32 and out.shape == (m, 37)
+            assert ((out - expected).abs() <= 1e-5 * magnitude(x, w) + 1e-6).all(), (m, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("mins", [False, True], ids=["no-mins", "mins"])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize(("k", "block_size"), LAYOUTS, ids=str)
+def test_int8_path_matches_its_reference(kernel, bits, mins, scale_dtype, dtype, k, block_size):
+    w = make_weight(45, k, bits, block_size, mins, scale_dtype)
+    bias = torch.randn(45).to(dtype)
+    ulp = torch.finfo(dtype).eps
+    for m in INT8_M:
+        x = (torch.randn(m, k) * 2).to(dtype)
+        x[0, :32] = 0  # an all-zero run: scale 0
+        for b in (None, bias):
+            out = kernel.linear_int8(x, *args(w), b)
+            expected, xq = int8_reference(x, w, b)
+            assert out.dtype == dtype and out.shape == (m, 45)
+            tolerance = ulp * expected.abs() + 1e-5 * magnitude(xq, w) + 1e-6
+            assert ((out.double() - expected).abs() <= tolerance).all(), (m, b)
+
+
+def test_int8_path_quantizes_x_per_32_features(kernel):
+    """A run of large values next to a run of small ones: per-run scales keep the small."""
+    w = make_weight(16, 64, 8, 64, False, torch.float32)
+    x = torch.cat([torch.full((1, 32), 1000.0), torch.randn(1, 32) * 1e-3], dim=1).bfloat16()
+    x_small = x.clone()
+    x_small[:, :32] = 0
+    small = kernel.linear_int8(x_small, *args(w), None).double()
+    expected = x_small.double() @ w.dequantize(torch.float64).T
+    assert (small - expected).abs().max() <= 0.02 * expected.abs().max()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("bits", "block_size", "mins", "scale_dtype"),
+    [(4, 32, True, torch.float16), (8, 64, False, torch.float32), (4, 16, True, torch.float32)],
+    ids=["q4_1", "q8-fp32-scales", "q4-16"],
+)
+def test_quant_linear_over_rows_and_threads(
+    isa, dtype, threads, bits, block_size, mins, scale_dtype
+):
+    """Every path quant_linear picks by rows; past the kernels' rows, exactly the torch
+    fallback (the C++ dequantizes as BlockQuantWeight.dequantize)."""
+    torch.set_num_threads(threads)  # the conftest fixture restores it
+    w = make_weight(70, 576, bits, block_size, mins, scale_dtype)
+    prepared = prepare_quant_weight(w, KernelSet(cpu=True, isa=isa))
+    assert prepared.kernel is not None
+    bias = torch.randn(70).to(dtype)
+    limit = EXACT_ROWS if dtype == torch.float32 else INT8_ROWS
+    for m in (0, 1, limit, limit + 1, 300):
+        x = torch.randn(m, 576).to(dtype)
+        out = quant_linear(x, prepared, bias)
+        expected = torch_quant_linear(x, w, bias)
+        assert out.dtype == dtype and out.shape == (m, 70)
+        if m > limit:
+            assert torch.equal(out, expected), m
+        else:
+            reference = F.linear(x.float(), w.dequantize(), bias.float())
+            tolerance = 2 * torch.finfo(dtype).eps * magnitude(x, w) + 1e-5
+            assert ((out.float() - reference).abs() <= tolerance).all(), m
+
+
+def test_strided_x(kernel):
+    """Rows apart in memory are read in place; features apart fall back to torch."""
+    w = make_weight(33, 128, 4, 32, True, torch.float32)
+    wide = torch.randn(5, 256)
+    rows = wide[:, :128]
+    assert torch.equal(kernel.linear_f32(rows, *args(w)), kernel.linear_f32(rows.clone(), *args(w)))
+    assert kernel.linear_f32(wide[:, ::2], *args(w)) is None
+    assert kernel.linear_int8(wide.bfloat16()[:, ::2], *args(w)) is None
+    prepared = PreparedQuantWeight(w, kernel)
+    strided = wide.bfloat16()[:, ::2]
+    assert torch.equal(quant_linear(strided, prepared), torch_quant_linear(strided, w))
+
+
+def test_the_kernels_decline_what_they_do_not_take(kernel):
+    w = make_weight(16, 64, 4, 32, True, torch.float32)
+    assert kernel.linear_int8(torch.randn(2, 64), *args(w)) is None  # float32 x
+    assert kernel.linear_f32(torch.randn(2, 64).bfloat16(), *args(w)) is None
+    assert kernel.linear_f32(torch.randn(2, 96), *args(w)) is None  # K differs
+    assert kernel.linear_f32(torch.randn(2, 64), *args(w), torch.randn(15)) is None  # bias
+    q, s, m, bits, bs = args(w)
+    assert kernel.linear_f32(torch.randn(2, 64), q.t().contiguous().t(), s, m, bits, bs) is None
+    assert kernel.linear_f32(torch.randn(2, 64), q, s, m.half(), bits, bs) is None  # dtypes
+    out = torch.empty(16, 64, dtype=torch.float64)
+    assert not kernel.dequantize_into(out, *args(w))
+
+
+@pytest.mark.parametrize(("dim", "start", "length"), [(0, 16, 50), (1, 128, 256), (1, 0, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tensor_parallel_shards(isa, dim, start, length, dtype):
+    """A shard (BlockQuantWeight.narrow: a strided view along dim 1) computes as its
+    dequantized rows or columns do."""
+    w = make_weight(96, 512, 4, 64, True, torch.float16).narrow(dim, start, length)
+    prepared = prepare_quant_weight(w, KernelSet(cpu=True, isa=isa))
+    assert prepared.kernel is not None and prepared.shape == w.shape
+    x = torch.randn(3, w.shape[1]).to(dtype)
+    out = quant_linear(x, prepared)
+    reference = F.linear(x.float(), w.dequantize())
+    tolerance = 2 * torch.finfo(dtype).eps * magnitude(x, w) + 1e-5
+    assert ((out.float() - reference).abs() <= tolerance).all()
+
+
+def test_kernels_off_keep_the_weight_for_torch():
+    w = make_weight(16, 64, 8, 64, False, torch.float32)
+    prepared = prepare_quant_weight(w, KernelSet())
+    assert prepared.kernel is None and prepared.weight is w
+    x = torch.randn(2, 64).bfloat16()
+    assert torch.equal(quant_linear(x, prepared), torch_quant_linear(x, w))
