@@ -2,7 +2,8 @@
 // (models/quantization/block_quant.py) as float32 values or as unsigned bytes for integer
 // dot products. A 32-run of a row is 16 bytes for bits=4 (byte i: element i in its low
 // nibble, element i + 16 in its high one) and 32 int8 bytes for bits=8; a half is 16 of
-// its elements, so every half has one scale (block sizes are multiples of 16).
+// its elements, so every half has one scale (block sizes are multiples of 16). Also the
+// per-call quantization of x to int8 (quantize_acts) in the layout these pieces read.
 #pragma once
 
 #include <ATen/Parallel.h>

@@ -23,7 +23,7 @@ from kernels import KernelSet
 from models.quantization.block_quant import BlockQuantWeight
 
 # Up to these rows the kernels beat dequantizing for torch's matmul (measured on
-# SmolLM2-135M's shapes, 2 threads: benchmarks/quant_linear_bench.py).
+# SmolLM2-135M's shapes, one thread's CPU time, with AMX: benchmarks/quant_linear_bench.py).
 EXACT_ROWS = 16
 INT8_ROWS = 16
 _SOURCE = Path(__file__).with_name("cpu_quant_linear.cpp")
