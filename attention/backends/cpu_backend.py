@@ -42,9 +42,9 @@ class CPUAttentionBackend(TorchAttentionBackend):
         rows = common.query_start_loc_cpu.long()[split.decode_reqs]
         return CPUAttentionMetadata.from_common(common, split=split, decode_query_rows=rows)
 
-    def store_kv(self, k, v, kv_cache, slot_mapping) -> None:
-        if not self._kernels.store_kv(k, v, kv_cache, slot_mapping):
-            super().store_kv(k, v, kv_cache, slot_mapping)
+    def store_kv(self, k, v, kv_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> None:
+        if not self._kernels.store_kv(k, v, kv_cache, slot_mapping, k_scale, v_scale):
+            super().store_kv(k, v, kv_cache, slot_mapping, k_scale, v_scale)
 
     def attend(self, spec, q, k, v, kv_cache, md: AttentionMetadata, out) -> None:
         assert isinstance(md, CPUAttentionMetadata), "metadata of another backend"
