@@ -29,7 +29,8 @@ class CPUAttentionBackend(TorchAttentionBackend):
     says so: bf16 layers without a window, on a CPU with AMX), reading every context
     position from the cache, prefix or not; elsewhere they keep the torch path: fresh
     prompts attend to this step's k/v with SDPA's fused kernel, and a cached prefix is
-    gathered once per request. K/V are stored by a C++ row copy."""
+    gathered once per request. K/V are stored by a C++ row copy. fp8 pages are read and
+    written by every kernel here (cpu_attn_fp8.h)."""
 
     name = "cpu"
 
@@ -60,6 +61,8 @@ class CPUAttentionBackend(TorchAttentionBackend):
                 md.decode_query_rows,
                 spec.scale,
                 window,
+                spec.k_scale,
+                spec.v_scale,
             )
         if md.split.num_prefills and self._kernels.paged_prefill(
             out,
@@ -71,6 +74,8 @@ class CPUAttentionBackend(TorchAttentionBackend):
             md.split.prefill_reqs,
             spec.scale,
             window,
+            spec.k_scale,
+            spec.v_scale,
         ):
             return
         for req in md.split.prefill_reqs_cpu:
