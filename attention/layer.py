@@ -107,8 +107,8 @@ class Attention(nn.Module):
         tables = rotate.rope_tables if rotate is not None else None
         if tables is not None:
             views = self._views(q, k, v)
-            scales = {"k_scale": self.spec.k_scale, "v_scale": self.spec.v_scale}
-            if backend.rotate_and_store_kv(*views, self.kv_cache, slot_mapping, tables, **scales):
+            scales = (self.spec.k_scale, self.spec.v_scale)
+            if backend.rotate_and_store_kv(*views, self.kv_cache, slot_mapping, tables, *scales):
                 return views
         if rotate is not None:
             q, k = rotate(q, k)
