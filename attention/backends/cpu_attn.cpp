@@ -33,17 +33,17 @@ inline float to_float(at::BFloat16 x) { return splitserve::bf16_to_float(x.x); }
 
 using splitserve::exp_nonpositive;
 
-}  // namespace
-
-#include "cpu_attn_fp8.h"
-
-namespace {
-
 struct Layout {
   int64_t block_size, kv_heads, head_dim, group;
   int64_t q_row_stride, out_row_stride, table_stride;
   int64_t cache_half;  // elements between kv_cache[0] and kv_cache[1]
 };
+
+}  // namespace
+
+#include "cpu_attn_fp8.h"
+
+namespace {
 
 // Each of the `rows` rows of n scores becomes its softmax, in place.
 inline void softmax_rows(float* scores, int64_t rows, int64_t n) {
@@ -162,6 +162,8 @@ void attend_item(const T* q, T* out, const C* cache, const int32_t* blocks, int6
 
 namespace {
 
+constexpr int32_t kOneBlock[1] = {0};  // the block table of a widened context
+
 // Whether a bf16 decode with this layout takes the AMX path (items of at most 16 query
 // heads, chunks of 16 positions within a block).
 bool takes_amx_path(const Layout& L) {
@@ -177,9 +179,10 @@ void decode_all(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor&
                 const torch::Tensor& block_table, const torch::Tensor& seq_lens,
                 const torch::Tensor& reqs, const torch::Tensor& rows, double scale,
                 int64_t window, float k_mul, float v_mul, const Layout& L) {
-  // Whole requests per item when there are enough of them to keep every thread busy.
-  constexpr bool kBf16Path =
-      std::is_same_v<T, at::BFloat16> && std::is_same_v<C, T> && D > 0 && kHaveBf16Path;
+  // Whole requests per item when there are enough of them to keep every thread busy. fp8
+  // pages with bf16 queries take the bf16 kernels over a widened copy (cpu_attn_fp8.h).
+  constexpr bool kBf16Path = std::is_same_v<T, at::BFloat16> &&
+                             (std::is_same_v<C, T> || kIsFp8<C>) && D > 0 && kHaveBf16Path;
   const bool whole = kBf16Path && reqs.size(0) >= kWholeRequestsPerThread * at::get_num_threads();
   const bool amx = kBf16Path && takes_amx_path(L);
   int64_t heads = whole ? L.kv_heads : 1;
@@ -195,6 +198,7 @@ void decode_all(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor&
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     std::vector<float> work;
+    std::vector<uint16_t> widened;
 #if defined(SPLITSERVE_AMX)
     if (amx) configure_score_tiles(L.group);
 #endif
@@ -208,15 +212,29 @@ void decode_all(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor&
       const int32_t* blocks = table + req * L.table_stride;
 #if defined(SPLITSERVE_AVX512_BF16)
       if constexpr (kBf16Path) {
+        const at::BFloat16* pages = reinterpret_cast<const at::BFloat16*>(cache);
+        Layout layout = L;
+        int64_t from = first, to = seq_len, head = kv_head;
+        float item_scale = static_cast<float>(scale), out_scale = 1.0f;
+        if constexpr (kIsFp8<C>) {  // widened values are the fp8 ones, not page units
+          widen_context<C, D>(cache, blocks, first, seq_len, kv_head, heads, L, widened, layout);
+          pages = reinterpret_cast<const at::BFloat16*>(widened.data());
+          blocks = kOneBlock;
+          from = 0, to = seq_len - first, head = 0;
+          q_row += kv_head * L.group * D;
+          out_row += kv_head * L.group * D;
+          item_scale *= k_mul / kPageUnit<C>;
+          out_scale = v_mul / kPageUnit<C>;
+        }
 #if defined(SPLITSERVE_AMX)
         if (amx) {
-          attend_item_amx<D>(q_row, out_row, cache, blocks, first, seq_len, kv_head, heads,
-                             static_cast<float>(scale), L, work);
+          attend_item_amx<D>(q_row, out_row, pages, blocks, from, to, head, heads, item_scale,
+                             layout, work, out_scale);
           continue;
         }
 #endif
-        attend_item_bf16<D>(q_row, out_row, cache, blocks, first, seq_len, kv_head, heads,
-                            static_cast<float>(scale), L, work);
+        attend_item_bf16<D>(q_row, out_row, pages, blocks, from, to, head, heads, item_scale,
+                            layout, work, out_scale);
         continue;
       }
 #endif

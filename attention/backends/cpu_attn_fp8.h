@@ -9,7 +9,10 @@
 // as torch's .to() does).
 #pragma once
 
+#include <algorithm>
+#include <array>
 #include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -87,7 +90,8 @@ template <typename C, int D>
 inline float dot_fp8(const float* q, const C* k) {
 #if defined(SPLITSERVE_AVX512)
   __m512 acc = _mm512_setzero_ps();
-  for (int d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), widen16(k + d), acc);
+  for (int d = 0; d < D; d += 16)
+    acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), widen16(k + d), acc);
   return _mm512_reduce_add_ps(acc);
 #elif defined(SPLITSERVE_AVX2)
   __m256 acc = _mm256_setzero_ps();
@@ -118,5 +122,70 @@ inline void axpy_fp8(float* acc, float p, const C* v) {
   for (int d = 0; d < D; ++d) acc[d] += p * page_value(v[d]);
 #endif
 }
+
+#if defined(SPLITSERVE_AVX512_BF16)
+// The bf16 bits of m * 2^(1 - bias - mantissa bits), the value of subnormal code m.
+template <typename C>
+inline __m512i subnormal_bf16_table() {
+  static const std::array<uint16_t, 32> table = [] {
+    constexpr int mant = std::is_same_v<C, E4M3> ? 3 : 2, bias = std::is_same_v<C, E4M3> ? 7 : 15;
+    std::array<uint16_t, 32> bits{};
+    for (int m = 0; m < (1 << mant); ++m) {
+      const float value = std::ldexp(float(m), 1 - bias - mant);
+      uint32_t word;
+      std::memcpy(&word, &value, sizeof word);
+      bits[m] = uint16_t(word >> 16);
+    }
+    return bits;
+  }();
+  return _mm512_loadu_si512(table.data());
+}
+
+// 32 fp8 values as bf16 bits (exact): the exponent rebiased and the mantissa moved into
+// place with integer ops, the subnormal codes (exponent 0) looked up.
+template <typename C>
+inline __m512i widen32_bf16(const C* p) {
+  constexpr int mant = std::is_same_v<C, E4M3> ? 3 : 2, bias = std::is_same_v<C, E4M3> ? 7 : 15;
+  const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i magnitude = _mm512_and_si512(w, _mm512_set1_epi16(0x7F));
+  const __m512i normal = _mm512_add_epi16(_mm512_slli_epi16(magnitude, 7 - mant),
+                                          _mm512_set1_epi16(int16_t((127 - bias) << 7)));
+  const __mmask32 subnormal = _mm512_cmplt_epu16_mask(magnitude, _mm512_set1_epi16(1 << mant));
+  const __m512i value =
+      _mm512_mask_permutexvar_epi16(normal, subnormal, magnitude, subnormal_bf16_table<C>());
+  return _mm512_or_si512(value, _mm512_slli_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x80)), 8));
+}
+
+// fp8 pages with bf16 queries take the bf16 decode kernels (AVX512-BF16, AMX) over a copy
+// of the item's context widened to bf16 (exact): positions first .. seq_len - 1 of KV heads
+// kv_head .. kv_head + heads - 1 as a cache of one block (16-position aligned, zero past
+// the context) whose rows hold those heads; the scales go to the q scale and the output.
+// `context` gets the layout of that copy.
+template <typename C, int D>
+void widen_context(const C* cache, const int32_t* blocks, int64_t first, int64_t seq_len,
+                   int64_t kv_head, int64_t heads, const Layout& L, std::vector<uint16_t>& buffer,
+                   Layout& context) {
+  const int64_t n = seq_len - first, padded = (n + 15) / 16 * 16, row = heads * D;
+  buffer.resize(2 * padded * row);
+  context = L;
+  context.block_size = padded;
+  context.kv_heads = heads;
+  context.cache_half = padded * row;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t pos = first + i;
+    const C* k = cache + (blocks[pos / L.block_size] * L.block_size + pos % L.block_size) *
+                             L.kv_heads * D + kv_head * D;
+    uint16_t* kd = buffer.data() + i * row;
+    for (int64_t d = 0; d < row; d += 32) {
+      _mm512_storeu_si512(kd + d, widen32_bf16(k + d));
+      _mm512_storeu_si512(kd + context.cache_half + d, widen32_bf16(k + L.cache_half + d));
+    }
+  }
+  for (int64_t half = 0; half < 2; ++half) {
+    uint16_t* tail = buffer.data() + half * context.cache_half;
+    std::fill(tail + n * row, tail + padded * row, uint16_t{0});
+  }
+}
+#endif
 
 }  // namespace

@@ -110,9 +110,14 @@ def test_scales_change_the_stored_bytes_as_expected():
 @pytest.mark.parametrize("fp8", FP8)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("head_dim", [64, 128, 48])
-def test_cpp_decode_reads_fp8_pages(kernels, fp8, dtype, head_dim):
+@pytest.mark.parametrize("many", [False, True], ids=["per_head_items", "whole_requests"])
+def test_cpp_decode_reads_fp8_pages(kernels, fp8, dtype, head_dim, many):
+    """Few decodes: an item per (request, KV head); many (at least 8 per thread): whole
+    requests per item."""
     gen = torch.Generator().manual_seed(head_dim)
     seq_lens, kv_heads, group, block_size = [1, 15, 16, 17, 77, 300], 2, 4, 16
+    if many:
+        seq_lens = seq_lens + torch.randint(1, 200, (14,), generator=gen).tolist()
     pages16, table = random_pages(seq_lens, kv_heads, head_dim, block_size, dtype, gen, 1, 3)
     scales = (0.5, 1.7)
     pages, read = as_fp8(pages16, fp8, *scales)
