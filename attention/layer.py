@@ -44,6 +44,8 @@ class Attention(nn.Module):
     Where the rotation offers its tables (`Rotation.rope_tables`) the backend may rotate
     and store in one kernel. q is [T, num_heads * head_dim]; k and v are [T, num_kv_heads
     * head_dim]; the output is [T, num_heads * head_dim]. q and k may be rotated in place.
+    An fp8 cache stores K/V divided by the layer's k/v scales (`load_kv_scale`, from the
+    checkpoint) and is read times them.
     """
 
     def __init__(
