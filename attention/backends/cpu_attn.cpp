@@ -247,30 +247,6 @@ void decode_all(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor&
   }
 }
 
-// Token t's K and V rows, quantized, into the fp8 cache at slots[t] (t < n; -1 skipped).
-template <typename T, typename C>
-void store_fp8(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& kv_cache,
-               const int64_t* slots, int64_t n, double k_scale, double v_scale) {
-  const int64_t row = k.size(1) * k.size(2);
-  C* key_cache = kv_cache.data_ptr<C>();
-  C* value_cache = key_cache + kv_cache.stride(0);
-  const T* key = k.data_ptr<T>();
-  const T* value = v.data_ptr<T>();
-  const int64_t k_stride = k.stride(0), v_stride = v.stride(0);
-  const float ks = float(k_scale), vs = float(v_scale);
-  at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      if (slots[t] < 0) continue;
-      C* kd = key_cache + slots[t] * row;
-      C* vd = value_cache + slots[t] * row;
-      for (int64_t i = 0; i < row; ++i) {
-        kd[i] = quantize<C>(to_float(key[t * k_stride + i]), ks);
-        vd[i] = quantize<C>(to_float(value[t * v_stride + i]), vs);
-      }
-    }
-  });
-}
-
 }  // namespace
 
 // out, q: [T, num_heads, head_dim] (rows may be strided); kv_cache: [2, num_blocks,
