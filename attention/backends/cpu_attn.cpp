@@ -9,8 +9,10 @@
 //   - AMX (cpu_attn_amx.h): bf16 on CPUs with AMX-BF16, one pass with an online softmax;
 //   - AVX512-BF16 (cpu_attn_bf16.h): bf16 elsewhere, two passes;
 //   - generic (here): every dtype and head size, two passes (scores q.k for every visible
-//     position and an exact softmax over them, then the weighted sum of V rows); fp8 pages
-//     (cpu_attn_fp8.h) take it too, widened in registers, times the layer's k/v scales.
+//     position and an exact softmax over them, then the weighted sum of V rows).
+// fp8 pages (cpu_attn_fp8.h), read times the layer's k/v scales: with bf16 queries where
+// the bf16 paths are built, those over a bf16 copy of the item's context; else generic,
+// widened in registers.
 // Storage stays in the cache's dtype; softmax and accumulation are fp32.
 #include <torch/extension.h>
 
