@@ -2,7 +2,8 @@
 
 from attention.backends.base import AttentionBackend
 from attention.forward_context import ForwardContext, get_forward_context, set_forward_context
-from attention.layer import Attention
+from attention.kv_cache_dtype import kv_cache_torch_dtype
+from attention.layer import Attention, kv_scale_target
 from attention.metadata import AttentionMetadata, CommonAttentionMetadata
 from attention.rotation import RopeTables, Rotation
 from attention.selector import BACKEND_NAMES, get_attn_backend
@@ -20,5 +21,7 @@ __all__ = [
     "Rotation",
     "get_attn_backend",
     "get_forward_context",
+    "kv_cache_torch_dtype",
+    "kv_scale_target",
     "set_forward_context",
 ]

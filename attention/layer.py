@@ -1,11 +1,34 @@
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from attention.backends.base import AttentionBackend
 from attention.forward_context import get_forward_context
+from attention.kv_cache_dtype import as_float32_scale
 from attention.rotation import Rotation
 from attention.spec import AttentionSpec
+
+# Checkpoint tensors that hold a layer's fp8 KV scales, by the end of their names: vLLM's,
+# and the older output scales of the k/v projections. `kv_scale_target` maps them.
+_KV_SCALE_SUFFIXES = {
+    ".attn.k_scale": "k",
+    ".attn.v_scale": "v",
+    ".k_proj.output_scale": "k",
+    ".v_proj.output_scale": "v",
+}
+
+
+def kv_scale_target(name: str) -> tuple[str, str] | None:
+    """For a checkpoint tensor that is a KV scale, the name of the Attention module it
+    belongs to (vLLM's layout: `<...>.self_attn.attn`) and which scale ("k" or "v");
+    None for any other tensor. A model's load_weights hands the tensor to that module's
+    `load_kv_scale`."""
+    for suffix, which in _KV_SCALE_SUFFIXES.items():
+        if name.endswith(suffix):
+            return name[: -len(suffix)] + ".attn", which
+    return None
 
 
 class Attention(nn.Module):
@@ -21,6 +44,8 @@ class Attention(nn.Module):
     Where the rotation offers its tables (`Rotation.rope_tables`) the backend may rotate
     and store in one kernel. q is [T, num_heads * head_dim]; k and v are [T, num_kv_heads
     * head_dim]; the output is [T, num_heads * head_dim]. q and k may be rotated in place.
+    An fp8 cache stores K/V divided by the layer's k/v scales (`load_kv_scale`, from the
+    checkpoint) and is read times them.
     """
 
     def __init__(
@@ -37,6 +62,15 @@ class Attention(nn.Module):
         self.prefix = prefix
         self.kv_cache: torch.Tensor | None = None
         self.kv_cache_group = 0
+
+    def load_kv_scale(self, which: str, scale: torch.Tensor | float) -> None:
+        """Set the layer's fp8 K ("k") or V ("v") scale from a checkpoint tensor: a scalar,
+        or per-head values of which the largest is kept (one scale per layer)."""
+        if which not in ("k", "v"):
+            raise ValueError(f"KV scale must be 'k' or 'v', got {which!r}")
+        value = torch.as_tensor(scale).detach().float().max().item()
+        value = as_float32_scale(value, f"{self.prefix or 'attention'}.{which}_scale")
+        self.spec = dataclasses.replace(self.spec, **{f"{which}_scale": value})
 
     def forward(
         self,
@@ -75,12 +109,13 @@ class Attention(nn.Module):
         tables = rotate.rope_tables if rotate is not None else None
         if tables is not None:
             views = self._views(q, k, v)
-            if backend.rotate_and_store_kv(*views, self.kv_cache, slot_mapping, tables):
+            scales = (self.spec.k_scale, self.spec.v_scale)
+            if backend.rotate_and_store_kv(*views, self.kv_cache, slot_mapping, tables, *scales):
                 return views
         if rotate is not None:
             q, k = rotate(q, k)
         q, k, v = self._views(q, k, v)
-        backend.store_kv(k, v, self.kv_cache, slot_mapping)
+        backend.store_kv(k, v, self.kv_cache, slot_mapping, self.spec.k_scale, self.spec.v_scale)
         return q, k, v
 
     def _views(

@@ -18,9 +18,11 @@ def get_attn_backend(
     block_size: int | None = None,
     dtype: torch.dtype | None = None,
     kernels: KernelSet | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> AttentionBackend:
     """A backend instance for this device. "auto": flash_attn on CUDA when it is
-    installed and supports block_size and dtype (when given), else triton on CUDA;
+    installed and supports block_size, dtype (when given) and the KV cache dtype (flash-attn
+    2 reads no fp8 pages), else triton on CUDA;
     on CPU the C++ kernels (cpu), or torch where the kernel set has them off or they cannot
     be built. The CUDA backends store K/V with Triton where the set has Triton on.
     `kernels` defaults to the set of a model on `device` (KernelSet.for_device)."""
@@ -34,7 +36,7 @@ def get_attn_backend(
         if not on_cuda:
             module = load_cpu_attention(kernels)
             return CPUAttentionBackend(module) if module else TorchAttentionBackend()
-        if FlashAttentionBackend.supports(block_size, dtype):
+        if FlashAttentionBackend.supports(block_size, dtype) and kv_cache_dtype == "auto":
             try:
                 return FlashAttentionBackend(triton_store=kernels.triton)
             except ImportError:
@@ -43,6 +45,12 @@ def get_attn_backend(
     if name == "flash_attn":
         if not on_cuda:
             raise ValueError("attention backend flash_attn needs a CUDA device")
+        if kv_cache_dtype != "auto":
+            raise ValueError(
+                f"attention backend flash_attn cannot read an fp8 KV cache (--kv-cache-dtype "
+                f"{kv_cache_dtype}): flash-attn 2 takes fp16/bf16 pages only; use "
+                "--attention-backend triton, or --kv-cache-dtype auto"
+            )
         if not FlashAttentionBackend.supports(block_size, dtype):
             raise ValueError(
                 "attention backend flash_attn needs a block size that is a multiple of "

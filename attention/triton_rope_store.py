@@ -1,8 +1,9 @@
 """Rotary embedding on CUDA, in Triton, fused with the store-KV step where the attention
 backend asks: one program per token rotates the token's q heads and k heads in place (neox
 style) and, storing, writes the rotated k and its v into the paged KV cache at the token's
-slot (slot -1, padding, is not written). Without the store it is the rotary kernel of the
-layers (models/layers/triton_ops.py).
+slot (slot -1, padding, is not written; an fp8 cache gets them divided by the layer's
+scales, attention/triton_fp8.py). Without the store it is the rotary kernel of the layers
+(models/layers/triton_ops.py).
 
 It rounds as the torch code does (`apply_rotary` in models/layers/rotary.py, then the
 store): cos/sin rounded to the tensors' dtype, each product and each sum rounded to it,
@@ -16,6 +17,7 @@ import triton
 import triton.language as tl
 
 from attention.rotation import RopeTables
+from attention.triton_fp8 import page_format, quantize_fp8
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -73,6 +75,8 @@ def _rope_kernel(
     v_ptr,
     key_cache_ptr,
     value_cache_ptr,
+    k_scale,
+    v_scale,
     q_stride_t,
     q_stride_h,
     k_stride_t,
@@ -90,6 +94,10 @@ def _rope_kernel(
     HALF_PAD: tl.constexpr,
     STORE_KV: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    FP8: tl.constexpr,
+    MANT: tl.constexpr,
+    BIAS: tl.constexpr,
+    LIMIT: tl.constexpr,
 ):
     half: tl.constexpr = HEAD_DIM // 2
     token = tl.program_id(0).to(tl.int64)
@@ -111,10 +119,15 @@ def _rope_kernel(
         cache_mask = kv_mask & (slot >= 0)
         cache_row = (slot // BLOCK_SIZE) * cache_stride_b + (slot % BLOCK_SIZE) * cache_stride_s
         cache_first = cache_row + kv_heads[:, None] * cache_stride_h + dims[None, :]
-        tl.store(key_cache_ptr + cache_first, k1, cache_mask)
-        tl.store(key_cache_ptr + cache_first + half, k2, cache_mask)
         v_first = v_ptr + token * v_stride_t + kv_heads[:, None] * v_stride_h + dims[None, :]
         v1, v2 = tl.load(v_first, cache_mask), tl.load(v_first + half, cache_mask)
+        if FP8:
+            k1 = quantize_fp8(k1, k_scale, MANT, BIAS, LIMIT)
+            k2 = quantize_fp8(k2, k_scale, MANT, BIAS, LIMIT)
+            v1 = quantize_fp8(v1, v_scale, MANT, BIAS, LIMIT)
+            v2 = quantize_fp8(v2, v_scale, MANT, BIAS, LIMIT)
+        tl.store(key_cache_ptr + cache_first, k1, cache_mask)
+        tl.store(key_cache_ptr + cache_first + half, k2, cache_mask)
         tl.store(value_cache_ptr + cache_first, v1, cache_mask)
         tl.store(value_cache_ptr + cache_first + half, v2, cache_mask)
 
@@ -126,13 +139,15 @@ def rotate_and_store_kv(
     kv_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     tables: RopeTables,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> bool:
     """Rotates q and k in place at the tables' positions and stores the rotated k and v in
     kv_cache at slot_mapping, in one launch. It takes q [T, heads, head_dim], k and v [T,
     kv_heads, head_dim] (any token and head strides, the last dimension contiguous) and
-    kv_cache [2, num_blocks, block_size, kv_heads, head_dim], all of the tables' dtype and
-    head_dim, with one slot and one position per token; False, touching nothing, for
-    tensors it does not take."""
+    kv_cache [2, num_blocks, block_size, kv_heads, head_dim], all of the tables' dtype (or
+    an fp8 cache, written divided by the scales) and head_dim, with one slot and one
+    position per token; False, touching nothing, for tensors it does not take."""
     dtype, head_dim, num_tokens = tables.dtype, tables.head_dim, q.shape[0]
     rows_fit = all(
         t.dtype == dtype
@@ -146,7 +161,7 @@ def rotate_and_store_kv(
         rows_fit
         and dtype in DTYPES
         and k.shape == v.shape
-        and kv_cache.dtype == dtype
+        and kv_cache.dtype in (dtype, torch.float8_e4m3fn, torch.float8_e5m2)
         and kv_cache.dim() == 5
         and kv_cache.shape[3:] == k.shape[1:]
         and kv_cache.stride(4) == 1
@@ -154,9 +169,11 @@ def rotate_and_store_kv(
         and tables.positions.shape == (num_tokens,)
     ):
         return False
-    key_cache, value_cache = kv_cache.unbind(0)
+    pages, fp8 = page_format(kv_cache)
+    key_cache, value_cache = pages.unbind(0)
     positions, cos_cache, sin_cache = tables.positions, tables.cos_cache, tables.sin_cache
-    rotate(positions, cos_cache, sin_cache, q, k, (slot_mapping, v, key_cache, value_cache))
+    store = (slot_mapping, v, key_cache, value_cache, k_scale, v_scale, fp8)
+    rotate(positions, cos_cache, sin_cache, q, k, store)
     return True
 
 
@@ -166,23 +183,25 @@ def rotate(
     sin_cache: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
-    store: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    store: tuple | None = None,
 ) -> None:
     """Rotates q [T, heads, head_dim] and k [T, kv_heads, head_dim] (of one dtype, any token
     and head strides, the last dimension contiguous) in place by the contiguous float32
     cos/sin caches [max_position, head_dim / 2] at positions [T] (contiguous integers within
     the caches), one program per token; with `store` (slot_mapping, v, key_cache,
-    value_cache), also stores the rotated k and v. Without it, the rotary kernel of
+    value_cache, k_scale, v_scale, the page format's constexprs: triton_fp8.page_format),
+    also stores the rotated k and v. Without it, the rotary kernel of
     models/layers/triton_ops.py."""
     num_tokens, q_heads, head_dim = q.shape
     if num_tokens == 0:
         return
     kv_heads = k.shape[1]
     if store is None:  # the store's arguments are read by no program
-        slot_mapping, v, key_cache, value_cache = positions, k, k, k
+        slot_mapping, v, key_cache, value_cache, k_scale, v_scale = positions, k, k, k, 1.0, 1.0
         block_size, cache_strides = 1, (0, 0, 0)
+        fp8 = page_format(k)[1]
     else:
-        slot_mapping, v, key_cache, value_cache = store
+        slot_mapping, v, key_cache, value_cache, k_scale, v_scale, fp8 = store
         block_size, cache_strides = key_cache.shape[1], key_cache.stride()[:3]
     _rope_kernel[(num_tokens,)](
         positions,
@@ -194,6 +213,8 @@ def rotate(
         v,
         key_cache,
         value_cache,
+        k_scale,
+        v_scale,
         *q.stride()[:2],
         *k.stride()[:2],
         *v.stride()[:2],
@@ -206,5 +227,6 @@ def rotate(
         HALF_PAD=triton.next_power_of_2(head_dim // 2),
         STORE_KV=store is not None,
         BLOCK_SIZE=block_size,
+        **fp8,
         enable_fp_fusion=False,  # no FMA: each product is rounded, as in torch
     )

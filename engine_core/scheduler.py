@@ -16,7 +16,7 @@ from engine_core.preemption import PreemptionPolicy
 from engine_core.request import Request, RequestStatus
 from engine_core.request_checks import check_kv_cache_size, check_lengths, check_token_ids
 from engine_core.request_queue import make_request_queue
-from engine_core.scheduler_stats import SchedulerCounters
+from engine_core.scheduler_stats import SchedulerCounters, cache_config_info
 from engine_core.step_update import update_requests
 from engine_core.structured_output import StructuredOutputManager
 from ipc.config import EngineConfig
@@ -67,7 +67,7 @@ class Scheduler:
         self.pending_outputs: list[EngineCoreOutput] = []
         self.structured_output = StructuredOutputManager(config)
         self.step_id = 0
-        self.counters = SchedulerCounters()
+        self.counters = SchedulerCounters(cache_config_info(config, kv_cache_manager))
 
     @property
     def needs_lockstep(self) -> bool:

@@ -4,15 +4,36 @@ from __future__ import annotations
 
 import bisect
 
+from ipc.config import EngineConfig
 from ipc.messages import ITERATION_TOKEN_BUCKETS, SchedulerStats
 from kv_cache import KVCacheManager
 
 
+def cache_config_info(config: EngineConfig, kv_cache_manager: KVCacheManager) -> dict[str, str]:
+    """The labels of vLLM's cache_config_info metric (its CacheConfig's fields, as strings)
+    that this engine has: the KV cache as the workers allocated it. num_cpu_blocks is the
+    host tier's."""
+    host = kv_cache_manager.host_block_pool
+    fields = {
+        "block_size": config.block_size,
+        "cache_dtype": config.kv_cache_dtype,
+        "enable_prefix_caching": config.enable_prefix_caching,
+        "gpu_memory_utilization": config.gpu_memory_utilization,
+        "kv_cache_memory_bytes": config.kv_cache_memory,
+        "num_cpu_blocks": 0 if host is None else host.num_blocks,
+        "num_gpu_blocks": kv_cache_manager.block_pool.num_blocks,
+        "num_gpu_blocks_override": config.num_gpu_blocks_override,
+    }
+    return {name: str(value) for name, value in fields.items()}
+
+
 class SchedulerCounters:
     """Counts since start: preemptions, prompt and generated tokens, each step's scheduled
-    tokens (by ITERATION_TOKEN_BUCKETS, and their sum) and the prefix cache's lookups."""
+    tokens (by ITERATION_TOKEN_BUCKETS, and their sum) and the prefix cache's lookups; and
+    the fixed cache_config_info labels every SchedulerStats carries."""
 
-    def __init__(self) -> None:
+    def __init__(self, cache_config_info: dict[str, str] | None = None) -> None:
+        self.cache_config_info = cache_config_info or {}
         self.num_preemptions = 0
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
@@ -51,4 +72,5 @@ class SchedulerCounters:
             host_cache_hits=self.host_cache_hits,
             iteration_tokens=list(self.iteration_tokens),
             iteration_tokens_sum=self.iteration_tokens_sum,
+            cache_config_info=self.cache_config_info,
         )

@@ -49,6 +49,8 @@ class PreemptionMode(str, enum.Enum):
 
 PREEMPTION_MODES = tuple(mode.value for mode in PreemptionMode)
 ATTENTION_BACKENDS = ("auto", "flash_attn", "triton", "cpu", "torch")
+# vLLM's names: fp8 is fp8_e4m3.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 DEVICES = ("auto", "cpu", "cuda")
 # --quantization values: a checkpoint's own (quantization_config.quant_method, or gguf for
 # a .gguf file) and the online methods, which quantize a 16-bit checkpoint at load.
@@ -134,6 +136,15 @@ class EngineConfig:
         ),
     )
     block_size: int = field(default=16, metadata=option("tokens per KV cache block"))
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata=option(
+            "the KV cache's dtype; auto: the model's. fp8 (= fp8_e4m3) and fp8_e5m2 store "
+            "K/V in 8 bits with per-layer scales (1.0, or the checkpoint's k_scale/v_scale): "
+            "about twice the blocks in the same memory",
+            choices=KV_CACHE_DTYPES,
+        ),
+    )
     max_num_seqs: int = field(default=256, metadata=option("requests in one step, at most"))
     max_num_batched_tokens: int | None = field(
         default=None,

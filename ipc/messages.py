@@ -146,6 +146,8 @@ class SchedulerStats(_Wire):
     # entry: more than every bound); and those steps' tokens, summed.
     iteration_tokens: list[int] = []
     iteration_tokens_sum: int = 0
+    # The KV cache's fixed settings, as the labels of vLLM's cache_config_info metric.
+    cache_config_info: dict[str, str] = {}
 
 
 class EngineCoreOutputs(_Tagged):

@@ -92,6 +92,14 @@ class EngineStatsCollector:
                 metric.add_metric([self.model_name], value)
                 yield metric
         yield self._iteration_tokens(s)
+        if s.cache_config_info:
+            labels = {LABEL: self.model_name, **s.cache_config_info}
+            info = GaugeMetricFamily(
+                PREFIX + "cache_config_info", "Information of the KV cache's configuration.",
+                labels=list(labels),
+            )  # fmt: skip
+            info.add_metric(list(labels.values()), 1)
+            yield info
 
     def _iteration_tokens(self, s: SchedulerStats) -> HistogramMetricFamily:
         """Tokens per engine step, from the EngineCore's counts per bucket."""

@@ -5,7 +5,7 @@ Each device cache tensor [2, num_blocks, block_size, num_kv_heads, head_dim] has
 twin [2, num_host_blocks, ...] of the same dtype, pinned when the device is CUDA. A block
 id addresses one page in each tensor, so one pair of ids moves a page of every tensor.
 On a CPU device both tiers are ordinary CPU memory; the copies are still real copies
-between the two pools.
+between the two pools. fp8 pages are copied as bytes (torch has no fp8 index_copy_).
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import time
 from collections.abc import Sequence
 
 import torch
+
+from attention.kv_cache_dtype import is_fp8
 
 BlockPairs = Sequence[Sequence[int]]
 
@@ -39,24 +41,27 @@ class HostKVCache:
         with the host's data, and the host keeps its old data. Synchronous for swap_out
         (the host side is written here); swap_in is queued on the device's stream, ahead
         of the forward that reads it."""
+        device_tensors = [_as_bytes(t) for t in self.device_tensors]
+        host_tensors = [_as_bytes(t) for t in self.host_tensors]
         if swap_out:
             device_ids, host_ids = _split(swap_out, self.device)
-            for device_tensor, host_tensor in zip(
-                self.device_tensors, self.host_tensors, strict=True
-            ):
+            for device_tensor, host_tensor in zip(device_tensors, host_tensors, strict=True):
                 pages = device_tensor.index_select(1, device_ids).to("cpu")
                 host_tensor.index_copy_(1, host_ids, pages)
         if swap_in:
             host_ids, device_ids = _split(swap_in, self.device, device_side=1)
             pin = self.device.type == "cuda"
-            for device_tensor, host_tensor in zip(
-                self.device_tensors, self.host_tensors, strict=True
-            ):
+            for device_tensor, host_tensor in zip(device_tensors, host_tensors, strict=True):
                 shape = (host_tensor.shape[0], len(swap_in), *host_tensor.shape[2:])
                 staged = torch.empty(shape, dtype=host_tensor.dtype, pin_memory=pin)
                 torch.index_select(host_tensor, 1, host_ids, out=staged)
                 pages = staged.to(self.device, non_blocking=pin)
                 device_tensor.index_copy_(1, device_ids, pages)
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """fp8 tensors as uint8 views (same bytes); others as they are."""
+    return tensor.view(torch.uint8) if is_fp8(tensor.dtype) else tensor
 
 
 def _split(

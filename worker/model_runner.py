@@ -1,11 +1,12 @@
 import logging
 import time
 from collections import deque
+from dataclasses import replace
 
 import numpy as np
 import torch
 
-from attention import get_attn_backend, set_forward_context
+from attention import get_attn_backend, kv_cache_torch_dtype, set_forward_context
 from ipc.config import EngineConfig
 from ipc.messages import ModelRunnerOutput, SchedulerOutput
 from ipc.utils import cdiv
@@ -74,7 +75,11 @@ class ModelRunner:
             block_size=config.block_size,
             dtype=self.dtype,
             kernels=self.kernels,
+            kv_cache_dtype=config.kv_cache_dtype,
         )
+        self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
+        for layer in self.model.attention_layers():
+            layer.spec = replace(layer.spec, kv_cache_dtype=config.kv_cache_dtype)
         self.block_size = config.block_size
         self.max_model_len = config.max_model_len
         self.max_num_tokens = config.token_budget(self.device.type)
@@ -121,7 +126,7 @@ class ModelRunner:
 
     def kv_cache_bytes_per_block(self) -> int:
         """A block id addresses one page in each of the cache's group_size tensors."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = self.kv_cache_dtype.itemsize
         num_tensors = group_size(self.kv_cache_groups)
         return 2 * num_tensors * self.block_size * self.num_kv_heads * self.head_dim * elem
 
@@ -159,7 +164,7 @@ class ModelRunner:
         page_shape = (self.block_size, self.num_kv_heads, self.head_dim)
         num_tensors = group_size(self.kv_cache_groups)
         self.block_copy_seconds = measure_block_copy_seconds(
-            num_tensors, page_shape, self.dtype, self.device
+            num_tensors, page_shape, self.kv_cache_dtype, self.device
         )
         per_token = profiled_seconds_per_token
         if per_token is None:
@@ -202,8 +207,8 @@ class ModelRunner:
 
         def zeros() -> torch.Tensor:
             if self.device.type == "cpu":
-                return zeros_on_huge_pages(shape, self.dtype)
-            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+                return zeros_on_huge_pages(shape, self.kv_cache_dtype)
+            return torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
 
         tensors = [zeros() for _ in range(group_size(self.kv_cache_groups))]
         layers = self.model.attention_layers()
@@ -217,7 +222,7 @@ class ModelRunner:
             num_blocks,
             self.block_size,
             num_blocks * self.kv_cache_bytes_per_block() / 2**30,
-            self.dtype,
+            self.kv_cache_dtype,
             len(self.kv_cache_groups),
             ", ".join(
                 f"{len(g.layers)} layer(s) "

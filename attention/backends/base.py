@@ -49,12 +49,20 @@ class AttentionBackend(ABC):
         were written to the buffers it views: drop what was derived from earlier values."""
 
     def store_kv(
-        self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> None:
         """Write k/v ([T, num_kv_heads, head_size]) into kv_cache ([2, num_blocks,
         block_size, num_kv_heads, head_size]) at flat slot ids; slot -1 (padding) is
-        skipped. Here with torch ops; a backend with a kernel of its own overrides it."""
-        store_kv_torch(k, v, kv_cache, slot_mapping)
+        skipped. An fp8 cache stores them divided by the layer's scales, as
+        `store_kv_torch` does. Here with torch ops; a backend with a kernel of its own
+        overrides it."""
+        store_kv_torch(k, v, kv_cache, slot_mapping, k_scale, v_scale)
 
     def rotate_and_store_kv(
         self,
@@ -64,6 +72,8 @@ class AttentionBackend(ABC):
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
         tables: RopeTables,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> bool:
         """Rotate q and k ([T, heads, head_size]) in place by `tables` and store k and v as
         `store_kv` does, in one kernel, where the backend has one that takes these tensors.
@@ -80,8 +90,9 @@ class AttentionBackend(ABC):
         md: AttentionMetadata,
     ) -> torch.Tensor:
         """Attention of the step's query rows: q [T, num_heads, head_dim], k/v [T,
-        num_kv_heads, head_dim] (already in kv_cache), the output like q with the
-        padding rows past md.num_actual_tokens zeroed."""
+        num_kv_heads, head_dim] (already in kv_cache; fp8 pages read times spec.k_scale
+        and spec.v_scale), the output like q with the padding rows past
+        md.num_actual_tokens zeroed."""
         out = torch.empty_like(q)
         out[md.num_actual_tokens :] = 0
         self.attend(spec, q, k, v, kv_cache, md, out)

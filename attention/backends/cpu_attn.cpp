@@ -10,6 +10,9 @@
 //   - AVX512-BF16 (cpu_attn_bf16.h): bf16 elsewhere, two passes;
 //   - generic (here): every dtype and head size, two passes (scores q.k for every visible
 //     position and an exact softmax over them, then the weighted sum of V rows).
+// fp8 pages (cpu_attn_fp8.h), read times the layer's k/v scales: with bf16 queries where
+// the bf16 paths are built, those over a bf16 copy of the item's context; else generic,
+// widened in registers.
 // Storage stays in the cache's dtype; softmax and accumulation are fp32.
 #include <torch/extension.h>
 
@@ -37,6 +40,12 @@ struct Layout {
   int64_t q_row_stride, out_row_stride, table_stride;
   int64_t cache_half;  // elements between kv_cache[0] and kv_cache[1]
 };
+
+}  // namespace
+
+#include "cpu_attn_fp8.h"
+
+namespace {
 
 // Each of the `rows` rows of n scores becomes its softmax, in place.
 inline void softmax_rows(float* scores, int64_t rows, int64_t n) {
@@ -86,28 +95,31 @@ inline void prefetch_block(const T* cache, const int32_t* blocks, int64_t block_
     }
 }
 
-template <typename T, int D>
-inline float dot(const float* q, const T* k, int64_t dim) {
+template <typename C, int D>
+inline float dot(const float* q, const C* k, int64_t dim) {
+  if constexpr (kIsFp8<C> && D > 0) return dot_fp8<C, D>(q, k);
   const int64_t n = D > 0 ? D : dim;
   float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
-  for (int64_t d = 0; d < n; ++d) acc += q[d] * to_float(k[d]);
+  for (int64_t d = 0; d < n; ++d) acc += q[d] * page_value(k[d]);
   return acc;
 }
 
-template <typename T, int D>
-inline void axpy(float* acc, float p, const T* v, int64_t dim) {
+template <typename C, int D>
+inline void axpy(float* acc, float p, const C* v, int64_t dim) {
+  if constexpr (kIsFp8<C> && D > 0) return axpy_fp8<C, D>(acc, p, v);
   const int64_t n = D > 0 ? D : dim;
 #pragma omp simd
-  for (int64_t d = 0; d < n; ++d) acc[d] += p * to_float(v[d]);
+  for (int64_t d = 0; d < n; ++d) acc[d] += p * page_value(v[d]);
 }
 
 
-// One (request, KV head) item: out rows of the G query heads of kv_head.
-template <typename T, int D>
-void attend_item(const T* q, T* out, const T* cache, const int32_t* blocks, int64_t first,
-                 int64_t seq_len, int64_t kv_head, float scale, const Layout& L,
-                 std::vector<float>& work) {
+// One (request, KV head) item: out rows of the G query heads of kv_head. Cache values are
+// read in page units (cpu_attn_fp8.h): k_mul and v_mul turn them into K and V.
+template <typename T, typename C, int D>
+void attend_item(const T* q, T* out, const C* cache, const int32_t* blocks, int64_t first,
+                 int64_t seq_len, int64_t kv_head, float scale, float k_mul, float v_mul,
+                 const Layout& L, std::vector<float>& work) {
   const int64_t dim = L.head_dim, G = L.group, n = seq_len - first;
   work.resize(G * dim * 2 + G * n);
   float* qf = work.data();
@@ -115,7 +127,7 @@ void attend_item(const T* q, T* out, const T* cache, const int32_t* blocks, int6
   float* scores = acc + G * dim;
   for (int64_t g = 0; g < G; ++g) {
     const T* qrow = q + (kv_head * G + g) * dim;
-    for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = to_float(qrow[d]) * scale;
+    for (int64_t d = 0; d < dim; ++d) qf[g * dim + d] = to_float(qrow[d]) * (scale * k_mul);
   }
   const int64_t row_stride = L.kv_heads * dim;
   auto row = [&](int64_t pos) {  // offset of (pos, kv_head) in kv_cache[0]
@@ -125,22 +137,22 @@ void attend_item(const T* q, T* out, const T* cache, const int32_t* blocks, int6
   for (int64_t pos = first; pos < seq_len;) {
     const int64_t end = std::min(seq_len, (pos / L.block_size + 1) * L.block_size);
     prefetch_block(cache, blocks, pos / L.block_size + kPrefetchBlocks, seq_len, kv_head, dim, L);
-    const T* k = cache + row(pos);
+    const C* k = cache + row(pos);
     for (; pos < end; ++pos, k += row_stride)
-      for (int64_t g = 0; g < G; ++g) scores[g * n + pos - first] = dot<T, D>(qf + g * dim, k, dim);
+      for (int64_t g = 0; g < G; ++g) scores[g * n + pos - first] = dot<C, D>(qf + g * dim, k, dim);
   }
   softmax_rows(scores, G, n);
   std::fill(acc, acc + G * dim, 0.0f);
-  const T* values = cache + L.cache_half;
+  const C* values = cache + L.cache_half;
   for (int64_t pos = first; pos < seq_len;) {
     const int64_t end = std::min(seq_len, (pos / L.block_size + 1) * L.block_size);
-    const T* v = values + row(pos);
+    const C* v = values + row(pos);
     for (; pos < end; ++pos, v += row_stride)
-      for (int64_t g = 0; g < G; ++g) axpy<T, D>(acc + g * dim, scores[g * n + pos - first], v, dim);
+      for (int64_t g = 0; g < G; ++g) axpy<C, D>(acc + g * dim, scores[g * n + pos - first], v, dim);
   }
   for (int64_t g = 0; g < G; ++g) {
     T* orow = out + (kv_head * G + g) * dim;
-    for (int64_t d = 0; d < dim; ++d) orow[d] = static_cast<T>(acc[g * dim + d]);
+    for (int64_t d = 0; d < dim; ++d) orow[d] = static_cast<T>(acc[g * dim + d] * v_mul);
   }
 }
 
@@ -152,6 +164,8 @@ void attend_item(const T* q, T* out, const T* cache, const int32_t* blocks, int6
 
 namespace {
 
+constexpr int32_t kOneBlock[1] = {0};  // the block table of a widened context
+
 // Whether a bf16 decode with this layout takes the AMX path (items of at most 16 query
 // heads, chunks of 16 positions within a block).
 bool takes_amx_path(const Layout& L) {
@@ -162,13 +176,15 @@ bool takes_amx_path(const Layout& L) {
 #endif
 }
 
-template <typename T, int D>
+template <typename T, typename C, int D>
 void decode_all(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& kv_cache,
                 const torch::Tensor& block_table, const torch::Tensor& seq_lens,
                 const torch::Tensor& reqs, const torch::Tensor& rows, double scale,
-                int64_t window, const Layout& L) {
-  // Whole requests per item when there are enough of them to keep every thread busy.
-  constexpr bool kBf16Path = std::is_same_v<T, at::BFloat16> && D > 0 && kHaveBf16Path;
+                int64_t window, float k_mul, float v_mul, const Layout& L) {
+  // Whole requests per item when there are enough of them to keep every thread busy. fp8
+  // pages with bf16 queries take the bf16 kernels over a widened copy (cpu_attn_fp8.h).
+  constexpr bool kBf16Path = std::is_same_v<T, at::BFloat16> &&
+                             (std::is_same_v<C, T> || kIsFp8<C>) && D > 0 && kHaveBf16Path;
   const bool whole = kBf16Path && reqs.size(0) >= kWholeRequestsPerThread * at::get_num_threads();
   const bool amx = kBf16Path && takes_amx_path(L);
   int64_t heads = whole ? L.kv_heads : 1;
@@ -176,7 +192,7 @@ void decode_all(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor&
   const int64_t items_per_req = L.kv_heads / heads, num_items = reqs.size(0) * items_per_req;
   const T* q_ptr = q.data_ptr<T>();
   T* out_ptr = out.data_ptr<T>();
-  const T* cache = kv_cache.data_ptr<T>();
+  const C* cache = kv_cache.data_ptr<C>();
   const int32_t* table = block_table.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int64_t* req_ptr = reqs.data_ptr<int64_t>();
@@ -184,6 +200,7 @@ void decode_all(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor&
 #pragma omp parallel num_threads(at::get_num_threads())
   {
     std::vector<float> work;
+    std::vector<uint16_t> widened;
 #if defined(SPLITSERVE_AMX)
     if (amx) configure_score_tiles(L.group);
 #endif
@@ -197,20 +214,34 @@ void decode_all(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor&
       const int32_t* blocks = table + req * L.table_stride;
 #if defined(SPLITSERVE_AVX512_BF16)
       if constexpr (kBf16Path) {
+        const at::BFloat16* pages = reinterpret_cast<const at::BFloat16*>(cache);
+        Layout layout = L;
+        int64_t from = first, to = seq_len, head = kv_head;
+        float item_scale = static_cast<float>(scale), out_scale = 1.0f;
+        if constexpr (kIsFp8<C>) {  // widened values are the fp8 ones, not page units
+          widen_context<C, D>(cache, blocks, first, seq_len, kv_head, heads, L, widened, layout);
+          pages = reinterpret_cast<const at::BFloat16*>(widened.data());
+          blocks = kOneBlock;
+          from = 0, to = seq_len - first, head = 0;
+          q_row += kv_head * L.group * D;
+          out_row += kv_head * L.group * D;
+          item_scale *= k_mul / kPageUnit<C>;
+          out_scale = v_mul / kPageUnit<C>;
+        }
 #if defined(SPLITSERVE_AMX)
         if (amx) {
-          attend_item_amx<D>(q_row, out_row, cache, blocks, first, seq_len, kv_head, heads,
-                             static_cast<float>(scale), L, work);
+          attend_item_amx<D>(q_row, out_row, pages, blocks, from, to, head, heads, item_scale,
+                             layout, work, out_scale);
           continue;
         }
 #endif
-        attend_item_bf16<D>(q_row, out_row, cache, blocks, first, seq_len, kv_head, heads,
-                            static_cast<float>(scale), L, work);
+        attend_item_bf16<D>(q_row, out_row, pages, blocks, from, to, head, heads, item_scale,
+                            layout, work, out_scale);
         continue;
       }
 #endif
-      attend_item<T, D>(q_row, out_row, cache, blocks, first, seq_len, kv_head,
-                        static_cast<float>(scale), L, work);
+      attend_item<T, C, D>(q_row, out_row, cache, blocks, first, seq_len, kv_head,
+                           static_cast<float>(scale), k_mul, v_mul, L, work);
     }
 #if defined(SPLITSERVE_AMX)
     if (amx) _tile_release();
@@ -223,17 +254,21 @@ void decode_all(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor&
 // out, q: [T, num_heads, head_dim] (rows may be strided); kv_cache: [2, num_blocks,
 // block_size, num_kv_heads, head_dim]; block_table [R, max_blocks] int32; seq_lens [R]
 // int32; reqs, rows [N] int64: decode i is request reqs[i], query row rows[i]. window <= 0
-// means none; otherwise the last `window` positions are visible.
+// means none; otherwise the last `window` positions are visible. An fp8 cache (q of any
+// float dtype) is read times k_scale and v_scale.
 void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache,
                   torch::Tensor block_table, torch::Tensor seq_lens, torch::Tensor reqs,
-                  torch::Tensor rows, double scale, int64_t window) {
+                  torch::Tensor rows, double scale, int64_t window, double k_scale,
+                  double v_scale) {
   TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "paged_decode runs on CPU");
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && kv_cache.dim() == 5, "bad ranks");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q rows must be dense");
   TORCH_CHECK(out.stride(2) == 1 && out.stride(1) == out.size(2), "out rows must be dense");
   TORCH_CHECK(kv_cache.is_contiguous() && block_table.is_contiguous(), "cache, table dense");
-  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() && out.scalar_type() == q.scalar_type(),
-              "q, out and kv_cache must share a dtype");
+  const auto cache_type = kv_cache.scalar_type();
+  const bool fp8 = cache_type == at::kFloat8_e4m3fn || cache_type == at::kFloat8_e5m2;
+  TORCH_CHECK((fp8 || q.scalar_type() == cache_type) && out.scalar_type() == q.scalar_type(),
+              "q, out and kv_cache must share a dtype (or kv_cache be fp8)");
   TORCH_CHECK(block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
               "block_table and seq_lens are int32");
   TORCH_CHECK(reqs.scalar_type() == at::kLong && rows.scalar_type() == at::kLong, "int64 ids");
@@ -245,33 +280,45 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache,
   const Layout L{kv_cache.size(2), kv_heads,  dim,
                  q.size(1) / kv_heads, q.stride(0), out.stride(0),
                  block_table.stride(0), kv_cache.stride(0)};
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
+  auto run = [&](auto q_type, auto cache_type_tag) {
+    using T = decltype(q_type);
+    using C = decltype(cache_type_tag);
+    const float k_mul = kIsFp8<C> ? float(k_scale) * kPageUnit<C> : 1.0f;
+    const float v_mul = kIsFp8<C> ? float(v_scale) * kPageUnit<C> : 1.0f;
     switch (dim) {
       case 64:
-        return decode_all<scalar_t, 64>(out, q, kv_cache, block_table, seq, req, row, scale,
-                                        window, L);
+        return decode_all<T, C, 64>(out, q, kv_cache, block_table, seq, req, row, scale, window,
+                                    k_mul, v_mul, L);
       case 128:
-        return decode_all<scalar_t, 128>(out, q, kv_cache, block_table, seq, req, row, scale,
-                                         window, L);
+        return decode_all<T, C, 128>(out, q, kv_cache, block_table, seq, req, row, scale,
+                                     window, k_mul, v_mul, L);
       default:
-        return decode_all<scalar_t, 0>(out, q, kv_cache, block_table, seq, req, row, scale,
-                                       window, L);
+        return decode_all<T, C, 0>(out, q, kv_cache, block_table, seq, req, row, scale, window,
+                                   k_mul, v_mul, L);
     }
+  };
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
+    if (cache_type == at::kFloat8_e4m3fn) return run(scalar_t{}, E4M3{});
+    if (cache_type == at::kFloat8_e5m2) return run(scalar_t{}, E5M2{});
+    return run(scalar_t{}, scalar_t{});
   });
 }
 
 // k, v: [T, num_kv_heads, head_dim] (rows may be strided, as views of one projection);
 // kv_cache as above; slot_mapping [N <= T] int64 flat slot ids, -1 = skip. Token t's K and
-// V rows are copied to kv_cache[0] and kv_cache[1] at slot_mapping[t]. Returns false,
-// writing nothing, where the rows are not dense (the caller stores them another way).
+// V rows are copied to kv_cache[0] and kv_cache[1] at slot_mapping[t]; an fp8 cache gets
+// them divided by k_scale and v_scale (cpu_attn_fp8.h). Returns false, writing nothing,
+// where the rows are not dense (the caller stores them another way).
 bool store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor kv_cache,
-              torch::Tensor slot_mapping) {
+              torch::Tensor slot_mapping, double k_scale, double v_scale) {
   TORCH_CHECK(k.device().is_cpu() && v.device().is_cpu() && kv_cache.device().is_cpu(),
               "store_kv runs on CPU");
   TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && kv_cache.dim() == 5, "bad ranks");
   TORCH_CHECK(kv_cache.is_contiguous(), "kv_cache must be dense");
-  TORCH_CHECK(k.scalar_type() == kv_cache.scalar_type() && v.scalar_type() == k.scalar_type(),
-              "k, v and kv_cache must share a dtype");
+  const auto cache_type = kv_cache.scalar_type();
+  const bool fp8 = cache_type == at::kFloat8_e4m3fn || cache_type == at::kFloat8_e5m2;
+  TORCH_CHECK((fp8 || k.scalar_type() == cache_type) && v.scalar_type() == k.scalar_type(),
+              "k, v and kv_cache must share a dtype (or kv_cache be fp8)");
   TORCH_CHECK(k.size(1) == kv_cache.size(3) && k.size(2) == kv_cache.size(4) &&
                   v.sizes() == k.sizes(),
               "k/v heads do not match the cache");
@@ -285,6 +332,15 @@ bool store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor kv_cache,
   const int64_t* slots = slots_t.data_ptr<int64_t>();
   for (int64_t t = 0; t < n; ++t)
     TORCH_CHECK(slots[t] < num_slots, "slot ", slots[t], " is outside the cache");
+  if (fp8) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "store_kv", [&] {
+      if (cache_type == at::kFloat8_e4m3fn)
+        store_fp8<scalar_t, E4M3>(k, v, kv_cache, slots, n, k_scale, v_scale);
+      else
+        store_fp8<scalar_t, E5M2>(k, v, kv_cache, slots, n, k_scale, v_scale);
+    });
+    return true;
+  }
   const int64_t elem = kv_cache.element_size(), row_bytes = k.size(1) * k.size(2) * elem;
   char* key_cache = static_cast<char*>(kv_cache.data_ptr());
   char* value_cache = key_cache + kv_cache.stride(0) * elem;
@@ -310,9 +366,18 @@ bool has_amx_path() {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "Paged decode attention reading K/V in place");
+  namespace py = pybind11;
+  m.def("paged_decode", &paged_decode, "Paged decode attention reading K/V in place",
+        py::arg("out"), py::arg("q"), py::arg("kv_cache"), py::arg("block_table"),
+        py::arg("seq_lens"), py::arg("reqs"), py::arg("rows"), py::arg("scale"),
+        py::arg("window"), py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0);
   m.def("paged_prefill", &paged_prefill,
-        "Causal prefill attention over the paged cache (AMX); false where it takes none");
+        "Causal prefill attention over the paged cache (AMX); false where it takes none",
+        py::arg("out"), py::arg("q"), py::arg("kv_cache"), py::arg("block_table"),
+        py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("reqs"), py::arg("scale"),
+        py::arg("window"), py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0);
   m.def("has_amx_path", &has_amx_path, "Whether the AMX paths are built and usable");
-  m.def("store_kv", &store_kv, "Write this step's K/V rows into the paged cache");
+  m.def("store_kv", &store_kv, "Write this step's K/V rows into the paged cache", py::arg("k"),
+        py::arg("v"), py::arg("kv_cache"), py::arg("slot_mapping"), py::arg("k_scale") = 1.0,
+        py::arg("v_scale") = 1.0);
 }

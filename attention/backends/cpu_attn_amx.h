@@ -125,7 +125,8 @@ inline int64_t pair_slot(int64_t d) {
 template <int D>
 void attend_item_amx(const at::BFloat16* q_row, at::BFloat16* out, const at::BFloat16* cache_bf16,
                      const int32_t* blocks, int64_t first, int64_t seq_len, int64_t kv_head,
-                     int64_t heads, float scale, const Layout& L, std::vector<float>& work) {
+                     int64_t heads, float scale, const Layout& L, std::vector<float>& work,
+                     float out_scale = 1.0f) {
   constexpr int GB = D <= 64 ? 4 : 2;
   const int64_t G = L.group, HG = heads * G, row_stride = L.kv_heads * D;
   const auto* q = reinterpret_cast<const uint16_t*>(q_row) + kv_head * G * D;
@@ -232,7 +233,7 @@ void attend_item_amx(const at::BFloat16* q_row, at::BFloat16* out, const at::BFl
   _mm512_store_ps(total, sum);
   at::BFloat16* o = out + kv_head * G * D;
   for (int64_t j = 0; j < HG; ++j) {
-    const float inv = 1.0f / total[j];
+    const float inv = out_scale / total[j];
     for (int64_t d = 0; d < D; ++d)
       o[j * D + d] = static_cast<at::BFloat16>(acc[j * D + pair_slot(d)] * inv);
   }

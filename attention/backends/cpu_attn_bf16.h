@@ -93,7 +93,8 @@ inline void bf16_values(const float* p, int64_t n, const uint16_t* values,
 template <int D>
 void attend_item_bf16(const at::BFloat16* q_row, at::BFloat16* out, const at::BFloat16* cache_bf16,
                       const int32_t* blocks, int64_t first, int64_t seq_len, int64_t kv_head,
-                      int64_t heads, float scale, const Layout& L, std::vector<float>& work) {
+                      int64_t heads, float scale, const Layout& L, std::vector<float>& work,
+                      float out_scale = 1.0f) {
   constexpr int GB = D <= 64 ? 4 : (D <= 128 ? 2 : 1);
   const int64_t G = L.group, n = seq_len - first, row_stride = L.kv_heads * D;
   const auto* q = reinterpret_cast<const uint16_t*>(q_row) + kv_head * G * D;
@@ -134,7 +135,7 @@ void attend_item_bf16(const at::BFloat16* q_row, at::BFloat16* out, const at::BF
       }
     }
   at::BFloat16* o = out + kv_head * G * D;
-  for (int64_t i = 0; i < heads * G * D; ++i) o[i] = static_cast<at::BFloat16>(acc[i]);
+  for (int64_t i = 0; i < heads * G * D; ++i) o[i] = static_cast<at::BFloat16>(acc[i] * out_scale);
 }
 #endif
 

@@ -29,7 +29,8 @@ class CPUAttentionBackend(TorchAttentionBackend):
     says so: bf16 layers without a window, on a CPU with AMX), reading every context
     position from the cache, prefix or not; elsewhere they keep the torch path: fresh
     prompts attend to this step's k/v with SDPA's fused kernel, and a cached prefix is
-    gathered once per request. K/V are stored by a C++ row copy."""
+    gathered once per request. K/V are stored by a C++ row copy. fp8 pages are read and
+    written by every kernel here (cpu_attn_fp8.h)."""
 
     name = "cpu"
 
@@ -42,9 +43,9 @@ class CPUAttentionBackend(TorchAttentionBackend):
         rows = common.query_start_loc_cpu.long()[split.decode_reqs]
         return CPUAttentionMetadata.from_common(common, split=split, decode_query_rows=rows)
 
-    def store_kv(self, k, v, kv_cache, slot_mapping) -> None:
-        if not self._kernels.store_kv(k, v, kv_cache, slot_mapping):
-            super().store_kv(k, v, kv_cache, slot_mapping)
+    def store_kv(self, k, v, kv_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> None:
+        if not self._kernels.store_kv(k, v, kv_cache, slot_mapping, k_scale, v_scale):
+            super().store_kv(k, v, kv_cache, slot_mapping, k_scale, v_scale)
 
     def attend(self, spec, q, k, v, kv_cache, md: AttentionMetadata, out) -> None:
         assert isinstance(md, CPUAttentionMetadata), "metadata of another backend"
@@ -60,6 +61,8 @@ class CPUAttentionBackend(TorchAttentionBackend):
                 md.decode_query_rows,
                 spec.scale,
                 window,
+                spec.k_scale,
+                spec.v_scale,
             )
         if md.split.num_prefills and self._kernels.paged_prefill(
             out,
@@ -71,6 +74,8 @@ class CPUAttentionBackend(TorchAttentionBackend):
             md.split.prefill_reqs,
             spec.scale,
             window,
+            spec.k_scale,
+            spec.v_scale,
         ):
             return
         for req in md.split.prefill_reqs_cpu:

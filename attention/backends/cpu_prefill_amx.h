@@ -10,6 +10,9 @@
 //      (transformers' eager attention casts probabilities to the value dtype too);
 //   3. O^T = V^T . P^T per 16 dims, over chunks of 32 keys: A = V^T rows (transposed once
 //      per request and KV head, before the items run), B = the pairs of pass 2.
+// fp8 pages (bf16 queries) are widened to bf16 once per request and KV head, before the
+// items run: V into V^T as above, K into dense rows that pass 1 reads instead of the pages
+// (exact: every fp8 value is a bf16); the layer's scales scale the scores and the output.
 #pragma once
 
 #include <utility>
@@ -59,27 +62,58 @@ struct PrefillLayout {
   int64_t vt_stride;  // keys per V^T row (the longest context, rounded up to 32)
 };
 
+// A page element's bf16 bits: bf16 pages' own, fp8 pages' value in page units.
+template <typename C>
+inline uint16_t bf16_page_bits(C x) {
+  if constexpr (kIsFp8<C>) {
+    const float f = page_value(x);
+    uint32_t bits;
+    std::memcpy(&bits, &f, sizeof bits);
+    return uint16_t(bits >> 16);
+  } else {
+    return x;
+  }
+}
+
 // V^T of one request and KV head: vt[d * vt_stride + k] = V[k][d], zero past seq_len.
-template <int D>
-void transpose_values(const uint16_t* values, const int32_t* blocks, int64_t seq_len,
+template <int D, typename C>
+void transpose_values(const C* values, const int32_t* blocks, int64_t seq_len,
                       int64_t kv_head, const PrefillLayout& L, uint16_t* vt) {
   const int64_t row_stride = L.kv_heads * D;
   for (int64_t k = 0; k < seq_len; ++k) {
-    const uint16_t* v = values + (blocks[k / L.block_size] * L.block_size + k % L.block_size) *
-                                     row_stride + kv_head * D;
-    for (int64_t d = 0; d < D; ++d) vt[d * L.vt_stride + k] = v[d];
+    const C* v = values + (blocks[k / L.block_size] * L.block_size + k % L.block_size) *
+                              row_stride + kv_head * D;
+    for (int64_t d = 0; d < D; ++d) vt[d * L.vt_stride + k] = bf16_page_bits(v[d]);
   }
   const int64_t padded = (seq_len + 31) / 32 * 32;
   for (int64_t d = 0; d < D; ++d)
     std::fill(vt + d * L.vt_stride + seq_len, vt + d * L.vt_stride + padded, uint16_t{0});
 }
 
-// Query rows q_rows[0..n) (n <= 16) of head `head`, at positions first_pos + i.
+// K rows of one request and KV head as dense bf16 rows: kd[k * D + d] = K[k][d], zero
+// from seq_len to the next multiple of 32.
+template <int D, typename C>
+void widen_keys(const C* keys, const int32_t* blocks, int64_t seq_len, int64_t kv_head,
+                const PrefillLayout& L, uint16_t* kd) {
+  const int64_t row_stride = L.kv_heads * D;
+  for (int64_t k = 0; k < seq_len; ++k) {
+    const C* row = keys + (blocks[k / L.block_size] * L.block_size + k % L.block_size) *
+                              row_stride + kv_head * D;
+    for (int64_t d = 0; d < D; ++d) kd[k * D + d] = bf16_page_bits(row[d]);
+  }
+  std::fill(kd + seq_len * D, kd + (seq_len + 31) / 32 * 32 * D, uint16_t{0});
+}
+
+// Query rows q_rows[0..n) (n <= 16) of head `head`, at positions first_pos + i. K rows are
+// read from the pages by `blocks`, or where blocks is null from `keys` as dense rows of
+// this KV head (widen_keys). The output is scaled by out_scale.
 template <int D>
 void prefill_tile(const uint16_t* q, uint16_t* out, int64_t n, int64_t first_pos,
                   const uint16_t* keys, const uint16_t* vt, const int32_t* blocks, int64_t head,
-                  float scale, const PrefillLayout& L, std::vector<float>& work) {
+                  float scale, float out_scale, const PrefillLayout& L,
+                  std::vector<float>& work) {
   const int64_t kv_head = head / L.group, row_stride = L.kv_heads * D;
+  const int64_t key_stride = blocks ? row_stride : D;
   const int64_t num_keys = first_pos + n, padded = (num_keys + 31) / 32 * 32;
   // work: scores [padded x 16] fp32 | P^T pairs [padded / 2 x 16] | Q^T pairs [D/32][16 x 16]
   work.resize(padded * 16 + padded * 8 + D * 8);
@@ -94,11 +128,12 @@ void prefill_tile(const uint16_t* q, uint16_t* out, int64_t n, int64_t first_pos
     for (int64_t r = 0; r < 16; ++r) _mm512_storeu_ps(q_tiles + (c * 16 + r) * 16, words[r]);
   }
   for (int64_t start = 0; start < num_keys; start += 16) {
-    const uint16_t* k = keys + (blocks[start / L.block_size] * L.block_size +
-                                start % L.block_size) * row_stride + kv_head * D;
+    const uint16_t* k = blocks ? keys + (blocks[start / L.block_size] * L.block_size +
+                                         start % L.block_size) * row_stride + kv_head * D
+                               : keys + start * D;
     _tile_zero(0);
     for (int64_t c = 0; c < D / 32; ++c) {
-      _tile_loadd(1, k + 32 * c, row_stride * 2);
+      _tile_loadd(1, k + 32 * c, key_stride * 2);
       _tile_loadd(2, q_tiles + c * 256, 64);
       _tile_dpbf16ps(0, 1, 2);
     }
@@ -131,7 +166,7 @@ void prefill_tile(const uint16_t* q, uint16_t* out, int64_t n, int64_t first_pos
     _mm512_storeu_si512(p_pairs + key * 8, pair_rows(p[0], p[1]));
   }
   alignas(64) float inv[16];
-  _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.0f), sum));
+  _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(out_scale), sum));
   alignas(64) float o[16 * 16];
   for (int64_t d0 = 0; d0 < D; d0 += 64) {
     _tile_zero(3);
@@ -176,26 +211,111 @@ void prefill_tile(const uint16_t* q, uint16_t* out, int64_t n, int64_t first_pos
   }
 }
 
+// Every tile of the step's prefills: V^T (and for fp8 pages dense K rows) of each prefill
+// and KV head first, then the (tile, head) items.
+template <typename C>
+void prefill_all(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& kv_cache,
+                 const torch::Tensor& block_table, const int32_t* lens, const int32_t* starts,
+                 const int64_t* req_ids, int64_t num_prefills, double scale, double k_scale,
+                 double v_scale) {
+  const int64_t kv_heads = kv_cache.size(3), dim = kv_cache.size(4), heads = q.size(1);
+  int64_t longest = 32;
+  std::vector<std::pair<int64_t, int64_t>> tiles;  // (prefill index, first query row)
+  for (int64_t p = 0; p < num_prefills; ++p) {
+    const int64_t r = req_ids[p];
+    TORCH_CHECK(starts[r + 1] - starts[r] <= lens[r], "more queries than context");
+    longest = std::max<int64_t>(longest, lens[r]);
+    for (int64_t row = starts[r]; row < starts[r + 1]; row += 16) tiles.emplace_back(p, row);
+  }
+  const PrefillLayout L{kv_cache.size(2),  kv_heads,      heads / kv_heads, q.stride(0),
+                        out.stride(0),     block_table.stride(0), kv_cache.stride(0),
+                        (longest + 31) / 32 * 32};
+  // V^T (and dense K) of every prefill and KV head, kept between a thread's calls (every
+  // layer of a step asks for the same size), so that no layer maps and unmaps megabytes.
+  static thread_local std::vector<uint16_t> vt, kd;
+  const int64_t widened = num_prefills * kv_heads * dim * L.vt_stride;
+  vt.resize(widened);
+  kd.resize(kIsFp8<C> ? widened : 0);
+  const C* cache = static_cast<const C*>(kv_cache.data_ptr());
+  const auto* q_ptr = reinterpret_cast<const uint16_t*>(q.data_ptr());
+  auto* out_ptr = reinterpret_cast<uint16_t*>(out.data_ptr());
+  uint16_t* vt_ptr = vt.data();
+  uint16_t* kd_ptr = kd.data();
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  const int64_t num_items = static_cast<int64_t>(tiles.size()) * heads;
+  const float unit = kPageUnit<C>;
+  const float score_scale = float(scale) * (kIsFp8<C> ? float(k_scale) * unit : 1.0f);
+  const float out_scale = kIsFp8<C> ? float(v_scale) * unit : 1.0f;
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < num_prefills * kv_heads; ++item) {
+      const int64_t p = item / kv_heads, h = item % kv_heads, r = req_ids[p];
+      uint16_t* dst = vt_ptr + item * dim * L.vt_stride;
+      const int32_t* blocks = table + r * L.table_stride;
+      if (dim == 64)
+        transpose_values<64>(cache + L.cache_half, blocks, lens[r], h, L, dst);
+      else
+        transpose_values<128>(cache + L.cache_half, blocks, lens[r], h, L, dst);
+      if constexpr (kIsFp8<C>) {
+        uint16_t* keys = kd_ptr + item * dim * L.vt_stride;
+        if (dim == 64)
+          widen_keys<64>(cache, blocks, lens[r], h, L, keys);
+        else
+          widen_keys<128>(cache, blocks, lens[r], h, L, keys);
+      }
+    }
+    configure_prefill_tiles();
+    std::vector<float> work;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < num_items; ++item) {
+      const auto [p, row] = tiles[item / heads];
+      const int64_t head = item % heads, r = req_ids[p];
+      const int64_t n = std::min<int64_t>(16, starts[r + 1] - row);
+      const int64_t first_pos = lens[r] - (starts[r + 1] - row);
+      const int64_t widened_at = (p * kv_heads + head / L.group) * dim * L.vt_stride;
+      const uint16_t* v_t = vt_ptr + widened_at;
+      const int32_t* blocks = table + r * L.table_stride;
+      const uint16_t* keys = reinterpret_cast<const uint16_t*>(cache);
+      if constexpr (kIsFp8<C>) {
+        keys = kd_ptr + widened_at;
+        blocks = nullptr;
+      }
+      const uint16_t* q_rows = q_ptr + row * L.q_row_stride;
+      uint16_t* out_rows = out_ptr + row * L.out_row_stride;
+      if (dim == 64)
+        prefill_tile<64>(q_rows, out_rows, n, first_pos, keys, v_t, blocks, head, score_scale,
+                         out_scale, L, work);
+      else
+        prefill_tile<128>(q_rows, out_rows, n, first_pos, keys, v_t, blocks, head, score_scale,
+                          out_scale, L, work);
+    }
+    _tile_release();
+  }
+}
+
 }  // namespace
 #endif
 
 // The kernel entry (bound in cpu_attn.cpp). q, out: [T, num_heads,
-// head_dim] with dense rows; kv_cache as above, holding every context position already;
-// block_table [R, max_blocks] int32 (rows may be strided); seq_lens [R] int32;
-// query_start_loc [R + 1] int32; reqs [P] int64: the prefills, whose query rows are
-// query_start_loc[r] .. query_start_loc[r + 1] - 1, the last positions of their context;
-// window > 0: the layer's sliding window. Returns false, computing nothing, where this is
-// no prefill the kernel takes (no AMX in the build or for the process, not bf16, a window,
-// head_dim other than 64 or 128, blocks not a multiple of 16 positions): the caller runs
-// its own. Inputs that do not fit together raise.
+// head_dim] with dense rows; kv_cache as above, holding every context position already
+// (bf16, or fp8 read times k_scale and v_scale); block_table [R, max_blocks] int32 (rows
+// may be strided); seq_lens [R] int32; query_start_loc [R + 1] int32; reqs [P] int64: the
+// prefills, whose query rows are query_start_loc[r] .. query_start_loc[r + 1] - 1, the
+// last positions of their context; window > 0: the layer's sliding window. Returns false,
+// computing nothing, where this is no prefill the kernel takes (no AMX in the build or for
+// the process, q not bf16, a window, head_dim other than 64 or 128, blocks not a multiple
+// of 16 positions): the caller runs its own. Inputs that do not fit together raise.
 bool paged_prefill(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache,
                    torch::Tensor block_table, torch::Tensor seq_lens,
                    torch::Tensor query_start_loc, torch::Tensor reqs, double scale,
-                   int64_t window) {
+                   int64_t window, double k_scale, double v_scale) {
   TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "paged_prefill runs on CPU");
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && kv_cache.dim() == 5, "bad ranks");
-  TORCH_CHECK(q.scalar_type() == kv_cache.scalar_type() && out.scalar_type() == q.scalar_type(),
-              "q, out and kv_cache must share a dtype");
+  const auto cache_type = kv_cache.scalar_type();
+  const bool fp8 = cache_type == at::kFloat8_e4m3fn || cache_type == at::kFloat8_e5m2;
+  TORCH_CHECK((fp8 || q.scalar_type() == cache_type) && out.scalar_type() == q.scalar_type(),
+              "q, out and kv_cache must share a dtype (or kv_cache be fp8)");
   const int64_t kv_heads = kv_cache.size(3), dim = kv_cache.size(4), heads = q.size(1);
   TORCH_CHECK(q.size(2) == dim && heads % kv_heads == 0, "head shapes do not match");
 #if defined(SPLITSERVE_AMX)
@@ -214,60 +334,15 @@ bool paged_prefill(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache,
   const int32_t* starts = starts_t.data_ptr<int32_t>();
   const int64_t* req_ids = reqs_t.data_ptr<int64_t>();
   const int64_t num_prefills = reqs_t.size(0);
-  int64_t longest = 32;
-  std::vector<std::pair<int64_t, int64_t>> tiles;  // (prefill index, first query row)
-  for (int64_t p = 0; p < num_prefills; ++p) {
-    const int64_t r = req_ids[p];
-    TORCH_CHECK(starts[r + 1] - starts[r] <= lens[r], "more queries than context");
-    longest = std::max<int64_t>(longest, lens[r]);
-    for (int64_t row = starts[r]; row < starts[r + 1]; row += 16) tiles.emplace_back(p, row);
-  }
-  const PrefillLayout L{kv_cache.size(2),  kv_heads,      heads / kv_heads, q.stride(0),
-                        out.stride(0),     block_table.stride(0), kv_cache.stride(0),
-                        (longest + 31) / 32 * 32};
-  // V^T of every prefill and KV head, kept between a thread's calls (every layer of a
-  // step asks for the same size), so that no layer maps and unmaps megabytes.
-  static thread_local std::vector<uint16_t> vt;
-  vt.resize(num_prefills * kv_heads * dim * L.vt_stride);
-  const auto* cache = reinterpret_cast<const uint16_t*>(kv_cache.data_ptr());
-  const auto* q_ptr = reinterpret_cast<const uint16_t*>(q.data_ptr());
-  auto* out_ptr = reinterpret_cast<uint16_t*>(out.data_ptr());
-  uint16_t* vt_ptr = vt.data();
-  const int32_t* table = block_table.data_ptr<int32_t>();
-  const int64_t num_items = static_cast<int64_t>(tiles.size()) * heads;
-#pragma omp parallel num_threads(at::get_num_threads())
-  {
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < num_prefills * kv_heads; ++item) {
-      const int64_t p = item / kv_heads, h = item % kv_heads, r = req_ids[p];
-      uint16_t* dst = vt_ptr + item * dim * L.vt_stride;
-      const int32_t* blocks = table + r * L.table_stride;
-      if (dim == 64)
-        transpose_values<64>(cache + L.cache_half, blocks, lens[r], h, L, dst);
-      else
-        transpose_values<128>(cache + L.cache_half, blocks, lens[r], h, L, dst);
-    }
-    configure_prefill_tiles();
-    std::vector<float> work;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < num_items; ++item) {
-      const auto [p, row] = tiles[item / heads];
-      const int64_t head = item % heads, r = req_ids[p];
-      const int64_t n = std::min<int64_t>(16, starts[r + 1] - row);
-      const int64_t first_pos = lens[r] - (starts[r + 1] - row);
-      const uint16_t* v_t = vt_ptr + (p * kv_heads + head / L.group) * dim * L.vt_stride;
-      const int32_t* blocks = table + r * L.table_stride;
-      const uint16_t* q_rows = q_ptr + row * L.q_row_stride;
-      uint16_t* out_rows = out_ptr + row * L.out_row_stride;
-      if (dim == 64)
-        prefill_tile<64>(q_rows, out_rows, n, first_pos, cache, v_t, blocks, head,
-                         static_cast<float>(scale), L, work);
-      else
-        prefill_tile<128>(q_rows, out_rows, n, first_pos, cache, v_t, blocks, head,
-                          static_cast<float>(scale), L, work);
-    }
-    _tile_release();
-  }
+  if (cache_type == at::kFloat8_e4m3fn)
+    prefill_all<E4M3>(out, q, kv_cache, block_table, lens, starts, req_ids, num_prefills, scale,
+                      k_scale, v_scale);
+  else if (cache_type == at::kFloat8_e5m2)
+    prefill_all<E5M2>(out, q, kv_cache, block_table, lens, starts, req_ids, num_prefills, scale,
+                      k_scale, v_scale);
+  else
+    prefill_all<uint16_t>(out, q, kv_cache, block_table, lens, starts, req_ids, num_prefills,
+                          scale, k_scale, v_scale);
   return true;
 #else
   return false;

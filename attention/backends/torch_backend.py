@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from attention.backends.base import AttentionBackend
 from attention.batch_split import DecodeGroup
+from attention.kv_cache_dtype import dequantize_fp8, is_fp8
 from attention.metadata import AttentionMetadata, CommonAttentionMetadata
 from attention.spec import AttentionSpec
 from ipc.utils import cdiv
@@ -89,7 +90,7 @@ class TorchAttentionBackend(AttentionBackend):
             (index, spec.sliding_window),
             lambda: _decode_layout(md, group, spec.sliding_window, block_size),
         )
-        keys, values = self._gather(kv_cache, block_ids)
+        keys, values = self._gather(spec, kv_cache, block_ids, q.dtype)
         shape = (num_decodes, valid.shape[-1], spec.num_kv_heads, spec.head_size)
         query = q[group.rows].view(num_decodes, spec.num_kv_heads, -1, spec.head_size)
         result = F.scaled_dot_product_attention(
@@ -115,7 +116,7 @@ class TorchAttentionBackend(AttentionBackend):
             block_size = kv_cache.shape[2]
             first -= first % block_size
             blocks = md.block_table[req, first // block_size : cdiv(seq_len, block_size)]
-            keys, values = self._gather(kv_cache, blocks)
+            keys, values = self._gather(spec, kv_cache, blocks, q.dtype)
             heads = (-1, spec.num_kv_heads, spec.head_size)
             keys = keys.view(heads)[: seq_len - first]
             values = values.view(heads)[: seq_len - first]
@@ -139,8 +140,11 @@ class TorchAttentionBackend(AttentionBackend):
         )
         out[start:end] = result[0].transpose(0, 1)
 
-    def _gather(self, kv_cache: torch.Tensor, block_ids: torch.Tensor):
-        """K and V pages of block_ids ([n] ids -> two [n, block_size, heads, dim] views)."""
+    def _gather(
+        self, spec: AttentionSpec, kv_cache: torch.Tensor, block_ids: torch.Tensor, dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V pages of block_ids ([n] ids -> two [n, block_size, heads, dim] tensors),
+        fp8 pages read as `dtype` times the layer's scales."""
         page_shape = kv_cache.shape[2:]
         numel = 2 * block_ids.numel() * page_shape.numel()
         key = (kv_cache.dtype, kv_cache.device)
@@ -151,6 +155,9 @@ class TorchAttentionBackend(AttentionBackend):
         pages = buffer[:numel].view(2, block_ids.numel(), *page_shape)
         torch.index_select(kv_cache[0], 0, block_ids, out=pages[0])
         torch.index_select(kv_cache[1], 0, block_ids, out=pages[1])
+        if is_fp8(kv_cache.dtype):
+            keys = dequantize_fp8(pages[0], spec.k_scale, dtype)
+            return keys, dequantize_fp8(pages[1], spec.v_scale, dtype)
         return pages[0], pages[1]
 
 

@@ -97,6 +97,8 @@ class TritonAttentionBackend(TritonStoreBackend):
             seq_lens=md.seq_lens,
             scale=spec.scale,
             sliding_window=spec.sliding_window,
+            k_scale=spec.k_scale,
+            v_scale=spec.v_scale,
         )
         if split.num_decodes:
             partials = self._decode_partials(split.num_decodes, q, kv_cache, md.block_table)

@@ -16,6 +16,10 @@ CUDA graph can replay it); a range that is empty (a short context, or one wholly
 the sliding window) leaves a neutral partial. Each program writes its unnormalised
 partial (running max, sum, accumulator) in float32 to scratch, and a small kernel
 combines the NUM_SPLITS partials of every (request, head) into `out`.
+
+fp8 pages (attention/triton_fp8.py) are widened to q's dtype as they are loaded (exact);
+the layer's k_scale is folded into the score scale and its v_scale into the accumulator
+as it is written out.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from attention.triton_fp8 import dequantize_fp8, page_format
 
 LOG2E = 1.4426950408889634
 
@@ -40,6 +46,7 @@ def _paged_attention_kernel(
     seq_lens_ptr,
     req_ids_ptr,
     scale_log2,
+    v_scale,
     sliding_window,
     q_stride_t,
     q_stride_h,
@@ -64,6 +71,10 @@ def _paged_attention_kernel(
     SLIDING: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    FP8: tl.constexpr,
+    MANT: tl.constexpr,
+    BIAS: tl.constexpr,
+    LIMIT: tl.constexpr,
 ):
     launch_row = tl.program_id(0).to(tl.int64)
     req = tl.load(req_ids_ptr + launch_row).to(tl.int64)
@@ -109,7 +120,9 @@ def _paged_attention_kernel(
             ) + kv_head * cache_stride_h
             kv_offsets = slot_offsets[:, None] + dims[None, :]
             kv_mask = pos_valid[:, None] & dim_valid[None, :]
-            k = tl.load(key_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+            k = tl.load(key_cache_ptr + kv_offsets, mask=kv_mask, other=0)
+            if FP8:
+                k = dequantize_fp8(k, 1.0, MANT).to(q.dtype)
             scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
             visible = pos_valid[None, :] & (pos[None, :] <= query_pos[:, None])
             if SLIDING:
@@ -120,11 +133,14 @@ def _paged_attention_kernel(
             p = tl.exp2(scores - m_safe[:, None])
             alpha = tl.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(value_cache_ptr + kv_offsets, mask=kv_mask, other=0.0)
+            v = tl.load(value_cache_ptr + kv_offsets, mask=kv_mask, other=0)
+            if FP8:
+                v = dequantize_fp8(v, 1.0, MANT).to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
 
         out_mask = row_valid[:, None] & dim_valid[None, :]
+        acc = acc * v_scale
         if NUM_SPLITS > 1:
             partial = (launch_row * num_heads + head) * NUM_SPLITS + split
             tl.store(partial_max_ptr + partial, m_i, row_valid)
@@ -223,15 +239,21 @@ def paged_attention(
     partials: SplitPartials | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Attend the query tokens of requests req_ids, writing their rows of out.
 
     q/out [T, num_heads, head_dim], kv_cache [2, num_blocks, block_size, num_kv_heads,
     head_dim], last dims contiguous. block_q = 1 is the decode kernel; a decode launch
     given `partials` splits each context into partials.num_splits ranges. num_warps and
-    num_stages go to Triton's launcher (None: its defaults).
+    num_stages go to Triton's launcher (None: its defaults). An fp8 cache is read times
+    k_scale and v_scale.
     """
-    key_cache, value_cache = kv_cache.unbind(0)
+    pages, fp8 = page_format(kv_cache)
+    if not fp8["FP8"]:
+        k_scale = v_scale = 1.0
+    key_cache, value_cache = pages.unbind(0)
     _, block_size, num_kv_heads, head_dim = key_cache.shape
     assert q.stride(-1) == out.stride(-1) == key_cache.stride(-1) == 1
     group = q.shape[1] // num_kv_heads
@@ -254,7 +276,8 @@ def paged_attention(
         query_start_loc,
         seq_lens,
         req_ids,
-        scale * LOG2E,
+        scale * LOG2E * k_scale,
+        v_scale,
         sliding_window or 0,
         q.stride(0),
         q.stride(1),
@@ -279,6 +302,7 @@ def paged_attention(
         # round the inputs to tf32 (about 1e-3 off on a GPU).
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         NUM_SPLITS=num_splits,
+        **fp8,
         **{name: value for name, value in tuning.items() if value is not None},
     )
     if partials is not None:

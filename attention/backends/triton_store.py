@@ -18,13 +18,11 @@ class TritonStoreBackend(AttentionBackend):
         self.triton_store = triton_store
         self.cudagraph_support = self.cudagraph_support and triton_store
 
-    def store_kv(
-        self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
-    ) -> None:
+    def store_kv(self, k, v, kv_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> None:
         if self.triton_store and kv_cache.is_cuda:
-            store_kv_triton(k, v, kv_cache, slot_mapping)
+            store_kv_triton(k, v, kv_cache, slot_mapping, k_scale, v_scale)
         else:
-            super().store_kv(k, v, kv_cache, slot_mapping)
+            super().store_kv(k, v, kv_cache, slot_mapping, k_scale, v_scale)
 
     def rotate_and_store_kv(
         self,
@@ -34,7 +32,9 @@ class TritonStoreBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
         tables: RopeTables,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> bool:
         if not (self.triton_store and kv_cache.is_cuda):
             return False
-        return rotate_and_store_kv(q, k, v, kv_cache, slot_mapping, tables)
+        return rotate_and_store_kv(q, k, v, kv_cache, slot_mapping, tables, k_scale, v_scale)

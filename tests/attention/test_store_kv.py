@@ -118,9 +118,9 @@ def triton_stores(monkeypatch) -> list[str]:
     """The devices of the caches the Triton store kernel writes (it still runs)."""
     calls: list[str] = []
 
-    def spy(k, v, kv_cache, slot_mapping):
+    def spy(k, v, kv_cache, slot_mapping, *scales):
         calls.append(kv_cache.device.type)
-        return store_kv_triton(k, v, kv_cache, slot_mapping)
+        return store_kv_triton(k, v, kv_cache, slot_mapping, *scales)
 
     monkeypatch.setattr(triton_store, "store_kv_triton", spy)
     return calls

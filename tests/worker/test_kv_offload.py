@@ -45,11 +45,15 @@ def reference_copies(device, host, swap_out, swap_in):
 
 def assert_pools_equal(actual, expected):
     for a, e in zip(actual, expected, strict=True):
+        if a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # torch.equal has no fp8
+            a, e = a.view(torch.uint8), e.view(torch.uint8)
         for block in range(a.shape[1]):
             assert torch.equal(a[:, block].cpu(), e[:, block]), f"page {block} differs"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2]
+)
 @pytest.mark.parametrize("seed", range(4))
 def test_copy_blocks_equals_page_by_page_copies(kernel_device, dtype, seed):
     rng = random.Random(seed)
