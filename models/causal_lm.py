@@ -10,9 +10,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from attention import Attention
+from attention import Attention, kv_scale_target
 from models.layers.embedding import ParallelLMHead
-from models.layers.utils import default_weight_loader
+from models.layers.utils import default_weight_loader, full_weight
 
 
 class CausalLM(nn.Module):
@@ -82,6 +82,11 @@ class CausalLM(nn.Module):
                 continue
             if self.tie_word_embeddings and name.startswith("lm_head."):
                 continue  # shares model.embed_tokens.weight
+            kv_scale = kv_scale_target(name)
+            if kv_scale is not None:  # not a parameter: read by an fp8 KV cache
+                module, which = kv_scale
+                self.get_submodule(module).load_kv_scale(which, full_weight(weight))
+                continue
             for param_name, weight_name, shard_id in self.stacked_params_mapping:
                 if f".{weight_name}." not in name:
                     continue

@@ -1,5 +1,6 @@
-"""Linear layers on block-quantized weights on the CPU (cpu_quant_linear.cpp), and the
-torch fallback that dequantizes per call.
+"""Linear layers on block-quantized weights on the CPU (cpu_quant_linear.cpp), on CUDA
+through the Triton matmul (triton_quant_linear.py), and the torch fallback that
+dequantizes per call.
 
 `prepare_quant_weight` runs once at load: the weight stays quantized (made contiguous,
 which copies only a narrowed shard). `quant_linear` then picks by x's dtype and rows:
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 
 from kernels import KernelSet
 from models.quantization.block_quant import BlockQuantWeight
+from models.quantization.triton_quant_linear import triton_quant_linear
 
 # Up to these rows the kernels beat dequantizing for torch's matmul (measured on
 # SmolLM2-135M's shapes, one thread's CPU time, with AMX: benchmarks/quant_linear_bench.py).
@@ -41,6 +43,7 @@ class PreparedQuantWeight:
 
     weight: BlockQuantWeight
     kernel: ModuleType | None
+    triton: bool = False  # a CUDA weight the Triton matmul computes on
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -48,6 +51,8 @@ class PreparedQuantWeight:
 
 
 def prepare_quant_weight(w: BlockQuantWeight, kernels: KernelSet) -> PreparedQuantWeight:
+    if w.qweight.device.type == "cuda":
+        return PreparedQuantWeight(w, None, triton=kernels.triton)
     kernel = quant_kernel(kernels)
     if kernel is None or w.qweight.device.type != "cpu":
         return PreparedQuantWeight(w, None)
@@ -70,6 +75,8 @@ def quant_linear(
 ) -> torch.Tensor:
     """x [..., K] W^T (+ bias) -> [..., N] in x's dtype."""
     q = w.weight
+    if w.triton and x.is_cuda:
+        return triton_quant_linear(x, q, bias)
     if w.kernel is None or x.device.type != "cpu":
         return torch_quant_linear(x, q, bias)
     if x.dim() != 2:

@@ -204,3 +204,12 @@ def test_kernels_off_keep_the_weight_for_torch():
     assert prepared.kernel is None and prepared.weight is w
     x = torch.randn(2, 64).bfloat16()
     assert torch.equal(quant_linear(x, prepared), torch_quant_linear(x, w))
+
+
+def test_a_cuda_weight_goes_to_triton_only_when_the_set_says(monkeypatch):
+    import models.quantization.cpu_quant_linear as mod
+
+    w = BlockQuantWeight(8, torch.zeros(4, 32, dtype=torch.int8), torch.ones(4, 1), None, 32)
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda t: torch.device("cuda")))
+    on, off = (mod.prepare_quant_weight(w, KernelSet(triton=t)) for t in (True, False))
+    assert (on.triton, on.kernel, off.triton, off.kernel) == (True, None, False, None)
