@@ -75,7 +75,7 @@ class PartsLinear:
 
     def __init__(self, parts: list[Part]) -> None:
         self.parts = parts
-        self.prepared: list[Any] = list(parts)
+        self.bind_kernels(KernelSet())  # the torch code until the layer's set is bound
 
     def bind_kernels(self, kernels: KernelSet) -> None:
         self.prepared = [

@@ -249,6 +249,7 @@ def test_awq_modules_to_not_convert_stay_dense():
 
 def test_a_16_bit_model_computes_with_float16_scales(fake_tp):
     fake_tp(0, 1)
+    torch.manual_seed(0)
     fmt = IntFormat("gptq", bits=4, group=32, desc_act=True)
     weights = {None: fmt.quantize("l.down_proj", torch.randn(64, 256))}
     old = torch.get_default_dtype()
@@ -262,4 +263,5 @@ def test_a_16_bit_model_computes_with_float16_scales(fake_tp):
     x = torch.randn(5, 256)
     out = layer.quant_method.apply(layer, x.bfloat16())
     assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.float(), x @ weights[None][1].t(), rtol=0.05, atol=0.2)
+    # bf16 x is quantized to int8 per 32 features (half a step: max|x| / 254) on decode
+    torch.testing.assert_close(out.float(), x @ weights[None][1].t(), rtol=0.05, atol=0.5)
