@@ -139,7 +139,7 @@ def splitserve(model: str, note: str = "") -> Server:
     if not model.endswith(".gguf"):
         argv += ["--dtype", "bfloat16"]
     port = free_port()
-    return Server("splitserve", [*argv, "--port", str(port)], port, {"ignore_eos": True}, note)
+    return Server("splitserve", [*argv, "--port", str(port)], port, {"ignore_eos": True}, note=note)
 
 
 def peers(args: argparse.Namespace) -> list[Server]:
@@ -220,7 +220,7 @@ def main() -> None:
         if server.note:
             notes.append(f"{server.name}: {server.note}")
     print(
-        f"{os.path.basename(args.gguf)}; {cpu_name()}, {os.cpu_count()} CPUs; prompt ~100 "
+        f"{os.path.basename(args.gguf)}; {cpu_name()}, {os.cpu_count()} CPUs; prompts of ~85 "
         f"tokens, {args.output_len} output tokens, {args.num_requests} requests per concurrency"
     )
     print(table(rows, args))
