@@ -119,15 +119,20 @@ async def measure(server: Server, model: str, args: argparse.Namespace) -> dict[
             one, full = await timed(1), await timed(args.output_len)
             decode.append((args.output_len - 1) / (full - one))
         result = {"decode": statistics.median(decode)}
+
+        async def one_request(i: int, max_tokens: int, gate: asyncio.Semaphore) -> int:
+            async with gate:
+                return await complete(
+                    client, body(f"Request {i}. {TEXT}", max_tokens) | server.body
+                )
+
+        top = asyncio.Semaphore(max(args.concurrency))  # warm-up: one batch of each server
+        warm_up = range(args.num_requests, args.num_requests + max(args.concurrency))
+        await asyncio.gather(*(one_request(i, 8, top) for i in warm_up))
         for c in args.concurrency:
-
-            async def one_request(i: int, gate: asyncio.Semaphore) -> int:
-                async with gate:
-                    prompt = f"Request {i}. {TEXT}"
-                    return await complete(client, body(prompt, args.output_len) | server.body)
-
             gate, start = asyncio.Semaphore(c), time.perf_counter()
-            tokens = await asyncio.gather(*(one_request(i, gate) for i in range(args.num_requests)))
+            n, m = args.num_requests, args.output_len
+            tokens = await asyncio.gather(*(one_request(i, m, gate) for i in range(n)))
             result[f"c{c}"] = sum(tokens) / (time.perf_counter() - start)
             if sum(tokens) != args.num_requests * args.output_len:
                 server.note += f" c={c}: {sum(tokens)} tokens, short of the ones asked for;"
@@ -143,7 +148,7 @@ def splitserve(model: str, note: str = "") -> Server:
 
 
 def peers(args: argparse.Namespace) -> list[Server]:
-    threads = str(os.cpu_count())
+    threads = str(args.llama_threads)
     parallel = max(args.concurrency)
     return [
         Server("llama-server", [args.llama_server, "-m", args.gguf, "--host", "127.0.0.1",
@@ -197,6 +202,7 @@ def main() -> None:
     p.add_argument("--llama-server", required=True, help="llama.cpp's llama-server binary")
     p.add_argument("--llama-cpp-python", required=True, help="the python with llama_cpp")
     p.add_argument("--llama-lib", help="run llama-cpp-python on this folder's libllama")
+    p.add_argument("--llama-threads", type=int, default=os.cpu_count(), help="default: all CPUs")
     p.add_argument("--servers", default="splitserve,llama-server,llama-cpp-python")
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--num-requests", type=int, default=64)
