@@ -120,19 +120,18 @@ async def measure(server: Server, model: str, args: argparse.Namespace) -> dict[
             decode.append((args.output_len - 1) / (full - one))
         result = {"decode": statistics.median(decode)}
 
-        async def one_request(i: int, max_tokens: int, gate: asyncio.Semaphore) -> int:
+        async def one_request(tag: str, max_tokens: int, gate: asyncio.Semaphore) -> int:
             async with gate:
                 return await complete(
-                    client, body(f"Request {i}. {TEXT}", max_tokens) | server.body
+                    client, body(f"Request {tag}. {TEXT}", max_tokens) | server.body
                 )
 
         top = asyncio.Semaphore(max(args.concurrency))  # warm-up: one batch of each server
-        warm_up = range(args.num_requests, args.num_requests + max(args.concurrency))
-        await asyncio.gather(*(one_request(i, 8, top) for i in warm_up))
+        await asyncio.gather(*(one_request(f"w{i}", 8, top) for i in range(max(args.concurrency))))
         for c in args.concurrency:
             gate, start = asyncio.Semaphore(c), time.perf_counter()
             n, m = args.num_requests, args.output_len
-            tokens = await asyncio.gather(*(one_request(i, m, gate) for i in range(n)))
+            tokens = await asyncio.gather(*(one_request(f"{c}-{i}", m, gate) for i in range(n)))
             result[f"c{c}"] = sum(tokens) / (time.perf_counter() - start)
             if sum(tokens) != args.num_requests * args.output_len:
                 server.note += f" c={c}: {sum(tokens)} tokens, short of the ones asked for;"
