@@ -170,7 +170,8 @@ def start_splitserve(args: argparse.Namespace) -> tuple[Server, subprocess.Popen
     except RuntimeError as e:
         from models.default import default_model_path
 
-        note = f"GGUF not served ({str(e)[-100:]}), measured the bf16 model folder;"
+        reason = str(e).rsplit(" | ", 1)[-1][:120]
+        note = f"GGUF not served ({reason}); measured the bf16 model folder;"
         server = splitserve(default_model_path(), note)
         return server, *start(server, args.start_timeout)
 
