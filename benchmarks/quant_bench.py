@@ -8,8 +8,8 @@ engine refuses (its flag or file type not built yet) is reported as unsupported.
 For B concurrent streams (prompts of --prompt-len random token ids, --output-len tokens
 each, greedy, EOS ignored), decode tok/s = B * (N - 1) / (t_N - t_1), where t_N is the time
 `generate` takes for N tokens per stream and t_1 for one: the time after every stream has
-its first token. The prompts are generated for a few tokens first (a warm-up), so both
-timings prefill the same way.
+its first token. The whole run goes once first as a warm-up (the first pass over each
+context length is several times slower), and both timings prefill the same way.
 
 Bytes read per decoded token, by format: the weights a step reads (every linear layer and
 the tied LM head; GGUF: the file's tensors as stored; int8/fp8: 1 byte a weight plus an fp32
@@ -80,7 +80,7 @@ def decode_rate(llm, streams: int, args: argparse.Namespace) -> tuple[float, lis
         outs = llm.generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - start, list(outs[0].outputs[0].token_ids)
 
-    run(8)  # a few decode steps first: some kernels build or tune on their first call
+    run(args.output_len)  # warm-up: the first pass over each context length is slow
     one, _ = run(1)
     full, tokens = run(args.output_len)
     return streams * (args.output_len - 1) / (full - one), tokens
