@@ -113,7 +113,7 @@ async def measure(server: Server, model: str, args: argparse.Namespace) -> dict[
                 raise RuntimeError(f"{server.name}: {got} tokens, asked for {max_tokens}")
             return time.perf_counter() - start
 
-        await timed(8)
+        await timed(args.output_len)  # warm-up: first passes over new lengths are slow
         decode = []
         for _ in range(args.repeats):
             one, full = await timed(1), await timed(args.output_len)
