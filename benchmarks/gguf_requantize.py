@@ -1,0 +1,79 @@
+r"""Requantize a GGUF file to another block type, once, with gguf-py.
+
+The default model ships only as Q4_1 (its token embedding as Q8_0); no 16-bit GGUF of it
+exists. A Q8_0 file for the benchmarks is made by dequantizing every quantized tensor and
+quantizing it again to Q8_0, copying the metadata. Its weights are the Q4_1 model's
+(requantized), not an 8-bit quantization of the original checkpoint.
+
+    python -m benchmarks.gguf_requantize [--type Q8_0] [--src FILE] [--dst FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+from gguf.constants import LlamaFileType
+from gguf.quants import dequantize, quantize
+
+UNQUANTIZED = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
+FILE_TYPES = {"Q8_0": LlamaFileType.MOSTLY_Q8_0, "Q4_0": LlamaFileType.MOSTLY_Q4_0}
+
+
+def requantize(src: Path, dst: Path, qtype: str) -> Path:
+    """Write src with every quantized tensor requantized to qtype (F16/F32 tensors as they
+    are); the file appears at dst whole or not at all."""
+    target = GGMLQuantizationType[qtype]
+    reader = GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    tmp = dst.with_name(dst.name + f".tmp{os.getpid()}")
+    writer = GGUFWriter(tmp, arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name in ("general.architecture", "general.file_type"):
+            continue
+        sub_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), field.types[0], sub_type)
+    writer.add_file_type(FILE_TYPES[qtype])
+    for t in reader.tensors:
+        if t.tensor_type in UNQUANTIZED:
+            writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+        else:
+            data = quantize(dequantize(t.data, t.tensor_type), target)
+            writer.add_tensor(t.name, data, raw_dtype=target)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tmp.rename(dst)
+    return dst
+
+
+def requantized_default(qtype: str = "Q8_0") -> Path:
+    """The default model's GGUF requantized to qtype, made once in the splitserve cache."""
+    from models.default import cache_dir, find_gguf
+
+    src = find_gguf()
+    dst = cache_dir() / src.name.replace("Q4_1", f"{qtype}-requantized")
+    if not dst.exists():
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        requantize(src, dst, qtype)
+    return dst
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--type", default="Q8_0", choices=sorted(FILE_TYPES))
+    p.add_argument("--src", type=Path, help="default: the default model's Q4_1 file")
+    p.add_argument("--dst", type=Path, help="default: beside the converted default model")
+    args = p.parse_args()
+    if args.src is None:
+        print(requantized_default(args.type))
+    else:
+        dst = args.dst or args.src.with_suffix(f".{args.type}.gguf")
+        print(requantize(args.src, dst, args.type))
+
+
+if __name__ == "__main__":
+    main()
