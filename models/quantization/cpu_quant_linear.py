@@ -28,12 +28,12 @@ from models.quantization.triton_quant_linear import triton_quant_linear
 # SmolLM2-135M's shapes, one thread's CPU time, with AMX: benchmarks/quant_linear_bench.py).
 EXACT_ROWS = 16
 INT8_ROWS = 16
-_SOURCE = Path(__file__).with_name("cpu_quant_linear.cpp")
+_SOURCES = [Path(__file__).with_name(f"cpu_quant_{n}.cpp") for n in ("linear", "tiles")]
 
 
 def quant_kernel(kernels: KernelSet) -> ModuleType | None:
     """The compiled kernels for the set's ISA; None where they are off or cannot be built."""
-    return kernels.cpp("splitserve_cpu_quant_linear", _SOURCE)
+    return kernels.cpp("splitserve_cpu_quant_linear", *_SOURCES)
 
 
 @dataclass(frozen=True)
