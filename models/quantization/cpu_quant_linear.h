@@ -53,7 +53,8 @@ inline void over_runs(const QuantRows& w, const Body& body) {
     for (int64_t k = 0; k < w.K; k += kRun) body(k, k / 16, k / 16 + 1);
     return;
   }
-  for (int64_t j = 0; j < w.blocks(); ++j)
+  const int64_t blocks = w.blocks();  // not a division per block
+  for (int64_t j = 0; j < blocks; ++j)
     for (int64_t k = j * w.block_size; k < (j + 1) * w.block_size; k += kRun) body(k, j, j);
 }
 

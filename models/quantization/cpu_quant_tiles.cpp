@@ -26,22 +26,44 @@ namespace {
 constexpr int64_t kStrip = 16;          // output features per strip, rows of x per C tile
 constexpr int64_t kTileElems = 16 * kRun;  // bf16 values of one strip tile
 
-// The strip of features n0 .. n0 + 15 as bf16 tiles [K / 32][16][32].
+// The 32 bf16 values a 4-bit run's halves can take: q * s0 + m0 for q < 16 in words
+// 0-15, q * s1 + m1 in words 16-31 (rounded as dequant rounds).
+inline __m512i q4_table(const QuantRows& w, int64_t j0, int64_t j1) {
+  const F16x levels = {_mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0)};
+  const auto values = [&](int64_t j) {
+    return dequant(levels, w.scale(w.scales, j), w.mins == nullptr ? 0.0f : w.scale(w.mins, j)).v;
+  };
+  const __m512 low = values(j0);
+  return (__m512i)_mm512_cvtne2ps_pbh(j1 == j0 ? low : values(j1), low);
+}
+
+// The strip of features n0 .. n0 + 15 as bf16 tiles [K / 32][16][32]. A 4-bit run is 32
+// lookups in its halves' table (q4_table), its high half's nibbles offset by 16.
 template <int Bits>
-void dequantize_strip(const QuantRows& w, int64_t n0, uint16_t* strip) {
+void dequantize_strip(const QuantRows& rows, int64_t n0, uint16_t* strip) {
+  const QuantRows w = rows;  // a local copy: the stores below cannot change it
+  const __m512i high_half = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(16), 1);
   for (int64_t r = 0; r < kStrip; ++r) {
     const int64_t n = n0 + r, first = n * w.blocks();
     const uint8_t* q = w.q + n * w.row_bytes();
     over_runs(w, [&](int64_t k, int64_t j0, int64_t j1) {
-      const uint8_t* run = q + (Bits == 4 ? k / 2 : k);
-      F16x half[2];
-      for (int h = 0; h < 2; ++h) {
-        const int64_t j = first + (h ? j1 : j0);
-        const float m = w.mins == nullptr ? 0.0f : w.scale(w.mins, j);
-        half[h] = dequant(Bits == 4 ? q4_half(run, h) : q8_half(run, h), w.scale(w.scales, j), m);
+      __m512i values;
+      if constexpr (Bits == 4) {
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k / 2));
+        const __m256i nibbles = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b),
+                                                 _mm256_set1_epi8(0x0F));
+        const __m512i index = _mm512_or_si512(_mm512_cvtepu8_epi16(nibbles), high_half);
+        values = _mm512_permutexvar_epi16(index, q4_table(w, first + j0, first + j1));
+      } else {
+        F16x half[2];
+        for (int h = 0; h < 2; ++h) {
+          const int64_t j = first + (h ? j1 : j0);
+          const float m = w.mins == nullptr ? 0.0f : w.scale(w.mins, j);
+          half[h] = dequant(q8_half(q + k, h), w.scale(w.scales, j), m);
+        }
+        values = (__m512i)_mm512_cvtne2ps_pbh(half[1].v, half[0].v);
       }
-      _mm512_storeu_si512(strip + (k / kRun) * kTileElems + r * kRun,
-                          (__m512i)_mm512_cvtne2ps_pbh(half[1].v, half[0].v));
+      _mm512_storeu_si512(strip + k / kRun * kTileElems + r * kRun, values);
     });
   }
 }
