@@ -81,7 +81,7 @@ def layer_runs(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 128])
     parser.add_argument("--copies-mb", type=float, default=128.0)
     parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args()

@@ -37,55 +37,15 @@ namespace {
 using splitserve::quant::Acts;
 using splitserve::quant::ActsStorage;
 using splitserve::quant::kRun;
+using splitserve::quant::float_bias;
+using splitserve::quant::over_runs;
+using splitserve::quant::quant_rows;
 using splitserve::quant::QuantRows;
+using splitserve::quant::takes_x;
 using torch::Tensor;
 
 constexpr int64_t kMaxRows = 4;  // rows of x one pass over a weight row serves
 constexpr int64_t kGrain = 16;   // output features per task, at least
-
-// Calls body(k, j0, j1) for each run k of a row, with the blocks its halves fall in
-// (relative to the row's first): a division-free walk over the blocks.
-template <typename Body>
-inline void over_runs(const QuantRows& w, const Body& body) {
-  if (w.block_size == 16) {
-    for (int64_t k = 0; k < w.K; k += kRun) body(k, k / 16, k / 16 + 1);
-    return;
-  }
-  for (int64_t j = 0; j < w.blocks(); ++j)
-    for (int64_t k = j * w.block_size; k < (j + 1) * w.block_size; k += kRun) body(k, j, j);
-}
-
-// The weight's tensors, when they are a contiguous BlockQuantWeight on the CPU.
-std::optional<QuantRows> quant_rows(const Tensor& qweight, const Tensor& scales,
-                                    const std::optional<Tensor>& mins, int64_t bits,
-                                    int64_t block_size) {
-  const auto q_type = bits == 4 ? torch::kUInt8 : torch::kInt8;
-  if ((bits != 4 && bits != 8) || qweight.scalar_type() != q_type || qweight.dim() != 2 ||
-      !qweight.device().is_cpu() || !qweight.is_contiguous() || !scales.is_contiguous())
-    return std::nullopt;
-  const int64_t N = qweight.size(0), K = qweight.size(1) * (bits == 4 ? 2 : 1);
-  const bool half = scales.scalar_type() == torch::kHalf;
-  if (block_size <= 0 || block_size % 16 || K % block_size || K % kRun ||
-      (!half && scales.scalar_type() != torch::kFloat) ||
-      scales.sizes() != torch::IntArrayRef{N, K / block_size})
-    return std::nullopt;
-  if (mins.has_value() && (mins->scalar_type() != scales.scalar_type() ||
-                           mins->sizes() != scales.sizes() || !mins->is_contiguous()))
-    return std::nullopt;
-  return QuantRows{static_cast<const uint8_t*>(qweight.data_ptr()), scales.data_ptr(),
-                   mins.has_value() ? mins->data_ptr() : nullptr, half, K, bits, block_size};
-}
-
-// x's rows as the kernels read them: on the CPU, dense along a row, K features.
-bool takes_x(const Tensor& x, int64_t K) {
-  return x.device().is_cpu() && x.dim() == 2 && x.size(1) == K && x.stride(1) == 1;
-}
-
-std::optional<Tensor> float_bias(const std::optional<Tensor>& bias, int64_t N) {
-  if (!bias.has_value()) return Tensor();
-  if (bias->numel() != N) return std::nullopt;
-  return bias->to(torch::kFloat).contiguous();
-}
 
 // out[m + r, n] = res[r] + bias[n] for the `rows` rows a pass computed, over N features
 // and rows of x in passes of up to kMaxRows; `pass(n, m, rows, res)` computes one.
@@ -337,6 +297,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("block_size"), py::arg("bias") = py::none());
   m.def("linear_int8", &linear_int8, "x (bf16/fp16) W^T (+ bias), x quantized to int8 per 32",
         py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bits"),
+        py::arg("block_size"), py::arg("bias") = py::none());
+  m.def("linear_bf16", &splitserve::quant::linear_bf16,
+        "x (bf16) W^T (+ bias), W dequantized to bf16 tiles in registers", py::arg("x"),
+        py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bits"),
         py::arg("block_size"), py::arg("bias") = py::none());
   m.def("dequantize_into", &dequantize_into, "writes W into out (float32/bf16/fp16)",
         py::arg("out"), py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bits"),

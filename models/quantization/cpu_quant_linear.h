@@ -7,6 +7,7 @@
 #pragma once
 
 #include <ATen/Parallel.h>
+#include <torch/extension.h>
 #include <c10/util/Half.h>
 
 #include "cpu_math.h"
@@ -14,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -42,6 +44,51 @@ struct QuantRows {
 #endif
   }
 };
+
+// Calls body(k, j0, j1) for each run k of a row, with the blocks its halves fall in
+// (relative to the row's first): a division-free walk over the blocks.
+template <typename Body>
+inline void over_runs(const QuantRows& w, const Body& body) {
+  if (w.block_size == 16) {
+    for (int64_t k = 0; k < w.K; k += kRun) body(k, k / 16, k / 16 + 1);
+    return;
+  }
+  const int64_t blocks = w.blocks();  // not a division per block
+  for (int64_t j = 0; j < blocks; ++j)
+    for (int64_t k = j * w.block_size; k < (j + 1) * w.block_size; k += kRun) body(k, j, j);
+}
+
+// The weight's tensors, when they are a contiguous BlockQuantWeight on the CPU.
+inline std::optional<QuantRows> quant_rows(const torch::Tensor& qweight, const torch::Tensor& scales,
+                                    const std::optional<torch::Tensor>& mins, int64_t bits,
+                                    int64_t block_size) {
+  const auto q_type = bits == 4 ? torch::kUInt8 : torch::kInt8;
+  if ((bits != 4 && bits != 8) || qweight.scalar_type() != q_type || qweight.dim() != 2 ||
+      !qweight.device().is_cpu() || !qweight.is_contiguous() || !scales.is_contiguous())
+    return std::nullopt;
+  const int64_t N = qweight.size(0), K = qweight.size(1) * (bits == 4 ? 2 : 1);
+  const bool half = scales.scalar_type() == torch::kHalf;
+  if (block_size <= 0 || block_size % 16 || K % block_size || K % kRun ||
+      (!half && scales.scalar_type() != torch::kFloat) ||
+      scales.sizes() != torch::IntArrayRef{N, K / block_size})
+    return std::nullopt;
+  if (mins.has_value() && (mins->scalar_type() != scales.scalar_type() ||
+                           mins->sizes() != scales.sizes() || !mins->is_contiguous()))
+    return std::nullopt;
+  return QuantRows{static_cast<const uint8_t*>(qweight.data_ptr()), scales.data_ptr(),
+                   mins.has_value() ? mins->data_ptr() : nullptr, half, K, bits, block_size};
+}
+
+// x's rows as the kernels read them: on the CPU, dense along a row, K features.
+inline bool takes_x(const torch::Tensor& x, int64_t K) {
+  return x.device().is_cpu() && x.dim() == 2 && x.size(1) == K && x.stride(1) == 1;
+}
+
+inline std::optional<torch::Tensor> float_bias(const std::optional<torch::Tensor>& bias, int64_t N) {
+  if (!bias.has_value()) return torch::Tensor();
+  if (bias->numel() != N) return std::nullopt;
+  return bias->to(torch::kFloat).contiguous();
+}
 
 // `v` as it is: the compiler may not fuse the product it was rounded from into an FMA
 // with a later sum (BlockQuantWeight.dequantize rounds the product, then the sum).
@@ -333,5 +380,13 @@ ActsStorage quantize_acts(const T* x, int64_t M, int64_t K, int64_t ldx, int64_t
   });
   return a;
 }
+
+// x (bfloat16) W^T (+ bias) on the bf16 dot-product instructions (cpu_quant_tiles.cpp);
+// None where the build or the tensors do not allow it.
+std::optional<torch::Tensor> linear_bf16(const torch::Tensor& x, const torch::Tensor& qweight,
+                                         const torch::Tensor& scales,
+                                         const std::optional<torch::Tensor>& mins, int64_t bits,
+                                         int64_t block_size,
+                                         const std::optional<torch::Tensor>& bias);
 
 }  // namespace splitserve::quant

@@ -5,10 +5,13 @@ dequantizes per call.
 `prepare_quant_weight` runs once at load: the weight stays quantized (made contiguous,
 which copies only a narrowed shard). `quant_linear` then picks by x's dtype and rows:
 float32 x of up to EXACT_ROWS rows: the exact path (the weight dequantized in registers,
-float32 products: F.linear(x, w.dequantize()) up to the order of the sums); bfloat16/
-float16 x of up to INT8_ROWS rows (decode): x quantized to int8 per 32 features and
-integer dot products; more rows (prefill): the weight dequantized in the C++ to x's dtype
-for torch's matmul. Whatever the C++ does not take runs `torch_quant_linear`.
+float32 products: F.linear(x, w.dequantize()) up to the order of the sums); bfloat16 x of
+TILE_ROWS rows, where the build has AMX or AVX512-BF16: the weight dequantized to bf16
+tiles in registers and multiplied there (F.linear on w.dequantize(torch.bfloat16) in
+float32, rounded once); other bfloat16/float16 x of up to INT8_ROWS rows (decode): x
+quantized to int8 per 32 features and integer dot products; more rows (prefill): the
+weight dequantized in the C++ to x's dtype for torch's matmul. Whatever the C++ does not
+take runs `torch_quant_linear`.
 """
 
 from __future__ import annotations
@@ -28,12 +31,15 @@ from models.quantization.triton_quant_linear import triton_quant_linear
 # SmolLM2-135M's shapes, one thread's CPU time, with AMX: benchmarks/quant_linear_bench.py).
 EXACT_ROWS = 16
 INT8_ROWS = 16
-_SOURCE = Path(__file__).with_name("cpu_quant_linear.cpp")
+# From here the bf16 tile kernel beats the int8 path, and up to here dequantizing for
+# torch's matmul (same measurements, 1 and 2 threads).
+TILE_ROWS = range(6, 129)
+_SOURCES = [Path(__file__).with_name(f"cpu_quant_{n}.cpp") for n in ("linear", "tiles")]
 
 
 def quant_kernel(kernels: KernelSet) -> ModuleType | None:
     """The compiled kernels for the set's ISA; None where they are off or cannot be built."""
-    return kernels.cpp("splitserve_cpu_quant_linear", _SOURCE)
+    return kernels.cpp("splitserve_cpu_quant_linear", *_SOURCES)
 
 
 @dataclass(frozen=True)
@@ -83,9 +89,12 @@ def quant_linear(
         return quant_linear(x.reshape(-1, x.shape[-1]), w, bias).reshape(*x.shape[:-1], -1)
     args = (q.qweight, q.scales, q.mins, q.bits, q.block_size)
     exact = x.dtype == torch.float32
-    if x.shape[0] <= (EXACT_ROWS if exact else INT8_ROWS):
+    out = None
+    if x.dtype == torch.bfloat16 and x.shape[0] in TILE_ROWS:
+        out = w.kernel.linear_bf16(x, *args, bias)  # None where the build has no bf16 dots
+    if out is None and x.shape[0] <= (EXACT_ROWS if exact else INT8_ROWS):
         out = (w.kernel.linear_f32 if exact else w.kernel.linear_int8)(x, *args, bias)
-    else:
+    elif out is None:
         weight = torch.empty(q.shape, dtype=x.dtype)
         out = F.linear(x, weight, bias) if w.kernel.dequantize_into(weight, *args) else None
     return torch_quant_linear(x, q, bias) if out is None else out

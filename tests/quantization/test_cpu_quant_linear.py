@@ -1,8 +1,9 @@
 """The block-quantized linear kernels (models/quantization/cpu_quant_linear.cpp) against
 torch references, for every ISA this CPU can run (each built with the forced-ISA switch):
 the exact float32 path against F.linear on the dequantized weight, the int8-activation
-path against a reference that quantizes x the same way, the prefill path bitwise against
-the torch fallback. The kernels are always built here (a compiler is required)."""
+path against a reference that quantizes x the same way, the bf16 tile path against
+F.linear on the weight dequantized to bf16, the prefill path bitwise against the torch
+fallback. The kernels are always built here (a compiler is required)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from models.quantization.block_quant import BlockQuantWeight, pack_int4
 from models.quantization.cpu_quant_linear import (
     EXACT_ROWS,
     INT8_ROWS,
+    TILE_ROWS,
     PreparedQuantWeight,
     prepare_quant_weight,
     quant_kernel,
@@ -28,6 +30,7 @@ ISAS = ladder()[: ladder().index(probe_isa()) + 1]
 LAYOUTS = [(32, 16), (64, 32), (576, 32), (96, 16), (512, 128), (256, 64), (2048, 2048)]
 EXACT_M = [1, 2, 3, 4, 5, 9]
 INT8_M = [1, 2, 3, 4, 5, 8, 13, 64]
+TILE_M = [1, 2, 5, 16, 17, 40, 64, 65, 130]  # tiles of 16 rows, chunks of 64
 
 
 @pytest.fixture(params=ISAS)
@@ -113,6 +116,69 @@ def test_int8_path_matches_its_reference(kernel, bits, mins, scale_dtype, dtype,
             assert out.dtype == dtype and out.shape == (m, 45)
             tolerance = ulp * expected.abs() + 1e-5 * magnitude(xq, w) + 1e-6
             assert ((out.double() - expected).abs() <= tolerance).all(), (m, b)
+
+
+def bf16_reference(x: torch.Tensor, w: BlockQuantWeight, bias: torch.Tensor | None):
+    """x times W dequantized to bf16, in float32: what the bf16 tile path rounds once."""
+    b = None if bias is None else bias.float()
+    return F.linear(x.float(), w.dequantize(torch.bfloat16).float(), b)
+
+
+def within_bf16_rounding(out: torch.Tensor, x, w, reference: torch.Tensor) -> bool:
+    tolerance = torch.finfo(torch.bfloat16).eps / 2 * reference.abs()
+    tolerance += 1e-5 * magnitude(x, w).float() + 1e-6  # float32 sums in another order
+    return bool(((out.float() - reference).abs() <= tolerance).all())
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("mins", [False, True], ids=["no-mins", "mins"])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize(("k", "block_size"), LAYOUTS, ids=str)
+def test_bf16_tile_path_matches_bf16_weight_then_linear(
+    isa, kernel, bits, mins, scale_dtype, k, block_size
+):
+    """AMX tiles (amx) or vdpbf16ps (avx512_bf16); the builds below decline."""
+    w = make_weight(48, k, bits, block_size, mins, scale_dtype)
+    bias = torch.randn(48).bfloat16()
+    for m in TILE_M:
+        x = (torch.randn(m, k) * 2).bfloat16()
+        for b in (None, bias):
+            out = kernel.linear_bf16(x, *args(w), b)
+            if not KernelSet(cpu=True, isa=isa).has("avx512_bf16"):
+                assert out is None
+                continue
+            assert out.dtype == torch.bfloat16 and out.shape == (m, 48)
+            assert within_bf16_rounding(out, x, w, bf16_reference(x, w, b)), (m, b)
+
+
+def test_bf16_tile_path_declines_what_it_does_not_take(kernel):
+    w = make_weight(32, 64, 4, 32, True, torch.float32)
+    assert kernel.linear_bf16(torch.randn(2, 64).half(), *args(w)) is None  # float16 x
+    assert kernel.linear_bf16(torch.randn(2, 64), *args(w)) is None
+    assert kernel.linear_bf16(torch.randn(2, 128).bfloat16()[:, ::2], *args(w)) is None
+    narrow = make_weight(40, 64, 4, 32, True, torch.float32)  # not strips of 16 features
+    assert kernel.linear_bf16(torch.randn(2, 64).bfloat16(), *args(narrow)) is None
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_quant_linear_takes_the_tile_path_for_its_rows(isa, threads):
+    """bf16 x of TILE_ROWS rows: the tile kernel's result where the build has it; the int8
+    or dequantizing paths (the rows they take) elsewhere."""
+    torch.set_num_threads(threads)  # the conftest fixture restores it
+    w = make_weight(64, 576, 4, 32, True, torch.float16)
+    prepared = prepare_quant_weight(w, KernelSet(cpu=True, isa=isa))
+    tiles = KernelSet(cpu=True, isa=isa).has("avx512_bf16")
+    bias = torch.randn(64).bfloat16()
+    for m in (TILE_ROWS.start - 1, TILE_ROWS.start, INT8_ROWS + 1, TILE_ROWS.stop - 1):
+        x = torch.randn(m, 576).bfloat16()
+        out = quant_linear(x, prepared, bias)
+        if tiles and m in TILE_ROWS:
+            assert torch.equal(out, prepared.kernel.linear_bf16(x, *args(w), bias)), m
+            assert within_bf16_rounding(out, x, w, bf16_reference(x, w, bias)), m
+        elif m <= INT8_ROWS:
+            assert torch.equal(out, prepared.kernel.linear_int8(x, *args(w), bias)), m
+        else:
+            assert torch.equal(out, torch_quant_linear(x, w, bias)), m
 
 
 def test_int8_path_quantizes_x_per_32_features(kernel):
