@@ -11,8 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import KernelSet, probe_isa
-from kernels.isa import ladder
+from kernels import KernelSet
 from models.quantization.block_quant import BlockQuantWeight, pack_int4
 from models.quantization.cpu_quant_linear import (
     EXACT_ROWS,
@@ -24,8 +23,9 @@ from models.quantization.cpu_quant_linear import (
     quant_linear,
     torch_quant_linear,
 )
+from tests.quantization.isas import tested_isas
 
-ISAS = ladder()[: ladder().index(probe_isa()) + 1]
+ISAS = tested_isas()
 # (K, block_size): GGUF's 32, Q6_K's 16, group sizes, a per-channel scale (block = K).
 LAYOUTS = [(32, 16), (64, 32), (576, 32), (96, 16), (512, 128), (256, 64), (2048, 2048)]
 EXACT_M = [1, 2, 3, 4, 5, 9]

@@ -6,7 +6,6 @@ import torch
 import torch.nn.functional as F
 
 from kernels import KernelSet
-from kernels.isa import ladder, probe_isa
 from models.quantization.cpu_fp8_linear import (
     FP8_DTYPE,
     SMALL_BATCH_ROWS,
@@ -18,17 +17,9 @@ from models.quantization.cpu_fp8_linear import (
     torch_fp8_linear,
 )
 from models.quantization.fp8 import scaled_mm_linear
+from tests.quantization.isas import tested_isas
 
-
-def runs_here(isa: str) -> bool:
-    rungs = ladder()
-    return isa in rungs and rungs.index(isa) <= rungs.index(probe_isa())
-
-
-ISAS = [
-    pytest.param(isa, marks=pytest.mark.skipif(not runs_here(isa), reason=f"no {isa} here"))
-    for isa in ("generic", "avx2", "avx512")
-]
+ISAS = tested_isas()  # the own rung of an AVX-512 machine takes the AVX-512 path
 
 
 def random_fp8(n: int, k: int, seed: int = 0) -> Fp8Weight:
