@@ -5,7 +5,7 @@ machines (AVX2 on Zen 1, AVX-512 bf16 on Zen 4, AMX on Sapphire Rapids), tested 
 from kernels.isa import ladder, probe_isa
 
 
-def tested_isas() -> list[str]:
+def kernel_isas() -> list[str]:
     rungs = ladder()
     own = probe_isa()
     return [r for r in rungs[: rungs.index(own) + 1] if r in ("generic", own)]

@@ -23,9 +23,9 @@ from models.quantization.cpu_quant_linear import (
     quant_linear,
     torch_quant_linear,
 )
-from tests.quantization.isas import tested_isas
+from tests.quantization.isas import kernel_isas
 
-ISAS = tested_isas()
+ISAS = kernel_isas()
 # (K, block_size): GGUF's 32, Q6_K's 16, group sizes, a per-channel scale (block = K).
 LAYOUTS = [(32, 16), (64, 32), (576, 32), (96, 16), (512, 128), (256, 64), (2048, 2048)]
 EXACT_M = [1, 2, 3, 4, 5, 9]

@@ -17,9 +17,9 @@ from models.quantization.cpu_fp8_linear import (
     torch_fp8_linear,
 )
 from models.quantization.fp8 import scaled_mm_linear
-from tests.quantization.isas import tested_isas
+from tests.quantization.isas import kernel_isas
 
-ISAS = tested_isas()  # the own rung of an AVX-512 machine takes the AVX-512 path
+ISAS = kernel_isas()  # the own rung of an AVX-512 machine takes the AVX-512 path
 
 
 def random_fp8(n: int, k: int, seed: int = 0) -> Fp8Weight:
