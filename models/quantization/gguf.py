@@ -42,10 +42,6 @@ def _to_part(weight: GGUFWeight | torch.Tensor, name: str, dtype: torch.dtype) -
     return weight.to(dtype)
 
 
-def _narrow(weight: GGUFWeight | torch.Tensor, dim: int, start: int, length: int) -> Any:
-    return weight.narrow(dim, start, length)
-
-
 def _concat(parts: list[Part]) -> list[Part]:
     """Parts of the same kind concatenated along the output features; else as they are."""
     if all(isinstance(p, torch.Tensor) for p in parts):
@@ -124,9 +120,9 @@ class GGUFLinearMethod(LinearMethodBase):
         if (rows, cols) != expected:
             raise ValueError(f"{name}: GGUF tensor is {rows} x {cols}, expected {expected}")
         if out is not None:
-            loaded = _narrow(loaded, 0, out.start, out.size)
+            loaded = loaded.narrow(0, out.start, out.size)
         if inp is not None and inp.size != inp.total:
-            loaded = _narrow(loaded, 1, inp.start, inp.size)
+            loaded = loaded.narrow(1, inp.start, inp.size)
         self.parts[out.index if out is not None else 0] = _to_part(loaded, name, self.dtype)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
@@ -160,7 +156,7 @@ class GGUFEmbeddingMethod(QuantizeMethodBase):
                     f"{layer.prefix}: GGUF tensor is {shape}, expected "
                     f"{(layer.num_embeddings, layer.embedding_dim)}"
                 )
-            rows = _narrow(loaded, 0, layer.vocab_start_index, layer.num_real_rows)
+            rows = loaded.narrow(0, layer.vocab_start_index, layer.num_real_rows)
             self.table = _to_part(rows, layer.prefix, self.dtype)
 
         layer.weight = _placeholder(load)
