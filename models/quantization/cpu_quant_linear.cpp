@@ -247,21 +247,8 @@ std::optional<Tensor> linear_int8(const Tensor& x, const Tensor& qweight, const 
 
 template <int Bits, typename T>
 void dequantize_rows(const QuantRows& w, int64_t N, T* out) {
-  using namespace splitserve::quant;
   at::parallel_for(0, N, kGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      const uint8_t* q = w.q + n * w.row_bytes();
-      T* row = out + n * w.K;
-      over_runs(w, [&](int64_t k, int64_t j0, int64_t j1) {
-        const uint8_t* run = q + (Bits == 4 ? k / 2 : k);
-        for (int h = 0; h < 2; ++h) {
-          const int64_t j = n * w.blocks() + (h ? j1 : j0);
-          const float m = w.mins == nullptr ? 0.0f : w.scale(w.mins, j);
-          store16(row + k + 16 * h, dequant(Bits == 4 ? q4_half(run, h) : q8_half(run, h),
-                                            w.scale(w.scales, j), m));
-        }
-      });
-    }
+    for (int64_t n = begin; n < end; ++n) splitserve::quant::dequantize_row<Bits, T>(w, n, out + n * w.K);
   });
 }
 
@@ -302,6 +289,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x (bf16) W^T (+ bias), W dequantized to bf16 tiles in registers", py::arg("x"),
         py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bits"),
         py::arg("block_size"), py::arg("bias") = py::none());
+  m.def("strip_linear_f32", &splitserve::quant::strip_linear_f32,
+        "linear_f32 on a weight in strips", py::arg("x"), py::arg("q"), py::arg("scales"),
+        py::arg("mins"), py::arg("bits"), py::arg("block_size"), py::arg("bias") = py::none());
+  m.def("strip_linear_int8", &splitserve::quant::strip_linear_int8,
+        "linear_int8 on a weight in strips", py::arg("x"), py::arg("q"), py::arg("scales"),
+        py::arg("mins"), py::arg("bits"), py::arg("block_size"), py::arg("bias") = py::none());
+  m.def("strip_dequantize_into", &splitserve::quant::strip_dequantize_into,
+        "dequantize_into from a weight in strips", py::arg("out"), py::arg("q"),
+        py::arg("scales"), py::arg("mins"), py::arg("bits"), py::arg("block_size"));
+  m.def("strip_width", &splitserve::quant::strip_width,
+        "features per strip where the build computes on strips, else 0");
   m.def("dequantize_into", &dequantize_into, "writes W into out (float32/bf16/fp16)",
         py::arg("out"), py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bits"),
         py::arg("block_size"));

@@ -46,16 +46,18 @@ struct QuantRows {
 };
 
 // Calls body(k, j0, j1) for each run k of a row, with the blocks its halves fall in
-// (relative to the row's first): a division-free walk over the blocks.
+// (relative to the row's first): a division-free walk over the blocks. Blocks are whole
+// halves (multiples of 16), so a run may straddle two blocks (e.g. blocks of 48).
 template <typename Body>
 inline void over_runs(const QuantRows& w, const Body& body) {
-  if (w.block_size == 16) {
-    for (int64_t k = 0; k < w.K; k += kRun) body(k, k / 16, k / 16 + 1);
-    return;
+  int64_t j = 0, end = w.block_size;
+  for (int64_t k = 0; k < w.K; k += kRun) {
+    const int64_t j0 = j;
+    if (k + 16 == end) ++j, end += w.block_size;
+    const int64_t j1 = j;
+    if (k + kRun == end) ++j, end += w.block_size;
+    body(k, j0, j1);
   }
-  const int64_t blocks = w.blocks();  // not a division per block
-  for (int64_t j = 0; j < blocks; ++j)
-    for (int64_t k = j * w.block_size; k < (j + 1) * w.block_size; k += kRun) body(k, j, j);
 }
 
 // The weight's tensors, when they are a contiguous BlockQuantWeight on the CPU.
@@ -272,6 +274,21 @@ inline void store16(T* out, F16x v) {
   for (int i = 0; i < 16; ++i) out[i] = static_cast<T>(f[i]);
 }
 
+// Row n of w dequantized into `row` (K values), as BlockQuantWeight.dequantize.
+template <int Bits, typename T>
+void dequantize_row(const QuantRows& w, int64_t n, T* row) {
+  const uint8_t* q = w.q + n * w.row_bytes();
+  over_runs(w, [&](int64_t k, int64_t j0, int64_t j1) {
+    const uint8_t* run = q + (Bits == 4 ? k / 2 : k);
+    for (int h = 0; h < 2; ++h) {
+      const int64_t j = n * w.blocks() + (h ? j1 : j0);
+      const float m = w.mins == nullptr ? 0.0f : w.scale(w.mins, j);
+      store16(row + k + 16 * h,
+              dequant(Bits == 4 ? q4_half(run, h) : q8_half(run, h), w.scale(w.scales, j), m));
+    }
+  });
+}
+
 #if defined(SPLITSERVE_AVX2)
 
 // A 32-run's integer dot product with 32 int8 activations, as 8 int32 lanes: lanes 0-3
@@ -388,5 +405,22 @@ std::optional<torch::Tensor> linear_bf16(const torch::Tensor& x, const torch::Te
                                          const std::optional<torch::Tensor>& mins, int64_t bits,
                                          int64_t block_size,
                                          const std::optional<torch::Tensor>& bias);
+
+// The same on a weight in strips of 8 features (cpu_quant_strips.cpp), on AVX2 builds
+// without AVX-512; strip_width() is 8 where they run, else 0.
+std::optional<torch::Tensor> strip_linear_f32(const torch::Tensor& x, const torch::Tensor& q,
+                                              const torch::Tensor& scales,
+                                              const std::optional<torch::Tensor>& mins,
+                                              int64_t bits, int64_t block_size,
+                                              const std::optional<torch::Tensor>& bias);
+std::optional<torch::Tensor> strip_linear_int8(const torch::Tensor& x, const torch::Tensor& q,
+                                               const torch::Tensor& scales,
+                                               const std::optional<torch::Tensor>& mins,
+                                               int64_t bits, int64_t block_size,
+                                               const std::optional<torch::Tensor>& bias);
+bool strip_dequantize_into(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& scales,
+                           const std::optional<torch::Tensor>& mins, int64_t bits,
+                           int64_t block_size);
+int64_t strip_width();
 
 }  // namespace splitserve::quant

@@ -3,15 +3,18 @@ through the Triton matmul (triton_quant_linear.py), and the torch fallback that
 dequantizes per call.
 
 `prepare_quant_weight` runs once at load: the weight stays quantized (made contiguous,
-which copies only a narrowed shard). `quant_linear` then picks by x's dtype and rows:
+which copies only a narrowed shard; on AVX2 builds regrouped into strips of 8 output
+features, models/quantization/strips.py, the one copy kept). `quant_linear` then picks by
+x's dtype and rows:
 float32 x of up to EXACT_ROWS rows: the exact path (the weight dequantized in registers,
 float32 products: F.linear(x, w.dequantize()) up to the order of the sums); bfloat16 x of
 TILE_ROWS rows, where the build has AMX or AVX512-BF16: the weight dequantized to bf16
 tiles in registers and multiplied there (F.linear on w.dequantize(torch.bfloat16) in
 float32, rounded once); other bfloat16/float16 x of up to INT8_ROWS rows (decode): x
 quantized to int8 per 32 features and integer dot products; more rows (prefill): the
-weight dequantized in the C++ to x's dtype for torch's matmul. Whatever the C++ does not
-take runs `torch_quant_linear`.
+weight dequantized in the C++ to x's dtype for torch's matmul. A weight in strips takes
+the strip kernels: exact up to STRIP_EXACT_ROWS, int8 at any rows, else dequantizing.
+Whatever the C++ does not take runs `torch_quant_linear`.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch.nn.functional as F
 
 from kernels import KernelSet
 from models.quantization.block_quant import BlockQuantWeight
+from models.quantization.strips import StripQuantWeight, to_strips
 from models.quantization.triton_quant_linear import triton_quant_linear
 
 # Up to these rows the kernels beat dequantizing for torch's matmul (measured on
@@ -34,7 +38,12 @@ INT8_ROWS = 16
 # From here the bf16 tile kernel beats the int8 path, and up to here dequantizing for
 # torch's matmul (same measurements, 1 and 2 threads).
 TILE_ROWS = range(6, 129)
-_SOURCES = [Path(__file__).with_name(f"cpu_quant_{n}.cpp") for n in ("linear", "tiles")]
+# The exact path on strips beats torch's float32 matmul up to here (AVX2 strip kernels, AMD
+# EPYC Zen 3, 2 threads). bfloat16/float16 x on strips take the int8 kernel at any rows:
+# the CPUs that get strips have no bf16 matmul, and it measured 8-10x faster than
+# dequantizing for bf16 F.linear at 64 and 256 rows.
+STRIP_EXACT_ROWS = 16
+_SOURCES = [Path(__file__).with_name(f"cpu_quant_{n}.cpp") for n in ("linear", "tiles", "strips")]
 
 
 def quant_kernel(kernels: KernelSet) -> ModuleType | None:
@@ -44,10 +53,10 @@ def quant_kernel(kernels: KernelSet) -> ModuleType | None:
 
 @dataclass(frozen=True)
 class PreparedQuantWeight:
-    """A quantized weight as the layer keeps it, with the kernel that reads it (None: the
-    torch fallback)."""
+    """A quantized weight as the layer keeps it (in rows, or in strips where the kernel
+    computes on strips), with the kernel that reads it (None: the torch fallback)."""
 
-    weight: BlockQuantWeight
+    weight: BlockQuantWeight | StripQuantWeight
     kernel: ModuleType | None
     triton: bool = False  # a CUDA weight the Triton matmul computes on
 
@@ -55,13 +64,34 @@ class PreparedQuantWeight:
     def shape(self) -> tuple[int, int]:
         return self.weight.shape
 
+    def row_weight(self) -> BlockQuantWeight:
+        """The weight in the row layout (a copy when it is held in strips)."""
+        w = self.weight
+        return w.row_weight() if isinstance(w, StripQuantWeight) else w
 
-def prepare_quant_weight(w: BlockQuantWeight, kernels: KernelSet) -> PreparedQuantWeight:
+    def rows(self, ids: torch.Tensor) -> BlockQuantWeight:
+        """Rows `ids` (1-D), for embedding lookups."""
+        w = self.weight
+        if isinstance(w, StripQuantWeight):
+            return w.rows(ids)
+        mins = None if w.mins is None else w.mins[ids]
+        return BlockQuantWeight(w.bits, w.qweight[ids], w.scales[ids], mins, w.block_size)
+
+
+def prepare_quant_weight(
+    w: BlockQuantWeight | PreparedQuantWeight, kernels: KernelSet
+) -> PreparedQuantWeight:
+    """w for the set's kernels; a prepared weight is prepared again from its rows."""
+    if isinstance(w, PreparedQuantWeight):
+        w = w.row_weight()
     if w.qweight.device.type == "cuda":
         return PreparedQuantWeight(w, None, triton=kernels.triton)
     kernel = quant_kernel(kernels)
     if kernel is None or w.qweight.device.type != "cpu":
         return PreparedQuantWeight(w, None)
+    strips = to_strips(w) if kernel.strip_width() else None
+    if strips is not None:
+        return PreparedQuantWeight(strips, kernel)
     mins = None if w.mins is None else w.mins.contiguous()
     dense = BlockQuantWeight(
         w.bits, w.qweight.contiguous(), w.scales.contiguous(), mins, w.block_size
@@ -84,12 +114,22 @@ def quant_linear(
     if w.triton and x.is_cuda:
         return triton_quant_linear(x, q, bias)
     if w.kernel is None or x.device.type != "cpu":
-        return torch_quant_linear(x, q, bias)
+        return torch_quant_linear(x, w.row_weight(), bias)
     if x.dim() != 2:
         return quant_linear(x.reshape(-1, x.shape[-1]), w, bias).reshape(*x.shape[:-1], -1)
-    args = (q.qweight, q.scales, q.mins, q.bits, q.block_size)
     exact = x.dtype == torch.float32
     out = None
+    if isinstance(q, StripQuantWeight):
+        args = (q.q, q.scales, q.mins, q.bits, q.block_size)
+        if not exact or x.shape[0] <= STRIP_EXACT_ROWS:
+            kernel = w.kernel.strip_linear_f32 if exact else w.kernel.strip_linear_int8
+            out = kernel(x, *args, bias)
+        else:
+            weight = torch.empty(q.shape, dtype=x.dtype)
+            ok = w.kernel.strip_dequantize_into(weight, *args)
+            out = F.linear(x, weight, bias) if ok else None
+        return torch_quant_linear(x, q.row_weight(), bias) if out is None else out
+    args = (q.qweight, q.scales, q.mins, q.bits, q.block_size)
     if x.dtype == torch.bfloat16 and x.shape[0] in TILE_ROWS:
         out = w.kernel.linear_bf16(x, *args, bias)  # None where the build has no bf16 dots
     if out is None and x.shape[0] <= (EXACT_ROWS if exact else INT8_ROWS):

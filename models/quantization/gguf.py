@@ -23,7 +23,11 @@ from models.quantization.base_config import (
     QuantizeMethodBase,
 )
 from models.quantization.block_quant import BlockQuantWeight
-from models.quantization.cpu_quant_linear import prepare_quant_weight, quant_linear
+from models.quantization.cpu_quant_linear import (
+    PreparedQuantWeight,
+    prepare_quant_weight,
+    quant_linear,
+)
 from models.quantization.gguf_types import GGUFWeight
 
 Part = BlockQuantWeight | torch.Tensor
@@ -67,16 +71,17 @@ def _concat(parts: list[Part]) -> list[Part]:
 
 
 class PartsLinear:
-    """y = x W^T over W held as parts along the output features."""
+    """y = x W^T over W held as parts along the output features. Only the prepared parts
+    are kept (a part in strips is the one copy of its weight)."""
 
     def __init__(self, parts: list[Part]) -> None:
-        self.parts = parts
+        self.prepared: list[PreparedQuantWeight | torch.Tensor] = list(parts)
         self.bind_kernels(KernelSet())  # the torch code until the layer's set is bound
 
     def bind_kernels(self, kernels: KernelSet) -> None:
         self.prepared = [
-            prepare_quant_weight(p, kernels) if isinstance(p, BlockQuantWeight) else p
-            for p in self.parts
+            p if isinstance(p, torch.Tensor) else prepare_quant_weight(p, kernels)
+            for p in self.prepared
         ]
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -164,23 +169,17 @@ class GGUFEmbeddingMethod(QuantizeMethodBase):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if self.linear is None:  # once, though a tied table is reached twice
             self.linear = PartsLinear([self.table])
+            self.table = None  # kept once, by the LM head's part
 
     def bind_kernels(self, layer: nn.Module, kernels: KernelSet) -> None:
         self.linear.bind_kernels(kernels)
 
     def embedding(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (local to this rank, each < num_real_rows), dequantized."""
-        table = self.table
+        (table,) = self.linear.prepared
         if isinstance(table, torch.Tensor):
             return F.embedding(ids, table)
-        flat = ids.reshape(-1)
-        rows = BlockQuantWeight(
-            table.bits,
-            table.qweight[flat],
-            table.scales[flat],
-            None if table.mins is None else table.mins[flat],
-            table.block_size,
-        )
+        rows = table.rows(ids.reshape(-1))
         return rows.dequantize(self.dtype).reshape(*ids.shape, -1)
 
     def apply(

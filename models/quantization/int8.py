@@ -11,7 +11,11 @@ from kernels import KernelSet
 from models.layers.linear import LinearBase, UnquantizedLinearMethod
 from models.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from models.quantization.block_quant import BlockQuantWeight
-from models.quantization.cpu_quant_linear import prepare_quant_weight, quant_linear
+from models.quantization.cpu_quant_linear import (
+    PreparedQuantWeight,
+    prepare_quant_weight,
+    quant_linear,
+)
 
 
 def quantize_per_channel_int8(weight: torch.Tensor) -> BlockQuantWeight:
@@ -26,12 +30,12 @@ class Int8LinearMethod(UnquantizedLinearMethod):
     """Loads the dense weight as the unquantized method does, then quantizes it."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        layer.quant_weight = quantize_per_channel_int8(layer.weight.data)
+        weight = quantize_per_channel_int8(layer.weight.data)
         del layer.weight
-        layer.prepared_weight = None
+        layer.prepared_weight = PreparedQuantWeight(weight, None)
 
     def bind_kernels(self, layer: nn.Module, kernels: KernelSet) -> None:
-        layer.prepared_weight = prepare_quant_weight(layer.quant_weight, kernels)
+        layer.prepared_weight = prepare_quant_weight(layer.prepared_weight, kernels)
 
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None

@@ -24,7 +24,11 @@ from kernels import KernelSet
 from models.layers.utils import set_shard_axes, set_weight_attrs
 from models.quantization.base_config import LinearMethodBase
 from models.quantization.block_quant import PACK_RUN, BlockQuantWeight, pack_int4
-from models.quantization.cpu_quant_linear import prepare_quant_weight, quant_linear
+from models.quantization.cpu_quant_linear import (
+    PreparedQuantWeight,
+    prepare_quant_weight,
+    quant_linear,
+)
 
 
 def unpack_int32(
@@ -183,15 +187,15 @@ class IntCheckpointLinearMethod(LinearMethodBase):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         weight = self.int_weight(layer)
-        layer.quant_weight, input_index = to_block_quant(weight, self.scale_dtype)
+        quant_weight, input_index = to_block_quant(weight, self.scale_dtype)
         layer.input_index = input_index
         layer.pad_input = input_index is not None and bool((input_index == weight.q.shape[1]).any())
         for name in self.checkpoint_param_names():
             delattr(layer, name)
-        layer.prepared_weight = None
+        layer.prepared_weight = PreparedQuantWeight(quant_weight, None)
 
     def bind_kernels(self, layer: nn.Module, kernels: KernelSet) -> None:
-        layer.prepared_weight = prepare_quant_weight(layer.quant_weight, kernels)
+        layer.prepared_weight = prepare_quant_weight(layer.prepared_weight, kernels)
 
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None

@@ -26,8 +26,11 @@ from models.quantization.cpu_quant_linear import (
 from tests.quantization.isas import kernel_isas
 
 ISAS = kernel_isas()
-# (K, block_size): GGUF's 32, Q6_K's 16, group sizes, a per-channel scale (block = K).
-LAYOUTS = [(32, 16), (64, 32), (576, 32), (96, 16), (512, 128), (256, 64), (2048, 2048)]
+# (K, block_size): GGUF's 32, Q6_K's 16, group sizes, a per-channel scale (block = K), and
+# blocks of 48 (a run of 32 then straddles two blocks).
+LAYOUTS = [
+    (32, 16), (64, 32), (576, 32), (96, 16), (512, 128), (256, 64), (2048, 2048), (96, 48)
+]  # fmt: skip
 EXACT_M = [1, 2, 3, 4, 5, 9]
 INT8_M = [1, 2, 3, 4, 5, 8, 13, 64]
 TILE_M = [1, 2, 5, 16, 17, 40, 64, 65, 130]  # tiles of 16 rows, chunks of 64
@@ -166,7 +169,7 @@ def test_quant_linear_takes_the_tile_path_for_its_rows(isa, threads):
     or dequantizing paths (the rows they take) elsewhere."""
     torch.set_num_threads(threads)  # the conftest fixture restores it
     w = make_weight(64, 576, 4, 32, True, torch.float16)
-    prepared = prepare_quant_weight(w, KernelSet(cpu=True, isa=isa))
+    prepared = PreparedQuantWeight(w, quant_kernel(KernelSet(cpu=True, isa=isa)))  # in rows
     tiles = KernelSet(cpu=True, isa=isa).has("avx512_bf16")
     bias = torch.randn(64).bfloat16()
     for m in (TILE_ROWS.start - 1, TILE_ROWS.start, INT8_ROWS + 1, TILE_ROWS.stop - 1):

@@ -124,7 +124,8 @@ def test_each_rank_holds_its_narrow_of_the_full_weight(fake_tp, fmt, kind):
         name = f"l.{HF_NAMES.get(shard, kind)}"
         weights[shard] = fmt.quantize(name, torch.randn(rows, full_layer.input_size))
     full = _build(fmt, kind, weights)
-    full_w = _logical(full.quant_weight, full.input_index, full.input_size)
+    full_q = full.prepared_weight.row_weight()
+    full_w = _logical(full_q, full.input_index, full.input_size)
     for rank in range(2):
         fake_tp(rank, 2)
         layer = _build(fmt, kind, weights)
@@ -136,16 +137,14 @@ def test_each_rank_holds_its_narrow_of_the_full_weight(fake_tp, fmt, kind):
         sizes = [layer.output_shard(s).size for s in shards if layer.output_shard(s) is not None]
         inp = layer.input_shard()
         want = _narrow_logical(full_w, rows, sizes, inp)
-        got = _logical(layer.quant_weight, layer.input_index, layer.input_size_per_partition)
+        layer_q = layer.prepared_weight.row_weight()
+        got = _logical(layer_q, layer.input_index, layer.input_size_per_partition)
         assert torch.equal(got, want)
         layer.bind_kernels(KernelSet.for_device("cpu"))
         x = torch.randn(3, layer.input_size_per_partition)
         torch.testing.assert_close(layer.quant_method.apply(layer, x), x @ want.t())
-        if (
-            layer.input_index is None
-            and layer.quant_weight.block_size == full.quant_weight.block_size
-        ):
-            _assert_same(layer.quant_weight, _narrow(full.quant_weight, rows, sizes, inp))
+        if layer.input_index is None and layer_q.block_size == full_q.block_size:
+            _assert_same(layer_q, _narrow(full_q, rows, sizes, inp))
 
 
 def _narrow(w, rows, sizes, inp):
@@ -258,7 +257,7 @@ def test_a_16_bit_model_computes_with_float16_scales(fake_tp):
         layer = _build(fmt, "row", weights)
     finally:
         torch.set_default_dtype(old)
-    assert layer.quant_weight.scales.dtype == torch.float16
+    assert layer.prepared_weight.row_weight().scales.dtype == torch.float16
     layer.bind_kernels(KernelSet.for_device("cpu"))
     x = torch.randn(5, 256)
     out = layer.quant_method.apply(layer, x.bfloat16())

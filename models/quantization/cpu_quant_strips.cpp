@@ -1,0 +1,367 @@
+// Linear layers on a block-quantized weight in strips (models/quantization/strips.py), for
+// AVX2 builds: 8 output features side by side, so that one 256-bit register holds the
+// same 4 bytes of 8 rows and every lane accumulates its own feature. No horizontal sums,
+// one scale load per half-block for 8 features, and x's values are broadcast, not shuffled.
+//
+// Strip s (features 8s .. 8s + 7), run r (inputs 32r .. 32r + 31): chunks c of 32 bytes,
+// each the c-th 4 bytes of the run of every feature, feature f in dword lane f. bits=4: 4
+// chunks, byte b of chunk c holds input 4c + b in its low nibble and 4c + b + 16 in its
+// high one (the row layout's bytes, regrouped); bits=8: 8 chunks, input 4c + b.
+// scales and mins: [strip][block][feature].
+//
+// strip_linear_f32: x float32, float32 products: per half-block s * sum(q x) + m * sum(x),
+// which is F.linear(x, w.dequantize()) up to float32 rounding. strip_linear_int8: x bfloat16/float16, x
+// quantized per 32-run as cpu_quant_linear.cpp's linear_int8 (same Acts), integer dot
+// products: maddubs on unsigned 4-bit values (4 chunks' int16 sums cannot overflow), and
+// for 8-bit weights |q| with q's signs moved onto x. strip_dequantize_into: the weight
+// regrouped into rows, then dequantized as the row kernel does (bitwise the same).
+
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+#include "cpu_quant_linear.h"
+
+namespace splitserve::quant {
+
+constexpr int64_t kStrip = 8;  // features per strip
+constexpr int64_t kMaxStripRows = 4;
+
+#if defined(SPLITSERVE_AVX2) && !defined(SPLITSERVE_AVX512)
+constexpr bool kStrips = true;  // AVX-512 builds keep rows (their pair-order activations)
+#else
+constexpr bool kStrips = false;
+#endif
+
+struct Strips {
+  const uint8_t* q;
+  const void* scales;
+  const void* mins;
+  bool half;
+  int64_t N, K, bits, block_size;
+
+  int64_t run_bytes() const { return bits == 4 ? 4 * 32 : 8 * 32; }
+  int64_t strip_bytes() const { return K / 32 * run_bytes(); }
+  int64_t blocks() const { return K / block_size; }
+};
+
+// The strip tensors, as strips.py lays them out (q [N / 8, 8 * row bytes]).
+inline std::optional<Strips> strips_of(const torch::Tensor& q, const torch::Tensor& scales,
+                                       const std::optional<torch::Tensor>& mins, int64_t bits,
+                                       int64_t block_size) {
+  const auto q_type = bits == 4 ? torch::kUInt8 : torch::kInt8;
+  if (!kStrips || (bits != 4 && bits != 8) || q.scalar_type() != q_type || q.dim() != 2 ||
+      !q.device().is_cpu() || !q.is_contiguous() || !scales.is_contiguous() || scales.dim() != 3)
+    return std::nullopt;
+  const int64_t strips = q.size(0), K = q.size(1) / kStrip * (bits == 4 ? 2 : 1);
+  const bool half = scales.scalar_type() == torch::kHalf;
+  if (block_size <= 0 || block_size % 16 || K % block_size || K % kRun ||
+      (!half && scales.scalar_type() != torch::kFloat) ||
+      scales.sizes() != torch::IntArrayRef{strips, K / block_size, kStrip})
+    return std::nullopt;
+  if (mins.has_value() && (mins->scalar_type() != scales.scalar_type() ||
+                           mins->sizes() != scales.sizes() || !mins->is_contiguous()))
+    return std::nullopt;
+  return Strips{static_cast<const uint8_t*>(q.data_ptr()), scales.data_ptr(),
+                mins.has_value() ? mins->data_ptr() : nullptr, half, strips * kStrip, K, bits,
+                block_size};
+}
+
+// Rows 0 .. M - 1 of out [M, N] in passes of up to `most` rows, parallel over strips:
+// pass(s, m, rows, res) leaves row r's 8 features in res[r] (float32).
+template <typename T, typename Pass>
+void over_strips(int64_t M, int64_t N, int64_t most, const torch::Tensor& bias, T* out,
+                 const Pass& pass) {
+  const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  at::parallel_for(0, N / kStrip, 2, [&](int64_t begin, int64_t end) {
+    alignas(32) float res[kMaxStripRows][kStrip];
+    for (int64_t s = begin; s < end; ++s) {
+      for (int64_t m = 0; m < M; m += most) {
+        const int64_t rows = std::min(most, M - m);
+        pass(s, m, rows, res);
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t f = 0; f < kStrip; ++f) {
+            const float v = res[r][f] + (b == nullptr ? 0.0f : b[s * kStrip + f]);
+            out[(m + r) * N + s * kStrip + f] = static_cast<T>(v);
+          }
+      }
+    }
+  });
+}
+
+#if defined(SPLITSERVE_AVX2) && !defined(SPLITSERVE_AVX512)
+
+// 8 features' scales (or mins) of strip s, block j.
+inline __m256 load8(const Strips& w, const void* table, int64_t s, int64_t j) {
+  const int64_t at = (s * w.blocks() + j) * kStrip;
+  if (w.half)
+    return _mm256_cvtph_ps(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(table) + at)));
+  return _mm256_loadu_ps(static_cast<const float*>(table) + at);
+}
+
+inline __m256i load_chunk(const uint8_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+// ---- x float32 -----------------------------------------------------------------------
+
+// Input i (0..15) of half h of a run, for 8 features, as floats.
+template <int Bits>
+inline __m256 q_at(const uint8_t* run, int h, int i) {
+  const int b = i % 4;
+  if constexpr (Bits == 4) {
+    const __m256i v = load_chunk(run + 32 * (i / 4));
+    return _mm256_cvtepi32_ps(
+        _mm256_and_si256(_mm256_srli_epi32(v, 8 * b + 4 * h), _mm256_set1_epi32(0x0F)));
+  } else {
+    const __m256i v = load_chunk(run + 32 * (4 * h + i / 4));
+    return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(v, 24 - 8 * b), 24));
+  }
+}
+
+// Row r's dot products over each half of each run: sum of q * x per feature, then scaled
+// (w = s * q + m: s * sum(q x) + m * sum(x), the sums of x over each half in xsums).
+template <int Bits, int R>
+void strip_pass_f32(const Strips& w, int64_t s, const float* x, int64_t ldx, const float* xsums,
+                    float (*res)[kStrip]) {
+  constexpr int C = R <= 2 ? 4 : 2;  // independent sums per row, to hide the FMA latency
+  __m256 acc[R];
+  for (auto& v : acc) v = _mm256_setzero_ps();
+  const uint8_t* q = w.q + s * w.strip_bytes();
+  const int64_t halves = w.K / 16;
+  for (int64_t k = 0; k < w.K; k += kRun) {
+    const uint8_t* run = q + k / kRun * w.run_bytes();
+    for (int h = 0; h < 2; ++h) {
+      __m256 dot[R][C];
+      for (auto& row : dot)
+        for (auto& v : row) v = _mm256_setzero_ps();
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) {
+        const __m256 qv = q_at<Bits>(run, h, i);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r)
+          dot[r][i % C] = _mm256_fmadd_ps(qv, _mm256_broadcast_ss(x + r * ldx + k + 16 * h + i),
+                                          dot[r][i % C]);
+      }
+      const int64_t j = (k + 16 * h) / w.block_size;
+      const __m256 scale = load8(w, w.scales, s, j);
+      for (int r = 0; r < R; ++r) {
+        __m256 d = dot[r][0];
+        for (int c = 1; c < C; ++c) d = _mm256_add_ps(d, dot[r][c]);
+        acc[r] = _mm256_fmadd_ps(d, scale, acc[r]);
+      }
+      if (w.mins != nullptr) {
+        const __m256 min = load8(w, w.mins, s, j);
+        for (int r = 0; r < R; ++r)
+          acc[r] = _mm256_fmadd_ps(min, _mm256_set1_ps(xsums[r * halves + (k + 16 * h) / 16]), acc[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_store_ps(res[r], acc[r]);
+}
+
+using StripPassF32 = void (*)(const Strips&, int64_t, const float*, int64_t, const float*,
+                             float (*)[kStrip]);
+constexpr int64_t kF32Rows = 4;
+constexpr StripPassF32 kStripPassF32[2][kF32Rows] = {
+    {strip_pass_f32<4, 1>, strip_pass_f32<4, 2>, strip_pass_f32<4, 3>, strip_pass_f32<4, 4>},
+    {strip_pass_f32<8, 1>, strip_pass_f32<8, 2>, strip_pass_f32<8, 3>, strip_pass_f32<8, 4>}};
+
+// ---- x bfloat16/float16: int8 activations --------------------------------------------
+
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+template <int Bits, int R>
+void strip_pass_int8(const Strips& w, int64_t s, const Acts& a, int64_t m, float (*res)[kStrip]) {
+  const int64_t K = w.K;
+  const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
+  __m256 acc[R];
+  for (auto& v : acc) v = _mm256_setzero_ps();
+  const uint8_t* q = w.q + s * w.strip_bytes();
+  for (int64_t k = 0; k < K; k += kRun) {
+    const uint8_t* run = q + k / kRun * w.run_bytes();
+    const int64_t j0 = a.half_block[k / 16], j1 = a.half_block[k / 16 + 1];
+    __m256i dot[R][2];  // int32 per feature, per half of the run
+    if constexpr (Bits == 4) {
+      __m256i sum[R][2];  // int16 pairs: at most 4 chunks * 2 * 15 * 127
+      for (auto& row : sum) row[0] = row[1] = _mm256_setzero_si256();
+      for (int c = 0; c < 4; ++c) {
+        const __m256i v = load_chunk(run + 32 * c);
+        const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* x = a.q + (m + r) * K + k + 4 * c;
+          sum[r][0] = _mm256_add_epi16(sum[r][0], _mm256_maddubs_epi16(lo, bcast4(x)));
+          sum[r][1] = _mm256_add_epi16(sum[r][1], _mm256_maddubs_epi16(hi, bcast4(x + 16)));
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        for (int h = 0; h < 2; ++h) dot[r][h] = _mm256_madd_epi16(sum[r][h], ones);
+    } else {
+      for (auto& row : dot) row[0] = row[1] = _mm256_setzero_si256();
+      for (int c = 0; c < 8; ++c) {
+        const __m256i v = load_chunk(run + 32 * c), u = _mm256_abs_epi8(v);
+        for (int r = 0; r < R; ++r) {  // |q| <= 128, |x| <= 127: no saturation
+          const __m256i xs = _mm256_sign_epi8(bcast4(a.q + (m + r) * K + k + 4 * c), v);
+          dot[r][c / 4] = _mm256_add_epi32(dot[r][c / 4], _mm256_madd_epi16(_mm256_maddubs_epi16(u, xs), ones));
+        }
+      }
+    }
+    const __m256 s0 = load8(w, w.scales, s, j0), s1 = j1 == j0 ? s0 : load8(w, w.scales, s, j1);
+    for (int r = 0; r < R; ++r) {
+      const __m256 d = _mm256_set1_ps(a.d[(m + r) * a.runs + k / kRun]);
+      if (j1 == j0) {
+        const __m256 both = _mm256_cvtepi32_ps(_mm256_add_epi32(dot[r][0], dot[r][1]));
+        acc[r] = _mm256_fmadd_ps(both, _mm256_mul_ps(s0, d), acc[r]);
+      } else {
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][0]), _mm256_mul_ps(s0, d), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][1]), _mm256_mul_ps(s1, d), acc[r]);
+      }
+    }
+  }
+  if (w.mins != nullptr) {  // plus mins[j] * (sum of the dequantized x over block j)
+    const int64_t blocks = w.blocks();
+    for (int64_t j = 0; j < blocks; ++j) {
+      const __m256 mv = load8(w, w.mins, s, j);
+      for (int r = 0; r < R; ++r)
+        acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(a.sums[(m + r) * blocks + j]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_store_ps(res[r], acc[r]);
+}
+
+using StripPassInt8 = void (*)(const Strips&, int64_t, const Acts&, int64_t, float (*)[kStrip]);
+constexpr StripPassInt8 kStripPassInt8[2][kMaxStripRows] = {
+    {strip_pass_int8<4, 1>, strip_pass_int8<4, 2>, strip_pass_int8<4, 3>, strip_pass_int8<4, 4>},
+    {strip_pass_int8<8, 1>, strip_pass_int8<8, 2>, strip_pass_int8<8, 3>, strip_pass_int8<8, 4>}};
+
+#endif
+
+std::optional<torch::Tensor> strip_linear_f32(const torch::Tensor& x, const torch::Tensor& q,
+                                              const torch::Tensor& scales,
+                                              const std::optional<torch::Tensor>& mins,
+                                              int64_t bits, int64_t block_size,
+                                              const std::optional<torch::Tensor>& bias) {
+#if defined(SPLITSERVE_AVX2) && !defined(SPLITSERVE_AVX512)
+  const auto w = strips_of(q, scales, mins, bits, block_size);
+  if (!w || x.scalar_type() != torch::kFloat || !takes_x(x, w->K)) return std::nullopt;
+  const auto b = float_bias(bias, w->N);
+  if (!b) return std::nullopt;
+  const int64_t M = x.size(0), ldx = x.stride(0);
+  auto out = torch::empty({M, w->N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const int64_t halves = w->K / 16;
+  std::vector<float> xsums(w->mins == nullptr ? 0 : M * halves);
+  for (int64_t i = 0; i < static_cast<int64_t>(xsums.size()); ++i) {
+    const float* h = xp + i / halves * ldx + i % halves * 16;
+    float sum = 0.0f;
+    for (int e = 0; e < 16; ++e) sum += h[e];
+    xsums[i] = sum;
+  }
+  const auto* passes = kStripPassF32[bits == 4 ? 0 : 1];
+  over_strips(M, w->N, kF32Rows, *b, out.data_ptr<float>(),
+              [&](int64_t s, int64_t m, int64_t rows, float (*res)[kStrip]) {
+                passes[rows - 1](*w, s, xp + m * ldx, ldx, xsums.data() + m * halves, res);
+              });
+  return out;
+#else
+  return std::nullopt;
+#endif
+}
+
+std::optional<torch::Tensor> strip_linear_int8(const torch::Tensor& x, const torch::Tensor& q,
+                                               const torch::Tensor& scales,
+                                               const std::optional<torch::Tensor>& mins,
+                                               int64_t bits, int64_t block_size,
+                                               const std::optional<torch::Tensor>& bias) {
+#if defined(SPLITSERVE_AVX2) && !defined(SPLITSERVE_AVX512)
+  const auto w = strips_of(q, scales, mins, bits, block_size);
+  if (!w || !takes_x(x, w->K)) return std::nullopt;
+  const auto b = float_bias(bias, w->N);
+  if (!b) return std::nullopt;
+  const auto run = [&](auto tag) {
+    using T = decltype(tag);
+    const int64_t M = x.size(0);
+    const ActsStorage storage = quantize_acts(reinterpret_cast<const T*>(x.data_ptr()), M, w->K,
+                                              x.stride(0), block_size, w->mins != nullptr);
+    const Acts acts = storage.view();
+    auto out = torch::empty({M, w->N}, x.options());
+    const auto* passes = kStripPassInt8[bits == 4 ? 0 : 1];
+    over_strips(M, w->N, kMaxStripRows, *b, reinterpret_cast<T*>(out.data_ptr()),
+                [&](int64_t s, int64_t m, int64_t rows, float (*res)[kStrip]) {
+                  passes[rows - 1](*w, s, acts, m, res);
+                });
+    return out;
+  };
+  if (x.scalar_type() == torch::kBFloat16) return run(c10::BFloat16());
+  if (x.scalar_type() == torch::kHalf) return run(c10::Half());
+#endif
+  return std::nullopt;
+}
+
+// Strip s regrouped into the row layout (quant_rows' QuantRows over `scratch`), its 8
+// features as rows 0..7.
+inline QuantRows strip_rows(const Strips& w, int64_t s, std::vector<uint8_t>& scratch) {
+  const int64_t row_bytes = w.bits == 4 ? w.K / 2 : w.K, blocks = w.blocks();
+  const int64_t scale_bytes = w.half ? 2 : 4, table_bytes = kStrip * blocks * scale_bytes;
+  scratch.resize(kStrip * row_bytes + 2 * table_bytes);
+  uint8_t* q = scratch.data();
+  uint8_t* scales = q + kStrip * row_bytes;
+  uint8_t* mins = scales + table_bytes;
+  const uint8_t* src = w.q + s * w.strip_bytes();
+  const int64_t chunks = w.run_bytes() / 32;
+  for (int64_t c = 0; c < w.K / kRun * chunks; ++c)  // chunk c of every run, in order
+    for (int64_t f = 0; f < kStrip; ++f)
+      std::memcpy(q + f * row_bytes + c * 4, src + (c * kStrip + f) * 4, 4);
+  const auto regroup = [&](const void* table, uint8_t* out) {
+    const auto* t = static_cast<const uint8_t*>(table) + s * table_bytes;
+    for (int64_t j = 0; j < blocks; ++j)
+      for (int64_t f = 0; f < kStrip; ++f)
+        std::memcpy(out + (f * blocks + j) * scale_bytes, t + (j * kStrip + f) * scale_bytes,
+                    scale_bytes);
+  };
+  regroup(w.scales, scales);
+  if (w.mins != nullptr) regroup(w.mins, mins);
+  return QuantRows{q, scales, w.mins == nullptr ? nullptr : mins, w.half, w.K, w.bits,
+                   w.block_size};
+}
+
+template <typename T>
+void strip_dequantize_as(const Strips& w, T* out) {
+  at::parallel_for(0, w.N / kStrip, 4, [&](int64_t begin, int64_t end) {
+    std::vector<uint8_t> scratch;
+    for (int64_t s = begin; s < end; ++s) {
+      const QuantRows rows = strip_rows(w, s, scratch);
+      for (int64_t f = 0; f < kStrip; ++f)
+        (w.bits == 4 ? dequantize_row<4, T> : dequantize_row<8, T>)(rows, f, out + (s * kStrip + f) * w.K);
+    }
+  });
+}
+
+bool strip_dequantize_into(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& scales,
+                           const std::optional<torch::Tensor>& mins, int64_t bits,
+                           int64_t block_size) {
+  const auto w = strips_of(q, scales, mins, bits, block_size);
+  if (!w || !out.device().is_cpu() || !out.is_contiguous() ||
+      out.sizes() != torch::IntArrayRef{w->N, w->K})
+    return false;
+  switch (out.scalar_type()) {
+    case torch::kFloat: strip_dequantize_as(*w, out.data_ptr<float>()); return true;
+    case torch::kBFloat16:
+      strip_dequantize_as(*w, reinterpret_cast<c10::BFloat16*>(out.data_ptr())); return true;
+    case torch::kHalf: strip_dequantize_as(*w, reinterpret_cast<c10::Half*>(out.data_ptr())); return true;
+    default: return false;
+  }
+}
+
+int64_t strip_width() { return kStrips ? kStrip : 0; }
+
+}  // namespace splitserve::quant

@@ -1,0 +1,161 @@
+"""Block-quantized weights in strips of 8 features (models/quantization/strips.py) and the
+AVX2 kernels on them (cpu_quant_strips.cpp): the layout against the row layout byte by
+byte, each kernel against the row kernels and torch references, for every ISA built; builds
+without the strip kernels (generic, AVX-512) decline them and keep rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import KernelSet
+from models.quantization.cpu_quant_linear import (
+    STRIP_EXACT_ROWS,
+    PreparedQuantWeight,
+    prepare_quant_weight,
+    quant_kernel,
+    quant_linear,
+    torch_quant_linear,
+)
+from models.quantization.strips import StripQuantWeight, to_strips
+from tests.quantization.isas import kernel_isas
+from tests.quantization.test_cpu_quant_linear import (
+    LAYOUTS,
+    args,
+    int8_reference,
+    magnitude,
+    make_weight,
+)
+
+ISAS = kernel_isas()
+
+
+@pytest.fixture(params=ISAS)
+def isa(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def kernel(isa):
+    module = quant_kernel(KernelSet(cpu=True, isa=isa))
+    assert module is not None, f"the {isa} build failed"
+    return module
+
+
+def strip_args(s: StripQuantWeight) -> tuple:
+    return s.q, s.scales, s.mins, s.bits, s.block_size
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize(("k", "block_size"), LAYOUTS, ids=str)
+def test_strips_hold_the_rows_bytes_in_chunk_order(bits, k, block_size):
+    w = make_weight(24, k, bits, block_size, True, torch.float16)
+    s = to_strips(w)
+    chunks = (16 if bits == 4 else 32) // 4
+    q = s.q.reshape(3, k // 32, chunks, 8, 4)
+    for n in (0, 9, 23):
+        for run in range(k // 32):
+            for c in range(chunks):
+                at = run * chunks * 4 + 4 * c
+                assert torch.equal(q[n // 8, run, c, n % 8], w.qweight[n, at : at + 4])
+    assert torch.equal(s.scales[1, :, 3], w.scales[11]) and torch.equal(s.mins[2, :, 7], w.mins[23])
+    back = s.row_weight()
+    assert torch.equal(back.qweight, w.qweight) and torch.equal(back.scales, w.scales)
+    assert torch.equal(back.mins, w.mins)
+    ids = torch.tensor([5, 0, 23, 5])
+    rows = s.rows(ids)
+    assert torch.equal(rows.dequantize(), w.dequantize()[ids])
+
+
+def test_only_whole_strips_are_regrouped():
+    assert to_strips(make_weight(20, 64, 4, 32, False, torch.float32)) is None
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("mins", [False, True], ids=["no-mins", "mins"])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize(("k", "block_size"), LAYOUTS, ids=str)
+def test_strip_kernels_match_their_references(kernel, bits, mins, scale_dtype, k, block_size):
+    """Exact: F.linear on the dequantized weight; int8: the int8 reference; dequantize:
+    bitwise the row kernel's."""
+    w = make_weight(48, k, bits, block_size, mins, scale_dtype)
+    s = to_strips(w)
+    bias = torch.randn(48)
+    if not kernel.strip_width():
+        assert kernel.strip_linear_f32(torch.randn(1, k), *strip_args(s)) is None
+        assert kernel.strip_linear_int8(torch.randn(1, k).bfloat16(), *strip_args(s)) is None
+        assert not kernel.strip_dequantize_into(torch.empty(48, k), *strip_args(s))
+        return
+    assert kernel.strip_width() == 8
+    for m in (1, 2, 3, 4, 5, 9):
+        x = torch.randn(m, k)
+        for b in (None, bias):
+            out = kernel.strip_linear_f32(x, *strip_args(s), b)
+            expected = F.linear(x, w.dequantize(), b)
+            assert ((out - expected).abs() <= 1e-5 * magnitude(x, w) + 1e-6).all(), (m, b)
+            xb = (x * 2).bfloat16()
+            xb[0, :32] = 0  # an all-zero run: scale 0
+            out = kernel.strip_linear_int8(xb, *strip_args(s), None if b is None else b.bfloat16())
+            expected, xq = int8_reference(xb, w, None if b is None else b.bfloat16())
+            tolerance = torch.finfo(torch.bfloat16).eps * expected.abs()
+            tolerance += 1e-5 * magnitude(xq, w) + 1e-6
+            assert ((out.double() - expected).abs() <= tolerance).all(), (m, b)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        from_strips, from_rows = torch.empty(48, k, dtype=dtype), torch.empty(48, k, dtype=dtype)
+        assert kernel.strip_dequantize_into(from_strips, *strip_args(s))
+        assert kernel.dequantize_into(from_rows, *args(w))
+        assert torch.equal(from_strips, from_rows)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("bits", "block_size", "mins", "scale_dtype"),
+    [(4, 32, True, torch.float16), (8, 64, False, torch.float32), (4, 48, True, torch.float32)],
+    ids=["q4_1", "q8-fp32-scales", "q4-48"],
+)
+def test_quant_linear_on_strips(isa, dtype, threads, bits, block_size, mins, scale_dtype):
+    """A weight of whole strips is held in strips where the build computes on them, and every
+    row count gives the strip kernels' answer: exact up to STRIP_EXACT_ROWS (then the torch
+    fallback bitwise), int8 at any rows for 16-bit x."""
+    torch.set_num_threads(threads)  # the conftest fixture restores it
+    w = make_weight(80, 576, bits, block_size, mins, scale_dtype)
+    prepared = prepare_quant_weight(w, KernelSet(cpu=True, isa=isa))
+    strips = bool(prepared.kernel.strip_width())
+    assert isinstance(prepared.weight, StripQuantWeight) == strips
+    assert prepared.shape == w.shape
+    bias = torch.randn(80).to(dtype)
+    for m in (0, 1, STRIP_EXACT_ROWS, STRIP_EXACT_ROWS + 1, 300):
+        x = torch.randn(m, 576).to(dtype)
+        out = quant_linear(x, prepared, bias)
+        assert out.dtype == dtype and out.shape == (m, 80)
+        if not strips:
+            continue
+        if dtype == torch.float32 and m > STRIP_EXACT_ROWS:
+            assert torch.equal(out, torch_quant_linear(x, w, bias)), m
+        elif dtype == torch.float32:
+            reference = F.linear(x, w.dequantize(), bias)
+            assert ((out - reference).abs() <= 1e-5 * magnitude(x, w) + 1e-5).all(), m
+        elif m:
+            expected, xq = int8_reference(x, w, bias)
+            tolerance = 2 * torch.finfo(dtype).eps * expected.abs() + 1e-5 * magnitude(xq, w)
+            assert ((out.double() - expected).abs() <= tolerance + 1e-5).all(), m
+
+
+def test_a_prepared_weight_gives_back_its_rows(isa):
+    w = make_weight(64, 128, 4, 32, True, torch.float16)
+    prepared = prepare_quant_weight(w, KernelSet(cpu=True, isa=isa))
+    back = prepared.row_weight()
+    assert torch.equal(back.qweight, w.qweight) and torch.equal(back.scales, w.scales)
+    ids = torch.tensor([63, 1, 1])
+    assert torch.equal(prepared.rows(ids).dequantize(), w.dequantize()[ids])
+    again = prepare_quant_weight(prepared, KernelSet(cpu=True, isa=isa))
+    assert type(again.weight) is type(prepared.weight)
+    off = prepare_quant_weight(prepared, KernelSet())
+    assert off.kernel is None and torch.equal(off.weight.qweight, w.qweight)
+    strided = torch.randn(3, 256).bfloat16()[:, ::2]  # the kernels decline: torch on the rows
+    assert torch.equal(quant_linear(strided, prepared), torch_quant_linear(strided, w))
+    unbound = PreparedQuantWeight(prepared.weight, None)
+    x = torch.randn(2, 128)
+    assert torch.equal(quant_linear(x, unbound), torch_quant_linear(x, w))
