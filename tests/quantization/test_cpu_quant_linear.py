@@ -23,9 +23,7 @@ from models.quantization.cpu_quant_linear import (
     quant_linear,
     torch_quant_linear,
 )
-from tests.quantization.isas import kernel_isas
 
-ISAS = kernel_isas()
 # (K, block_size): GGUF's 32, Q6_K's 16, group sizes, a per-channel scale (block = K), and
 # blocks of 48 (a run of 32 then straddles two blocks).
 LAYOUTS = [
@@ -34,18 +32,6 @@ LAYOUTS = [
 EXACT_M = [1, 2, 3, 4, 5, 9]
 INT8_M = [1, 2, 3, 4, 5, 8, 13, 64]
 TILE_M = [1, 2, 5, 16, 17, 40, 64, 65, 130]  # tiles of 16 rows, chunks of 64
-
-
-@pytest.fixture(params=ISAS)
-def isa(request) -> str:
-    return request.param
-
-
-@pytest.fixture
-def kernel(isa):
-    module = quant_kernel(KernelSet(cpu=True, isa=isa))
-    assert module is not None, f"the {isa} build failed"
-    return module
 
 
 def make_weight(

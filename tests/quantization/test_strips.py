@@ -14,12 +14,10 @@ from models.quantization.cpu_quant_linear import (
     STRIP_EXACT_ROWS,
     PreparedQuantWeight,
     prepare_quant_weight,
-    quant_kernel,
     quant_linear,
     torch_quant_linear,
 )
 from models.quantization.strips import StripQuantWeight, to_strips
-from tests.quantization.isas import kernel_isas
 from tests.quantization.test_cpu_quant_linear import (
     LAYOUTS,
     args,
@@ -27,20 +25,6 @@ from tests.quantization.test_cpu_quant_linear import (
     magnitude,
     make_weight,
 )
-
-ISAS = kernel_isas()
-
-
-@pytest.fixture(params=ISAS)
-def isa(request) -> str:
-    return request.param
-
-
-@pytest.fixture
-def kernel(isa):
-    module = quant_kernel(KernelSet(cpu=True, isa=isa))
-    assert module is not None, f"the {isa} build failed"
-    return module
 
 
 def strip_args(s: StripQuantWeight) -> tuple:
