@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "cpu_quant_linear.h"
@@ -32,7 +33,8 @@ constexpr int64_t kStrip = 8;  // features per strip
 constexpr int64_t kMaxStripRows = 4;
 
 #if defined(SPLITSERVE_AVX2) && !defined(SPLITSERVE_AVX512)
-constexpr bool kStrips = true;  // AVX-512 builds keep rows (their pair-order activations)
+#define SPLITSERVE_STRIPS  // AVX-512 builds keep rows (their pair-order activations)
+constexpr bool kStrips = true;
 #else
 constexpr bool kStrips = false;
 #endif
@@ -93,7 +95,7 @@ void over_strips(int64_t M, int64_t N, int64_t most, const torch::Tensor& bias, 
   });
 }
 
-#if defined(SPLITSERVE_AVX2) && !defined(SPLITSERVE_AVX512)
+#if defined(SPLITSERVE_STRIPS)
 
 // 8 features' scales (or mins) of strip s, block j.
 inline __m256 load8(const Strips& w, const void* table, int64_t s, int64_t j) {
@@ -245,21 +247,33 @@ constexpr StripPassInt8 kStripPassInt8[2][kMaxStripRows] = {
 
 #endif
 
+// The strips and x's bias in float32, when the kernels take x, the weight and the bias.
+std::optional<std::pair<Strips, torch::Tensor>> strips_and_bias(
+    const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales,
+    const std::optional<torch::Tensor>& mins, int64_t bits, int64_t block_size,
+    const std::optional<torch::Tensor>& bias) {
+  const auto w = strips_of(q, scales, mins, bits, block_size);
+  if (!w || !takes_x(x, w->K)) return std::nullopt;
+  const auto b = float_bias(bias, w->N);
+  if (!b) return std::nullopt;
+  return std::make_pair(*w, *b);
+}
+
 std::optional<torch::Tensor> strip_linear_f32(const torch::Tensor& x, const torch::Tensor& q,
                                               const torch::Tensor& scales,
                                               const std::optional<torch::Tensor>& mins,
                                               int64_t bits, int64_t block_size,
                                               const std::optional<torch::Tensor>& bias) {
-#if defined(SPLITSERVE_AVX2) && !defined(SPLITSERVE_AVX512)
-  const auto w = strips_of(q, scales, mins, bits, block_size);
-  if (!w || x.scalar_type() != torch::kFloat || !takes_x(x, w->K)) return std::nullopt;
-  const auto b = float_bias(bias, w->N);
-  if (!b) return std::nullopt;
+#if defined(SPLITSERVE_STRIPS)
+  const auto wb = strips_and_bias(x, q, scales, mins, bits, block_size, bias);
+  if (!wb || x.scalar_type() != torch::kFloat) return std::nullopt;
+  const Strips& w = wb->first;
+  const torch::Tensor& b = wb->second;
   const int64_t M = x.size(0), ldx = x.stride(0);
-  auto out = torch::empty({M, w->N}, x.options());
+  auto out = torch::empty({M, w.N}, x.options());
   const float* xp = x.data_ptr<float>();
-  const int64_t halves = w->K / 16;
-  std::vector<float> xsums(w->mins == nullptr ? 0 : M * halves);
+  const int64_t halves = w.K / 16;
+  std::vector<float> xsums(w.mins == nullptr ? 0 : M * halves);
   for (int64_t i = 0; i < static_cast<int64_t>(xsums.size()); ++i) {
     const float* h = xp + i / halves * ldx + i % halves * 16;
     float sum = 0.0f;
@@ -267,9 +281,9 @@ std::optional<torch::Tensor> strip_linear_f32(const torch::Tensor& x, const torc
     xsums[i] = sum;
   }
   const auto* passes = kStripPassF32[bits == 4 ? 0 : 1];
-  over_strips(M, w->N, kF32Rows, *b, out.data_ptr<float>(),
+  over_strips(M, w.N, kF32Rows, b, out.data_ptr<float>(),
               [&](int64_t s, int64_t m, int64_t rows, float (*res)[kStrip]) {
-                passes[rows - 1](*w, s, xp + m * ldx, ldx, xsums.data() + m * halves, res);
+                passes[rows - 1](w, s, xp + m * ldx, ldx, xsums.data() + m * halves, res);
               });
   return out;
 #else
@@ -282,22 +296,22 @@ std::optional<torch::Tensor> strip_linear_int8(const torch::Tensor& x, const tor
                                                const std::optional<torch::Tensor>& mins,
                                                int64_t bits, int64_t block_size,
                                                const std::optional<torch::Tensor>& bias) {
-#if defined(SPLITSERVE_AVX2) && !defined(SPLITSERVE_AVX512)
-  const auto w = strips_of(q, scales, mins, bits, block_size);
-  if (!w || !takes_x(x, w->K)) return std::nullopt;
-  const auto b = float_bias(bias, w->N);
-  if (!b) return std::nullopt;
+#if defined(SPLITSERVE_STRIPS)
+  const auto wb = strips_and_bias(x, q, scales, mins, bits, block_size, bias);
+  if (!wb) return std::nullopt;
+  const Strips& w = wb->first;
+  const torch::Tensor& b = wb->second;
   const auto run = [&](auto tag) {
     using T = decltype(tag);
     const int64_t M = x.size(0);
-    const ActsStorage storage = quantize_acts(reinterpret_cast<const T*>(x.data_ptr()), M, w->K,
-                                              x.stride(0), block_size, w->mins != nullptr);
+    const ActsStorage storage = quantize_acts(reinterpret_cast<const T*>(x.data_ptr()), M, w.K,
+                                              x.stride(0), block_size, w.mins != nullptr);
     const Acts acts = storage.view();
-    auto out = torch::empty({M, w->N}, x.options());
+    auto out = torch::empty({M, w.N}, x.options());
     const auto* passes = kStripPassInt8[bits == 4 ? 0 : 1];
-    over_strips(M, w->N, kMaxStripRows, *b, reinterpret_cast<T*>(out.data_ptr()),
+    over_strips(M, w.N, kMaxStripRows, b, reinterpret_cast<T*>(out.data_ptr()),
                 [&](int64_t s, int64_t m, int64_t rows, float (*res)[kStrip]) {
-                  passes[rows - 1](*w, s, acts, m, res);
+                  passes[rows - 1](w, s, acts, m, res);
                 });
     return out;
   };
