@@ -5,8 +5,10 @@ with fp8 pages agrees with the 16-bit cache on most tokens.
 
 What "most" means here: a random tiny model's logits are nearly flat, so a rounding flips
 a greedy choice far more easily than in a trained model, and every token after a flip
-differs. Measured on this model (AMX CPU): e4m3 76 %, e5m2 60 % of the tokens (the torch
-backend: 85 %, 63 %); the test asks for at least 65 % and 50 %."""
+differs, so a few prompts make a noisy measure. Measured on this model, 6 prompts: AMX CPU
+e4m3 76 %, e5m2 60 % of the tokens (the torch backend: 85 %, 63 %); AMD Zen 3 (AVX2)
+64 %, 74 %. With 48 prompts on the Zen 3: 72 %, 68 %. The test takes 48 prompts and asks
+for at least 60 % and 50 % (broken pages agree on next to none)."""
 
 import pytest
 import torch
@@ -16,7 +18,8 @@ from tests.integration.greedy import generate_greedy, random_prompts
 
 MEMORY = 8 << 20
 HOST_MEMORY = 4 << 20
-AGREEMENT = {"fp8": 0.65, "fp8_e5m2": 0.5}
+AGREEMENT = {"fp8": 0.6, "fp8_e5m2": 0.5}
+PROMPTS = 48
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +27,7 @@ def runs(tiny_checkpoint) -> dict[str, tuple[list[list[int]], dict[str, str]]]:
     """Per --kv-cache-dtype: the greedy tokens of a few prompts and the cache_config_info
     labels of the engine's stats."""
     path = tiny_checkpoint("llama")
-    prompts = random_prompts(6, 5, 40)
+    prompts = random_prompts(PROMPTS, 5, 40)
     results = {}
     for kv_cache_dtype in ("auto", "fp8", "fp8_e5m2"):
         llm = LLM(
@@ -57,6 +60,6 @@ def test_fp8_caches_hold_twice_the_blocks(runs):
 def test_greedy_tokens_agree_with_the_16_bit_cache(runs, kv_cache_dtype):
     expected, actual = runs["auto"][0], runs[kv_cache_dtype][0]
     tokens = torch.tensor(expected), torch.tensor(actual)  # [prompts, 16] each
-    assert tokens[0].shape == tokens[1].shape == (6, 16)
+    assert tokens[0].shape == tokens[1].shape == (PROMPTS, 16)
     agreement = (tokens[0] == tokens[1]).float().mean().item()
     assert agreement >= AGREEMENT[kv_cache_dtype], f"{agreement:.0%} of the tokens agree"
