@@ -142,7 +142,9 @@ def test_each_rank_holds_its_narrow_of_the_full_weight(fake_tp, fmt, kind):
         assert torch.equal(got, want)
         layer.bind_kernels(KernelSet.for_device("cpu"))
         x = torch.randn(3, layer.input_size_per_partition)
-        torch.testing.assert_close(layer.quant_method.apply(layer, x), x @ want.t())
+        out, reference = layer.quant_method.apply(layer, x), x @ want.t()
+        magnitude = x.abs() @ want.abs().t()  # float32 sums in another order or form
+        assert ((out - reference).abs() <= 1e-5 * magnitude + 1e-5).all()
         if layer.input_index is None and layer_q.block_size == full_q.block_size:
             _assert_same(layer_q, _narrow(full_q, rows, sizes, inp))
 

@@ -18,7 +18,7 @@ from models.quantization.cpu_quant_linear import (
     torch_quant_linear,
 )
 from models.quantization.strips import StripQuantWeight, to_strips
-from tests.quantization.test_cpu_quant_linear import (
+from tests.quantization.kernel_cases import (
     LAYOUTS,
     args,
     int8_reference,
