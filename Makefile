@@ -26,10 +26,11 @@ test-fast: lint
 	$(PY) -m pytest -q -m "not slow"
 
 # make serve ARGS="--tp 3 --port 8000"; without --model it serves the default model,
-# converted once into the user cache.
+# converted once into the user cache: its Q4_1 file on CPUs without bf16 instructions,
+# else the bf16 folder (models/default.py says why).
 serve: venv
-	$(if $(findstring --model,$(ARGS)),,$(PY) -m models.default)
-	exec $(PY) launch.py --address-file $(ADDRESS_FILE) $(ARGS)
+	exec $(PY) launch.py --address-file $(ADDRESS_FILE) \
+		$(if $(findstring --model,$(ARGS)),,$$($(PY) -m models.default --serve-args)) $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

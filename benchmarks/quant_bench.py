@@ -17,6 +17,7 @@ scale per output channel, the LM head in bf16) shared by the B tokens of a step,
 stream's KV cache at the mean context of the run (prompt + N / 2 tokens), 2 or 1 byte a value.
 
     python -m benchmarks.quant_bench [--streams 1 8 64] [--formats bf16 Q4_1] [--kv auto fp8]
+        [--dtype bfloat16|float32|auto]
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def bench(fmt: str, kv: str, folder: str, args: argparse.Namespace) -> dict:
 
     kwargs = engine_kwargs(fmt, folder) | ({"kv_cache_dtype": kv} if kv != "auto" else {})
     try:
-        llm = LLM(dtype="bfloat16", max_model_len=args.prompt_len + args.output_len, **kwargs)
+        llm = LLM(dtype=args.dtype, max_model_len=args.prompt_len + args.output_len, **kwargs)
     except Exception as e:  # a flag, file type or combination not built yet
         return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:90]}"}
     try:
@@ -137,6 +138,13 @@ def main() -> None:
     p.add_argument("--streams", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float32", "auto"),
+        help="activations; auto: each model's default (a GGUF file runs in float32 on a "
+        "CPU without bf16 instructions, the bf16 folder in bf16)",
+    )
     args = p.parse_args()
     folder = default_model_path()
     results = {}
@@ -145,7 +153,8 @@ def main() -> None:
             r = results[fmt, kv] = bench(fmt, kv, folder, args)
             print(f"[{fmt} / kv {kv}] {r.get('tok/s', r.get('error'))}", flush=True)
     print(
-        f"\nSmolLM2-135M-Instruct, {cpu_name()}; prompts of {args.prompt_len} tokens, "
+        f"\nSmolLM2-135M-Instruct, {cpu_name()}, dtype {args.dtype}; prompts of "
+        f"{args.prompt_len} tokens, "
         f"{args.output_len} output tokens; Q8_0 is the Q4_1 file requantized\n"
     )
     print(table(results, folder, args))

@@ -8,7 +8,15 @@ On first use it is converted once, with transformers, into a Hugging Face folder
 is written to a temporary directory and renamed into place, so it is either complete
 or absent.
 
-    python -m models.default    # prints the folder, converting first if needed
+    python -m models.default               # prints the folder, converting first if needed
+    python -m models.default --serve-args  # the launch.py flags `make serve` serves it with
+
+What `make serve` serves depends on the machine, by the quantization benchmark
+(benchmarks/quant_bench.py --dtype auto, docs/benchmarks.md): on a CPU without bf16
+instructions (AVX2) the wheel's Q4_1 file itself, which the quantized kernels compute on
+in float32, decodes 3.1x (one stream) and 1.9x (8 streams) faster than the converted
+folder in its own dtype (float32 there); on CPUs with bf16 instructions (AVX-512 BF16,
+AMX) and on GPUs the folder, which runs in bf16 and is faster there at 8 streams and more.
 """
 
 from __future__ import annotations
@@ -85,6 +93,19 @@ def default_model_path() -> str:
     return str(write_folder_atomically(target, lambda out: _convert(gguf, out), _is_complete))
 
 
+def serve_args() -> list[str]:
+    """The launch.py flags that serve the default model on this machine (see above); the
+    served model's name is the folder's either way (its tokenizer)."""
+    import torch
+
+    from kernels import has_native_bf16
+
+    folder = default_model_path()
+    if torch.cuda.is_available() or has_native_bf16():
+        return ["--model", folder]
+    return ["--model", str(find_gguf()), "--tokenizer", folder]
+
+
 def write_folder_atomically(
     target: Path, write: Callable[[Path], None], is_complete: Callable[[Path], bool]
 ) -> Path:
@@ -115,7 +136,7 @@ def write_folder_atomically(
 
 def main() -> int:
     try:
-        print(default_model_path())
+        print(" ".join(serve_args()) if "--serve-args" in sys.argv[1:] else default_model_path())
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

