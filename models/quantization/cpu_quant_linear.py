@@ -13,7 +13,8 @@ tiles in registers and multiplied there (F.linear on w.dequantize(torch.bfloat16
 float32, rounded once); other bfloat16/float16 x of up to INT8_ROWS rows (decode): x
 quantized to int8 per 32 features and integer dot products; more rows (prefill): the
 weight dequantized in the C++ to x's dtype for torch's matmul. A weight in strips takes
-the strip kernels: exact up to STRIP_EXACT_ROWS, int8 at any rows, else dequantizing.
+the strip kernels: exact up to STRIP_EXACT_ROWS (an LM head: STRIP_EXACT_ROWS_HEAD), int8
+at any rows, else dequantizing.
 Whatever the C++ does not take runs `torch_quant_linear`.
 """
 
@@ -38,11 +39,15 @@ INT8_ROWS = 16
 # From here the bf16 tile kernel beats the int8 path, and up to here dequantizing for
 # torch's matmul (same measurements, 1 and 2 threads).
 TILE_ROWS = range(6, 129)
-# The exact path on strips beats torch's float32 matmul up to here (AVX2 strip kernels, AMD
-# EPYC Zen 3, 2 threads). bfloat16/float16 x on strips take the int8 kernel at any rows:
-# the CPUs that get strips have no bf16 matmul, and it measured 8-10x faster than
-# dequantizing for bf16 F.linear at 64 and 256 rows.
-STRIP_EXACT_ROWS = 16
+# The exact path on strips beats dequantizing for torch's float32 matmul up to these rows:
+# 32 for the layers of a decoder, 128 for an LM head (more than 16384 rows), whose
+# dequantized copy costs most (AVX2 strip kernels, AMD EPYC Zen 3, 2 threads). bfloat16 /
+# float16 x on strips take the int8 kernel at any rows: the CPUs that get strips have no
+# bf16 matmul, and it measured 8-10x faster than dequantizing for bf16 F.linear at 64 and
+# 256 rows.
+STRIP_EXACT_ROWS = 32
+STRIP_EXACT_ROWS_HEAD = 128
+HEAD_ROWS = 16384
 _SOURCES = [Path(__file__).with_name(f"cpu_quant_{n}.cpp") for n in ("linear", "tiles", "strips")]
 
 
@@ -121,7 +126,8 @@ def quant_linear(
     out = None
     if isinstance(q, StripQuantWeight):
         args = (q.q, q.scales, q.mins, q.bits, q.block_size)
-        if not exact or x.shape[0] <= STRIP_EXACT_ROWS:
+        head = q.shape[0] > HEAD_ROWS
+        if not exact or x.shape[0] <= (STRIP_EXACT_ROWS_HEAD if head else STRIP_EXACT_ROWS):
             kernel = w.kernel.strip_linear_f32 if exact else w.kernel.strip_linear_int8
             out = kernel(x, *args, bias)
         else:

@@ -143,3 +143,24 @@ def test_a_prepared_weight_gives_back_its_rows(isa):
     unbound = PreparedQuantWeight(prepared.weight, None)
     x = torch.randn(2, 128)
     assert torch.equal(quant_linear(x, unbound), torch_quant_linear(x, w))
+
+
+def test_an_lm_head_takes_the_exact_path_for_more_rows(isa, monkeypatch):
+    """Past STRIP_EXACT_ROWS a decoder layer's weight is dequantized for torch's matmul, an
+    LM head's (more than HEAD_ROWS rows) only past STRIP_EXACT_ROWS_HEAD."""
+    import models.quantization.cpu_quant_linear as mod
+
+    monkeypatch.setattr(mod, "HEAD_ROWS", 64)
+    w = make_weight(72, 64, 8, 32, False, torch.float32)
+    prepared = prepare_quant_weight(w, KernelSet(cpu=True, isa=isa))
+    if not prepared.kernel.strip_width():
+        return
+    s = prepared.weight
+    for m, exact in ((mod.STRIP_EXACT_ROWS + 1, True), (mod.STRIP_EXACT_ROWS_HEAD + 1, False)):
+        x = torch.randn(m, 64)
+        out = quant_linear(x, prepared)
+        expected = kernel_out = prepared.kernel.strip_linear_f32(x, *strip_args(s))
+        if not exact:
+            expected = torch_quant_linear(x, w)
+            assert not torch.equal(out, kernel_out)
+        assert torch.equal(out, expected), m
