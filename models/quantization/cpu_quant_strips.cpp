@@ -61,7 +61,7 @@ inline std::optional<Strips> strips_of(const torch::Tensor& q, const torch::Tens
     return std::nullopt;
   const int64_t strips = q.size(0), K = q.size(1) / kStrip * (bits == 4 ? 2 : 1);
   const bool half = scales.scalar_type() == torch::kHalf;
-  if (block_size <= 0 || block_size % 16 || K % block_size || K % kRun ||
+  if (q.size(1) % kStrip || block_size <= 0 || block_size % 16 || K % block_size || K % kRun ||
       (!half && scales.scalar_type() != torch::kFloat) ||
       scales.sizes() != torch::IntArrayRef{strips, K / block_size, kStrip})
     return std::nullopt;

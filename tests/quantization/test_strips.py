@@ -164,3 +164,18 @@ def test_an_lm_head_takes_the_exact_path_for_more_rows(isa, monkeypatch):
             expected = torch_quant_linear(x, w)
             assert not torch.equal(out, kernel_out)
         assert torch.equal(out, expected), m
+
+
+def test_the_strip_kernels_decline_what_they_do_not_take(kernel):
+    s = to_strips(make_weight(16, 64, 4, 32, True, torch.float32))
+    q, scales, mins, bits, block_size = strip_args(s)
+    x = torch.randn(2, 64)
+    assert kernel.strip_linear_f32(x.bfloat16(), *strip_args(s)) is None
+    assert kernel.strip_linear_f32(torch.randn(2, 96), *strip_args(s)) is None
+    assert kernel.strip_linear_f32(x, *strip_args(s), torch.randn(15)) is None
+    assert kernel.strip_linear_f32(x, q[:, :-4], scales, mins, bits, block_size) is None
+    assert kernel.strip_linear_int8(x.bfloat16(), q, scales, mins.half(), bits, block_size) is None
+    assert kernel.strip_linear_int8(x.bfloat16(), q, scales.flatten(1), mins, bits, 32) is None
+    assert not kernel.strip_dequantize_into(
+        torch.empty(16, 64, dtype=torch.float64), *strip_args(s)
+    )
