@@ -20,6 +20,7 @@ Whatever the C++ does not take runs `torch_quant_linear`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -122,25 +123,40 @@ def quant_linear(
         return torch_quant_linear(x, w.row_weight(), bias)
     if x.dim() != 2:
         return quant_linear(x.reshape(-1, x.shape[-1]), w, bias).reshape(*x.shape[:-1], -1)
-    exact = x.dtype == torch.float32
-    out = None
     if isinstance(q, StripQuantWeight):
-        args = (q.q, q.scales, q.mins, q.bits, q.block_size)
-        head = q.shape[0] > HEAD_ROWS
-        if not exact or x.shape[0] <= (STRIP_EXACT_ROWS_HEAD if head else STRIP_EXACT_ROWS):
-            kernel = w.kernel.strip_linear_f32 if exact else w.kernel.strip_linear_int8
-            out = kernel(x, *args, bias)
-        else:
-            weight = torch.empty(q.shape, dtype=x.dtype)
-            ok = w.kernel.strip_dequantize_into(weight, *args)
-            out = F.linear(x, weight, bias) if ok else None
-        return torch_quant_linear(x, q.row_weight(), bias) if out is None else out
+        return _strip_linear(x, q, w.kernel, bias)
+    exact = x.dtype == torch.float32
     args = (q.qweight, q.scales, q.mins, q.bits, q.block_size)
+    out = None
     if x.dtype == torch.bfloat16 and x.shape[0] in TILE_ROWS:
         out = w.kernel.linear_bf16(x, *args, bias)  # None where the build has no bf16 dots
     if out is None and x.shape[0] <= (EXACT_ROWS if exact else INT8_ROWS):
         out = (w.kernel.linear_f32 if exact else w.kernel.linear_int8)(x, *args, bias)
     elif out is None:
-        weight = torch.empty(q.shape, dtype=x.dtype)
-        out = F.linear(x, weight, bias) if w.kernel.dequantize_into(weight, *args) else None
+        out = _dequantized_linear(x, w.kernel.dequantize_into, q.shape, args, bias)
     return torch_quant_linear(x, q, bias) if out is None else out
+
+
+def _strip_linear(
+    x: torch.Tensor, q: StripQuantWeight, kernel: ModuleType, bias: torch.Tensor | None
+) -> torch.Tensor:
+    exact = x.dtype == torch.float32
+    args = (q.q, q.scales, q.mins, q.bits, q.block_size)
+    limit = STRIP_EXACT_ROWS_HEAD if q.shape[0] > HEAD_ROWS else STRIP_EXACT_ROWS
+    if not exact or x.shape[0] <= limit:
+        out = (kernel.strip_linear_f32 if exact else kernel.strip_linear_int8)(x, *args, bias)
+    else:
+        out = _dequantized_linear(x, kernel.strip_dequantize_into, q.shape, args, bias)
+    return torch_quant_linear(x, q.row_weight(), bias) if out is None else out
+
+
+def _dequantized_linear(
+    x: torch.Tensor,
+    dequantize_into: Callable[..., bool],
+    shape: tuple[int, int],
+    args: tuple,
+    bias: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """F.linear on the weight dequantized by the C++ into x's dtype; None where it declines."""
+    weight = torch.empty(shape, dtype=x.dtype)
+    return F.linear(x, weight, bias) if dequantize_into(weight, *args) else None

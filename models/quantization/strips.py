@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models.quantization.block_quant import PACK_RUN, BlockQuantWeight
+from models.quantization.block_quant import BlockQuantWeight
 
 STRIP = 8  # output features per strip
 CHUNK = 4  # bytes of one feature in a chunk
@@ -62,8 +62,8 @@ class StripQuantWeight:
 
 def to_strips(w: BlockQuantWeight) -> StripQuantWeight | None:
     """w regrouped into strips; None when its rows are not a whole number of strips."""
-    n, k = w.shape
-    if n % STRIP or k % PACK_RUN:
+    n = w.shape[0]
+    if n % STRIP:
         return None
     strips = n // STRIP
     q = w.qweight.reshape(strips, STRIP, -1, CHUNK).permute(0, 2, 1, 3).reshape(strips, -1)
