@@ -23,11 +23,14 @@ class KernelSet:
     tensor, the torch code runs, which is also the reference both match. The worker makes
     one at model load (`for_device`, the only place the environment is read) and hands it
     to the model's layers, its attention backend and its sampler; each asks once for its
-    C++ module (`cpp`) and keeps it. KernelSet() runs torch everywhere."""
+    C++ module (`cpp`) and keeps it. KernelSet() runs torch everywhere.
+    `int8_activations`: the C++ linear layers on quantized weights quantize float32
+    activations to int8 as they do 16-bit ones (off: float products, exact up to rounding)."""
 
     cpu: bool = False
     triton: bool = False
     isa: str = field(default_factory=probe_isa)
+    int8_activations: bool = True
 
     def __post_init__(self) -> None:
         check_isa(self.isa)
@@ -38,7 +41,8 @@ class KernelSet:
     ) -> KernelSet:
         """The set of a model on `device`: the C++ kernels on a CPU, unless
         SPLITSERVE_CPU_KERNELS=0, built for SPLITSERVE_CPU_ISA (a lower ISA than this
-        CPU's; default its own); the Triton kernels on CUDA, unless
+        CPU's; default its own), float32 activations of quantized weights in int8 unless
+        SPLITSERVE_INT8_ACTIVATIONS=0; the Triton kernels on CUDA, unless
         SPLITSERVE_TRITON_KERNELS=0."""
         device_type = torch.device(device).type
         forced = environ.get("SPLITSERVE_CPU_ISA", "").strip().lower()
@@ -46,6 +50,7 @@ class KernelSet:
             cpu=device_type == "cpu" and _on(environ, "SPLITSERVE_CPU_KERNELS"),
             triton=device_type == "cuda" and _on(environ, "SPLITSERVE_TRITON_KERNELS"),
             isa=forced or probe_isa(),
+            int8_activations=_on(environ, "SPLITSERVE_INT8_ACTIVATIONS"),
         )
 
     def cpp(self, name: str, *sources: Path) -> ModuleType | None:

@@ -4,8 +4,8 @@
 // linear_f32: x float32. Each half-run of a weight row is dequantized to float32 in
 // registers exactly as BlockQuantWeight.dequantize computes it, and multiplied into
 // float32 accumulators: F.linear(x, w.dequantize()) up to the order of the sums.
-// linear_int8: x bfloat16/float16, few rows (decode). x is quantized once per call to int8
-// per 32-run (scale d = max|x| / 127, q = round(x / d)), and each run's dot product with
+// linear_int8: x float32/bfloat16/float16, few rows (decode). x is quantized once per call
+// to int8 per 32-run (scale d = max|x| / 127, q = round(x / d)), and each run's dot product with
 // the weight is an integer one (VNNI's vpdpbusd, AVX2's maddubs or scalar), scaled by the
 // weight's and x's scales into float32 accumulators. A weight's mins add
 // mins[n, j] * (sum of dequantized x over block j). Up to 4 rows of x share each run of
@@ -109,7 +109,7 @@ std::optional<Tensor> linear_f32(const Tensor& x, const Tensor& qweight, const T
   return out;
 }
 
-// ---- x bfloat16/float16: int8 activations, integer dot products -------------------------
+// ---- x float32/bfloat16/float16: int8 activations, integer dot products -----------------
 
 // res[r] plus the mins term of rows m + r of x: sum over blocks j of mins[j] * sums[j].
 inline void add_mins(const QuantRows& w, int64_t first, const Acts& a, int64_t m, int rows,
@@ -240,6 +240,7 @@ std::optional<Tensor> linear_int8(const Tensor& x, const Tensor& qweight, const 
   if (!b) return std::nullopt;
   if (x.scalar_type() == torch::kBFloat16) return run_int8<c10::BFloat16>(x, *w, N, *b);
   if (x.scalar_type() == torch::kHalf) return run_int8<c10::Half>(x, *w, N, *b);
+  if (x.scalar_type() == torch::kFloat) return run_int8<float>(x, *w, N, *b);
   return std::nullopt;
 }
 
@@ -282,7 +283,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_f32", &linear_f32, "x (float32) W^T (+ bias), W dequantized in registers",
         py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bits"),
         py::arg("block_size"), py::arg("bias") = py::none());
-  m.def("linear_int8", &linear_int8, "x (bf16/fp16) W^T (+ bias), x quantized to int8 per 32",
+  m.def("linear_int8", &linear_int8, "x (fp32/bf16/fp16) W^T (+ bias), x quantized to int8 per 32",
         py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bits"),
         py::arg("block_size"), py::arg("bias") = py::none());
   m.def("linear_bf16", &splitserve::quant::linear_bf16,

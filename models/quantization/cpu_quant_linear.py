@@ -5,16 +5,17 @@ dequantizes per call.
 `prepare_quant_weight` runs once at load: the weight stays quantized (made contiguous,
 which copies only a narrowed shard; on AVX2 builds regrouped into strips of 8 output
 features, models/quantization/strips.py, the one copy kept). `quant_linear` then picks by
-x's dtype and rows:
-float32 x of up to EXACT_ROWS rows: the exact path (the weight dequantized in registers,
-float32 products: F.linear(x, w.dequantize()) up to the order of the sums); bfloat16 x of
-TILE_ROWS rows, where the build has AMX or AVX512-BF16: the weight dequantized to bf16
-tiles in registers and multiplied there (F.linear on w.dequantize(torch.bfloat16) in
-float32, rounded once); other bfloat16/float16 x of up to INT8_ROWS rows (decode): x
-quantized to int8 per 32 features and integer dot products; more rows (prefill): the
-weight dequantized in the C++ to x's dtype for torch's matmul. A weight in strips takes
-the strip kernels: exact up to STRIP_EXACT_ROWS (an LM head: STRIP_EXACT_ROWS_HEAD), int8
-at any rows, else dequantizing.
+x's dtype and rows. By default x of any float dtype is quantized to int8 per 32 features
+for integer dot products (what llama.cpp and vLLM's GGUF kernels do), up to INT8_ROWS rows
+(decode); bfloat16 x of TILE_ROWS rows, where the build has AMX or AVX512-BF16, takes the
+bf16 tiles instead (the weight dequantized to bf16 in registers and multiplied there:
+F.linear on w.dequantize(torch.bfloat16) in float32, rounded once); more rows (prefill):
+the weight dequantized in the C++ to x's dtype for torch's matmul. With the kernel set's
+int8_activations off (SPLITSERVE_INT8_ACTIVATIONS=0), float32 x of up to EXACT_ROWS rows
+takes the exact path instead (the weight dequantized in registers, float32 products:
+F.linear(x, w.dequantize()) up to the order of the sums). A weight in strips takes the
+strip kernels: int8 at any rows; float32 x, when exact, up to STRIP_EXACT_ROWS (an LM
+head: STRIP_EXACT_ROWS_HEAD), else dequantizing.
 Whatever the C++ does not take runs `torch_quant_linear`.
 """
 
@@ -42,10 +43,10 @@ INT8_ROWS = 16
 TILE_ROWS = range(6, 129)
 # The exact path on strips beats dequantizing for torch's float32 matmul up to these rows:
 # 32 for the layers of a decoder, 128 for an LM head (more than 16384 rows), whose
-# dequantized copy costs most (AVX2 strip kernels, AMD EPYC Zen 3, 2 threads). bfloat16 /
-# float16 x on strips take the int8 kernel at any rows: the CPUs that get strips have no
-# bf16 matmul, and it measured 8-10x faster than dequantizing for bf16 F.linear at 64 and
-# 256 rows.
+# dequantized copy costs most (AVX2 strip kernels, AMD EPYC Zen 3, 2 threads). The int8
+# strip kernel runs at any rows: the CPUs that get strips have no bf16 matmul, and it
+# measured 8-10x faster than dequantizing for bf16 F.linear at 64 and 256 rows, and faster
+# than float32 F.linear up to at least 128.
 STRIP_EXACT_ROWS = 32
 STRIP_EXACT_ROWS_HEAD = 128
 HEAD_ROWS = 16384
@@ -65,6 +66,7 @@ class PreparedQuantWeight:
     weight: BlockQuantWeight | StripQuantWeight
     kernel: ModuleType | None
     triton: bool = False  # a CUDA weight the Triton matmul computes on
+    exact_float32: bool = False  # float32 x takes float products, not int8 activations
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -95,14 +97,15 @@ def prepare_quant_weight(
     kernel = quant_kernel(kernels)
     if kernel is None or w.qweight.device.type != "cpu":
         return PreparedQuantWeight(w, None)
+    exact = not kernels.int8_activations
     strips = to_strips(w) if kernel.strip_width() else None
     if strips is not None:
-        return PreparedQuantWeight(strips, kernel)
+        return PreparedQuantWeight(strips, kernel, exact_float32=exact)
     mins = None if w.mins is None else w.mins.contiguous()
     dense = BlockQuantWeight(
         w.bits, w.qweight.contiguous(), w.scales.contiguous(), mins, w.block_size
     )
-    return PreparedQuantWeight(dense, kernel)
+    return PreparedQuantWeight(dense, kernel, exact_float32=exact)
 
 
 def torch_quant_linear(
@@ -123,9 +126,9 @@ def quant_linear(
         return torch_quant_linear(x, w.row_weight(), bias)
     if x.dim() != 2:
         return quant_linear(x.reshape(-1, x.shape[-1]), w, bias).reshape(*x.shape[:-1], -1)
+    exact = x.dtype == torch.float32 and w.exact_float32
     if isinstance(q, StripQuantWeight):
-        return _strip_linear(x, q, w.kernel, bias)
-    exact = x.dtype == torch.float32
+        return _strip_linear(x, q, w.kernel, bias, exact)
     args = (q.qweight, q.scales, q.mins, q.bits, q.block_size)
     out = None
     if x.dtype == torch.bfloat16 and x.shape[0] in TILE_ROWS:
@@ -138,9 +141,12 @@ def quant_linear(
 
 
 def _strip_linear(
-    x: torch.Tensor, q: StripQuantWeight, kernel: ModuleType, bias: torch.Tensor | None
+    x: torch.Tensor,
+    q: StripQuantWeight,
+    kernel: ModuleType,
+    bias: torch.Tensor | None,
+    exact: bool,
 ) -> torch.Tensor:
-    exact = x.dtype == torch.float32
     args = (q.q, q.scales, q.mins, q.bits, q.block_size)
     limit = STRIP_EXACT_ROWS_HEAD if q.shape[0] > HEAD_ROWS else STRIP_EXACT_ROWS
     if not exact or x.shape[0] <= limit:

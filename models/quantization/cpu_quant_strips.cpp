@@ -10,11 +10,12 @@
 // scales and mins: [strip][block][feature].
 //
 // strip_linear_f32: x float32, float32 products: per half-block s * sum(q x) + m * sum(x),
-// which is F.linear(x, w.dequantize()) up to float32 rounding. strip_linear_int8: x bfloat16/float16, x
-// quantized per 32-run as cpu_quant_linear.cpp's linear_int8 (same Acts), integer dot
-// products: maddubs on unsigned 4-bit values (4 chunks' int16 sums cannot overflow), and
-// for 8-bit weights |q| with q's signs moved onto x. strip_dequantize_into: the weight
-// regrouped into rows, then dequantized as the row kernel does (bitwise the same).
+// which is F.linear(x, w.dequantize()) up to float32 rounding. strip_linear_int8: x
+// float32/bfloat16/float16, quantized per 32-run as cpu_quant_linear.cpp's linear_int8
+// (same Acts), integer dot products: maddubs on unsigned 4-bit values (4 chunks' int16 sums
+// cannot overflow), and for 8-bit weights |q| with q's signs moved onto x.
+// strip_dequantize_into: the weight regrouped into rows, then dequantized as the row kernel
+// does (bitwise the same).
 
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -174,7 +175,7 @@ constexpr StripPassF32 kStripPassF32[2][kF32Rows] = {
     {strip_pass_f32<4, 1>, strip_pass_f32<4, 2>, strip_pass_f32<4, 3>, strip_pass_f32<4, 4>},
     {strip_pass_f32<8, 1>, strip_pass_f32<8, 2>, strip_pass_f32<8, 3>, strip_pass_f32<8, 4>}};
 
-// ---- x bfloat16/float16: int8 activations --------------------------------------------
+// ---- int8 activations ---------------------------------------------------------------
 
 inline __m256i bcast4(const int8_t* p) {
   int32_t v;
@@ -317,6 +318,7 @@ std::optional<torch::Tensor> strip_linear_int8(const torch::Tensor& x, const tor
   };
   if (x.scalar_type() == torch::kBFloat16) return run(c10::BFloat16());
   if (x.scalar_type() == torch::kHalf) return run(c10::Half());
+  if (x.scalar_type() == torch::kFloat) return run(float());
 #endif
   return std::nullopt;
 }

@@ -90,6 +90,8 @@ def test_the_environment_gives_the_set_of_a_device():
     assert KernelSet.for_device(torch.device("cuda", 1), {}) == KernelSet(triton=True)
     assert not KernelSet.for_device("cpu", {"SPLITSERVE_CPU_KERNELS": "0"}).cpu
     assert not KernelSet.for_device("cuda", {"SPLITSERVE_TRITON_KERNELS": "false"}).triton
+    assert KernelSet.for_device("cpu", {}).int8_activations
+    assert not KernelSet.for_device("cpu", {"SPLITSERVE_INT8_ACTIVATIONS": "0"}).int8_activations
     generic = KernelSet.for_device("cpu", {"SPLITSERVE_CPU_ISA": " Generic "})
     assert generic.isa == "generic" and generic.cpu
 

@@ -18,3 +18,10 @@ def kernel(isa):
     module = quant_kernel(KernelSet(cpu=True, isa=isa))
     assert module is not None, f"the {isa} build failed"
     return module
+
+
+@pytest.fixture
+def exact_float32(monkeypatch):
+    """float32 activations multiply quantized weights in float (SPLITSERVE_INT8_ACTIVATIONS=0),
+    as the transformers reference does, for greedy tokens that must match it exactly."""
+    monkeypatch.setenv("SPLITSERVE_INT8_ACTIVATIONS", "0")

@@ -46,7 +46,7 @@ def test_exact_path_matches_dequantize_then_linear(kernel, bits, mins, scale_dty
             assert ((out - expected).abs() <= 1e-5 * magnitude(x, w) + 1e-6).all(), (m, b)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("mins", [False, True], ids=["no-mins", "mins"])
 @pytest.mark.parametrize("bits", [4, 8])
@@ -141,23 +141,30 @@ def test_int8_path_quantizes_x_per_32_features(kernel):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("dtype", "int8_activations"),
+    [(torch.float32, True), (torch.float32, False), (torch.bfloat16, True), (torch.float16, True)],
+    ids=["float32", "float32-exact", "bfloat16", "float16"],
+)
 @pytest.mark.parametrize(
     ("bits", "block_size", "mins", "scale_dtype"),
     [(4, 32, True, torch.float16), (8, 64, False, torch.float32), (4, 16, True, torch.float32)],
     ids=["q4_1", "q8-fp32-scales", "q4-16"],
 )
 def test_quant_linear_over_rows_and_threads(
-    isa, dtype, threads, bits, block_size, mins, scale_dtype
+    isa, dtype, int8_activations, threads, bits, block_size, mins, scale_dtype
 ):
-    """Every path quant_linear picks by rows; past the kernels' rows, exactly the torch
-    fallback (the C++ dequantizes as BlockQuantWeight.dequantize)."""
+    """Every path quant_linear picks by rows: int8 activations (the exact path for float32
+    x when the kernel set asks for it), then exactly the torch fallback (the C++ dequantizes
+    as BlockQuantWeight.dequantize)."""
     torch.set_num_threads(threads)  # the conftest fixture restores it
     w = make_weight(70, 576, bits, block_size, mins, scale_dtype)
-    prepared = prepare_quant_weight(w, KernelSet(cpu=True, isa=isa))
+    kernels = KernelSet(cpu=True, isa=isa, int8_activations=int8_activations)
+    prepared = prepare_quant_weight(w, kernels)
     assert prepared.kernel is not None
+    exact = not int8_activations
     bias = torch.randn(70).to(dtype)
-    limit = EXACT_ROWS if dtype == torch.float32 else INT8_ROWS
+    limit = EXACT_ROWS if exact else INT8_ROWS
     for m in (0, 1, limit, limit + 1, 300):
         x = torch.randn(m, 576).to(dtype)
         out = quant_linear(x, prepared, bias)
@@ -165,10 +172,13 @@ def test_quant_linear_over_rows_and_threads(
         assert out.dtype == dtype and out.shape == (m, 70)
         if m > limit:
             assert torch.equal(out, expected), m
+        elif exact:
+            reference = F.linear(x, w.dequantize(), bias)
+            assert ((out - reference).abs() <= 1e-5 * magnitude(x, w) + 1e-5).all(), m
         else:
-            reference = F.linear(x.float(), w.dequantize(), bias.float())
-            tolerance = 2 * torch.finfo(dtype).eps * magnitude(x, w) + 1e-5
-            assert ((out.float() - reference).abs() <= tolerance).all(), m
+            reference, xq = int8_reference(x, w, bias)
+            tolerance = torch.finfo(dtype).eps * reference.abs() + 1e-5 * magnitude(xq, w) + 1e-5
+            assert ((out.double() - reference).abs() <= tolerance).all(), m
 
 
 def test_strided_x(kernel):
@@ -186,7 +196,7 @@ def test_strided_x(kernel):
 
 def test_the_kernels_decline_what_they_do_not_take(kernel):
     w = make_weight(16, 64, 4, 32, True, torch.float32)
-    assert kernel.linear_int8(torch.randn(2, 64), *args(w)) is None  # float32 x
+    assert kernel.linear_int8(torch.randn(2, 64).double(), *args(w)) is None  # float64 x
     assert kernel.linear_f32(torch.randn(2, 64).bfloat16(), *args(w)) is None
     assert kernel.linear_f32(torch.randn(2, 96), *args(w)) is None  # K differs
     assert kernel.linear_f32(torch.randn(2, 64), *args(w), torch.randn(15)) is None  # bias
@@ -201,15 +211,15 @@ def test_the_kernels_decline_what_they_do_not_take(kernel):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tensor_parallel_shards(isa, dim, start, length, dtype):
     """A shard (BlockQuantWeight.narrow: a strided view along dim 1) computes as its
-    dequantized rows or columns do."""
+    dequantized rows or columns do (int8 activations, decode rows)."""
     w = make_weight(96, 512, 4, 64, True, torch.float16).narrow(dim, start, length)
     prepared = prepare_quant_weight(w, KernelSet(cpu=True, isa=isa))
     assert prepared.kernel is not None and prepared.shape == w.shape
     x = torch.randn(3, w.shape[1]).to(dtype)
     out = quant_linear(x, prepared)
-    reference = F.linear(x.float(), w.dequantize())
-    tolerance = 2 * torch.finfo(dtype).eps * magnitude(x, w) + 1e-5
-    assert ((out.float() - reference).abs() <= tolerance).all()
+    reference, xq = int8_reference(x, w)
+    tolerance = torch.finfo(dtype).eps * reference.abs() + 1e-5 * magnitude(xq, w) + 1e-5
+    assert ((out.double() - reference).abs() <= tolerance).all()
 
 
 def test_kernels_off_keep_the_weight_for_torch():

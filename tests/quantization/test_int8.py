@@ -18,6 +18,7 @@ def test_per_channel_quantization_round_trips_within_half_a_step():
     assert q.qweight.abs().max() == 127
 
 
+@pytest.mark.usefixtures("exact_float32")
 @pytest.mark.parametrize("checkpoint", ["llama", "qwen3"], indirect=True)
 def test_int8_greedy_matches_transformers_on_the_dequantized_weights(checkpoint):
     reference = dequantized_reference(

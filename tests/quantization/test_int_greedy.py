@@ -8,7 +8,12 @@ from splitserve import LLM
 from tests.integration.greedy import random_prompts
 from tests.quantization.int_formats import IntFormat
 from tests.quantization.int_packers import write_quantized
-from tests.quantization.reference import check_greedy, dequantized_reference
+from tests.quantization.reference import (
+    NEAR_TIE,
+    check_greedy,
+    dequantized_reference,
+    greedy_gaps,
+)
 
 # hidden 128, intermediate 256: input sizes that groups of 32, 64 and 128 divide.
 SIZES = {"hidden_size": 128, "intermediate_size": 256}
@@ -26,6 +31,7 @@ CASES = [
 ]
 
 
+@pytest.mark.usefixtures("exact_float32")
 @pytest.mark.parametrize(("arch", "fmt"), CASES, ids=[f"{a}-{f}" for a, f in CASES])
 def test_greedy_matches_transformers_on_the_dequantized_weights(
     tiny_checkpoint, tmp_path, arch, fmt
@@ -38,6 +44,18 @@ def test_greedy_matches_transformers_on_the_dequantized_weights(
     check_greedy(llm, reference, random_prompts(4, 3, 20))
 
 
+@pytest.mark.parametrize(("arch", "fmt"), CASES[::3], ids=[f"{a}-{f}" for a, f in CASES[::3]])
+def test_int8_activations_break_only_near_ties(tiny_checkpoint, tmp_path, arch, fmt):
+    """The default float32 path (activations quantized to int8 per 32 features): greedy
+    tokens are the reference's or near ties (tests/quantization/reference.py)."""
+    source = tiny_checkpoint(arch, **SIZES)
+    dequantized = write_quantized(source, tmp_path / "model", fmt.quantize, fmt.config())
+    reference = dequantized_reference(source, lambda name, w: dequantized[name])
+    llm = LLM(str(tmp_path / "model"), dtype="float32", kv_cache_memory=2**24)
+    gaps = greedy_gaps(llm, reference, random_prompts(4, 3, 20))
+    assert gaps.max() <= NEAR_TIE and (gaps > 0).float().mean() <= 0.1, gaps
+
+
 # Row-parallel shards of act-order groups (uneven, padded) and of contiguous groups.
 TP_CASES = [
     ("llama", IntFormat("gptq", bits=4, group=64, desc_act=True)),
@@ -46,6 +64,7 @@ TP_CASES = [
 ]
 
 
+@pytest.mark.usefixtures("exact_float32")
 @pytest.mark.gpus(2)
 @pytest.mark.parametrize(("arch", "fmt"), TP_CASES, ids=[f"{a}-{f}" for a, f in TP_CASES])
 def test_tp2_greedy_matches_transformers(tiny_checkpoint, tmp_path, monkeypatch, arch, fmt):

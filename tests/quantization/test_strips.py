@@ -78,13 +78,15 @@ def test_strip_kernels_match_their_references(kernel, bits, mins, scale_dtype, k
             out = kernel.strip_linear_f32(x, *strip_args(s), b)
             expected = F.linear(x, w.dequantize(), b)
             assert ((out - expected).abs() <= 1e-5 * magnitude(x, w) + 1e-6).all(), (m, b)
-            xb = (x * 2).bfloat16()
-            xb[0, :32] = 0  # an all-zero run: scale 0
-            out = kernel.strip_linear_int8(xb, *strip_args(s), None if b is None else b.bfloat16())
-            expected, xq = int8_reference(xb, w, None if b is None else b.bfloat16())
-            tolerance = torch.finfo(torch.bfloat16).eps * expected.abs()
-            tolerance += 1e-5 * magnitude(xq, w) + 1e-6
-            assert ((out.double() - expected).abs() <= tolerance).all(), (m, b)
+            for dtype in (torch.float32, torch.bfloat16):
+                xd, bd = (x * 2).to(dtype), None if b is None else b.to(dtype)
+                xd[0, :32] = 0  # an all-zero run: scale 0
+                out = kernel.strip_linear_int8(xd, *strip_args(s), bd)
+                expected, xq = int8_reference(xd, w, bd)
+                tolerance = torch.finfo(dtype).eps * expected.abs()
+                tolerance += 1e-5 * magnitude(xq, w) + 1e-6
+                assert out.dtype == dtype
+                assert ((out.double() - expected).abs() <= tolerance).all(), (m, b, dtype)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         from_strips, from_rows = torch.empty(48, k, dtype=dtype), torch.empty(48, k, dtype=dtype)
         assert kernel.strip_dequantize_into(from_strips, *strip_args(s))
@@ -93,19 +95,28 @@ def test_strip_kernels_match_their_references(kernel, bits, mins, scale_dtype, k
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("dtype", "int8_activations"),
+    [(torch.float32, True), (torch.float32, False), (torch.bfloat16, True), (torch.float16, True)],
+    ids=["float32", "float32-exact", "bfloat16", "float16"],
+)
 @pytest.mark.parametrize(
     ("bits", "block_size", "mins", "scale_dtype"),
     [(4, 32, True, torch.float16), (8, 64, False, torch.float32), (4, 48, True, torch.float32)],
     ids=["q4_1", "q8-fp32-scales", "q4-48"],
 )
-def test_quant_linear_on_strips(isa, dtype, threads, bits, block_size, mins, scale_dtype):
+def test_quant_linear_on_strips(
+    isa, dtype, int8_activations, threads, bits, block_size, mins, scale_dtype
+):
     """A weight of whole strips is held in strips where the build computes on them, and every
-    row count gives the strip kernels' answer: exact up to STRIP_EXACT_ROWS (then the torch
-    fallback bitwise), int8 at any rows for 16-bit x."""
+    row count gives the strip kernels' answer: int8 at any rows; float32 x, when the kernel
+    set asks for exact products, exact up to STRIP_EXACT_ROWS (then the torch fallback
+    bitwise)."""
     torch.set_num_threads(threads)  # the conftest fixture restores it
     w = make_weight(80, 576, bits, block_size, mins, scale_dtype)
-    prepared = prepare_quant_weight(w, KernelSet(cpu=True, isa=isa))
+    kernels = KernelSet(cpu=True, isa=isa, int8_activations=int8_activations)
+    prepared = prepare_quant_weight(w, kernels)
+    exact = dtype == torch.float32 and not int8_activations
     strips = bool(prepared.kernel.strip_width())
     assert isinstance(prepared.weight, StripQuantWeight) == strips
     assert prepared.shape == w.shape
@@ -116,9 +127,9 @@ def test_quant_linear_on_strips(isa, dtype, threads, bits, block_size, mins, sca
         assert out.dtype == dtype and out.shape == (m, 80)
         if not strips:
             continue
-        if dtype == torch.float32 and m > STRIP_EXACT_ROWS:
+        if exact and m > STRIP_EXACT_ROWS:
             assert torch.equal(out, torch_quant_linear(x, w, bias)), m
-        elif dtype == torch.float32:
+        elif exact:
             reference = F.linear(x, w.dequantize(), bias)
             assert ((out - reference).abs() <= 1e-5 * magnitude(x, w) + 1e-5).all(), m
         elif m:
@@ -152,7 +163,7 @@ def test_an_lm_head_takes_the_exact_path_for_more_rows(isa, monkeypatch):
 
     monkeypatch.setattr(mod, "HEAD_ROWS", 64)
     w = make_weight(72, 64, 8, 32, False, torch.float32)
-    prepared = prepare_quant_weight(w, KernelSet(cpu=True, isa=isa))
+    prepared = prepare_quant_weight(w, KernelSet(cpu=True, isa=isa, int8_activations=False))
     if not prepared.kernel.strip_width():
         return
     s = prepared.weight
@@ -176,6 +187,7 @@ def test_the_strip_kernels_decline_what_they_do_not_take(kernel):
     assert kernel.strip_linear_f32(x, q[:, :-4], scales, mins, bits, block_size) is None
     assert kernel.strip_linear_int8(x.bfloat16(), q, scales, mins.half(), bits, block_size) is None
     assert kernel.strip_linear_int8(x.bfloat16(), q, scales.flatten(1), mins, bits, 32) is None
+    assert kernel.strip_linear_int8(x.double(), *strip_args(s)) is None
     assert not kernel.strip_dequantize_into(
         torch.empty(16, 64, dtype=torch.float64), *strip_args(s)
     )
