@@ -94,7 +94,8 @@ class AttentionBackend(ABC):
         and spec.v_scale), the output like q with the padding rows past
         md.num_actual_tokens zeroed."""
         out = torch.empty_like(q)
-        out[md.num_actual_tokens :] = 0
+        if md.num_actual_tokens < q.shape[0]:
+            out[md.num_actual_tokens :] = 0
         self.attend(spec, q, k, v, kv_cache, md, out)
         return out
 
