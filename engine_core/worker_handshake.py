@@ -81,6 +81,7 @@ def group_spec(workers: list[WorkerInfo], num_gpu_blocks_override: int | None) -
         max(r.block_copy_seconds for r in ready),
         max(r.prefill_token_seconds for r in ready),
         "cuda" if all(r.device_type == "cuda" for r in ready) else "cpu",
+        worker_processes=True,
     )
 
 

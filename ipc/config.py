@@ -229,7 +229,8 @@ class EngineConfig:
             "schedule step N+1 while the workers run step N; the workers feed step N's "
             "tokens into it themselves, and stop conditions apply one step late (the extra "
             "token is dropped). Steps with structured-output requests run in lockstep",
-            "on with GPU workers, where the steps overlap",
+            "on with GPU workers and with workers in processes of their own (launch.py, "
+            "LLM with tensor_parallel_size > 1), where the steps overlap",
         ),
     )
     enforce_eager: bool = field(

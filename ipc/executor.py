@@ -18,7 +18,9 @@ class WorkerGroupSpec:
     `kv_cache_groups` holds each KV cache group's sliding window (None: full attention),
     in the order block ids travel in. `device_type` is "cuda" only when every rank runs on
     CUDA: then a submitted step runs while the EngineCore goes on, so async scheduling
-    helps; it also picks the default token budget (EngineConfig.token_budget). The host
+    helps; it also picks the default token budget (EngineConfig.token_budget).
+    `worker_processes`: the ranks run in processes of their own (not in the EngineCore's),
+    so a CPU step too runs while the EngineCore goes on. The host
     tier has `num_host_blocks` blocks (0: off); the costs are the workers' measured seconds
     to copy one block one way between the tiers and to prefill one token."""
 
@@ -28,6 +30,7 @@ class WorkerGroupSpec:
     block_copy_seconds: float = 0.0
     prefill_token_seconds: float = 0.0
     device_type: str = "cpu"
+    worker_processes: bool = False
 
 
 class WorkerFailure(RuntimeError):

@@ -65,6 +65,7 @@ class StandInExecutor(Executor):
     num_host_blocks: int = 0
     costs: tuple[float, float] = (0.0, 0.0)
     device_type: str = "cpu"
+    worker_processes: bool = False
     # The engine schedules a step before the previous one ran (async scheduling).
     schedules_ahead: bool = False
 
@@ -75,6 +76,7 @@ class StandInExecutor(Executor):
             self.num_host_blocks,
             *self.costs,
             self.device_type,
+            self.worker_processes,
         )
 
     def replace_workers(self, spec: WorkerGroupSpec) -> None:

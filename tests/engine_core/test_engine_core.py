@@ -22,16 +22,23 @@ def test_the_kv_cache_takes_the_executor_block_count():
 
 
 @pytest.mark.parametrize(
-    ("device_type", "given", "budget", "overlaps"),
-    [("cpu", None, 2048, False), ("cuda", None, 8192, True), ("cuda", 48, 48, True)],
+    ("device_type", "processes", "given", "budget", "overlaps"),
+    [
+        ("cpu", False, None, 2048, False),
+        ("cpu", True, None, 2048, True),
+        ("cuda", False, None, 8192, True),
+        ("cuda", True, 48, 48, True),
+    ],
 )
 def test_the_workers_device_picks_the_default_token_budget_and_overlap(
-    device_type, given, budget, overlaps
+    device_type, processes, given, budget, overlaps
 ):
     """A budget not given is the default for the device the workers reported; a given one
-    holds. GPU workers overlap steps, so async scheduling is on there by default."""
+    holds. GPU workers and workers in processes of their own overlap steps, so async
+    scheduling is on there by default; CPU workers in the EngineCore's process do not."""
     executor = StandInExecutor(40)
     executor.device_type = device_type
+    executor.worker_processes = processes
     engine = EngineCore(make_config(max_num_batched_tokens=given), executor)
     assert engine.scheduler.max_num_batched_tokens == budget
     assert engine.config.max_num_batched_tokens == budget

@@ -21,7 +21,9 @@ def test_the_group_holds_what_every_rank_holds_at_the_slowest_ranks_pace():
         dict(num_host_blocks=9, block_copy_seconds=1.0, prefill_token_seconds=4.0),
         dict(num_kv_blocks=30, num_host_blocks=7, block_copy_seconds=2.0, device_type="cuda"),
     )
-    assert group_spec(workers, None) == WorkerGroupSpec(30, (8, None), 7, 2.0, 4.0, "cpu")
+    assert group_spec(workers, None) == WorkerGroupSpec(
+        30, (8, None), 7, 2.0, 4.0, "cpu", worker_processes=True
+    )
     assert group_spec(workers, 20).num_kv_blocks == 20
     assert group_spec(workers, 99).num_kv_blocks == 30
 
