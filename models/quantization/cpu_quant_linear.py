@@ -148,9 +148,10 @@ def _strip_linear(
     exact: bool,
 ) -> torch.Tensor:
     args = (q.q, q.scales, q.mins, q.bits, q.block_size)
-    limit = STRIP_EXACT_ROWS_HEAD if q.shape[0] > HEAD_ROWS else STRIP_EXACT_ROWS
-    if not exact or x.shape[0] <= limit:
-        out = (kernel.strip_linear_f32 if exact else kernel.strip_linear_int8)(x, *args, bias)
+    if not exact:
+        out = kernel.strip_linear_int8(x, *args, bias)
+    elif x.shape[0] <= (STRIP_EXACT_ROWS_HEAD if q.shape[0] > HEAD_ROWS else STRIP_EXACT_ROWS):
+        out = kernel.strip_linear_f32(x, *args, bias)
     else:
         out = _dequantized_linear(x, kernel.strip_dequantize_into, q.shape, args, bias)
     return torch_quant_linear(x, q.row_weight(), bias) if out is None else out

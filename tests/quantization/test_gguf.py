@@ -14,7 +14,7 @@ from models.quantization.gguf_types import GGUFWeight
 from splitserve import LLM
 from tests.integration.greedy import random_prompts
 from tests.models.tiny_gguf import FFN, HEAD_DIM, HEADS, HIDDEN, KV_HEADS, VOCAB, write_tiny_gguf
-from tests.quantization.reference import NEAR_TIE, check_greedy, greedy_gaps
+from tests.quantization.reference import check_greedy, check_near_greedy
 
 # Every type the file may hold, on 32-element blocks so that two ranks split every tensor.
 TP2_TYPES = {
@@ -139,8 +139,7 @@ def test_int8_activations_pick_the_greedy_token_or_a_near_tie(tmp_path, arch):
     logits' spread of it: rounding only breaks near ties."""
     path, _ = write_tiny_gguf(tmp_path, arch)
     llm = LLM(str(path), dtype="float32", kv_cache_memory=2**24)
-    gaps = greedy_gaps(llm, gguf_reference(path), random_prompts(4, 3, 20))
-    assert gaps.max() <= NEAR_TIE and (gaps > 0).float().mean() <= 0.1, gaps
+    check_near_greedy(llm, gguf_reference(path), random_prompts(4, 3, 20))
 
 
 @pytest.mark.slow
@@ -159,5 +158,4 @@ def test_default_model_file_with_int8_activations_breaks_only_near_ties():
     llm = LLM(str(path), dtype="float32", kv_cache_memory=2**26, max_model_len=512)
     texts = ("The capital of France is", "def add(", "Once upon a time", "import numpy as np\n")
     prompts = [llm.tokenizer.encode(text) for text in texts]
-    gaps = greedy_gaps(llm, gguf_reference(path), prompts, max_tokens=32)
-    assert gaps.max() <= NEAR_TIE and (gaps > 0).float().mean() <= 0.1, gaps
+    check_near_greedy(llm, gguf_reference(path), prompts, max_tokens=32)

@@ -1,7 +1,6 @@
 """AWQ, GPTQ and compressed-tensors tensors: unpacking against the test packers, the
 repack into a BlockQuantWeight (act-order included), TP sharding and bad input."""
 
-from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -113,6 +112,7 @@ def _build(fmt: IntFormat, kind: str, weights: dict):
     return layer
 
 
+@pytest.mark.usefixtures("exact_float32")
 @pytest.mark.parametrize("fmt", FORMATS, ids=str)
 @pytest.mark.parametrize("kind", sorted(LAYERS))
 def test_each_rank_holds_its_narrow_of_the_full_weight(fake_tp, fmt, kind):
@@ -141,7 +141,7 @@ def test_each_rank_holds_its_narrow_of_the_full_weight(fake_tp, fmt, kind):
         layer_q = layer.prepared_weight.row_weight()
         got = _logical(layer_q, layer.input_index, layer.input_size_per_partition)
         assert torch.equal(got, want)
-        layer.bind_kernels(replace(KernelSet.for_device("cpu"), int8_activations=False))
+        layer.bind_kernels(KernelSet.for_device("cpu"))
         x = torch.randn(3, layer.input_size_per_partition)
         out, reference = layer.quant_method.apply(layer, x), x @ want.t()
         magnitude = x.abs() @ want.abs().t()  # float32 sums in another order or form
