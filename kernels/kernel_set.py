@@ -25,12 +25,15 @@ class KernelSet:
     to the model's layers, its attention backend and its sampler; each asks once for its
     C++ module (`cpp`) and keeps it. KernelSet() runs torch everywhere.
     `int8_activations`: the C++ linear layers on quantized weights quantize float32
-    activations to int8 as they do 16-bit ones (off: float products, exact up to rounding)."""
+    activations to int8 as they do 16-bit ones (off: float products, exact up to rounding).
+    `decode_loop`: a Llama-style model's CPU decode steps run their layers in one C++ call
+    (models/cpu_decode_loop.py; off: the Python layers, bitwise the same)."""
 
     cpu: bool = False
     triton: bool = False
     isa: str = field(default_factory=probe_isa)
     int8_activations: bool = True
+    decode_loop: bool = True
 
     def __post_init__(self) -> None:
         check_isa(self.isa)
@@ -42,7 +45,8 @@ class KernelSet:
         """The set of a model on `device`: the C++ kernels on a CPU, unless
         SPLITSERVE_CPU_KERNELS=0, built for SPLITSERVE_CPU_ISA (a lower ISA than this
         CPU's; default its own), float32 activations of quantized weights in int8 unless
-        SPLITSERVE_INT8_ACTIVATIONS=0; the Triton kernels on CUDA, unless
+        SPLITSERVE_INT8_ACTIVATIONS=0, a Llama-style decode step in one C++ call unless
+        SPLITSERVE_CPU_DECODE_LOOP=0; the Triton kernels on CUDA, unless
         SPLITSERVE_TRITON_KERNELS=0."""
         device_type = torch.device(device).type
         forced = environ.get("SPLITSERVE_CPU_ISA", "").strip().lower()
@@ -51,6 +55,7 @@ class KernelSet:
             triton=device_type == "cuda" and _on(environ, "SPLITSERVE_TRITON_KERNELS"),
             isa=forced or probe_isa(),
             int8_activations=_on(environ, "SPLITSERVE_INT8_ACTIVATIONS"),
+            decode_loop=_on(environ, "SPLITSERVE_CPU_DECODE_LOOP"),
         )
 
     def cpp(self, name: str, *sources: Path) -> ModuleType | None:

@@ -14,7 +14,9 @@ import torch
 from torch import nn
 
 from attention import Attention
+from kernels import KernelSet
 from models.causal_lm import CausalLM
+from models.cpu_decode_loop import CPUDecodeLoop
 from models.layers.activation import get_act_and_mul
 from models.layers.embedding import VocabParallelEmbedding
 from models.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -178,13 +180,26 @@ class LlamaModel(nn.Module):
             for i, window in enumerate(sliding_windows)
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.decode_loop: CPUDecodeLoop | None = None
+        self._loop_kernels: KernelSet | None = None
+
+    def bind_kernels(self, kernels: KernelSet) -> None:
+        """The decode loop is built at the next forward: the layers are bound after this."""
+        self.decode_loop, self._loop_kernels = None, kernels
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        if self._loop_kernels is not None:
+            self.decode_loop = CPUDecodeLoop.build(self, self._loop_kernels, LlamaDecoderLayer)
+            self._loop_kernels = None
         hidden_states = self.embed_tokens(input_ids)
-        rotate = self.rotary_emb.rotator(positions, hidden_states.dtype)
-        residual = None
-        for layer in self.layers:
-            hidden_states, residual = layer(hidden_states, residual, rotate)
+        decoded = None if self.decode_loop is None else self.decode_loop(hidden_states, positions)
+        if decoded is not None:
+            hidden_states, residual = decoded
+        else:
+            rotate = self.rotary_emb.rotator(positions, hidden_states.dtype)
+            residual = None
+            for layer in self.layers:
+                hidden_states, residual = layer(hidden_states, residual, rotate)
         hidden_states, _ = self.norm(hidden_states, residual, in_place=True)
         return hidden_states
 

@@ -16,6 +16,7 @@
 // Storage stays in the cache's dtype; softmax and accumulation are fp32.
 #include <torch/extension.h>
 
+#include "cpu_api.h"
 #include "cpu_math.h"
 
 #include <omp.h>
@@ -380,4 +381,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("store_kv", &store_kv, "Write this step's K/V rows into the paged cache", py::arg("k"),
         py::arg("v"), py::arg("kv_cache"), py::arg("slot_mapping"), py::arg("k_scale") = 1.0,
         py::arg("v_scale") = 1.0);
+  m.def("c_api", [] {
+    namespace api = splitserve::api;
+    py::dict lent;
+    lent["store_kv"] = api::lend<api::StoreKV>(&store_kv, "splitserve.store_kv");
+    lent["paged_decode"] = api::lend<api::PagedDecode>(&paged_decode, "splitserve.paged_decode");
+    return lent;
+  }, "these kernels for other C++ modules (kernels/cpu_api.h)");
 }

@@ -10,6 +10,7 @@
 // torch code. Arguments that do not fit together raise.
 
 #include "cpu_ops.h"
+#include "cpu_api.h"
 
 #include <cmath>
 #include <optional>
@@ -284,4 +285,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("head_dim"));
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for x = [gate; up]; None if not taken",
         py::arg("x"));
+  m.def("c_api", [] {
+    namespace api = splitserve::api;
+    py::dict lent;
+    lent["rms_norm"] = api::lend<api::RmsNorm>(&rms_norm, "splitserve.rms_norm");
+    lent["add_rms_norm"] = api::lend<api::AddRmsNorm>(&add_rms_norm, "splitserve.add_rms_norm");
+    lent["rotary_embedding"] =
+        api::lend<api::RotaryEmbedding>(&rotary_embedding, "splitserve.rotary_embedding");
+    lent["silu_and_mul"] = api::lend<api::SiluAndMul>(&silu_and_mul, "splitserve.silu_and_mul");
+    return lent;
+  }, "these kernels for other C++ modules (kernels/cpu_api.h)");
 }

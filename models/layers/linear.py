@@ -86,6 +86,9 @@ class UnquantizedLinearMethod(LinearMethodBase):
     ) -> torch.Tensor:
         return linear(x, layer.weight, bias, layer.packed_weight)
 
+    def decode_weight(self, layer: nn.Module) -> torch.Tensor | None:
+        return layer.weight if layer.packed_weight is None else None
+
 
 class LinearBase(ShardedModule):
     """y = x W^T + b, W held as its quantization method says."""

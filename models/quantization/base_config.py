@@ -14,12 +14,15 @@ import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from contextvars import ContextVar
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch import nn
 
 from kernels import KernelSet
+
+if TYPE_CHECKING:
+    from models.quantization.cpu_quant_linear import PreparedQuantWeight
 
 
 class QuantizeMethodBase(ABC):
@@ -54,6 +57,12 @@ class LinearMethodBase(QuantizeMethodBase):
         """Register this rank's parameters on `layer`. Each carries `weight_loader` (the
         layer's, which shards by the parameter's `out_axis` / `in_axis`: see
         models.layers.utils.set_shard_axes) unless the method loads it itself."""
+
+    def decode_weight(self, layer: nn.Module) -> torch.Tensor | PreparedQuantWeight | None:
+        """The one weight `apply` computes x W^T with, for the CPU decode loop
+        (models/cpu_decode_loop.py): dense (F.linear) or quantized (quant_linear); None
+        where it computes another way."""
+        return None
 
 
 class QuantizationConfig(ABC):

@@ -17,6 +17,8 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include "cpu_api.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -304,4 +306,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_into", &dequantize_into, "writes W into out (float32/bf16/fp16)",
         py::arg("out"), py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bits"),
         py::arg("block_size"));
+  m.def("c_api", [] {
+    namespace api = splitserve::api;
+    py::dict lent;
+    lent["linear_int8"] = api::lend<api::QuantLinear>(&linear_int8, "splitserve.linear_int8");
+    lent["strip_linear_int8"] = api::lend<api::QuantLinear>(
+        &splitserve::quant::strip_linear_int8, "splitserve.strip_linear_int8");
+    return lent;
+  }, "these kernels for other C++ modules (kernels/cpu_api.h)");
 }

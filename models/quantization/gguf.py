@@ -85,12 +85,18 @@ class PartsLinear:
         ]
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        outs = [
-            F.linear(x, p) if isinstance(p, torch.Tensor) else quant_linear(x, p)
-            for p in self.prepared
-        ]
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        if len(self.prepared) == 1:
+            return _part_linear(x, self.prepared[0], bias)
+        out = torch.cat([_part_linear(x, p) for p in self.prepared], dim=-1)
         return out if bias is None else out + bias
+
+
+def _part_linear(
+    x: torch.Tensor, part: PreparedQuantWeight | torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    if isinstance(part, torch.Tensor):
+        return F.linear(x, part, bias)
+    return quant_linear(x, part, bias)
 
 
 class GGUFLinearMethod(LinearMethodBase):
@@ -141,6 +147,10 @@ class GGUFLinearMethod(LinearMethodBase):
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
         return self.linear(x, bias)
+
+    def decode_weight(self, layer: nn.Module) -> torch.Tensor | PreparedQuantWeight | None:
+        prepared = self.linear.prepared
+        return prepared[0] if len(prepared) == 1 else None
 
 
 class GGUFEmbeddingMethod(QuantizeMethodBase):

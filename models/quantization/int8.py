@@ -42,6 +42,9 @@ class Int8LinearMethod(UnquantizedLinearMethod):
     ) -> torch.Tensor:
         return quant_linear(x, layer.prepared_weight, bias)
 
+    def decode_weight(self, layer: nn.Module) -> PreparedQuantWeight:
+        return layer.prepared_weight
+
 
 class Int8Config(QuantizationConfig):
     name = "int8"

@@ -203,3 +203,6 @@ class IntCheckpointLinearMethod(LinearMethodBase):
         if layer.input_index is not None:
             x = (F.pad(x, (0, 1)) if layer.pad_input else x).index_select(-1, layer.input_index)
         return quant_linear(x, layer.prepared_weight, bias)
+
+    def decode_weight(self, layer: nn.Module) -> PreparedQuantWeight | None:
+        return layer.prepared_weight if layer.input_index is None else None

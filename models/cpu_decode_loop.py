@@ -1,0 +1,192 @@
+"""A Llama-style decoder's layers for a CPU decode step in one C++ call (cpu_decode_loop.cpp).
+
+A single-stream decode step of a small model spends about as long in the Python between
+its kernels (module calls, views, dispatch: ~100 us a layer) as in the kernels. The loop
+runs the same kernels in the same order from C++, so its output is bitwise the Python
+layers'. It takes a step when:
+- the model: tensor parallel size 1, C++ kernels on, a neox rotary table, every layer a
+  LlamaDecoderLayer with RMSNorm, SiLU-and-mul, no q/k norm, every linear layer computed
+  by int8-activation kernels (a quantized weight: `LinearMethodBase.decode_weight`) or
+  dense without a packed copy, all layers in one KV cache group;
+- the step: only decodes, one query row each, on the CPU attention backend, no padding,
+  no more rows than the row-layout quantized kernels take (strips take any).
+Anything else runs the Python layers. SPLITSERVE_CPU_DECODE_LOOP=0 turns it off
+(`KernelSet.decode_loop`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import nn
+
+from attention import Attention
+from attention.backends.cpu_backend import CPUAttentionBackend, load_cpu_attention
+from attention.forward_context import get_forward_context
+from kernels import KernelSet
+from models.layers.activation import SiluAndMul
+from models.layers.fused_ops import fused_ops
+from models.layers.linear import LinearBase
+from models.layers.norm import RMSNorm
+from models.layers.rotary import RotaryEmbedding
+from models.quantization.cpu_quant_linear import (
+    INT8_ROWS,
+    TILE_ROWS,
+    PreparedQuantWeight,
+    quant_kernel,
+)
+from models.quantization.strips import StripQuantWeight
+
+_SOURCE = Path(__file__).with_name("cpu_decode_loop.cpp")
+_UNBOUNDED = 1 << 62
+
+
+def decode_loop_module(kernels: KernelSet) -> ModuleType | None:
+    """The compiled loop for the set's ISA; None where the C++ kernels are off or fail."""
+    return kernels.cpp("splitserve_cpu_decode_loop", _SOURCE)
+
+
+class CPUDecodeLoop:
+    """Built for a model once its layers hold their kernels (`build`); called with a
+    step's embeddings, returns (hidden, residual) after the last layer, or None where it
+    does not take the step."""
+
+    def __init__(self, loop: Any, attention: list[Attention], max_rows: int) -> None:
+        self._loop = loop
+        self._attention = attention
+        self.max_rows = max_rows
+
+    @classmethod
+    def build(cls, model: nn.Module, kernels: KernelSet, layer_type: type) -> CPUDecodeLoop | None:
+        """The loop of a LlamaModel (`layers` of `layer_type`, `rotary_emb`) whose layers
+        are bound to `kernels`; None where the model is not one it takes."""
+        if not (kernels.cpu and kernels.decode_loop):
+            return None
+        ops, attention_ops = fused_ops(kernels), load_cpu_attention(kernels)
+        module = decode_loop_module(kernels)
+        rotary, layers = model.rotary_emb, list(model.layers)
+        if module is None or ops is None or attention_ops is None or not layers:
+            return None
+        if type(rotary) is not RotaryEmbedding or rotary.ops is None:
+            return None
+        first = layers[0].self_attn
+        eps = layers[0].input_layernorm.variance_epsilon
+        if not all(_takes_layer(layer, layer_type, first, eps) for layer in layers):
+            return None
+        dtype = layers[0].input_layernorm.weight.dtype
+        linears = [_linears(layer, dtype) for layer in layers]
+        if any(args is None for args in linears):
+            return None
+        quant = quant_kernel(kernels)
+        spec = first.attn.spec
+        loop = module.DecodeLoop(
+            ops.c_api(),
+            attention_ops.c_api(),
+            {} if quant is None else quant.c_api(),
+            spec.num_heads,
+            spec.num_kv_heads,
+            spec.head_size,
+            eps,
+            spec.scale,
+            rotary.cos_cache,
+            rotary.sin_cache,
+        )
+        max_rows = _UNBOUNDED
+        for layer, (args, rows) in zip(layers, linears, strict=True):
+            attn = layer.self_attn.attn
+            loop.add_layer(
+                layer.input_layernorm.weight.detach(),
+                layer.post_attention_layernorm.weight.detach(),
+                *args,
+                attn.spec.k_scale,
+                attn.spec.v_scale,
+                attn.spec.sliding_window or 0,
+            )
+            max_rows = min(max_rows, rows)
+        return cls(loop, [layer.self_attn.attn for layer in layers], max_rows)
+
+    def __call__(
+        self, hidden: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        ctx = get_forward_context()
+        if ctx.attn_metadata is None or type(ctx.backend) is not CPUAttentionBackend:
+            return None
+        group = self._attention[0].kv_cache_group
+        md = ctx.attn_metadata[group]
+        num_tokens = hidden.shape[0]
+        split = md.split
+        if (
+            num_tokens > self.max_rows
+            or split.num_prefills
+            or split.num_decodes != num_tokens
+            or md.num_actual_tokens != num_tokens
+        ):
+            return None
+        caches = []
+        for attn in self._attention:
+            if attn.kv_cache is None or attn.kv_cache_group != group:
+                return None
+            caches.append(attn.kv_cache)
+        return self._loop.forward(
+            hidden,
+            positions.long().contiguous(),
+            caches,
+            md.slot_mapping,
+            md.block_table,
+            md.seq_lens,
+            split.decode_reqs,
+            md.decode_query_rows,
+        )
+
+
+def _takes_layer(layer: nn.Module, layer_type: type, first: nn.Module, eps: float) -> bool:
+    attn, mlp = layer.self_attn, layer.mlp
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+
+    def shape(spec: Any) -> tuple:
+        return spec.num_heads, spec.num_kv_heads, spec.head_size, spec.scale
+
+    return (
+        type(layer) is layer_type
+        and not attn.qk_norm
+        and type(mlp.act_fn) is SiluAndMul
+        and all(type(n) is RMSNorm and n.ops is not None for n in norms)
+        and all(n.variance_epsilon == eps for n in norms)
+        and shape(attn.attn.spec) == shape(first.attn.spec)
+        and attn.o_proj.tp_size == 1
+    )
+
+
+def _linears(layer: nn.Module, dtype: torch.dtype) -> tuple[tuple, int] | None:
+    """The C++ arguments of the layer's qkv, o, gate_up and down projections, and the most
+    rows their kernels take; None where one is not computed as the loop computes it."""
+    args, max_rows = [], _UNBOUNDED
+    attn, mlp = layer.self_attn, layer.mlp
+    for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+        found = _linear_args(linear, dtype)
+        if found is None:
+            return None
+        args.append(found[0])
+        max_rows = min(max_rows, found[1])
+    return tuple(args), max_rows
+
+
+def _linear_args(layer: LinearBase, dtype: torch.dtype) -> tuple[tuple, int] | None:
+    """As quant_linear picks for x of `dtype`: the int8 kernels, strips at any rows, rows
+    up to INT8_ROWS (bfloat16 x from TILE_ROWS on may take the bf16 tiles instead)."""
+    bias = None if layer.bias is None else layer.bias.detach()
+    weight = layer.quant_method.decode_weight(layer)
+    if isinstance(weight, torch.Tensor):
+        return ("", weight.detach(), None, None, 0, 0, bias), _UNBOUNDED
+    if not isinstance(weight, PreparedQuantWeight) or weight.kernel is None:
+        return None
+    if weight.exact_float32 and dtype == torch.float32:
+        return None
+    w = weight.weight
+    if isinstance(w, StripQuantWeight):
+        return ("strip_linear_int8", w.q, w.scales, w.mins, w.bits, w.block_size, bias), _UNBOUNDED
+    rows = min(INT8_ROWS, TILE_ROWS.start - 1) if dtype == torch.bfloat16 else INT8_ROWS
+    return ("linear_int8", w.qweight, w.scales, w.mins, w.bits, w.block_size, bias), rows

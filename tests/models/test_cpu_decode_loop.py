@@ -1,0 +1,123 @@
+"""The CPU decode loop (models/cpu_decode_loop.py) against the Python layers it replaces:
+the same tokens and bitwise the same logprobs with the loop on and off, on GGUF weights
+(strips or rows, whichever this machine's kernels hold), with and without qkv bias, and
+on a dense checkpoint; steps it does not take (prefills, mixed batches) run the layers.
+Also the models it refuses and the capsule check between the kernel modules."""
+
+import pytest
+import torch
+
+from attention.backends.cpu_backend import load_cpu_attention
+from kernels import KernelSet
+from models.cpu_decode_loop import CPUDecodeLoop, decode_loop_module
+from models.layers.fused_ops import fused_ops
+from splitserve import LLM, SamplingParams
+from tests.integration.greedy import random_prompts
+from tests.models.tiny import make_tiny_checkpoint
+from tests.models.tiny_gguf import write_tiny_gguf
+
+# One type per fused projection (q/k/v, gate/up), as a real file has them.
+LOOP_TYPES = {
+    "token_embd.weight": "Q8_0",
+    "output.weight": "Q8_0",
+    **{f"blk.0.{n}.weight": "Q4_1" for n in ("attn_q", "attn_k", "attn_v", "attn_output")},
+    **{f"blk.0.{n}.weight": "Q4_0" for n in ("ffn_gate", "ffn_up")},
+    "blk.0.ffn_down.weight": "Q8_0",
+    **{f"blk.1.{n}.weight": "Q8_0" for n in ("attn_q", "attn_k", "attn_v")},
+    "blk.1.attn_output.weight": "Q4_0",
+    **{f"blk.1.{n}.weight": "Q4_1" for n in ("ffn_gate", "ffn_up", "ffn_down")},
+}
+
+
+@pytest.fixture
+def loop_steps(monkeypatch):
+    """How many steps the loop took, counted as they run."""
+    taken = []
+    call = CPUDecodeLoop.__call__
+
+    def counted(self, hidden, positions):
+        out = call(self, hidden, positions)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(CPUDecodeLoop, "__call__", counted)
+    return taken
+
+
+def _run(monkeypatch, loop: bool, model: str, **llm_kwargs) -> list:
+    monkeypatch.setenv("SPLITSERVE_CPU_DECODE_LOOP", "1" if loop else "0")
+    llm = LLM(model, kv_cache_memory=2**24, **llm_kwargs)
+    try:
+        params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=10, logprobs=3)
+        outs = llm.generate(random_prompts(5, 3, 40), params, use_tqdm=False)
+        assert (llm.engine.executor.runner.model.model.decode_loop is not None) == loop
+    finally:
+        llm.shutdown()
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+def _check_same(monkeypatch, loop_steps, model: str, **llm_kwargs) -> None:
+    with_loop = _run(monkeypatch, True, model, **llm_kwargs)
+    assert any(loop_steps) and not all(loop_steps)  # decodes taken, prefills not
+    loop_steps.clear()
+    without = _run(monkeypatch, False, model, **llm_kwargs)
+    assert not loop_steps
+    assert with_loop == without
+
+
+@pytest.mark.parametrize(
+    ("arch", "dtype"), [("llama", "float32"), ("qwen2", "float32"), ("llama", "bfloat16")]
+)
+def test_gguf_loop_is_bitwise_the_layers(tmp_path, monkeypatch, loop_steps, arch, dtype):
+    path, _ = write_tiny_gguf(tmp_path, arch, types=LOOP_TYPES)  # qwen2: qkv bias
+    _check_same(monkeypatch, loop_steps, str(path), dtype=dtype)
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_dense_checkpoint_loop_is_bitwise_the_layers(
+    tmp_path, monkeypatch, loop_steps, quantization
+):
+    model = make_tiny_checkpoint(tmp_path)
+    _check_same(monkeypatch, loop_steps, model, dtype="float32", quantization=quantization)
+
+
+def test_steps_mixing_prefill_chunks_and_decodes_run_the_layers(tmp_path, monkeypatch, loop_steps):
+    path, _ = write_tiny_gguf(tmp_path, "llama", types=LOOP_TYPES)
+    _check_same(monkeypatch, loop_steps, str(path), dtype="float32", max_num_batched_tokens=16)
+
+
+@pytest.mark.parametrize(
+    ("arch", "env"),
+    [
+        ("qwen3", {}),  # q/k norms
+        ("llama", {"SPLITSERVE_INT8_ACTIVATIONS": "0"}),  # exact float32 products
+        ("llama", {"SPLITSERVE_CPU_KERNELS": "0"}),
+    ],
+)
+def test_models_it_does_not_take_run_the_layers(tmp_path, monkeypatch, arch, env):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    if arch == "qwen3":
+        model = make_tiny_checkpoint(tmp_path, "qwen3")
+    else:
+        model = str(write_tiny_gguf(tmp_path, arch, types=LOOP_TYPES)[0])
+    llm = LLM(model, dtype="float32", kv_cache_memory=2**24)
+    try:
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3), use_tqdm=False)
+        assert llm.engine.executor.runner.model.model.decode_loop is None
+    finally:
+        llm.shutdown()
+
+
+def test_a_capsule_of_another_name_is_refused():
+    kernels = KernelSet(cpu=True)
+    module = decode_loop_module(kernels)
+    ops, attention = fused_ops(kernels).c_api(), load_cpu_attention(kernels).c_api()
+    table = torch.zeros(8, 2)
+    args = (4, 2, 8, 1e-6, 0.125, table, table)
+    module.DecodeLoop(ops, attention, {}, *args)
+    wrong = dict(ops, rms_norm=ops["silu_and_mul"])
+    with pytest.raises(RuntimeError, match="not a capsule named splitserve.rms_norm"):
+        module.DecodeLoop(wrong, attention, {}, *args)
+    with pytest.raises(RuntimeError, match="lends no store_kv"):
+        module.DecodeLoop(ops, {}, {}, *args)
