@@ -6,7 +6,7 @@
 // against one libtorch in one process, which is what makes torch types safe to pass.
 #pragma once
 
-#include <torch/extension.h>
+#include "torch_ext.h"
 
 #include <optional>
 #include <string>
@@ -14,29 +14,29 @@
 namespace splitserve::api {
 
 // models/layers/cpu_ops.cpp
-using RmsNorm = std::optional<torch::Tensor> (*)(const torch::Tensor& x,
-                                                 const torch::Tensor& weight, double eps);
-using AddRmsNorm = bool (*)(const torch::Tensor& x, const torch::Tensor& residual,
-                            const torch::Tensor& weight, double eps, const torch::Tensor& out,
-                            const torch::Tensor& sum);
-using RotaryEmbedding = bool (*)(const torch::Tensor& positions, const torch::Tensor& q,
-                                 const torch::Tensor& k, const torch::Tensor& cos_cache,
-                                 const torch::Tensor& sin_cache, int64_t head_dim);
-using SiluAndMul = std::optional<torch::Tensor> (*)(const torch::Tensor& x);
+using RmsNorm = std::optional<at::Tensor> (*)(const at::Tensor& x,
+                                                 const at::Tensor& weight, double eps);
+using AddRmsNorm = bool (*)(const at::Tensor& x, const at::Tensor& residual,
+                            const at::Tensor& weight, double eps, const at::Tensor& out,
+                            const at::Tensor& sum);
+using RotaryEmbedding = bool (*)(const at::Tensor& positions, const at::Tensor& q,
+                                 const at::Tensor& k, const at::Tensor& cos_cache,
+                                 const at::Tensor& sin_cache, int64_t head_dim);
+using SiluAndMul = std::optional<at::Tensor> (*)(const at::Tensor& x);
 
 // attention/backends/cpu_attn.cpp
-using StoreKV = bool (*)(torch::Tensor k, torch::Tensor v, torch::Tensor kv_cache,
-                         torch::Tensor slot_mapping, double k_scale, double v_scale);
-using PagedDecode = void (*)(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache,
-                             torch::Tensor block_table, torch::Tensor seq_lens,
-                             torch::Tensor reqs, torch::Tensor rows, double scale,
+using StoreKV = bool (*)(at::Tensor k, at::Tensor v, at::Tensor kv_cache,
+                         at::Tensor slot_mapping, double k_scale, double v_scale);
+using PagedDecode = void (*)(at::Tensor out, at::Tensor q, at::Tensor kv_cache,
+                             at::Tensor block_table, at::Tensor seq_lens,
+                             at::Tensor reqs, at::Tensor rows, double scale,
                              int64_t window, double k_scale, double v_scale);
 
 // models/quantization/cpu_quant_*.cpp: linear_int8 (rows) and strip_linear_int8 (strips)
-using QuantLinear = std::optional<torch::Tensor> (*)(
-    const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales,
-    const std::optional<torch::Tensor>& mins, int64_t bits, int64_t block_size,
-    const std::optional<torch::Tensor>& bias);
+using QuantLinear = std::optional<at::Tensor> (*)(
+    const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+    const std::optional<at::Tensor>& mins, int64_t bits, int64_t block_size,
+    const std::optional<at::Tensor>& bias);
 
 template <typename F>
 pybind11::capsule lend(F function, const char* name) {

@@ -13,7 +13,7 @@
 //   x = down_proj(silu_and_mul(gate_up_proj(x)))
 // A kernel that declines its tensors here is a bug (the Python checked the model and the
 // step first), reported as an error.
-#include <torch/extension.h>
+#include "torch_ext.h"
 
 #include <optional>
 #include <utility>
@@ -28,11 +28,11 @@ namespace api = splitserve::api;
 // y = x W^T (+ bias): a quantized kernel (`quant`), or at::linear on a dense W.
 struct Linear {
   api::QuantLinear quant = nullptr;
-  torch::Tensor weight, scales;
-  std::optional<torch::Tensor> mins, bias;
+  at::Tensor weight, scales;
+  std::optional<at::Tensor> mins, bias;
   int64_t bits = 0, block_size = 0;
 
-  torch::Tensor operator()(const torch::Tensor& x) const {
+  at::Tensor operator()(const at::Tensor& x) const {
     if (quant == nullptr) return at::linear(x, weight, bias);
     auto out = quant(x, weight, scales, mins, bits, block_size, bias);
     TORCH_CHECK(out.has_value(), "decode loop: a quantized linear kernel declined x");
@@ -41,7 +41,7 @@ struct Linear {
 };
 
 struct Layer {
-  torch::Tensor input_norm, post_norm;
+  at::Tensor input_norm, post_norm;
   Linear qkv, o, gate_up, down;
   double k_scale, v_scale;
   int64_t window;
@@ -51,7 +51,7 @@ class DecodeLoop {
  public:
   DecodeLoop(const py::dict& ops, const py::dict& attention, const py::dict& quant,
              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
-             double scale, torch::Tensor cos_cache, torch::Tensor sin_cache)
+             double scale, at::Tensor cos_cache, at::Tensor sin_cache)
       : rms_norm_(api::borrow<api::RmsNorm>(ops, "rms_norm")),
         add_rms_norm_(api::borrow<api::AddRmsNorm>(ops, "add_rms_norm")),
         rotary_(api::borrow<api::RotaryEmbedding>(ops, "rotary_embedding")),
@@ -69,11 +69,11 @@ class DecodeLoop {
 
   // A linear layer: (kernel name or "" for dense, weight, scales, mins, bits, block_size,
   // bias), the kernel one the quantized module lends.
-  using LinearArgs = std::tuple<std::string, torch::Tensor, std::optional<torch::Tensor>,
-                                std::optional<torch::Tensor>, int64_t, int64_t,
-                                std::optional<torch::Tensor>>;
+  using LinearArgs = std::tuple<std::string, at::Tensor, std::optional<at::Tensor>,
+                                std::optional<at::Tensor>, int64_t, int64_t,
+                                std::optional<at::Tensor>>;
 
-  void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, const LinearArgs& qkv,
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, const LinearArgs& qkv,
                  const LinearArgs& o, const LinearArgs& gate_up, const LinearArgs& down,
                  double k_scale, double v_scale, int64_t window) {
     layers_.push_back({std::move(input_norm), std::move(post_norm), linear(qkv), linear(o),
@@ -83,15 +83,15 @@ class DecodeLoop {
   // hidden [T, hidden_size] (the embeddings; taken over as the residual stream), positions
   // [T] int64, one KV cache per layer, and the step's attention metadata for T decodes of
   // one query row each. Returns (hidden, residual) after the last layer, before the norm.
-  std::pair<torch::Tensor, torch::Tensor> forward(
-      torch::Tensor hidden, const torch::Tensor& positions,
-      const std::vector<torch::Tensor>& kv_caches, const torch::Tensor& slot_mapping,
-      const torch::Tensor& block_table, const torch::Tensor& seq_lens,
-      const torch::Tensor& reqs, const torch::Tensor& rows) const {
+  std::pair<at::Tensor, at::Tensor> forward(
+      at::Tensor hidden, const at::Tensor& positions,
+      const std::vector<at::Tensor>& kv_caches, const at::Tensor& slot_mapping,
+      const at::Tensor& block_table, const at::Tensor& seq_lens,
+      const at::Tensor& reqs, const at::Tensor& rows) const {
     TORCH_CHECK(kv_caches.size() == layers_.size(), "one KV cache per layer");
     const int64_t T = hidden.size(0);
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
-    torch::Tensor residual = hidden;
+    at::Tensor residual = hidden;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& L = layers_[i];
       if (i == 0) {
@@ -101,16 +101,16 @@ class DecodeLoop {
       } else {
         check(add_rms_norm_(hidden, residual, L.input_norm, eps_, hidden, residual), "add_rms_norm");
       }
-      const torch::Tensor qkv = L.qkv(hidden);
-      const torch::Tensor q = qkv.narrow(1, 0, q_size);
-      const torch::Tensor k = qkv.narrow(1, q_size, kv_size);
-      const torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size);
+      const at::Tensor qkv = L.qkv(hidden);
+      const at::Tensor q = qkv.narrow(1, 0, q_size);
+      const at::Tensor k = qkv.narrow(1, q_size, kv_size);
+      const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size);
       check(rotary_(positions, q, k, cos_cache_, sin_cache_, head_dim_), "rotary_embedding");
-      const torch::Tensor k3 = k.view({T, num_kv_heads_, head_dim_});
-      const torch::Tensor v3 = v.view({T, num_kv_heads_, head_dim_});
+      const at::Tensor k3 = k.view({T, num_kv_heads_, head_dim_});
+      const at::Tensor v3 = v.view({T, num_kv_heads_, head_dim_});
       check(store_kv_(k3, v3, kv_caches[i], slot_mapping, L.k_scale, L.v_scale), "store_kv");
-      const torch::Tensor q3 = q.view({T, num_heads_, head_dim_});
-      torch::Tensor attn = torch::empty({T, num_heads_, head_dim_}, hidden.options());
+      const at::Tensor q3 = q.view({T, num_heads_, head_dim_});
+      at::Tensor attn = at::empty({T, num_heads_, head_dim_}, hidden.options());
       paged_decode_(attn, q3, kv_caches[i], block_table, seq_lens, reqs, rows, scale_, L.window,
                     L.k_scale, L.v_scale);
       hidden = L.o(attn.view({T, q_size}));
@@ -151,7 +151,7 @@ class DecodeLoop {
   py::dict quant_;
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_, scale_;
-  torch::Tensor cos_cache_, sin_cache_;
+  at::Tensor cos_cache_, sin_cache_;
   std::vector<Layer> layers_;
 };
 
@@ -160,7 +160,7 @@ class DecodeLoop {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<DecodeLoop>(m, "DecodeLoop")
       .def(py::init<const py::dict&, const py::dict&, const py::dict&, int64_t, int64_t, int64_t,
-                    double, double, torch::Tensor, torch::Tensor>(),
+                    double, double, at::Tensor, at::Tensor>(),
            py::arg("ops"), py::arg("attention"), py::arg("quant"), py::arg("num_heads"),
            py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("scale"),
            py::arg("cos_cache"), py::arg("sin_cache"))

@@ -16,7 +16,7 @@
 // bits (monotone in w), the bucket where the mass crosses p * total is found, and only
 // that bucket's values are sorted.
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include "torch_ext.h"
 
 #include "cpu_math.h"
 
@@ -283,38 +283,38 @@ void sample_rows(const T* logits, int64_t row_stride, int64_t v, const RowParams
   });
 }
 
-torch::Tensor float_column(const c10::optional<torch::Tensor>& t, int64_t n, float fill) {
-  if (!t.has_value()) return torch::full({n}, fill, torch::kFloat32);
+at::Tensor float_column(const c10::optional<at::Tensor>& t, int64_t n, float fill) {
+  if (!t.has_value()) return at::full({n}, fill, at::kFloat);
   TORCH_CHECK(t->numel() == n, "one sampling parameter per row");
-  return t->to(torch::kFloat32).contiguous();
+  return t->to(at::kFloat).contiguous();
 }
 
 // logits [rows, vocab] (float32 or bfloat16, unit stride along the vocabulary); one value
 // per row in every other tensor. Rows with temperature < greedy_below take the argmax.
-torch::Tensor sample(const torch::Tensor& logits, const torch::Tensor& temperature,
-                     const c10::optional<torch::Tensor>& top_k,
-                     const c10::optional<torch::Tensor>& top_p,
-                     const c10::optional<torch::Tensor>& min_p, const torch::Tensor& u,
+at::Tensor sample(const at::Tensor& logits, const at::Tensor& temperature,
+                     const c10::optional<at::Tensor>& top_k,
+                     const c10::optional<at::Tensor>& top_p,
+                     const c10::optional<at::Tensor>& min_p, const at::Tensor& u,
                      double greedy_below) {
   TORCH_CHECK(logits.dim() == 2 && logits.device().is_cpu() && logits.stride(1) == 1,
               "logits: a CPU [rows, vocab] tensor with unit stride along the vocabulary");
   int64_t n = logits.size(0), v = logits.size(1);
   auto temps = float_column(temperature, n, 1.0f), uniforms = float_column(u, n, 0.0f);
   auto ps = float_column(top_p, n, 1.0f), min_ps = float_column(min_p, n, 0.0f);
-  auto ks = top_k.has_value() ? top_k->to(torch::kInt64).contiguous()
-                              : torch::zeros({n}, torch::kInt64);
+  auto ks = top_k.has_value() ? top_k->to(at::kLong).contiguous()
+                              : at::zeros({n}, at::kLong);
   TORCH_CHECK(ks.numel() == n, "one sampling parameter per row");
   std::vector<RowParams> params(n);
   for (int64_t r = 0; r < n; ++r)
     params[r] = {temps.data_ptr<float>()[r], ps.data_ptr<float>()[r],
                  min_ps.data_ptr<float>()[r], uniforms.data_ptr<float>()[r],
                  ks.data_ptr<int64_t>()[r]};
-  auto out = torch::empty({n}, torch::kInt64);
-  if (logits.scalar_type() == torch::kFloat32) {
+  auto out = at::empty({n}, at::kLong);
+  if (logits.scalar_type() == at::kFloat) {
     sample_rows(logits.data_ptr<float>(), logits.stride(0), v, params.data(), greedy_below,
                 out.data_ptr<int64_t>(), n);
   } else {
-    TORCH_CHECK(logits.scalar_type() == torch::kBFloat16, "logits: float32 or bfloat16");
+    TORCH_CHECK(logits.scalar_type() == at::kBFloat16, "logits: float32 or bfloat16");
     auto bits = reinterpret_cast<const uint16_t*>(logits.data_ptr<at::BFloat16>());
     sample_rows(bits, logits.stride(0), v, params.data(), greedy_below,
                 out.data_ptr<int64_t>(), n);

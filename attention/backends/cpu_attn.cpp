@@ -14,7 +14,7 @@
 // the bf16 paths are built, those over a bf16 copy of the item's context; else generic,
 // widened in registers.
 // Storage stays in the cache's dtype; softmax and accumulation are fp32.
-#include <torch/extension.h>
+#include "torch_ext.h"
 
 #include "cpu_api.h"
 #include "cpu_math.h"
@@ -178,9 +178,9 @@ bool takes_amx_path(const Layout& L) {
 }
 
 template <typename T, typename C, int D>
-void decode_all(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& kv_cache,
-                const torch::Tensor& block_table, const torch::Tensor& seq_lens,
-                const torch::Tensor& reqs, const torch::Tensor& rows, double scale,
+void decode_all(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
+                const at::Tensor& block_table, const at::Tensor& seq_lens,
+                const at::Tensor& reqs, const at::Tensor& rows, double scale,
                 int64_t window, float k_mul, float v_mul, const Layout& L) {
   // Whole requests per item when there are enough of them to keep every thread busy. fp8
   // pages with bf16 queries take the bf16 kernels over a widened copy (cpu_attn_fp8.h).
@@ -257,9 +257,9 @@ void decode_all(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor&
 // int32; reqs, rows [N] int64: decode i is request reqs[i], query row rows[i]. window <= 0
 // means none; otherwise the last `window` positions are visible. An fp8 cache (q of any
 // float dtype) is read times k_scale and v_scale.
-void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache,
-                  torch::Tensor block_table, torch::Tensor seq_lens, torch::Tensor reqs,
-                  torch::Tensor rows, double scale, int64_t window, double k_scale,
+void paged_decode(at::Tensor out, at::Tensor q, at::Tensor kv_cache,
+                  at::Tensor block_table, at::Tensor seq_lens, at::Tensor reqs,
+                  at::Tensor rows, double scale, int64_t window, double k_scale,
                   double v_scale) {
   TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "paged_decode runs on CPU");
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && kv_cache.dim() == 5, "bad ranks");
@@ -310,8 +310,8 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache,
 // V rows are copied to kv_cache[0] and kv_cache[1] at slot_mapping[t]; an fp8 cache gets
 // them divided by k_scale and v_scale (cpu_attn_fp8.h). Returns false, writing nothing,
 // where the rows are not dense (the caller stores them another way).
-bool store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor kv_cache,
-              torch::Tensor slot_mapping, double k_scale, double v_scale) {
+bool store_kv(at::Tensor k, at::Tensor v, at::Tensor kv_cache,
+              at::Tensor slot_mapping, double k_scale, double v_scale) {
   TORCH_CHECK(k.device().is_cpu() && v.device().is_cpu() && kv_cache.device().is_cpu(),
               "store_kv runs on CPU");
   TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && kv_cache.dim() == 5, "bad ranks");

@@ -55,7 +55,7 @@ inline C quantize(float x, float scale) {
 
 // Token t's K and V rows, quantized, into the fp8 cache at slots[t] (t < n; -1 skipped).
 template <typename T, typename C>
-void store_fp8(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& kv_cache,
+void store_fp8(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cache,
                const int64_t* slots, int64_t n, double k_scale, double v_scale) {
   const int64_t row = k.size(1) * k.size(2);
   C* key_cache = kv_cache.data_ptr<C>();

@@ -214,8 +214,8 @@ void prefill_tile(const uint16_t* q, uint16_t* out, int64_t n, int64_t first_pos
 // Every tile of the step's prefills: V^T (and for fp8 pages dense K rows) of each prefill
 // and KV head first, then the (tile, head) items.
 template <typename C>
-void prefill_all(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& kv_cache,
-                 const torch::Tensor& block_table, const int32_t* lens, const int32_t* starts,
+void prefill_all(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
+                 const at::Tensor& block_table, const int32_t* lens, const int32_t* starts,
                  const int64_t* req_ids, int64_t num_prefills, double scale, double k_scale,
                  double v_scale) {
   const int64_t kv_heads = kv_cache.size(3), dim = kv_cache.size(4), heads = q.size(1);
@@ -306,9 +306,9 @@ void prefill_all(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor
 // computing nothing, where this is no prefill the kernel takes (no AMX in the build or for
 // the process, q not bf16, a window, head_dim other than 64 or 128, blocks not a multiple
 // of 16 positions): the caller runs its own. Inputs that do not fit together raise.
-bool paged_prefill(torch::Tensor out, torch::Tensor q, torch::Tensor kv_cache,
-                   torch::Tensor block_table, torch::Tensor seq_lens,
-                   torch::Tensor query_start_loc, torch::Tensor reqs, double scale,
+bool paged_prefill(at::Tensor out, at::Tensor q, at::Tensor kv_cache,
+                   at::Tensor block_table, at::Tensor seq_lens,
+                   at::Tensor query_start_loc, at::Tensor reqs, double scale,
                    int64_t window, double k_scale, double v_scale) {
   TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "paged_prefill runs on CPU");
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && kv_cache.dim() == 5, "bad ranks");

@@ -16,7 +16,7 @@
 // the others (the layer then runs F.linear).
 
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include "torch_ext.h"
 
 #include "cpu_math.h"
 
@@ -29,8 +29,8 @@ namespace {
 #if defined(SPLITSERVE_AMX)
 
 // A bf16 CPU matrix whose rows are dense.
-bool bf16_rows(const torch::Tensor& t) {
-  return t.scalar_type() == torch::kBFloat16 && t.device().is_cpu() && t.dim() == 2 &&
+bool bf16_rows(const at::Tensor& t) {
+  return t.scalar_type() == at::kBFloat16 && t.device().is_cpu() && t.dim() == 2 &&
          t.stride(1) == 1;
 }
 
@@ -44,13 +44,13 @@ using splitserve::TileConfig;
 
 // The weight [out_features, in_features] in the tile layout; None unless it is bf16 on the
 // CPU with both sizes multiples of 32.
-std::optional<torch::Tensor> pack_weight(const torch::Tensor& weight) {
-  if (weight.scalar_type() != torch::kBFloat16 || !weight.device().is_cpu() || weight.dim() != 2)
+std::optional<at::Tensor> pack_weight(const at::Tensor& weight) {
+  if (weight.scalar_type() != at::kBFloat16 || !weight.device().is_cpu() || weight.dim() != 2)
     return std::nullopt;
   const int64_t N = weight.size(0), K = weight.size(1);
   if (N % (2 * kTileN) != 0 || K % kTileK != 0) return std::nullopt;
   const auto w = weight.contiguous();
-  auto packed = torch::empty({N / kTileN, K / kTileK, kTileK / 2, kTileN, 2}, w.options());
+  auto packed = at::empty({N / kTileN, K / kTileK, kTileK / 2, kTileN, 2}, w.options());
   const auto* src = reinterpret_cast<const uint16_t*>(w.data_ptr());
   auto* dst = reinterpret_cast<uint16_t*>(packed.data_ptr());
   const int64_t num_k_tiles = K / kTileK;
@@ -95,11 +95,11 @@ void configure_tiles(int64_t rows0, int64_t rows1) {
 }
 
 // x [rows, in_features] W^T (+ bias); None unless x is bf16 rows (dense) on the CPU.
-std::optional<torch::Tensor> linear(const torch::Tensor& x, const torch::Tensor& packed,
-                                    const std::optional<torch::Tensor>& bias) {
+std::optional<at::Tensor> linear(const at::Tensor& x, const at::Tensor& packed,
+                                    const std::optional<at::Tensor>& bias) {
   if (!bf16_rows(x)) return std::nullopt;
   TORCH_CHECK(amx_usable(), "AMX tiles are not available to this process");
-  TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.dim() == 5 &&
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.dim() == 5 &&
                   packed.is_contiguous(),
               "packed must come from pack_weight");
   const int64_t M = x.size(0), K = x.size(1);
@@ -107,13 +107,13 @@ std::optional<torch::Tensor> linear(const torch::Tensor& x, const torch::Tensor&
   const int64_t N = num_n_tiles * kTileN;
   TORCH_CHECK(K == num_k_tiles * kTileK, "x has ", K, " features, the weight ",
               num_k_tiles * kTileK);
-  torch::Tensor bias_f32;
+  at::Tensor bias_f32;
   if (bias.has_value()) {
     TORCH_CHECK(bias->numel() == N, "bias must have ", N, " values");
-    bias_f32 = bias->to(torch::kFloat32).contiguous();
+    bias_f32 = bias->to(at::kFloat).contiguous();
   }
   const float* b = bias.has_value() ? bias_f32.data_ptr<float>() : nullptr;
-  auto out = torch::empty({M, N}, x.options());
+  auto out = at::empty({M, N}, x.options());
   if (M == 0) return out;
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
@@ -179,10 +179,10 @@ std::optional<torch::Tensor> linear(const torch::Tensor& x, const torch::Tensor&
 
 bool amx_usable() { return false; }
 
-std::optional<torch::Tensor> pack_weight(const torch::Tensor&) { return std::nullopt; }
+std::optional<at::Tensor> pack_weight(const at::Tensor&) { return std::nullopt; }
 
-std::optional<torch::Tensor> linear(const torch::Tensor&, const torch::Tensor&,
-                                    const std::optional<torch::Tensor>&) {
+std::optional<at::Tensor> linear(const at::Tensor&, const at::Tensor&,
+                                    const std::optional<at::Tensor>&) {
   return std::nullopt;
 }
 

@@ -124,16 +124,16 @@ void norm_row(const T* x, const T* weight, T* out, int64_t n, float eps) {
 
 // Whether the norm kernels take rows x with this weight: [hidden], contiguous, x's dtype
 // (the torch code promotes another).
-bool takes_norm(const torch::Tensor& x, const torch::Tensor& weight) {
+bool takes_norm(const at::Tensor& x, const at::Tensor& weight) {
   return takes_rows(x) && weight.device().is_cpu() && weight.dim() == 1 &&
          weight.is_contiguous() && weight.size(0) == x.size(-1) &&
          weight.scalar_type() == x.scalar_type();
 }
 
-std::optional<torch::Tensor> rms_norm(const torch::Tensor& x, const torch::Tensor& weight,
+std::optional<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight,
                                       double eps) {
   if (!takes_norm(x, weight)) return std::nullopt;
-  auto out = torch::empty(x.sizes(), x.options());
+  auto out = at::empty(x.sizes(), x.options());
   const int64_t n = x.size(-1);
   const int64_t rows = n == 0 ? 0 : x.numel() / n;
   dispatch(x, [&](auto tag) {
@@ -151,9 +151,9 @@ std::optional<torch::Tensor> rms_norm(const torch::Tensor& x, const torch::Tenso
 
 // sum = x + residual, out = norm(sum). out may be x and sum may be residual (in place, as
 // vLLM's fused_add_rms_norm): each row is read before it is written.
-bool add_rms_norm(const torch::Tensor& x, const torch::Tensor& residual,
-                  const torch::Tensor& weight, double eps, const torch::Tensor& out,
-                  const torch::Tensor& sum) {
+bool add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                  const at::Tensor& weight, double eps, const at::Tensor& out,
+                  const at::Tensor& sum) {
   if (!takes_norm(x, weight) || !take_like(x, {&residual, &out, &sum})) return false;
   const int64_t n = x.size(-1);
   const int64_t rows = n == 0 ? 0 : x.numel() / n;
@@ -194,9 +194,9 @@ void rotate_heads(T* x, int64_t heads, int64_t head_dim, int64_t j, int64_t coun
 // Rotates q [T, heads * head_dim] and k [T, kv_heads * head_dim] in place by the float32
 // cos/sin caches [max_position, head_dim / 2] at positions [T] (cos/sin rounded to T first).
 // Every position is checked before any row is written.
-bool rotary_embedding(const torch::Tensor& positions, const torch::Tensor& q,
-                      const torch::Tensor& k, const torch::Tensor& cos_cache,
-                      const torch::Tensor& sin_cache, int64_t head_dim) {
+bool rotary_embedding(const at::Tensor& positions, const at::Tensor& q,
+                      const at::Tensor& k, const at::Tensor& cos_cache,
+                      const at::Tensor& sin_cache, int64_t head_dim) {
   TORCH_CHECK(positions.device().is_cpu() && positions.dim() == 1 &&
                   positions.scalar_type() == at::kLong && positions.is_contiguous(),
               "positions must be a contiguous int64 CPU vector");
@@ -240,12 +240,12 @@ bool rotary_embedding(const torch::Tensor& positions, const torch::Tensor& q,
 // vector exp covers whole blocks of two vectors of T and std::exp the rest of a row.
 fVec silu_of(const fVec& g) { return g / (fVec(1.0f) + g.neg().exp()); }
 
-std::optional<torch::Tensor> silu_and_mul(const torch::Tensor& x) {
+std::optional<at::Tensor> silu_and_mul(const at::Tensor& x) {
   if (!takes_rows(x) || x.size(-1) % 2 != 0) return std::nullopt;
   const int64_t d = x.size(-1) / 2;
   auto sizes = x.sizes().vec();
   sizes.back() = d;
-  auto out = torch::empty(sizes, x.options());
+  auto out = at::empty(sizes, x.options());
   const int64_t rows = d == 0 ? 0 : out.numel() / d;
   dispatch(x, [&](auto tag) {
     using T = decltype(tag);

@@ -17,7 +17,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
-#include <torch/extension.h>
+#include "torch_ext.h"
 
 #include <algorithm>
 #include <initializer_list>
@@ -94,7 +94,7 @@ struct Rows {
   T* base;
   int64_t rows1, s0, s1;
 
-  explicit Rows(const torch::Tensor& t)
+  explicit Rows(const at::Tensor& t)
       : base(static_cast<T*>(t.data_ptr())),
         rows1(t.dim() == 3 ? t.size(1) : 1),
         s0(t.dim() >= 2 ? t.stride(0) : 0),
@@ -104,7 +104,7 @@ struct Rows {
 };
 
 // Whether the kernels take t as rows.
-inline bool takes_rows(const torch::Tensor& t) {
+inline bool takes_rows(const at::Tensor& t) {
   const auto dtype = t.scalar_type();
   return t.device().is_cpu() && t.dim() >= 1 && t.dim() <= 3 &&
          (t.stride(-1) == 1 || t.size(-1) <= 1) &&
@@ -113,7 +113,7 @@ inline bool takes_rows(const torch::Tensor& t) {
 
 // Whether the kernels take `others` (residual, outputs) along with rows x: x's shape and
 // dtype, rows the kernels take.
-inline bool take_like(const torch::Tensor& x, std::initializer_list<const torch::Tensor*> others) {
+inline bool take_like(const at::Tensor& x, std::initializer_list<const at::Tensor*> others) {
   for (const auto* t : others)
     if (!takes_rows(*t) || t->sizes() != x.sizes() || t->scalar_type() != x.scalar_type())
       return false;
@@ -122,7 +122,7 @@ inline bool take_like(const torch::Tensor& x, std::initializer_list<const torch:
 
 // f(T{}) for t's dtype, one that takes_rows accepted.
 template <typename F>
-void dispatch(const torch::Tensor& t, const F& f) {
+void dispatch(const at::Tensor& t, const F& f) {
   switch (t.scalar_type()) {
     case at::kFloat:
       return f(float{});

@@ -16,7 +16,7 @@
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include "torch_ext.h"
 
 #include "cpu_math.h"
 
@@ -148,29 +148,29 @@ void dot_rows(const uint8_t* w, int64_t w_stride, const float* x, int64_t x_stri
   dot_tail<kW>(M - m, w, w_stride, x + m * x_stride, x_stride, len, dots + m, M);
 }
 
-void check_weight(const torch::Tensor& weight, const torch::Tensor& scale) {
-  TORCH_CHECK(weight.scalar_type() == torch::kUInt8 && weight.dim() == 2 &&
+void check_weight(const at::Tensor& weight, const at::Tensor& scale) {
+  TORCH_CHECK(weight.scalar_type() == at::kByte && weight.dim() == 2 &&
                   weight.device().is_cpu() && weight.stride(1) == 1,
               "weight must be the uint8 view of a CPU float8_e4m3fn [N, K] with dense rows");
-  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.dim() == 1 &&
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 1 &&
                   scale.is_contiguous() && scale.size(0) == weight.size(0),
               "scale must be float32 [N], one per output feature");
 }
 
 // x [M, K] (float32, bfloat16 or float16) times the weight, in x's dtype.
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
-                     const torch::Tensor& scale, const std::optional<torch::Tensor>& bias) {
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
+                     const at::Tensor& scale, const std::optional<at::Tensor>& bias) {
   check_weight(weight, scale);
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.size(1) == weight.size(1),
               "x must be a CPU [M, ", weight.size(1), "] matrix");
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  const auto x32 = x.to(torch::kFloat32).contiguous();
-  torch::Tensor bias32;
+  const auto x32 = x.to(at::kFloat).contiguous();
+  at::Tensor bias32;
   if (bias.has_value()) {
     TORCH_CHECK(bias->numel() == N, "bias must have ", N, " values");
-    bias32 = bias->to(torch::kFloat32).contiguous();
+    bias32 = bias->to(at::kFloat).contiguous();
   }
-  auto out = torch::empty({M, N}, x32.options());
+  auto out = at::empty({M, N}, x32.options());
   const float* xp = x32.data_ptr<float>();
   const float* sp = scale.data_ptr<float>();
   const float* bp = bias.has_value() ? bias32.data_ptr<float>() : nullptr;
@@ -203,11 +203,11 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& weight,
 }
 
 // scale[n] * weight[n, k] as a dense [N, K] tensor of `dtype`.
-torch::Tensor dequantize(const torch::Tensor& weight, const torch::Tensor& scale,
+at::Tensor dequantize(const at::Tensor& weight, const at::Tensor& scale,
                          at::ScalarType dtype) {
   check_weight(weight, scale);
   const int64_t N = weight.size(0), K = weight.size(1), w_stride = weight.stride(0);
-  auto out = torch::empty({N, K}, weight.options().dtype(dtype));
+  auto out = at::empty({N, K}, weight.options().dtype(dtype));
   const auto* wp = weight.data_ptr<uint8_t>();
   const float* sp = scale.data_ptr<float>();
   const auto& table = e4m3_table();

@@ -15,7 +15,7 @@
 // Each returns None (or false) for tensors it does not take; the caller then runs torch.
 
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include "torch_ext.h"
 
 #include "cpu_api.h"
 
@@ -44,7 +44,7 @@ using splitserve::quant::over_runs;
 using splitserve::quant::quant_rows;
 using splitserve::quant::QuantRows;
 using splitserve::quant::takes_x;
-using torch::Tensor;
+using at::Tensor;
 
 constexpr int64_t kMaxRows = 4;  // rows of x one pass over a weight row serves
 constexpr int64_t kGrain = 16;   // output features per task, at least
@@ -98,11 +98,11 @@ std::optional<Tensor> linear_f32(const Tensor& x, const Tensor& qweight, const T
                                  const std::optional<Tensor>& mins, int64_t bits,
                                  int64_t block_size, const std::optional<Tensor>& bias) {
   const auto w = quant_rows(qweight, scales, mins, bits, block_size);
-  if (!w || x.scalar_type() != torch::kFloat || !takes_x(x, w->K)) return std::nullopt;
+  if (!w || x.scalar_type() != at::kFloat || !takes_x(x, w->K)) return std::nullopt;
   const int64_t M = x.size(0), N = qweight.size(0), ldx = x.stride(0);
   const auto b = float_bias(bias, N);
   if (!b) return std::nullopt;
-  auto out = torch::empty({M, N}, x.options());
+  auto out = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const auto* passes = kPassF32[bits == 4 ? 0 : 1];
   over_rows(M, N, *b, out.data_ptr<float>(), [&](int64_t n, int64_t m, int64_t rows, float* res) {
@@ -223,7 +223,7 @@ Tensor run_int8(const Tensor& x, const QuantRows& w, int64_t N, const Tensor& bi
       reinterpret_cast<const T*>(x.data_ptr()), M, w.K, x.stride(0), w.block_size,
       w.mins != nullptr);
   const Acts acts = storage.view();
-  auto out = torch::empty({M, N}, x.options());
+  auto out = at::empty({M, N}, x.options());
   const auto* passes = kPassInt8[w.bits == 4 ? 0 : 1];
   over_rows(M, N, bias, reinterpret_cast<T*>(out.data_ptr()),
             [&](int64_t n, int64_t m, int64_t rows, float* res) {
@@ -240,9 +240,9 @@ std::optional<Tensor> linear_int8(const Tensor& x, const Tensor& qweight, const 
   const int64_t N = qweight.size(0);
   const auto b = float_bias(bias, N);
   if (!b) return std::nullopt;
-  if (x.scalar_type() == torch::kBFloat16) return run_int8<c10::BFloat16>(x, *w, N, *b);
-  if (x.scalar_type() == torch::kHalf) return run_int8<c10::Half>(x, *w, N, *b);
-  if (x.scalar_type() == torch::kFloat) return run_int8<float>(x, *w, N, *b);
+  if (x.scalar_type() == at::kBFloat16) return run_int8<c10::BFloat16>(x, *w, N, *b);
+  if (x.scalar_type() == at::kHalf) return run_int8<c10::Half>(x, *w, N, *b);
+  if (x.scalar_type() == at::kFloat) return run_int8<float>(x, *w, N, *b);
   return std::nullopt;
 }
 
@@ -265,12 +265,12 @@ bool dequantize_into(Tensor& out, const Tensor& qweight, const Tensor& scales,
   const auto w = quant_rows(qweight, scales, mins, bits, block_size);
   const int64_t N = qweight.size(0);
   if (!w || !out.device().is_cpu() || !out.is_contiguous() ||
-      out.sizes() != torch::IntArrayRef{N, w->K})
+      out.sizes() != at::IntArrayRef{N, w->K})
     return false;
   switch (out.scalar_type()) {
-    case torch::kFloat: dequantize_as<float>(*w, N, out.data_ptr()); return true;
-    case torch::kBFloat16: dequantize_as<c10::BFloat16>(*w, N, out.data_ptr()); return true;
-    case torch::kHalf: dequantize_as<c10::Half>(*w, N, out.data_ptr()); return true;
+    case at::kFloat: dequantize_as<float>(*w, N, out.data_ptr()); return true;
+    case at::kBFloat16: dequantize_as<c10::BFloat16>(*w, N, out.data_ptr()); return true;
+    case at::kHalf: dequantize_as<c10::Half>(*w, N, out.data_ptr()); return true;
     default: return false;
   }
 }

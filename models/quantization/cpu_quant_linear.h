@@ -7,7 +7,7 @@
 #pragma once
 
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include "torch_ext.h"
 #include <c10/util/Half.h>
 
 #include "cpu_math.h"
@@ -61,18 +61,18 @@ inline void over_runs(const QuantRows& w, const Body& body) {
 }
 
 // The weight's tensors, when they are a contiguous BlockQuantWeight on the CPU.
-inline std::optional<QuantRows> quant_rows(const torch::Tensor& qweight, const torch::Tensor& scales,
-                                    const std::optional<torch::Tensor>& mins, int64_t bits,
+inline std::optional<QuantRows> quant_rows(const at::Tensor& qweight, const at::Tensor& scales,
+                                    const std::optional<at::Tensor>& mins, int64_t bits,
                                     int64_t block_size) {
-  const auto q_type = bits == 4 ? torch::kUInt8 : torch::kInt8;
+  const auto q_type = bits == 4 ? at::kByte : at::kChar;
   if ((bits != 4 && bits != 8) || qweight.scalar_type() != q_type || qweight.dim() != 2 ||
       !qweight.device().is_cpu() || !qweight.is_contiguous() || !scales.is_contiguous())
     return std::nullopt;
   const int64_t N = qweight.size(0), K = qweight.size(1) * (bits == 4 ? 2 : 1);
-  const bool half = scales.scalar_type() == torch::kHalf;
+  const bool half = scales.scalar_type() == at::kHalf;
   if (block_size <= 0 || block_size % 16 || K % block_size || K % kRun ||
-      (!half && scales.scalar_type() != torch::kFloat) ||
-      scales.sizes() != torch::IntArrayRef{N, K / block_size})
+      (!half && scales.scalar_type() != at::kFloat) ||
+      scales.sizes() != at::IntArrayRef{N, K / block_size})
     return std::nullopt;
   if (mins.has_value() && (mins->scalar_type() != scales.scalar_type() ||
                            mins->sizes() != scales.sizes() || !mins->is_contiguous()))
@@ -82,14 +82,14 @@ inline std::optional<QuantRows> quant_rows(const torch::Tensor& qweight, const t
 }
 
 // x's rows as the kernels read them: on the CPU, dense along a row, K features.
-inline bool takes_x(const torch::Tensor& x, int64_t K) {
+inline bool takes_x(const at::Tensor& x, int64_t K) {
   return x.device().is_cpu() && x.dim() == 2 && x.size(1) == K && x.stride(1) == 1;
 }
 
-inline std::optional<torch::Tensor> float_bias(const std::optional<torch::Tensor>& bias, int64_t N) {
-  if (!bias.has_value()) return torch::Tensor();
+inline std::optional<at::Tensor> float_bias(const std::optional<at::Tensor>& bias, int64_t N) {
+  if (!bias.has_value()) return at::Tensor();
   if (bias->numel() != N) return std::nullopt;
-  return bias->to(torch::kFloat).contiguous();
+  return bias->to(at::kFloat).contiguous();
 }
 
 // `v` as it is: the compiler may not fuse the product it was rounded from into an FMA
@@ -400,26 +400,26 @@ ActsStorage quantize_acts(const T* x, int64_t M, int64_t K, int64_t ldx, int64_t
 
 // x (bfloat16) W^T (+ bias) on the bf16 dot-product instructions (cpu_quant_tiles.cpp);
 // None where the build or the tensors do not allow it.
-std::optional<torch::Tensor> linear_bf16(const torch::Tensor& x, const torch::Tensor& qweight,
-                                         const torch::Tensor& scales,
-                                         const std::optional<torch::Tensor>& mins, int64_t bits,
+std::optional<at::Tensor> linear_bf16(const at::Tensor& x, const at::Tensor& qweight,
+                                         const at::Tensor& scales,
+                                         const std::optional<at::Tensor>& mins, int64_t bits,
                                          int64_t block_size,
-                                         const std::optional<torch::Tensor>& bias);
+                                         const std::optional<at::Tensor>& bias);
 
 // The same on a weight in strips of 8 features (cpu_quant_strips.cpp), on AVX2 builds
 // without AVX-512; strip_width() is 8 where they run, else 0.
-std::optional<torch::Tensor> strip_linear_f32(const torch::Tensor& x, const torch::Tensor& q,
-                                              const torch::Tensor& scales,
-                                              const std::optional<torch::Tensor>& mins,
+std::optional<at::Tensor> strip_linear_f32(const at::Tensor& x, const at::Tensor& q,
+                                              const at::Tensor& scales,
+                                              const std::optional<at::Tensor>& mins,
                                               int64_t bits, int64_t block_size,
-                                              const std::optional<torch::Tensor>& bias);
-std::optional<torch::Tensor> strip_linear_int8(const torch::Tensor& x, const torch::Tensor& q,
-                                               const torch::Tensor& scales,
-                                               const std::optional<torch::Tensor>& mins,
+                                              const std::optional<at::Tensor>& bias);
+std::optional<at::Tensor> strip_linear_int8(const at::Tensor& x, const at::Tensor& q,
+                                               const at::Tensor& scales,
+                                               const std::optional<at::Tensor>& mins,
                                                int64_t bits, int64_t block_size,
-                                               const std::optional<torch::Tensor>& bias);
-bool strip_dequantize_into(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& scales,
-                           const std::optional<torch::Tensor>& mins, int64_t bits,
+                                               const std::optional<at::Tensor>& bias);
+bool strip_dequantize_into(at::Tensor& out, const at::Tensor& q, const at::Tensor& scales,
+                           const std::optional<at::Tensor>& mins, int64_t bits,
                            int64_t block_size);
 int64_t strip_width();
 

@@ -18,7 +18,7 @@
 // does (bitwise the same).
 
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include "torch_ext.h"
 
 #include <cstdint>
 #include <cstring>
@@ -53,18 +53,18 @@ struct Strips {
 };
 
 // The strip tensors, as strips.py lays them out (q [N / 8, 8 * row bytes]).
-inline std::optional<Strips> strips_of(const torch::Tensor& q, const torch::Tensor& scales,
-                                       const std::optional<torch::Tensor>& mins, int64_t bits,
+inline std::optional<Strips> strips_of(const at::Tensor& q, const at::Tensor& scales,
+                                       const std::optional<at::Tensor>& mins, int64_t bits,
                                        int64_t block_size) {
-  const auto q_type = bits == 4 ? torch::kUInt8 : torch::kInt8;
+  const auto q_type = bits == 4 ? at::kByte : at::kChar;
   if (!kStrips || (bits != 4 && bits != 8) || q.scalar_type() != q_type || q.dim() != 2 ||
       !q.device().is_cpu() || !q.is_contiguous() || !scales.is_contiguous() || scales.dim() != 3)
     return std::nullopt;
   const int64_t strips = q.size(0), K = q.size(1) / kStrip * (bits == 4 ? 2 : 1);
-  const bool half = scales.scalar_type() == torch::kHalf;
+  const bool half = scales.scalar_type() == at::kHalf;
   if (q.size(1) % kStrip || block_size <= 0 || block_size % 16 || K % block_size || K % kRun ||
-      (!half && scales.scalar_type() != torch::kFloat) ||
-      scales.sizes() != torch::IntArrayRef{strips, K / block_size, kStrip})
+      (!half && scales.scalar_type() != at::kFloat) ||
+      scales.sizes() != at::IntArrayRef{strips, K / block_size, kStrip})
     return std::nullopt;
   if (mins.has_value() && (mins->scalar_type() != scales.scalar_type() ||
                            mins->sizes() != scales.sizes() || !mins->is_contiguous()))
@@ -77,7 +77,7 @@ inline std::optional<Strips> strips_of(const torch::Tensor& q, const torch::Tens
 // Rows 0 .. M - 1 of out [M, N] in passes of up to `most` rows, parallel over strips:
 // pass(s, m, rows, res) leaves row r's 8 features in res[r] (float32).
 template <typename T, typename Pass>
-void over_strips(int64_t M, int64_t N, int64_t most, const torch::Tensor& bias, T* out,
+void over_strips(int64_t M, int64_t N, int64_t most, const at::Tensor& bias, T* out,
                  const Pass& pass) {
   const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
   at::parallel_for(0, N / kStrip, 2, [&](int64_t begin, int64_t end) {
@@ -249,10 +249,10 @@ constexpr StripPassInt8 kStripPassInt8[2][kMaxStripRows] = {
 #endif
 
 // The strips and x's bias in float32, when the kernels take x, the weight and the bias.
-std::optional<std::pair<Strips, torch::Tensor>> strips_and_bias(
-    const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales,
-    const std::optional<torch::Tensor>& mins, int64_t bits, int64_t block_size,
-    const std::optional<torch::Tensor>& bias) {
+std::optional<std::pair<Strips, at::Tensor>> strips_and_bias(
+    const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
+    const std::optional<at::Tensor>& mins, int64_t bits, int64_t block_size,
+    const std::optional<at::Tensor>& bias) {
   const auto w = strips_of(q, scales, mins, bits, block_size);
   if (!w || !takes_x(x, w->K)) return std::nullopt;
   const auto b = float_bias(bias, w->N);
@@ -260,18 +260,18 @@ std::optional<std::pair<Strips, torch::Tensor>> strips_and_bias(
   return std::make_pair(*w, *b);
 }
 
-std::optional<torch::Tensor> strip_linear_f32(const torch::Tensor& x, const torch::Tensor& q,
-                                              const torch::Tensor& scales,
-                                              const std::optional<torch::Tensor>& mins,
+std::optional<at::Tensor> strip_linear_f32(const at::Tensor& x, const at::Tensor& q,
+                                              const at::Tensor& scales,
+                                              const std::optional<at::Tensor>& mins,
                                               int64_t bits, int64_t block_size,
-                                              const std::optional<torch::Tensor>& bias) {
+                                              const std::optional<at::Tensor>& bias) {
 #if defined(SPLITSERVE_STRIPS)
   const auto wb = strips_and_bias(x, q, scales, mins, bits, block_size, bias);
-  if (!wb || x.scalar_type() != torch::kFloat) return std::nullopt;
+  if (!wb || x.scalar_type() != at::kFloat) return std::nullopt;
   const Strips& w = wb->first;
-  const torch::Tensor& b = wb->second;
+  const at::Tensor& b = wb->second;
   const int64_t M = x.size(0), ldx = x.stride(0);
-  auto out = torch::empty({M, w.N}, x.options());
+  auto out = at::empty({M, w.N}, x.options());
   const float* xp = x.data_ptr<float>();
   const int64_t halves = w.K / 16;
   std::vector<float> xsums(w.mins == nullptr ? 0 : M * halves);
@@ -292,23 +292,23 @@ std::optional<torch::Tensor> strip_linear_f32(const torch::Tensor& x, const torc
 #endif
 }
 
-std::optional<torch::Tensor> strip_linear_int8(const torch::Tensor& x, const torch::Tensor& q,
-                                               const torch::Tensor& scales,
-                                               const std::optional<torch::Tensor>& mins,
+std::optional<at::Tensor> strip_linear_int8(const at::Tensor& x, const at::Tensor& q,
+                                               const at::Tensor& scales,
+                                               const std::optional<at::Tensor>& mins,
                                                int64_t bits, int64_t block_size,
-                                               const std::optional<torch::Tensor>& bias) {
+                                               const std::optional<at::Tensor>& bias) {
 #if defined(SPLITSERVE_STRIPS)
   const auto wb = strips_and_bias(x, q, scales, mins, bits, block_size, bias);
   if (!wb) return std::nullopt;
   const Strips& w = wb->first;
-  const torch::Tensor& b = wb->second;
+  const at::Tensor& b = wb->second;
   const auto run = [&](auto tag) {
     using T = decltype(tag);
     const int64_t M = x.size(0);
     const ActsStorage storage = quantize_acts(reinterpret_cast<const T*>(x.data_ptr()), M, w.K,
                                               x.stride(0), block_size, w.mins != nullptr);
     const Acts acts = storage.view();
-    auto out = torch::empty({M, w.N}, x.options());
+    auto out = at::empty({M, w.N}, x.options());
     const auto* passes = kStripPassInt8[bits == 4 ? 0 : 1];
     over_strips(M, w.N, kMaxStripRows, b, reinterpret_cast<T*>(out.data_ptr()),
                 [&](int64_t s, int64_t m, int64_t rows, float (*res)[kStrip]) {
@@ -316,9 +316,9 @@ std::optional<torch::Tensor> strip_linear_int8(const torch::Tensor& x, const tor
                 });
     return out;
   };
-  if (x.scalar_type() == torch::kBFloat16) return run(c10::BFloat16());
-  if (x.scalar_type() == torch::kHalf) return run(c10::Half());
-  if (x.scalar_type() == torch::kFloat) return run(float());
+  if (x.scalar_type() == at::kBFloat16) return run(c10::BFloat16());
+  if (x.scalar_type() == at::kHalf) return run(c10::Half());
+  if (x.scalar_type() == at::kFloat) return run(float());
 #endif
   return std::nullopt;
 }
@@ -362,18 +362,18 @@ void strip_dequantize_as(const Strips& w, T* out) {
   });
 }
 
-bool strip_dequantize_into(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& scales,
-                           const std::optional<torch::Tensor>& mins, int64_t bits,
+bool strip_dequantize_into(at::Tensor& out, const at::Tensor& q, const at::Tensor& scales,
+                           const std::optional<at::Tensor>& mins, int64_t bits,
                            int64_t block_size) {
   const auto w = strips_of(q, scales, mins, bits, block_size);
   if (!w || !out.device().is_cpu() || !out.is_contiguous() ||
-      out.sizes() != torch::IntArrayRef{w->N, w->K})
+      out.sizes() != at::IntArrayRef{w->N, w->K})
     return false;
   switch (out.scalar_type()) {
-    case torch::kFloat: strip_dequantize_as(*w, out.data_ptr<float>()); return true;
-    case torch::kBFloat16:
+    case at::kFloat: strip_dequantize_as(*w, out.data_ptr<float>()); return true;
+    case at::kBFloat16:
       strip_dequantize_as(*w, reinterpret_cast<c10::BFloat16*>(out.data_ptr())); return true;
-    case torch::kHalf: strip_dequantize_as(*w, reinterpret_cast<c10::Half*>(out.data_ptr())); return true;
+    case at::kHalf: strip_dequantize_as(*w, reinterpret_cast<c10::Half*>(out.data_ptr())); return true;
     default: return false;
   }
 }

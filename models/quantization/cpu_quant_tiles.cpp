@@ -14,7 +14,7 @@
 // each feature's runs against each row of x.
 
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include "torch_ext.h"
 
 #include "cpu_quant_linear.h"
 
@@ -174,20 +174,20 @@ void strip_amx(const uint16_t* strip, const uint32_t* xv, int64_t ld, int64_t M,
 }  // namespace
 #endif
 
-std::optional<torch::Tensor> linear_bf16(const torch::Tensor& x, const torch::Tensor& qweight,
-                                         const torch::Tensor& scales,
-                                         const std::optional<torch::Tensor>& mins, int64_t bits,
+std::optional<at::Tensor> linear_bf16(const at::Tensor& x, const at::Tensor& qweight,
+                                         const at::Tensor& scales,
+                                         const std::optional<at::Tensor>& mins, int64_t bits,
                                          int64_t block_size,
-                                         const std::optional<torch::Tensor>& bias) {
+                                         const std::optional<at::Tensor>& bias) {
 #if defined(SPLITSERVE_AVX512_BF16)
   const auto w = quant_rows(qweight, scales, mins, bits, block_size);
   const int64_t N = qweight.size(0);
-  if (!w || x.scalar_type() != torch::kBFloat16 || !takes_x(x, w->K) || N % kStrip)
+  if (!w || x.scalar_type() != at::kBFloat16 || !takes_x(x, w->K) || N % kStrip)
     return std::nullopt;
   const auto b = float_bias(bias, N);
   if (!b) return std::nullopt;
   const int64_t M = x.size(0), K = w->K, ldx = x.stride(0);
-  auto out = torch::empty({M, N}, x.options());
+  auto out = at::empty({M, N}, x.options());
   if (M == 0) return out;
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
