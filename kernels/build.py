@@ -1,11 +1,14 @@
 """Build-once loading of the project's C++ CPU kernels (torch.utils.cpp_extension).
 
-Each kernel file lives beside the Python that calls it and is compiled the first time a
-process asks for it for an ISA (kernels/isa.py: its flags, -O3 and OpenMP) into a folder
-under the user cache keyed by torch version, machine, ISA and the sources; later processes
+Each kernel file lives beside the Python that calls it, which declares its module at
+import (`cpp_extension`). It is compiled the first time a process asks for it for an ISA
+(kernels/isa.py: its flags, -O3 and OpenMP) into a folder under the user cache keyed by
+torch version, machine, ISA and the sources; later processes
 load the cached library. Kernels may include this folder's headers (cpu_math.h). When
 there is no compiler or the build fails, `load_cpp_extension` returns None after one
-warning and the caller falls back to its torch path.
+warning and the caller falls back to its torch path. `build_all` builds several modules
+at once (a worker's first start, the tests' first run): each build is mostly one compiler
+process, so a 2-core CPU builds two in the time of one.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import shutil
 import sys
 import warnings
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -35,6 +40,39 @@ def build_root(isa: str) -> Path:
     base = os.environ.get("SPLITSERVE_CACHE") or Path.home() / ".cache" / "splitserve"
     version = torch.__version__.replace("+", "_")
     return Path(base) / "cpp_extensions" / f"torch-{version}-{machine()}" / isa
+
+
+@dataclass(frozen=True)
+class CppExtension:
+    """A C++ module of the project: its name, its sources, and the ISA rung it is only
+    used on (None: any)."""
+
+    name: str
+    sources: tuple[Path, ...]
+    only_on: str | None = None
+
+
+_DECLARED: list[CppExtension] = []
+
+
+def cpp_extension(name: str, *sources: Path, only_on: str | None = None) -> CppExtension:
+    """Declare a C++ module, at the import of the Python that loads it, so that
+    `declared_extensions` lists it for `build_all`."""
+    extension = CppExtension(name, tuple(sources), only_on)
+    _DECLARED.append(extension)
+    return extension
+
+
+def declared_extensions() -> list[CppExtension]:
+    return list(_DECLARED)
+
+
+def build_all(extensions: Sequence[CppExtension], isa: str) -> None:
+    """Build (or load) `extensions` for `isa`, as many at once as the CPU has cores."""
+    workers = min(len(extensions), os.cpu_count() or 1)
+    if workers:
+        with ThreadPoolExecutor(workers, thread_name_prefix="cpp-build") as pool:
+            list(pool.map(lambda e: load_cpp_extension(e.name, e.sources, isa), extensions))
 
 
 def load_cpp_extension(name: str, sources: Sequence[Path], isa: str) -> ModuleType | None:

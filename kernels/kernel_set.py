@@ -5,12 +5,11 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import ModuleType
 
 import torch
 
-from kernels.build import load_cpp_extension
+from kernels.build import CppExtension, build_all, declared_extensions, load_cpp_extension
 from kernels.isa import check_isa, ladder, probe_isa
 
 _OFF = ("0", "false", "no")
@@ -58,10 +57,19 @@ class KernelSet:
             decode_loop=_on(environ, "SPLITSERVE_CPU_DECODE_LOOP"),
         )
 
-    def cpp(self, name: str, *sources: Path) -> ModuleType | None:
-        """The C++ module `name` built from `sources` for this set's ISA (once per process);
-        None when the C++ kernels are off or cannot be built."""
-        return load_cpp_extension(name, sources, self.isa) if self.cpu else None
+    def cpp(self, extension: CppExtension) -> ModuleType | None:
+        """The C++ module built for this set's ISA (once per process); None when the C++
+        kernels are off or it cannot be built."""
+        if not self.cpu:
+            return None
+        return load_cpp_extension(extension.name, extension.sources, self.isa)
+
+    def build_declared(self) -> None:
+        """Build every C++ module declared so far that this set's ISA uses, several at
+        once, so that later `cpp` calls only load them."""
+        if self.cpu:
+            wanted = [e for e in declared_extensions() if e.only_on is None or self.has(e.only_on)]
+            build_all(wanted, self.isa)
 
     def has(self, isa: str) -> bool:
         """Whether this set's ISA includes `isa` (e.g. "amx")."""

@@ -27,6 +27,7 @@ from attention import Attention
 from attention.backends.cpu_backend import CPUAttentionBackend, load_cpu_attention
 from attention.forward_context import get_forward_context
 from kernels import KernelSet
+from kernels.build import cpp_extension
 from models.layers.activation import SiluAndMul
 from models.layers.fused_ops import fused_ops
 from models.layers.linear import LinearBase
@@ -40,13 +41,15 @@ from models.quantization.cpu_quant_linear import (
 )
 from models.quantization.strips import StripQuantWeight
 
-_SOURCE = Path(__file__).with_name("cpu_decode_loop.cpp")
+_EXTENSION = cpp_extension(
+    "splitserve_cpu_decode_loop", Path(__file__).with_name("cpu_decode_loop.cpp")
+)
 _UNBOUNDED = 1 << 62
 
 
 def decode_loop_module(kernels: KernelSet) -> ModuleType | None:
     """The compiled loop for the set's ISA; None where the C++ kernels are off or fail."""
-    return kernels.cpp("splitserve_cpu_decode_loop", _SOURCE)
+    return kernels.cpp(_EXTENSION)
 
 
 class CPUDecodeLoop:

@@ -58,6 +58,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.hf_config, device=self.device)
         # Chosen once, from the environment; every kernel below is built now, before READY.
         self.kernels = KernelSet.for_device(self.device)
+        self.kernels.build_declared()
         self.model = load_model(
             config.model,
             self.dtype,

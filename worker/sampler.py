@@ -8,6 +8,7 @@ from typing import NamedTuple
 import torch
 
 from kernels import KernelSet
+from kernels.build import cpp_extension
 from worker.logits_processors import (
     AllowedTokens,
     BadWords,
@@ -54,6 +55,9 @@ class LogprobsTensors(NamedTuple):
     ranks: torch.Tensor
 
 
+_EXTENSION = cpp_extension("splitserve_sampler", Path(__file__).with_name("sampler_cpu.cpp"))
+
+
 @dataclass
 class SamplerOutput:
     sampled_token_ids: torch.Tensor
@@ -63,7 +67,7 @@ class SamplerOutput:
 def cpu_sampling_kernel(kernels: KernelSet) -> ModuleType | None:
     """The C++ sampling kernel (sampler_cpu.cpp) for the set's ISA, built on first use;
     None where the set has the C++ kernels off or it cannot be built."""
-    return kernels.cpp("splitserve_sampler", Path(__file__).with_name("sampler_cpu.cpp"))
+    return kernels.cpp(_EXTENSION)
 
 
 class Sampler(torch.nn.Module):

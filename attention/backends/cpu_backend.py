@@ -9,12 +9,15 @@ import torch
 from attention.backends.torch_backend import TorchAttentionBackend, TorchAttentionMetadata
 from attention.metadata import AttentionMetadata, CommonAttentionMetadata
 from kernels import KernelSet
+from kernels.build import cpp_extension
+
+_EXTENSION = cpp_extension("splitserve_cpu_attn", Path(__file__).with_name("cpu_attn.cpp"))
 
 
 def load_cpu_attention(kernels: KernelSet) -> ModuleType | None:
     """The compiled kernels for the set's ISA, built on first use; None where the set has
     the C++ kernels off or they cannot be built."""
-    return kernels.cpp("splitserve_cpu_attn", Path(__file__).with_name("cpu_attn.cpp"))
+    return kernels.cpp(_EXTENSION)
 
 
 @dataclass

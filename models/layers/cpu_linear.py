@@ -20,18 +20,21 @@ import torch
 import torch.nn.functional as F
 
 from kernels import KernelSet
+from kernels.build import cpp_extension
 
 # Up to here the kernel beats F.linear (measured on SmolLM2's weights with 2 threads; past
 # it, F.linear's blocking wins: the kernel reads x once per 32 output features).
 SMALL_BATCH_ROWS = 256
-_SOURCE = Path(__file__).with_name("cpu_linear.cpp")
+_EXTENSION = cpp_extension(
+    "splitserve_cpu_linear", Path(__file__).with_name("cpu_linear.cpp"), only_on="amx"
+)
 
 
 def linear_kernel(kernels: KernelSet) -> ModuleType | None:
     """The compiled kernel where the set's ISA has AMX and this process may use it."""
     if not kernels.has("amx"):
         return None
-    ops = kernels.cpp("splitserve_cpu_linear", _SOURCE)
+    ops = kernels.cpp(_EXTENSION)
     return ops if ops is not None and ops.amx_usable() else None
 
 

@@ -10,12 +10,13 @@ from types import ModuleType
 
 import models.layers.triton_ops as triton_ops
 from kernels import KernelSet
+from kernels.build import cpp_extension
 
-_CPU_SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+_CPU_EXTENSION = cpp_extension("splitserve_cpu_ops", Path(__file__).with_name("cpu_ops.cpp"))
 
 
 def fused_ops(kernels: KernelSet) -> ModuleType | None:
     """The fused kernels of a set made for the model's device, or None: torch code."""
     if kernels.cpu:
-        return kernels.cpp("splitserve_cpu_ops", _CPU_SOURCE)
+        return kernels.cpp(_CPU_EXTENSION)
     return triton_ops if kernels.triton else None

@@ -16,11 +16,14 @@ import torch
 import torch.nn.functional as F
 
 from kernels import KernelSet
+from kernels.build import cpp_extension
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
 SMALL_BATCH_ROWS = 16
-_SOURCE = Path(__file__).with_name("cpu_fp8_linear.cpp")
+_EXTENSION = cpp_extension(
+    "splitserve_cpu_fp8_linear", Path(__file__).with_name("cpu_fp8_linear.cpp")
+)
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,7 @@ class PreparedFp8Weight:
 
 
 def fp8_kernel(kernels: KernelSet) -> ModuleType | None:
-    return kernels.cpp("splitserve_cpu_fp8_linear", _SOURCE)
+    return kernels.cpp(_EXTENSION)
 
 
 def prepare_fp8_weight(w: Fp8Weight, kernels: KernelSet) -> PreparedFp8Weight:

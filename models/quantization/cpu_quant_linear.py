@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import KernelSet
+from kernels.build import cpp_extension
 from models.quantization.block_quant import BlockQuantWeight
 from models.quantization.strips import StripQuantWeight, to_strips
 from models.quantization.triton_quant_linear import triton_quant_linear
@@ -50,12 +51,15 @@ TILE_ROWS = range(6, 129)
 STRIP_EXACT_ROWS = 32
 STRIP_EXACT_ROWS_HEAD = 128
 HEAD_ROWS = 16384
-_SOURCES = [Path(__file__).with_name(f"cpu_quant_{n}.cpp") for n in ("linear", "tiles", "strips")]
+_EXTENSION = cpp_extension(
+    "splitserve_cpu_quant_linear",
+    *(Path(__file__).with_name(f"cpu_quant_{n}.cpp") for n in ("linear", "tiles", "strips")),
+)
 
 
 def quant_kernel(kernels: KernelSet) -> ModuleType | None:
     """The compiled kernels for the set's ISA; None where they are off or cannot be built."""
-    return kernels.cpp("splitserve_cpu_quant_linear", *_SOURCES)
+    return kernels.cpp(_EXTENSION)
 
 
 @dataclass(frozen=True)

@@ -2,11 +2,15 @@
 KernelSet read from the environment (kernels/kernel_set.py)."""
 
 import platform
+import threading
+from pathlib import Path
 
 import pytest
 import torch
 
+import kernels.build
 from kernels import KernelSet, check_isa, probe_isa
+from kernels.build import CppExtension
 from kernels.isa import compiler_flags, ladder
 
 X86_BASE = frozenset(
@@ -113,4 +117,29 @@ def test_a_set_says_which_isas_it_includes():
 
 
 def test_a_set_without_cpu_kernels_builds_none():
-    assert KernelSet().cpp("never_built", "no/such/file.cpp") is None
+    assert KernelSet().cpp(CppExtension("never_built", (Path("no/such/file.cpp"),))) is None
+
+
+def test_build_declared_builds_what_the_isa_uses_two_at_once(monkeypatch):
+    both_running = threading.Barrier(2, timeout=10)  # broken unless two builds overlap
+    built = []
+
+    def load(name, sources, isa):
+        built.append((name, isa))
+        if len(built) <= 2:
+            both_running.wait()
+
+    declared = [
+        CppExtension("a", ()),
+        CppExtension("b", ()),
+        CppExtension("generic_only", (), only_on="generic"),
+        CppExtension("amx_only", (), only_on="amx"),
+    ]
+    monkeypatch.setattr(kernels.build, "_DECLARED", declared)
+    monkeypatch.setattr(kernels.build, "load_cpp_extension", load)
+    monkeypatch.setattr(kernels.build.os, "cpu_count", lambda: 2)
+    KernelSet(cpu=True, isa="generic").build_declared()
+    assert sorted(built) == [("a", "generic"), ("b", "generic"), ("generic_only", "generic")]
+    built.clear()
+    KernelSet(cpu=False, isa="generic").build_declared()
+    assert built == []
