@@ -65,16 +65,17 @@ class EngineCore:
         With async scheduling the newest step stays in flight: the workers run step N+1
         while this process updates from step N and schedules N+2. Without it, or while a
         structured-output request needs its grammar advanced first, each step is answered
-        before the next is scheduled. When the workers fail, they are replaced and the
-        running requests replayed (this step then has no model output)."""
+        before the next is scheduled; so is a step that verifies drafts. When the workers
+        fail, they are replaced and the running requests replayed (this step then has no
+        model output)."""
         if not self.max_in_flight:
             return self._step_in_lockstep()
         in_flight = self.in_flight
         try:
-            if in_flight and self.scheduler.needs_lockstep:
+            if in_flight and (in_flight[-1].lockstep or self.scheduler.needs_lockstep):
                 return self._collect()
             so = self.scheduler.schedule()
-            so.lockstep = self.scheduler.needs_lockstep
+            so.lockstep = self.scheduler.needs_lockstep or bool(so.scheduled_spec_decode_tokens)
             if _runs(so):
                 self.executor.submit(so)
                 in_flight.append(so)

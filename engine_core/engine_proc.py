@@ -25,6 +25,7 @@ from collections.abc import Callable
 from engine_core.client_io import ClientGone, ClientIO, error_outputs
 from engine_core.core import EngineCore
 from engine_core.multiproc_executor import MultiprocExecutor
+from engine_core.spec_decode import spec_decode_summary
 from engine_core.step_profile import StepProfile
 from ipc.auth import Credentials
 from ipc.config import EngineConfig
@@ -257,6 +258,8 @@ class EngineCoreProc:
                 stats.num_spilled_blocks - before.num_spilled_blocks,
                 stats.host_cache_hits - before.host_cache_hits,
             )
+        if self.engine.config.speculative_config is not None:
+            logger.info("speculative decoding: %s", spec_decode_summary(before, stats))
         self._stats_window = (now, stats)
 
 

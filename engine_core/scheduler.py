@@ -17,6 +17,7 @@ from engine_core.request import Request, RequestStatus
 from engine_core.request_checks import check_kv_cache_size, check_lengths, check_token_ids
 from engine_core.request_queue import make_request_queue
 from engine_core.scheduler_stats import SchedulerCounters, cache_config_info
+from engine_core.spec_decode import SpecDecoding
 from engine_core.step_update import update_requests
 from engine_core.structured_output import StructuredOutputManager
 from ipc.config import EngineConfig
@@ -66,14 +67,21 @@ class Scheduler:
         # Outputs of requests that finished outside update_from_output (errors, aborts).
         self.pending_outputs: list[EngineCoreOutput] = []
         self.structured_output = StructuredOutputManager(config)
+        spec = config.speculative_config
+        self.spec = None if spec is None else SpecDecoding(spec, config.max_model_len)
         self.step_id = 0
         self.counters = SchedulerCounters(cache_config_info(config, kv_cache_manager))
 
     @property
     def needs_lockstep(self) -> bool:
-        """A structured-output request is live: its next bitmask needs the grammar to have
-        seen every token before it, so no step may be scheduled ahead of an answer."""
-        return bool(self.structured_output.matchers)
+        """No step may be scheduled ahead of an answer while a structured-output request
+        is live (its next bitmask needs the grammar to have seen every token before it) or
+        the next step speculates (drafts follow a request's last known token, and a step's
+        answer says how far each request got)."""
+        return bool(self.structured_output.matchers) or self._speculates()
+
+    def _speculates(self) -> bool:
+        return self.spec is not None and self.spec.gate.speculates(len(self.running))
 
     def add_request(self, request: Request) -> None:
         """Queue a request, or finish it at once with FINISHED_ERROR if it can never run."""
@@ -102,13 +110,19 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         num_scheduled_tokens: dict[str, int] = {}
-        running, new_block_ids, preempted = self._schedule_running(num_scheduled_tokens)
+        spec_tokens: dict[str, list[int]] = {}
+        speculates = self._speculates()
+        running, new_block_ids, preempted = self._schedule_running(
+            num_scheduled_tokens, spec_tokens if speculates else None
+        )
         new_reqs: list[NewRequestData] = []
         resumed: list[Request] = []
         if not preempted:
             new_reqs, resumed = self._schedule_waiting(num_scheduled_tokens)
         # A request preempted after being scheduled this step gave its tokens back.
         running = [r for r in running if r.request_id in num_scheduled_tokens]
+        for request_id in [r for r in spec_tokens if r not in num_scheduled_tokens]:
+            del spec_tokens[request_id]
         kv = self.kv_cache_manager
         cached_reqs = CachedRequestData(
             req_ids=[r.request_id for r in running] + [r.request_id for r in resumed],
@@ -136,7 +150,10 @@ class Scheduler:
             bitmask,
             swap_out,
             swap_in,
+            scheduled_spec_decode_tokens=spec_tokens,
         )
+        if self.spec is not None:
+            self.spec.step_scheduled(self.step_id, speculates and total > 0)
         self.step_id += 1
         # Finished ids reach the workers with the next step that runs; keep them until then.
         if num_scheduled_tokens or swap_out:
@@ -147,16 +164,17 @@ class Scheduler:
         for request_id, num_new in num_scheduled_tokens.items():
             request = requests[request_id]
             request.num_computed_tokens += num_new
-            if request.num_computed_tokens == request.num_tokens + request.num_output_placeholders:
-                request.num_output_placeholders += 1
+            if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
+                request.num_output_placeholders += 1  # drafts included
         return scheduler_output
 
     def _schedule_running(
-        self, num_scheduled_tokens: dict[str, int]
+        self, num_scheduled_tokens: dict[str, int], spec_tokens: dict[str, list[int]] | None
     ) -> tuple[list[Request], dict[str, list[int]], bool]:
-        """Schedule running requests in order, preempting when the KV cache is full.
-        Returns the scheduled requests, their blocks added this step, and whether any
-        request was preempted."""
+        """Schedule running requests in order, preempting when the KV cache is full; with
+        `spec_tokens`, a request that decodes its last known token also verifies drafts
+        (dropped first when the KV cache has no room for them). Returns the scheduled
+        requests, their blocks added this step, and whether any request was preempted."""
         kv = self.kv_cache_manager
         budget = self.max_num_batched_tokens
         scheduled: list[Request] = []
@@ -170,7 +188,20 @@ class Scheduler:
                 continue
             num_new = request.num_tokens + request.num_output_placeholders
             num_new = min(num_new - request.num_computed_tokens, budget)
-            while (new_blocks := kv.allocate_slots(request, num_new)) is None:
+            if num_new <= 0:  # drafts in flight: where it goes on is not known yet
+                index += 1
+                continue
+            new_blocks = None
+            if spec_tokens is not None and self._may_speculate(request, num_new):
+                drafts = self.spec.drafts(request, budget)
+                if drafts:
+                    new_blocks = kv.allocate_slots(request, 1 + len(drafts))
+                    if new_blocks is not None:
+                        num_new = 1 + len(drafts)
+                        spec_tokens[request.request_id] = drafts
+            while (
+                new_blocks is None and (new_blocks := kv.allocate_slots(request, num_new)) is None
+            ):
                 victim = self.preemption.victim(self.running)
                 victim_index = self.running.index(victim)
                 del self.running[victim_index]
@@ -189,6 +220,14 @@ class Scheduler:
             budget -= num_new
             index += 1
         return scheduled, new_block_ids, preempted
+
+    def _may_speculate(self, request: Request, num_new: int) -> bool:
+        """Decoding its last known token, no step in flight for it, and no grammar."""
+        return (
+            num_new == 1
+            and request.num_output_placeholders == 0
+            and request.request_id not in self.structured_output.matchers
+        )
 
     def _has_all_its_tokens_in_flight(self, request: Request) -> bool:
         """Async scheduling: the steps in flight sample the request's last token (by
@@ -286,6 +325,8 @@ class Scheduler:
             request.on_workers = False
             request.num_output_placeholders = 0  # the steps in flight died with the workers
         self.finished_req_ids = []
+        if self.spec is not None:
+            self.spec.forget_steps()
         return len(running)
 
     def update_from_output(
@@ -302,6 +343,8 @@ class Scheduler:
                 finished = True
                 self._free_request(request, RequestStatus.FINISHED_ERROR)
                 outputs.append(EngineCoreOutput(request_id, [], FinishReason.ERROR, error=error))
+        if self.spec is not None:
+            self.spec.roll_back(scheduler_output, model_runner_output, requests)
         updated, stopped = update_requests(
             model_runner_output, requests, self.max_model_len, self.structured_output, self.counters
         )
@@ -322,6 +365,8 @@ class Scheduler:
         del self.requests[request.request_id]
         self.finished_req_ids.append(request.request_id)
         self.structured_output.free(request.request_id)
+        if self.spec is not None:
+            self.spec.free(request.request_id)
 
     def take_pending_outputs(self) -> list[EngineCoreOutput]:
         outputs, self.pending_outputs = self.pending_outputs, []
@@ -349,4 +394,9 @@ class Scheduler:
 
     def get_stats(self) -> SchedulerStats:
         """Cumulative counters since start, and the current queue sizes and KV usage."""
-        return self.counters.make_stats(self.kv_cache_manager, len(self.running), len(self.waiting))
+        stats = self.counters.make_stats(
+            self.kv_cache_manager, len(self.running), len(self.waiting)
+        )
+        if self.spec is not None:
+            self.spec.counters.fill(stats)
+        return stats

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ipc.defaults import defaults_from_generation_config
+from ipc.spec_config import SpeculativeConfig, parse_speculative_config
 
 # A step's token budget with chunked prefill when none is given, by the workers' device.
 # On CPU, steps of 2048 tokens beat 8192 offline (SmolLM2, 128 requests: about +10 % output
@@ -233,6 +234,17 @@ class EngineConfig:
             "LLM with tensor_parallel_size > 1), where the steps overlap",
         ),
     )
+    speculative_config: SpeculativeConfig | None = field(
+        default=None,
+        metadata=option(
+            'speculative decoding, as vLLM\'s JSON: {"method": "ngram", '
+            '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}; '
+            "also disable_by_batch_size and min_accepted_per_step (ipc/spec_config.py)",
+            "off",
+            parse=parse_speculative_config,
+            metavar="JSON",
+        ),
+    )
     enforce_eager: bool = field(
         default=False, metadata=option("run every step eagerly: no CUDA graphs")
     )
@@ -285,9 +297,16 @@ class EngineConfig:
             self.eos_token_ids = []
         if self.sampling_defaults is None:
             self.sampling_defaults = {}
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
         if self.max_num_batched_tokens is None and not self.enable_chunked_prefill:
             self.max_num_batched_tokens = self.max_model_len
         self._validate()
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        spec = self.speculative_config
+        return 0 if spec is None else spec.num_speculative_tokens
 
     def token_budget(self, device_type: str) -> int:
         """max_num_batched_tokens, or when it was not given the default of workers on

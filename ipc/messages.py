@@ -148,6 +148,13 @@ class SchedulerStats(_Wire):
     iteration_tokens_sum: int = 0
     # The KV cache's fixed settings, as the labels of vLLM's cache_config_info metric.
     cache_config_info: dict[str, str] = {}
+    # Speculative decoding, cumulative (vLLM's spec_decode_* counters): verifications (one
+    # request's drafts in one step), their draft tokens, the accepted ones, and the
+    # accepted ones by draft position (index 0: the first draft).
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = []
 
 
 class EngineCoreOutputs(_Tagged):
@@ -210,8 +217,13 @@ class SchedulerOutput(_Tagged):
     blocks_to_swap_out: list[tuple[int, int]] = []
     blocks_to_swap_in: list[tuple[int, int]] = []
     # The EngineCore waits for this step's answer before it schedules another (no async
-    # scheduling, or a structured-output request is live): answer it as soon as it ends.
+    # scheduling, a structured-output request is live, or the step speculates): answer it
+    # as soon as it ends.
     lockstep: bool = False
+    # Speculative decoding: request id -> the draft tokens that follow its last known
+    # token. Such a request's num_scheduled_tokens is 1 + len(drafts); the workers verify
+    # the drafts and answer with the accepted ones plus one token of their own.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = {}
 
 
 # Worker -> EngineCore
@@ -224,6 +236,8 @@ class ModelRunnerOutput(_Tagged):
 
     step_id: int
     req_ids: list[str]
+    # Per request: its sampled token, or with drafts the accepted drafts and then one
+    # token sampled after them (empty: it sampled nothing this step).
     sampled_token_ids: list[list[int]]
     logprobs: list[list[TokenLogprobs] | None] | None = None
     failed_requests: dict[str, str] = {}

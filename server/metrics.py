@@ -92,6 +92,8 @@ class EngineStatsCollector:
                 metric.add_metric([self.model_name], value)
                 yield metric
         yield self._iteration_tokens(s)
+        if s.spec_decode_num_accepted_tokens_per_pos:  # speculative decoding is configured
+            yield from self._spec_decode(s)
         if s.cache_config_info:
             labels = {LABEL: self.model_name, **s.cache_config_info}
             info = GaugeMetricFamily(
@@ -100,6 +102,28 @@ class EngineStatsCollector:
             )  # fmt: skip
             info.add_metric(list(labels.values()), 1)
             yield info
+
+    def _spec_decode(self, s: SchedulerStats):
+        counters = [
+            ("spec_decode_num_drafts", "Verifications: one request's drafts in one step.",
+             s.spec_decode_num_drafts),
+            ("spec_decode_num_draft_tokens", "Draft tokens verified.",
+             s.spec_decode_num_draft_tokens),
+            ("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+             s.spec_decode_num_accepted_tokens),
+        ]  # fmt: skip
+        for name, doc, value in counters:
+            metric = CounterMetricFamily(PREFIX + name, doc, labels=[LABEL])
+            metric.add_metric([self.model_name], value)
+            yield metric
+        per_pos = CounterMetricFamily(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by their position among a request's drafts (0: first).",
+            labels=[LABEL, "position"],
+        )
+        for position, value in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
+            per_pos.add_metric([self.model_name, str(position)], value)
+        yield per_pos
 
     def _iteration_tokens(self, s: SchedulerStats) -> HistogramMetricFamily:
         """Tokens per engine step, from the EngineCore's counts per bucket."""

@@ -59,6 +59,7 @@ def update_batch(
             if grows:
                 batch.block_table.append_row(new_block_ids, row)
     batch.condense()
+    batch.set_draft_tokens(so.scheduled_spec_decode_tokens)
     return failed
 
 

@@ -114,21 +114,25 @@ class InputBuffers:
         device: torch.device | str,
         num_kv_cache_groups: int = 1,
         *,
+        max_num_logits: int | None = None,
         separate_device_arena: bool = False,
     ) -> None:
+        """`max_num_logits`: logits rows of a step at most (a row verifying drafts has
+        one per position); max_num_reqs by default."""
         device = torch.device(device)
         self.max_num_reqs = max_num_reqs
         self.max_num_tokens = max_num_tokens
         self.arange = np.arange(max(max_num_reqs, max_num_tokens) + 1, dtype=np.int64)
         reqs, tokens = (max_num_reqs,), (max_num_tokens,)
+        logits = (max_num_logits or max_num_reqs,)
         specs = [
             SlotSpec("query_start_loc", (max_num_reqs + 1,), torch.int32),
             SlotSpec("seq_lens", reqs, torch.int32),
-            SlotSpec("logits_indices", reqs, torch.int64),
-            SlotSpec("temperature", reqs, torch.float32),
-            SlotSpec("top_p", reqs, torch.float32),
-            SlotSpec("min_p", reqs, torch.float32),
-            SlotSpec("top_k", reqs, torch.int32),
+            SlotSpec("logits_indices", logits, torch.int64),
+            SlotSpec("temperature", logits, torch.float32),
+            SlotSpec("top_p", logits, torch.float32),
+            SlotSpec("min_p", logits, torch.float32),
+            SlotSpec("top_k", logits, torch.int32),
             SlotSpec("input_ids", tokens, torch.int64),
             SlotSpec("positions", tokens, torch.int64),
             # A pipelined step's rows whose input token is the last step's sample, still

@@ -1,6 +1,7 @@
 """The persistent batch: one row per live request, kept across steps."""
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -104,6 +105,9 @@ class InputBatch:
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        # Speculative decoding: this step's draft tokens of each row, written into its token
+        # table right after its known tokens (num_tokens does not count them).
+        self.num_draft_tokens = np.zeros(max_num_reqs, dtype=np.int32)
 
         self.temperature = np.zeros(max_num_reqs, dtype=np.float32)
         self.top_p = np.ones(max_num_reqs, dtype=np.float32)
@@ -272,11 +276,31 @@ class InputBatch:
         self.token_ids[row, self.num_tokens[row]] = token_id
         self.num_tokens[row] += 1
 
-    def make_sampling_metadata(self, row_order: np.ndarray | None = None) -> SamplingMetadata:
+    def append_tokens(self, row: int, token_ids: list[int]) -> None:
+        start = self.num_tokens[row]
+        self.token_ids[row, start : start + len(token_ids)] = token_ids
+        self.num_tokens[row] += len(token_ids)
+
+    def set_draft_tokens(self, drafts: dict[str, list[int]]) -> None:
+        """This step's drafts (request id -> tokens), after the rows' known tokens; rows
+        not named have none. The caller has checked that they fit (max_model_len)."""
+        self.num_draft_tokens[: len(self.req_ids)] = 0
+        row_of = self.req_id_to_index
+        for req_id, token_ids in drafts.items():
+            row = row_of.get(req_id)
+            if row is not None:
+                start = self.num_tokens[row]
+                self.token_ids[row, start : start + len(token_ids)] = token_ids
+                self.num_draft_tokens[row] = len(token_ids)
+
+    def make_sampling_metadata(
+        self, row_order: np.ndarray | None = None, draft_offsets: np.ndarray | None = None
+    ) -> SamplingMetadata:
         """Sampling settings of the rows `row_order` lists, in that order (logits row i is
-        batch row row_order[i]); by default of the live rows in row order. Reused until the
-        batch or the row order changes, but for min_tokens blocking, penalties and bad words,
-        which follow the tokens so far."""
+        batch row row_order[i]); by default of the live rows in row order. A row verifying
+        drafts is listed once per position, `draft_offsets[i]` saying how many of its drafts
+        logits row i follows. Reused until the batch or the row order changes, but for
+        min_tokens blocking, penalties and bad words, which follow the tokens so far."""
         if row_order is None:
             rows = np.flatnonzero([req_id is not None for req_id in self.req_ids])
         else:
@@ -286,22 +310,25 @@ class InputBatch:
             self._sampling_metadata = cached = (rows, self._build_sampling_metadata(rows))
         if not self.min_tokens and not self.penalties and not self.bad_words:
             return cached[1]
-        tokens = (self.token_ids, self.num_prompt_tokens, self.num_tokens)
+        ends = self.num_tokens[rows]
+        if draft_offsets is not None:
+            ends = ends + draft_offsets
+        tokens = (self.token_ids, self.num_prompt_tokens, ends)
         return replace(
             cached[1],
-            blocked_token_ids=self._blocked_token_ids(rows) if self.min_tokens else {},
+            blocked_token_ids=self._blocked_token_ids(rows, ends) if self.min_tokens else {},
             penalties=make_penalties(rows, self.penalties, *tokens, self.vocab_size, self.device),
             bad_words=make_bad_words(rows, self.bad_words, *tokens, self.device)
             if self.bad_words
             else None,
         )
 
-    def _blocked_token_ids(self, rows: np.ndarray) -> dict[int, list[int]]:
-        """Stop tokens of the rows that have fewer than min_tokens outputs so far."""
+    def _blocked_token_ids(self, rows: np.ndarray, ends: np.ndarray) -> dict[int, list[int]]:
+        """Stop tokens of the logits rows that follow fewer than min_tokens outputs."""
         blocked = {}
         for i, row in enumerate(rows.tolist()):
             entry = self.min_tokens.get(row)
-            if entry and self.num_tokens[row] - self.num_prompt_tokens[row] < entry[0]:
+            if entry and ends[i] - self.num_prompt_tokens[row] < entry[0]:
                 blocked[i] = entry[1]
         return blocked
 
@@ -317,7 +344,11 @@ class InputBatch:
         temperature, top_p, min_p, top_k = (slot.np[:n] for slot in staged)
         is_random = temperature >= SAMPLING_EPS
         num_logprobs = self.num_logprobs[rows]
-        row_of = {int(row): i for i, row in enumerate(rows)}
+        logits_rows = list(enumerate(rows.tolist()))
+
+        def per_logits_row(settings: dict[int, Any]) -> dict[int, Any]:
+            return {i: settings[row] for i, row in logits_rows if row in settings}
+
         return SamplingMetadata(
             temperature=temperature_t,
             top_p=top_p_t if (top_p[is_random] < 1.0).any() else None,
@@ -325,15 +356,10 @@ class InputBatch:
             min_p=min_p_t if (min_p[is_random] > 0.0).any() else None,
             all_greedy=not is_random.any(),
             all_random=bool(is_random.all()),
-            generators={row_of[row]: g for row, g in self.generators.items() if row in row_of},
+            generators=per_logits_row(self.generators),
             max_num_logprobs=int(num_logprobs.max()) if (num_logprobs >= 0).any() else None,
             allowed_tokens=make_allowed_tokens(
-                {row_of[r]: ids for r, ids in self.allowed_token_ids.items() if r in row_of},
-                self.vocab_size,
-                self.device,
+                per_logits_row(self.allowed_token_ids), self.vocab_size, self.device
             ),
-            logit_bias=make_logit_bias(
-                {row_of[r]: bias for r, bias in self.logit_bias.items() if r in row_of},
-                self.device,
-            ),
+            logit_bias=make_logit_bias(per_logits_row(self.logit_bias), self.device),
         )

@@ -73,7 +73,7 @@ def make_bad_words(
     tables: dict[int, tuple[np.ndarray, np.ndarray]],
     token_ids: np.ndarray,
     num_prompt_tokens: np.ndarray,
-    num_tokens: np.ndarray,
+    ends: np.ndarray,
     device: torch.device,
 ) -> BadWords | None:
     """A word's last token is banned when the output so far ends with the word's other
@@ -86,7 +86,7 @@ def make_bad_words(
             continue
         prefixes, last = table
         width = prefixes.shape[1]
-        end = int(num_tokens[row])
+        end = int(ends[i])
         start = max(int(num_prompt_tokens[row]), end - width)
         tail = np.full(width, -2, dtype=np.int64)  # -2: no output token here
         tail[width - (end - start) :] = token_ids[row, start:end]
@@ -118,13 +118,14 @@ def make_penalties(
     settings: dict[int, tuple[float, float, float]],
     token_ids: np.ndarray,
     num_prompt_tokens: np.ndarray,
-    num_tokens: np.ndarray,
+    ends: np.ndarray,
     vocab_size: int,
     device: torch.device,
 ) -> Penalties | None:
     """`rows[i]`: the batch row of logits row i; `settings`: batch row -> (presence,
-    frequency, repetition) penalties of the rows that use them; `token_ids[row,
-    :num_tokens[row]]`: a row's tokens so far, its prompt's first."""
+    frequency, repetition) penalties of the rows that use them; `token_ids[rows[i],
+    :ends[i]]`: logits row i's tokens so far, its prompt's first (a row that verifies
+    drafts has one logits row per position, each seeing the drafts before it)."""
     logits_rows, per_row, prompts, outputs = [], [], [], []
     for i, row in enumerate(rows.tolist()):
         if row in settings:
@@ -132,7 +133,7 @@ def make_penalties(
             logits_rows.append(i)
             per_row.append(settings[row])
             prompts.append(token_ids[row, :num_prompt])
-            outputs.append(token_ids[row, num_prompt : num_tokens[row]])
+            outputs.append(token_ids[row, num_prompt : ends[i]])
     if not logits_rows:
         return None
     presence, frequency, repetition = torch.tensor(per_row, dtype=torch.float32).T.to(device)

@@ -23,7 +23,7 @@ from worker.kv_offload import HostKVCache, measure_block_copy_seconds
 from worker.prompt_logprobs import compute_prompt_logprobs, plan_prompt_logprobs
 from worker.sampler import Sampler
 from worker.step_inputs import PendingSamples, StepInputs, prepare_inputs
-from worker.step_output import LaunchedStep, finish_step
+from worker.step_output import DraftVerification, LaunchedStep, finish_step
 
 _CPU_KV_CACHE_BYTES = 4 << 30
 _CPU_TIMED_PREFILL_TOKENS = 256
@@ -88,12 +88,18 @@ class ModelRunner:
             [layer.spec.sliding_window for layer in self.model.attention_layers()]
         )
         max_num_blocks_per_req = cdiv(config.max_model_len, config.block_size)
+        # A request verifying k drafts samples at k + 1 positions, each a logits row.
+        self.max_num_logits = min(
+            config.max_num_seqs * (1 + config.num_speculative_tokens),
+            max(config.max_num_seqs, self.max_num_tokens),
+        )
         self.inputs = InputBuffers(
             config.max_num_seqs,
             self.max_num_tokens,
             max_num_blocks_per_req,
             self.device,
             len(self.kv_cache_groups),
+            max_num_logits=self.max_num_logits,
             separate_device_arena=separate_device_arena,
         )
         self.input_batch = InputBatch(
@@ -115,7 +121,7 @@ class ModelRunner:
         self._unfinished: deque[LaunchedStep] = deque()  # launched, in order
         # Pinned host memory the samples of the last two launched steps are copied into.
         self._host_samples = [
-            torch.zeros(config.max_num_seqs, dtype=torch.long, pin_memory=True)
+            torch.zeros(self.max_num_logits, dtype=torch.long, pin_memory=True)
             for _ in range(2 if self.device.type == "cuda" else 0)
         ]
         self._num_launched = 0
@@ -293,7 +299,8 @@ class ModelRunner:
         if len(self._unfinished) > 1:  # its samples' host buffer is this step's
             self.finish(self._unfinished[0])
         if self._unfinished:
-            if batch.samples_read_tokens:
+            # A step that verified drafts gives a row several tokens, known on the host only.
+            if batch.samples_read_tokens or self._unfinished[-1].verification is not None:
                 self.finish(self._unfinished[-1])
             else:
                 last = self._unfinished[-1]
@@ -322,7 +329,10 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(hidden) if batch.num_prompt_logprobs else {}
         if so.structured_output_request_ids and self.is_driver:
             ids, bitmask = so.structured_output_request_ids, so.grammar_bitmask
-            apply_grammar_bitmask(logits, ids, bitmask, batch.req_ids, step.sample_rows)
+            apply_grammar_bitmask(logits, ids, bitmask, batch.req_ids, step.logits_rows)
+        verification = None
+        if step.num_logits is not None:
+            verification = self._verification(step)
         sampled, logprobs = self._sample(logits, step)
         host_buffer = None
         if self._host_samples:
@@ -337,9 +347,32 @@ class ModelRunner:
             prompt_logprobs,
             failed,
             host_buffer,
+            verification,
         )
         self._unfinished.append(launched)
         return launched
+
+    def _verification(self, step: StepInputs) -> DraftVerification:
+        """The drafts of the step's sample rows (in their token tables, after the known
+        tokens) and, where the step draws, the seeded rows' generator states before it."""
+        batch = self.input_batch
+        drafts = [
+            batch.token_ids[row, start : start + d].tolist()
+            for row, start, d in zip(
+                step.sample_rows,
+                batch.num_tokens[step.sample_rows],
+                batch.num_draft_tokens[step.sample_rows],
+                strict=True,
+            )
+        ]
+        states = {}
+        metadata = step.sampling_metadata
+        if metadata is not None and not metadata.all_greedy and batch.generators:
+            for i, row in enumerate(step.sample_rows.tolist()):
+                generator = batch.generators.get(row)
+                if generator is not None and drafts[i]:
+                    states[i] = (generator, generator.get_state())
+        return DraftVerification(step.num_logits, drafts, states)
 
     def finish(self, step: LaunchedStep) -> ModelRunnerOutput:
         """Answer `step`, and first every step launched before it: wait for the samples,
@@ -384,7 +417,7 @@ class ModelRunner:
             out = self.sampler(logits, step.sampling_metadata)
             sampled, logprobs = out.sampled_token_ids, out.logprobs
         else:
-            sampled = torch.empty(len(step.sample_rows), dtype=torch.long, device=self.device)
+            sampled = torch.empty(logits.shape[0], dtype=torch.long, device=self.device)
         if get_tp_size() > 1:
             tp_broadcast(sampled, src=0)
         return sampled, logprobs

@@ -26,8 +26,19 @@ class StepInputs:
     attn_metadata: list[AttentionMetadata] | None  # per KV cache group
     graph_size: int | None
     sample_rows: np.ndarray  # batch rows that sample a token this step
-    logits_indices: torch.Tensor  # their last token's row in the hidden states
+    # Their logits rows' rows in the hidden states: a row's last token, or for a row that
+    # verifies d drafts its last d + 1 tokens (one logits row per position).
+    logits_indices: torch.Tensor
     sampling_metadata: SamplingMetadata | None  # when this rank samples and a row does
+    # With drafts: each sample row's number of logits rows (d + 1), else None.
+    num_logits: np.ndarray | None = None
+
+    @property
+    def logits_rows(self) -> np.ndarray:
+        """The batch row of each logits row."""
+        if self.num_logits is None:
+            return self.sample_rows
+        return np.repeat(self.sample_rows, self.num_logits)
 
 
 @dataclass
@@ -98,7 +109,17 @@ def prepare_inputs(
     query_start_loc_np[0] = 0
     query_start_loc_np[1:] = cu_num_tokens
     sample_rows = np.flatnonzero(seq_lens_np >= batch.num_tokens[:num_reqs])
-    buffers.logits_indices.np[: len(sample_rows)] = cu_num_tokens[sample_rows] - 1
+    num_logits, draft_offsets = None, None
+    if batch.num_draft_tokens[:num_reqs].any():
+        num_logits = batch.num_draft_tokens[sample_rows].astype(np.int64) + 1
+        firsts = np.cumsum(num_logits) - num_logits
+        draft_offsets = arange[: num_logits.sum()] - np.repeat(firsts, num_logits)
+        last_rows = np.repeat(cu_num_tokens[sample_rows] - num_logits, num_logits)
+        logits_rows = np.repeat(sample_rows, num_logits)
+        buffers.logits_indices.np[: len(draft_offsets)] = last_rows + draft_offsets
+    else:
+        logits_rows = sample_rows
+        buffers.logits_indices.np[: len(sample_rows)] = cu_num_tokens[sample_rows] - 1
 
     max_query_len = int(num_scheduled.max())
     graph_size = None
@@ -113,11 +134,11 @@ def prepare_inputs(
     positions = buffers.positions.commit(num_tokens)
     query_start_loc = buffers.query_start_loc.commit(num_rows + 1)
     seq_lens = buffers.seq_lens.commit(num_rows)
-    logits_indices = buffers.logits_indices.commit(len(sample_rows))
+    logits_indices = buffers.logits_indices.commit(len(logits_rows))
     batch.block_table.commit(num_reqs)
     sampling_metadata = None
     if samples and len(sample_rows):
-        sampling_metadata = batch.make_sampling_metadata(sample_rows)
+        sampling_metadata = batch.make_sampling_metadata(logits_rows, draft_offsets)
     query_start_loc_cpu = buffers.query_start_loc.cpu[: num_reqs + 1]
     seq_lens_cpu = buffers.seq_lens.cpu[:num_reqs]
     split = None
@@ -161,4 +182,5 @@ def prepare_inputs(
         sample_rows,
         logits_indices,
         sampling_metadata,
+        num_logits,
     )

@@ -13,7 +13,44 @@ import torch
 
 from ipc.messages import ModelRunnerOutput, TokenLogprobs
 from worker.input_batch import CachedRequestState, InputBatch
-from worker.sampler import LogprobsTensors
+from worker.sampler import LogprobsTensors, skip_sample_draws
+
+
+@dataclass
+class DraftVerification:
+    """A step's sample rows that verify drafts: `num_logits[i]` logits rows for sample row i
+    (its drafts + 1), `drafts[i]` its drafts, and the generator states of its seeded rows
+    before the step drew (sample row -> (generator, state)).
+
+    Each position is sampled as if the drafts before it were the row's tokens; a draft is
+    accepted while it equals the token sampled at its position, and the first token that
+    differs (or the one after the last draft) ends the row's tokens. For drafts that are a
+    point mass (prompt lookup) this is exact rejection sampling: a draft d is accepted with
+    probability p(d), and otherwise the token comes from p without d, renormalised. A
+    seeded row's generator is then set back to as many draws as tokens it produced, so its
+    stream is the one it would have drawn without drafts."""
+
+    num_logits: np.ndarray
+    drafts: list[list[int]]
+    generator_states: dict[int, tuple[torch.Generator, torch.Tensor]]
+
+    def accept(self, sampled: list[int]) -> list[tuple[int, list[int]]]:
+        """Per sample row: (its first logits row, the tokens it produced)."""
+        out = []
+        start = 0
+        for i, n in enumerate(self.num_logits.tolist()):
+            samples, drafts = sampled[start : start + n], self.drafts[i]
+            m = 0
+            while m < len(drafts) and samples[m] == drafts[m]:
+                m += 1
+            out.append((start, samples[: m + 1]))
+            entry = self.generator_states.get(i)
+            if entry is not None:
+                generator, state = entry
+                generator.set_state(state)
+                skip_sample_draws(generator, m + 1)
+            start += n
+        return out
 
 
 @dataclass
@@ -30,6 +67,7 @@ class LaunchedStep:
     num_logprobs: np.ndarray | None  # each sample row's logprobs setting
     prompt_logprobs: dict
     failed_requests: dict[str, str]
+    verification: DraftVerification | None = None
     output: ModelRunnerOutput | None = None
     idle_before: float = 0.0  # seconds the device sat idle waiting for this step
 
@@ -44,9 +82,13 @@ class LaunchedStep:
         prompt_logprobs: dict,
         failed_requests: dict[str, str],
         host_buffer: torch.Tensor | None = None,
+        verification: DraftVerification | None = None,
     ) -> LaunchedStep:
         """Start the samples' copy from a CUDA device into `host_buffer` (pinned, at
         least as long), asynchronously."""
+        logits_rows = sample_rows
+        if verification is not None:
+            logits_rows = np.repeat(sample_rows, verification.num_logits)
         copied = None
         host_sampled = sampled
         if sampled.device.type == "cuda":
@@ -62,9 +104,10 @@ class LaunchedStep:
             host_sampled,
             copied,
             logprobs,
-            None if logprobs is None else batch.num_logprobs[sample_rows],
+            None if logprobs is None else batch.num_logprobs[logits_rows],
             prompt_logprobs,
             failed_requests,
+            verification,
         )
 
     def done(self) -> bool:
@@ -87,6 +130,8 @@ def finish_step(
         step.copied.synchronize()
     sampled = step.host_sampled.tolist()
     req_ids = step.req_ids
+    if step.verification is not None:
+        return _finish_verification(batch, requests, step, sampled)
     sampled_token_ids: list[list[int]] = [[] for _ in req_ids]
     for row, token_id in zip(step.sample_rows.tolist(), sampled, strict=True):
         sampled_token_ids[row] = [token_id]
@@ -109,6 +154,40 @@ def finish_step(
     return output
 
 
+def _finish_verification(
+    batch: InputBatch,
+    requests: dict[str, CachedRequestState],
+    step: LaunchedStep,
+    sampled: list[int],
+) -> ModelRunnerOutput:
+    """A step with drafts: each sample row produces its accepted drafts and one token."""
+    req_ids = step.req_ids
+    sampled_token_ids: list[list[int]] = [[] for _ in req_ids]
+    logprobs = _logprobs_per_logits_row(step)
+    per_request: list[list[TokenLogprobs] | None] | None = None
+    if logprobs is not None:
+        per_request = [None] * len(req_ids)
+    accepted = step.verification.accept(sampled)
+    row_of = batch.req_id_to_index
+    for row, (first, token_ids) in zip(step.sample_rows.tolist(), accepted, strict=True):
+        req_id = req_ids[row]
+        sampled_token_ids[row] = token_ids
+        state = requests.get(req_id)
+        if state is not None:
+            state.output_token_ids.extend(token_ids)
+        current = row_of.get(req_id)
+        if current is not None:
+            batch.append_tokens(current, token_ids)
+        if logprobs is not None and logprobs[first] is not None:
+            per_request[row] = logprobs[first : first + len(token_ids)]
+    output = ModelRunnerOutput(
+        step.step_id, list(req_ids), sampled_token_ids, per_request, step.failed_requests
+    )
+    output.prompt_logprobs = step.prompt_logprobs
+    output.worker_idle_time = step.idle_before
+    return output
+
+
 def _append_to_current_rows(batch: InputBatch, req_ids: list[str], sampled: list[int]) -> None:
     row_of = batch.req_id_to_index
     rows = [row_of.get(req_id) for req_id in req_ids]
@@ -120,13 +199,26 @@ def _append_to_current_rows(batch: InputBatch, req_ids: list[str], sampled: list
 
 
 def _logprobs_per_request(step: LaunchedStep) -> list[list[TokenLogprobs] | None] | None:
+    entries = _logprobs_per_logits_row(step)
+    if entries is None:
+        return None
+    per_request: list[list[TokenLogprobs] | None] = [None] * len(step.req_ids)
+    for i, row in enumerate(step.sample_rows.tolist()):
+        if entries[i] is not None:
+            per_request[row] = [entries[i]]
+    return per_request
+
+
+def _logprobs_per_logits_row(step: LaunchedStep) -> list[TokenLogprobs | None] | None:
+    """Each logits row's entry, None for rows of requests that want no logprobs."""
     if step.logprobs is None:
         return None
     token_ids, values, ranks = (t.tolist() for t in step.logprobs)
-    per_request: list[list[TokenLogprobs] | None] = [None] * len(step.req_ids)
-    for i, row in enumerate(step.sample_rows.tolist()):
-        k = int(step.num_logprobs[i])
+    settings = step.num_logprobs.tolist()
+    entries: list[TokenLogprobs | None] = []
+    for i, k in enumerate(settings):
+        entry = None
         if k >= 0:
             entry = TokenLogprobs(token_ids[i][: k + 1], values[i][: k + 1], ranks[i])
-            per_request[row] = [entry]
-    return per_request
+        entries.append(entry)
+    return entries

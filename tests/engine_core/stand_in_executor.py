@@ -10,7 +10,10 @@ prefix hit on a block they never computed, or one of another group, is caught. W
 tier (`num_host_blocks`) it models the host blocks' contents too and runs each step's
 copies before the step (all swap-outs, then all swap-ins), as ModelRunner does. Steps
 listed in `fail_steps` fail as dead workers do; replacing the workers forgets every
-request and the cache, as fresh workers would.
+request and the cache, as fresh workers would. Drafts (speculative decoding) are verified
+against the scripted stream: accepted while they equal it, then one scripted token; the
+rejected drafts' KV stays written, so a step that reads it (a rollback gone wrong) is
+caught as a stale read.
 """
 
 import zlib
@@ -110,10 +113,17 @@ class StandInExecutor(Executor):
         assert so.total_num_scheduled_tokens == sum(so.num_scheduled_tokens.values())
         sampled = []
         attending = []
+        verifying = []
         for request_id in scheduled:
             state = self.states[request_id]
             num_new = so.num_scheduled_tokens[request_id]
             assert num_new > 0
+            drafts = so.scheduled_spec_decode_tokens.get(request_id, [])
+            if drafts:
+                assert num_new == 1 + len(drafts)
+                assert state.num_computed_tokens == len(state.token_ids) - 1
+                verifying.append((request_id, state, len(state.token_ids)))
+                state.token_ids.extend(drafts)
             start = state.num_computed_tokens
             state.num_computed_tokens += num_new
             assert state.num_computed_tokens <= len(state.token_ids)
@@ -124,14 +134,33 @@ class StandInExecutor(Executor):
                     assert len(ids) * block_size >= state.num_computed_tokens
                 self._store(state, start, block_size)
                 attending.append((state, start, block_size))
-            if state.num_computed_tokens == len(state.token_ids):
+            if drafts:
+                sampled.append(None)  # verified below, once every token is stored
+            elif state.num_computed_tokens == len(state.token_ids):
                 state.token_ids.append(self._next_token(request_id, state))
                 sampled.append([state.token_ids[-1]])
             else:
                 sampled.append([])
         for args in attending:
             self._check_context(*args)
+        for request_id, state, num_known in verifying:
+            sampled[scheduled.index(request_id)] = self._verify(request_id, state, num_known)
         return ModelRunnerOutput(so.step_id, scheduled, sampled)
+
+    def _verify(self, request_id: str, state: WorkerRequestState, num_known: int) -> list[int]:
+        """Keep the drafts while they match the script, then one scripted token; the next
+        step starts at the last of them, as the scheduler's rollback says."""
+        drafts = state.token_ids[num_known:]
+        del state.token_ids[num_known:]
+        produced = []
+        while True:
+            token = self._next_token(request_id, state)
+            state.token_ids.append(token)
+            produced.append(token)
+            if len(produced) > len(drafts) or token != drafts[len(produced) - 1]:
+                break
+        state.num_computed_tokens = len(state.token_ids) - 1
+        return produced
 
     def _update_states(self, so: SchedulerOutput) -> None:
         """The workers' view of the requests, as worker/batch_update.py keeps it

@@ -1,7 +1,8 @@
 """Random workloads: arrivals over time, shared prefixes, KV pools small enough to force
 preemption, random aborts, workers that fail and are replaced, with and without a host
 tier (swap preemption, spills and host hits, under the stand-in's content model), with
-and without async scheduling (the stand-in runs a step when it is collected). Every
+and without async scheduling (the stand-in runs a step when it is collected), with and
+without speculative decoding (ngram drafts, verified against the token stream). Every
 request must finish exactly once with exactly the tokens and finish reason its token stream
 implies, and both tiers of the KV cache must end empty."""
 
@@ -65,6 +66,14 @@ request_strategy = st.fixed_dictionaries(
     preemption_mode=st.sampled_from(["auto", "swap", "recompute"]),
     costs=st.sampled_from([(1e-6, 1e-4), (1e-3, 1e-5)]),
     async_scheduling=st.booleans(),
+    speculation=st.sampled_from(
+        [
+            None,
+            {"num_speculative_tokens": 2, "prompt_lookup_min": 1, "min_accepted_per_step": 0},
+            {"num_speculative_tokens": 4, "prompt_lookup_min": 2},
+            {"num_speculative_tokens": 3, "prompt_lookup_min": 1, "disable_by_batch_size": 2},
+        ]
+    ),
 )
 def test_random_workloads_finish_every_request_once_and_free_every_block(
     block_size,
@@ -81,6 +90,7 @@ def test_random_workloads_finish_every_request_once_and_free_every_block(
     preemption_mode,
     costs,
     async_scheduling,
+    speculation,
 ):
     num_blocks = MAX_MODEL_LEN // block_size + 1 + extra_blocks
     engine, executor = make_engine(
@@ -99,6 +109,7 @@ def test_random_workloads_finish_every_request_once_and_free_every_block(
         enable_prefix_caching=caching,
         eos_token_ids=[EOS],
         max_worker_restarts=len(fail_steps),
+        speculative_config=speculation,
     )
     executor.fail_steps = fail_steps
     requests = {}

@@ -1,0 +1,99 @@
+"""SpeculativeConfig: vLLM's `--speculative-config` JSON, validated once.
+
+`ngram` proposes by prompt lookup over a request's own tokens, in the EngineCore (drafts
+travel in the SchedulerOutput). A draft model is not available yet: asking for one is
+refused with that message rather than run without speculation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+SPEC_METHODS = ("ngram",)
+_PLANNED_METHODS = ("draft_model", "eagle", "eagle3", "medusa", "mtp")
+# More draft tokens than this never pay on any device we measured, and bound the worker's
+# per-step logits rows (max_num_seqs x (1 + k)).
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass
+class SpeculativeConfig:
+    """`disable_by_batch_size`: no drafts in a step while more requests than this are
+    running (vLLM's name); None: no bound. `min_accepted_per_step`: speculation pauses while
+    the recent verification steps accepted fewer draft tokens per speculating request than
+    this, then probes again (spec_decode.SpeculationGate); 0 never pauses."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    disable_by_batch_size: int | None = None
+    min_accepted_per_step: float = 0.3
+
+    def __post_init__(self) -> None:
+        if self.method in _PLANNED_METHODS:
+            raise ValueError(
+                f"speculative_config: method {self.method!r} is not available yet; "
+                f"supported: {', '.join(SPEC_METHODS)}"
+            )
+        if self.method not in SPEC_METHODS:
+            raise ValueError(
+                f"speculative_config: unknown method {self.method!r}; "
+                f"supported: {', '.join(SPEC_METHODS)}"
+            )
+        _check_int("num_speculative_tokens", self.num_speculative_tokens, 1)
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                f"speculative_config: num_speculative_tokens must be <= "
+                f"{MAX_SPECULATIVE_TOKENS}, got {self.num_speculative_tokens}"
+            )
+        _check_int("prompt_lookup_min", self.prompt_lookup_min, 1)
+        _check_int("prompt_lookup_max", self.prompt_lookup_max, self.prompt_lookup_min)
+        if self.disable_by_batch_size is not None:
+            _check_int("disable_by_batch_size", self.disable_by_batch_size, 1)
+        accepted = self.min_accepted_per_step
+        if isinstance(accepted, bool) or not isinstance(accepted, int | float) or accepted < 0:
+            raise ValueError(
+                f"speculative_config: min_accepted_per_step must be a number >= 0, got {accepted!r}"
+            )
+
+    @classmethod
+    def from_value(cls, value: SpeculativeConfig | dict[str, Any] | str) -> SpeculativeConfig:
+        """From a config, a dict or its JSON text; unknown keys are refused by name."""
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
+        if value.get("method") in _PLANNED_METHODS:
+            return cls(method=value["method"])  # refused with its reason
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(
+                f"speculative_config: unknown key(s) {', '.join(unknown)}; "
+                f"known: {', '.join(sorted(known))}"
+            )
+        return cls(**value)
+
+
+def parse_speculative_config(text: str) -> dict[str, Any]:
+    """The command line's `--speculative-config '{"method": "ngram", ...}'`, checked now."""
+    try:
+        return vars(SpeculativeConfig.from_value(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(
+            f"speculative_config: {name} must be an integer >= {minimum}, got {value!r}"
+        )

@@ -1,0 +1,208 @@
+"""Speculative decoding in the EngineCore: prompt-lookup drafts, 1 + k tokens scheduled per
+speculating request, the rollback of rejected drafts, the gate that pauses speculation,
+lockstep under async scheduling, and the spec_decode counters, over the stand-in workers
+(which verify drafts against their scripted token stream)."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from stand_in_executor import make_engine, make_request, run_to_completion
+
+from engine_core.ngram_proposer import NgramProposer
+from ipc.config import EngineConfig
+from ipc.spec_config import SpeculativeConfig
+
+
+def reference_drafts(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """The longest suffix of length min_n..max_n that occurs earlier; its latest earlier
+    occurrence's continuation."""
+    size = len(tokens)
+    for n in range(max_n, min_n - 1, -1):
+        if n >= size:
+            continue
+        suffix = tokens[size - n :]
+        for start in range(size - n - 1, -1, -1):
+            if tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 4), max_size=40),
+    k=st.integers(1, 5),
+    min_n=st.integers(1, 3),
+    extra=st.integers(0, 3),
+    grow=st.lists(st.integers(0, 4), max_size=6),
+)
+def test_ngram_proposer_matches_the_reference(tokens, k, min_n, extra, grow):
+    proposer = NgramProposer(k, min_n, min_n + extra)
+    assert proposer.propose("r", tokens, k) == reference_drafts(tokens, k, min_n, min_n + extra)
+    tokens = tokens + grow  # the mirror appends what is new
+    assert proposer.propose("r", tokens, k) == reference_drafts(tokens, k, min_n, min_n + extra)
+    assert proposer.propose("r", tokens, 1) == reference_drafts(tokens, 1, min_n, min_n + extra)
+
+
+def test_ngram_proposer_prefers_the_longest_then_the_latest_match():
+    proposer = NgramProposer(3, 1, 3)
+    # "2 3" occurs twice before the end; "1 2 3" once (followed by 9).
+    tokens = [1, 2, 3, 9, 8, 2, 3, 7, 7, 1, 2, 3]
+    assert proposer.propose("a", tokens, 3) == [9, 8, 2]
+    tokens = [5, 2, 3, 9, 4, 2, 3, 7, 6, 1, 2, 3]
+    assert proposer.propose("b", tokens, 3) == [7, 6, 1]  # the later "2 3"
+    assert proposer.propose("c", [1, 2, 3, 4], 3) == []
+    assert proposer.propose("d", [1, 2, 1, 2], 0) == []
+
+
+def spec_engine(k=3, script=None, **kwargs):
+    spec = {"num_speculative_tokens": k, "prompt_lookup_min": 1, "min_accepted_per_step": 0}
+    spec.update(kwargs.pop("spec", {}))
+    kwargs.setdefault("max_model_len", 160)
+    return make_engine(script=script, speculative_config=spec, **kwargs)
+
+
+def test_a_verification_step_schedules_the_drafts_and_rolls_back_the_rejected():
+    # Prompt 1 2 3 4 1 2: after the prefill samples 3, the suffix "1 2 3" proposes 4 1 2.
+    # The script continues 3 4 1 5: two drafts accepted, the third (2) rejected for 5.
+    engine, executor = spec_engine(3, script={"r": [3, 4, 1, 5, 9, 9, 9, 9]})
+    engine.add_request(make_request("r", [1, 2, 3, 4, 1, 2], max_tokens=8))
+    engine.step()  # prefill
+    request = engine.scheduler.requests["r"]
+    assert request.output_token_ids == [3] and request.num_computed_tokens == 6
+    engine.step()
+    so = executor.outputs[-1]
+    assert so.scheduled_spec_decode_tokens == {"r": [4, 1, 2]}
+    assert so.num_scheduled_tokens == {"r": 4}
+    assert request.output_token_ids == [3, 4, 1, 5]
+    # Positions 6 (token 3), 7 (4), 8 (1) computed; 9 held the rejected draft 2.
+    assert request.num_computed_tokens == 9 == request.num_tokens - 1
+    stats = engine.get_stats()
+    assert (stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens) == (1, 3)
+    assert stats.spec_decode_num_accepted_tokens == 2
+    assert stats.spec_decode_num_accepted_tokens_per_pos == [1, 1, 0]
+    engine.step()
+    so = executor.outputs[-1]
+    assert so.scheduled_cached_reqs.num_computed_tokens == [9]
+    assert so.num_scheduled_tokens["r"] == 1 + len(so.scheduled_spec_decode_tokens.get("r", []))
+
+
+def test_drafts_respect_max_tokens_max_model_len_and_the_budget():
+    engine, executor = spec_engine(4, script={"r": [5, 6, 5, 6, 5, 6, 5, 6]})
+    engine.add_request(make_request("r", [5, 6, 5, 6, 5, 6], max_tokens=3))
+    results = run_to_completion(engine)
+    assert results["r"] == [[5, 6, 5], "length"]
+    # One token from the prefill: the verification may propose at most 2 - 1 drafts.
+    assert [so.scheduled_spec_decode_tokens for so in executor.outputs[1:]] == [{"r": [6]}]
+
+    engine, executor = spec_engine(4, max_model_len=10, script={"r": [5, 6, 5, 6]})
+    engine.add_request(make_request("r", [5, 6, 5, 6, 5, 6], max_tokens=None))
+    assert run_to_completion(engine)["r"] == [[5, 6, 5, 6], "length"]
+    for so in executor.outputs:
+        for request_id, drafts in so.scheduled_spec_decode_tokens.items():
+            cached = so.scheduled_cached_reqs
+            computed = cached.num_computed_tokens[cached.req_ids.index(request_id)]
+            assert computed + 1 + len(drafts) <= 10
+
+    engine, executor = spec_engine(4, max_num_batched_tokens=3, script={"r": [5, 6] * 4})
+    engine.add_request(make_request("r", [5, 6, 5], max_tokens=8))
+    run_to_completion(engine)
+    assert max(so.total_num_scheduled_tokens for so in executor.outputs) <= 3
+    assert any(so.scheduled_spec_decode_tokens for so in executor.outputs)
+
+
+def test_the_gate_pauses_speculation_that_does_not_pay_and_probes_again():
+    # The prompt repeats, the output never does: every draft is rejected.
+    script = {"r": list(range(100, 164))}
+    engine, executor = spec_engine(
+        2, script=script, spec={"min_accepted_per_step": 0.5}, async_scheduling=True
+    )
+    engine.add_request(make_request("r", [5, 5, 5, 5], max_tokens=64, ignore_eos=True))
+    run_to_completion(engine)
+    # No draft for token 100 onwards, but each step of a window asks for one: 8 steps of
+    # window, then a pause of 16, 8 again, a pause of 32 (the next would be 64).
+    assert engine.scheduler.spec.gate.pause == 64
+    assert not any(so.scheduled_spec_decode_tokens for so in executor.outputs)
+    # The windows' steps wait for their answers; the paused ones overlap again.
+    lockstep = [so.lockstep for so in executor.outputs[1:]]
+    assert 16 <= sum(lockstep) <= 18 and len(lockstep) == 63
+
+
+def test_rejected_drafts_pause_speculation_until_a_window_pays():
+    tokens = [7, 8] * 40
+    # Drafts follow the prompt's 7 8 pattern; the output breaks it for 24 tokens.
+    script = {"r": [9] * 24 + tokens}
+    engine, executor = spec_engine(3, script=script, spec={"min_accepted_per_step": 0.5})
+    engine.add_request(make_request("r", [7, 8, 7, 8, 7], max_tokens=80, ignore_eos=True))
+    results = run_to_completion(engine)
+    assert results["r"][0] == script["r"][:80]
+    counts = [len(so.scheduled_spec_decode_tokens) for so in executor.outputs]
+    assert sum(counts) > 0
+    stats = engine.get_stats()
+    assert stats.spec_decode_num_accepted_tokens > 0
+
+
+def test_disable_by_batch_size_turns_drafts_off_while_more_requests_run():
+    engine, executor = spec_engine(2, spec={"disable_by_batch_size": 1})
+    for name in "abc":
+        engine.add_request(make_request(name, [7, 7, 7, 7], max_tokens=6))
+    run_to_completion(engine)
+    for so in executor.outputs:
+        if so.scheduled_spec_decode_tokens:
+            assert len(so.num_scheduled_tokens) == 1
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_speculating_steps_run_in_lockstep_and_match_plain_decoding(async_scheduling):
+    prompts = {"a": [3, 1, 3, 1, 3], "b": [4, 4, 4], "c": [1, 2, 3, 4, 5, 6]}
+
+    def sample(request_id, token_ids):
+        return [1, 3, 4][len(token_ids) % 3] if request_id != "c" else len(token_ids) % 5
+
+    def run(spec):
+        kwargs = {"speculative_config": spec} if spec else {}
+        engine, executor = make_engine(
+            sample=sample, async_scheduling=async_scheduling, max_model_len=40, **kwargs
+        )
+        for name, prompt in prompts.items():
+            engine.add_request(make_request(name, prompt, max_tokens=20, ignore_eos=True))
+        return engine, executor, run_to_completion(engine)
+
+    _, _, plain = run(None)
+    spec = {"num_speculative_tokens": 3, "prompt_lookup_min": 1, "min_accepted_per_step": 0}
+    engine, executor, speculative = run(spec)
+    assert speculative == plain
+    assert engine.get_stats().spec_decode_num_accepted_tokens > 0
+    assert len(executor.outputs) < sum(len(t) for t, _ in plain.values())
+    for so in executor.outputs:
+        if so.scheduled_spec_decode_tokens:
+            assert so.lockstep
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ({"method": "medusa"}, "not available yet"),
+        ({"method": "draft_model", "model": "x"}, "not available yet"),
+        ({"method": "nope"}, "unknown method 'nope'"),
+        ({"num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
+        ({"num_speculative_tokens": 17}, "<= 16"),
+        ({"prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_max must be"),
+        ({"lookahead": 2}, "unknown key(s) lookahead"),
+        ("{not json", "not valid JSON"),
+        ({"min_accepted_per_step": -1}, "min_accepted_per_step"),
+    ],
+)
+def test_bad_speculative_configs_are_refused_by_name(value, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        EngineConfig(max_model_len=16, speculative_config=value)
+
+
+def test_a_speculative_config_crosses_processes_as_json():
+    import dataclasses
+    import json
+
+    config = EngineConfig(max_model_len=16, speculative_config='{"num_speculative_tokens": 5}')
+    assert config.speculative_config == SpeculativeConfig(num_speculative_tokens=5)
+    copy = EngineConfig(**json.loads(json.dumps(dataclasses.asdict(config))))
+    assert copy.speculative_config == config.speculative_config
+    assert copy.num_speculative_tokens == 5

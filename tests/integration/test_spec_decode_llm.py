@@ -1,0 +1,103 @@
+"""Speculative decoding (ngram) end to end on a tiny random checkpoint in float32 on CPU:
+greedy tokens equal transformers' under chunked prefill, preemption and prefix hits, in
+lockstep and with async scheduling; every sampling feature gives the tokens plain decoding
+gives (seeded streams included); workers in processes of their own (tensor parallel)."""
+
+import pytest
+
+from splitserve import LLM, SamplingParams
+from tests.integration.greedy import greedy_reference, random_prompts
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+# Always speculate: the tiny model's tokens repeat too little for the gate's default.
+ALWAYS = {**SPEC, "min_accepted_per_step": 0}
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    return greedy_reference(checkpoint)
+
+
+def repetitive_prompts(seed: int) -> list[list[int]]:
+    """Prompts that repeat a phrase, so that prompt lookup has something to propose, and
+    plain random ones."""
+    phrases = random_prompts(3, 3, 6, seed=seed)
+    return [p * 4 for p in phrases] + random_prompts(3, 5, 30, seed=seed + 1)
+
+
+def _engine(checkpoint: str, spec: dict | None, **kw) -> LLM:
+    kw.setdefault("kv_cache_memory", 8 << 20)
+    kw.setdefault("max_model_len", 256)
+    return LLM(checkpoint, dtype="float32", speculative_config=spec, **kw)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_greedy_with_drafts_matches_transformers(checkpoint, reference, async_scheduling):
+    llm = _engine(
+        checkpoint,
+        ALWAYS,
+        async_scheduling=async_scheduling,
+        block_size=4,
+        max_model_len=96,
+        max_num_batched_tokens=16,
+        num_gpu_blocks_override=30,  # fewer than the prompts need together: preemption
+    )
+    prompts = repetitive_prompts(seed=20)
+    prompts += [prompts[0] + [1], prompts[0] + [2, 3]]  # prefix hits
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == reference(prompt, 24)
+    stats = llm.engine.get_stats()
+    assert stats.spec_decode_num_accepted_tokens > 0
+    assert stats.spec_decode_num_draft_tokens > stats.spec_decode_num_accepted_tokens
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert llm.engine.kv_cache_manager.usage == 0.0
+    llm.shutdown()
+
+
+def test_every_sampling_feature_gives_the_tokens_of_plain_decoding(checkpoint):
+    """Per-position settings: penalties, min_tokens and bad words see the drafts before
+    each position; seeded streams draw once per produced token, so a seeded request's
+    tokens are those it gets without drafts; logprobs are per position."""
+    prompts = repetitive_prompts(seed=30) + random_prompts(2, 3, 20, seed=31)
+    plain = dict(temperature=0.8, top_p=0.9, ignore_eos=True)
+    params = [
+        SamplingParams(seed=1, max_tokens=9, logprobs=2, **plain),
+        SamplingParams(seed=2, max_tokens=12, repetition_penalty=1.3, **plain),
+        SamplingParams(temperature=0, max_tokens=15, logprobs=0),
+        SamplingParams(seed=4, max_tokens=14, top_k=5, **plain),
+        SamplingParams(seed=5, max_tokens=8, frequency_penalty=0.5, presence_penalty=0.2, **plain),
+        SamplingParams(seed=6, max_tokens=10, bad_words_token_ids=[[7], [3, 9]], **plain),
+        SamplingParams(temperature=0, max_tokens=11, min_tokens=6, stop_token_ids=[5, 17]),
+        SamplingParams(temperature=0, max_tokens=12, logit_bias={11: 3.0}),
+    ]
+
+    def run(spec):
+        llm = _engine(checkpoint, spec, max_num_batched_tokens=24)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        stats = llm.engine.get_stats()
+        llm.shutdown()
+        return [o.outputs[0] for o in outs], stats
+
+    expected, _ = run(None)
+    got, stats = run(ALWAYS)
+    assert stats.spec_decode_num_accepted_tokens > 0
+    for want, have in zip(expected, got, strict=True):
+        assert (have.token_ids, have.finish_reason) == (want.token_ids, want.finish_reason)
+        assert (have.logprobs is None) == (want.logprobs is None)
+        for a, b in zip(have.logprobs or [], want.logprobs or [], strict=True):
+            assert a.keys() == b.keys()
+            for token_id, entry in a.items():
+                assert entry.logprob == pytest.approx(b[token_id].logprob, abs=1e-4)
+
+
+def test_worker_processes_verify_drafts_in_lockstep(checkpoint, reference):
+    llm = _engine(checkpoint, ALWAYS, tensor_parallel_size=2)
+    assert llm.engine.max_in_flight == 1  # async scheduling is on with worker processes
+    prompts = repetitive_prompts(seed=40)
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    for prompt, out in zip(prompts, llm.generate(prompts, sp, use_tqdm=False), strict=True):
+        assert out.outputs[0].token_ids == reference(prompt, 20)
+    assert llm.engine.get_stats().spec_decode_num_accepted_tokens > 0
+    llm.shutdown()
