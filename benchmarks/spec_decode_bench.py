@@ -1,0 +1,177 @@
+r"""Speculative decoding (ngram) against plain decoding, offline (`LLM`), in one run.
+
+Three chat workloads on the default model (greedy, EOS respected, at most --max-tokens
+tokens each): `repeat` asks to write a paragraph out again with its typos fixed (the
+answer copies the prompt), `code` to complete a Python class whose methods repeat its
+fields, `chat` asks open questions. For concurrency C, --requests max(8, C) requests run in
+waves of C (each wave one `generate`, so up to C streams decode together). Output tok/s is
+the tokens generated over the wall time of the waves; greedy speculation is exact, so both
+engines generate the same tokens (the script counts requests whose tokens differ: rounding
+differences between a verification row and a single-token step can flip a near tie).
+
+Each engine starts once and warms up on a short wave; `plain` runs without a speculative
+config, `ngram-kK` with {"method": "ngram", "num_speculative_tokens": K,
+"prompt_lookup_min": 2, "prompt_lookup_max": 4} and the gate at its defaults (--no-gate
+sets min_accepted_per_step 0). The acceptance rate and mean acceptance length are those of
+each cell.
+
+    python -m benchmarks.spec_decode_bench [--k 2 4 6] [--concurrency 1 4 16 64]
+        [--workloads repeat code chat] [--max-tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import subprocess
+import time
+
+from ipc.sampling_params import SamplingParams
+
+WORDS = {
+    name: words.split()
+    for name, words in {
+        "adj": "quiet bright old narrow busy cold green tall hidden heavy",
+        "noun": "river market bridge garden library harbor station village tower orchard",
+        "verb": "opens closes shelters crosses feeds guards lights faces joins borders",
+        "city": "Lyon Porto Graz Turku Ghent Bergen Split Brno Cork Malmo",
+        "day": "Monday Tuesday Friday Sunday morning evening",
+        "field": "name price count owner color weight width height label status",
+        "cls": "Order Ticket Parcel Invoice Sensor Booking Account Shipment",
+    }.items()
+}
+CHAT = [
+    "What should I pack for a week of hiking in the mountains?",
+    "Explain how a bicycle gear system works.",
+    "Give me three ideas for a birthday party for a ten year old.",
+    "Why is the sky blue?",
+    "How do I start learning to play the guitar?",
+    "What are the benefits of drinking water every day?",
+    "Write a short poem about the sea.",
+    "How does a refrigerator keep food cold?",
+    "What is the difference between weather and climate?",
+    "Suggest a simple recipe for dinner tonight.",
+    "How can I improve my sleep?",
+    "Tell me about the history of the printing press.",
+    "What makes a good team leader?",
+    "How do plants make their food?",
+    "Describe a day in the life of a lighthouse keeper.",
+    "What are some tips for saving money on groceries?",
+]
+
+
+def _typo(word: str, rng: random.Random) -> str:
+    if len(word) < 4 or rng.random() > 0.3:
+        return word
+    i = rng.randrange(1, len(word) - 2)
+    return word[:i] + word[i + 1] + word[i] + word[i + 2 :]
+
+
+def repeat_prompt(i: int) -> str:
+    rng = random.Random(i)
+    sentences = []
+    for _ in range(5):
+        w = {k: rng.choice(v) for k, v in WORDS.items()}
+        sentences.append(
+            f"The {w['adj']} {w['noun']} in {w['city']} {w['verb']} the old {w['noun']} "
+            f"every {w['day']}."
+        )
+    text = " ".join(_typo(word, rng) for word in " ".join(sentences).split())
+    return f"Write this paragraph out again with the spelling mistakes fixed:\n\n{text}"
+
+
+def code_prompt(i: int) -> str:
+    rng = random.Random(100 + i)
+    name = rng.choice(WORDS["cls"])
+    fields = rng.sample(WORDS["field"], 4)
+    args = ", ".join(fields)
+    body = "\n".join(f"        self.{f} = {f}" for f in fields)
+    return (
+        "Complete this Python class: add to_dict, from_dict and __repr__ methods.\n\n"
+        f"```python\nclass {name}:\n    def __init__(self, {args}):\n{body}\n"
+    )
+
+
+PROMPTS = {"repeat": repeat_prompt, "code": code_prompt, "chat": lambda i: CHAT[i % len(CHAT)]}
+
+
+def run_cell(llm, workload: str, concurrency: int, args) -> dict:
+    n = max(8, concurrency)
+    messages = [[{"role": "user", "content": PROMPTS[workload](i)}] for i in range(n)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    before = llm.engine.get_stats()
+    tokens = []
+    start = time.perf_counter()
+    for wave in range(0, n, concurrency):
+        outs = llm.chat(messages[wave : wave + concurrency], params, use_tqdm=False)
+        tokens += [o.outputs[0].token_ids for o in outs]
+    seconds = time.perf_counter() - start
+    after = llm.engine.get_stats()
+    drafts = after.spec_decode_num_drafts - before.spec_decode_num_drafts
+    draft_tokens = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+    accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+    return {
+        "tok_s": sum(map(len, tokens)) / seconds,
+        "tokens": tokens,
+        "acceptance": accepted / draft_tokens if draft_tokens else None,
+        "mean_len": 1 + accepted / drafts if drafts else None,
+    }
+
+
+def make_llm(spec: dict | None, args):
+    from models.default import serve_args
+    from splitserve import LLM
+
+    model, tokenizer = serve_args()[1], serve_args()[3]
+    llm = LLM(model, tokenizer=tokenizer, max_num_seqs=max(args.concurrency),
+              speculative_config=spec, dtype=args.dtype)  # fmt: skip
+    llm.chat([[{"role": "user", "content": "Hello!"}]] * 2, SamplingParams(max_tokens=16))
+    return llm
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--k", type=int, nargs="+", default=[2, 4, 6])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--workloads", nargs="+", default=list(PROMPTS), choices=list(PROMPTS))
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--no-gate", action="store_true", help="min_accepted_per_step 0")
+    args = parser.parse_args()
+    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    print(next((line for line in cpu.splitlines() if "Model name" in line), "CPU ?"))
+    configs: dict[str, dict | None] = {"plain": None}
+    for k in args.k:
+        spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
+                "prompt_lookup_max": 4}  # fmt: skip
+        if args.no_gate:
+            spec["min_accepted_per_step"] = 0
+        configs[f"ngram-k{k}"] = spec
+    results: dict[tuple[str, str, int], dict] = {}
+    for name, spec in configs.items():
+        llm = make_llm(spec, args)
+        for workload in args.workloads:
+            for c in args.concurrency:
+                cell = results[name, workload, c] = run_cell(llm, workload, c, args)
+                print(f"{name:9} {workload:6} c={c:<3} {cell['tok_s']:7.1f} tok/s", flush=True)
+        llm.shutdown()
+    print("\n| workload | concurrency | plain tok/s | " + " | ".join(list(configs)[1:]) + " |")
+    print("|---|---|---|" + "---|" * (len(configs) - 1))
+    for workload in args.workloads:
+        for c in args.concurrency:
+            base = results["plain", workload, c]
+            cells = []
+            for name in list(configs)[1:]:
+                cell = results[name, workload, c]
+                differ = sum(a != b for a, b in zip(cell["tokens"], base["tokens"], strict=True))
+                text = f"{cell['tok_s'] / base['tok_s']:.2f}x"
+                if cell["acceptance"] is not None:
+                    text += f" (acc {100 * cell['acceptance']:.0f}%, len {cell['mean_len']:.2f})"
+                if differ:
+                    text += f" [{differ} differ]"
+                cells.append(text)
+            print(f"| {workload} | {c} | {base['tok_s']:.1f} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()

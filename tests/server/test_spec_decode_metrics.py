@@ -1,0 +1,54 @@
+"""The spec_decode_* metrics from SchedulerStats (vLLM's names and labels), and the
+EngineCore's stats line for them."""
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine_core.spec_decode import spec_decode_summary
+from ipc.messages import SchedulerStats
+from server.metrics import ServerMetrics
+
+
+def test_spec_decode_counters_have_vllm_names_and_positions():
+    stats = SchedulerStats(
+        spec_decode_num_drafts=10,
+        spec_decode_num_draft_tokens=30,
+        spec_decode_num_accepted_tokens=12,
+        spec_decode_num_accepted_tokens_per_pos=[7, 4, 1],
+    )
+    text = ServerMetrics("m").render(stats).decode()
+    samples = {
+        (s.name, s.labels.get("position")): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name.startswith("splitserve:spec_decode")
+    }
+    prefix = "splitserve:spec_decode_num_"
+    assert samples == {
+        (prefix + "drafts_total", None): 10,
+        (prefix + "draft_tokens_total", None): 30,
+        (prefix + "accepted_tokens_total", None): 12,
+        (prefix + "accepted_tokens_per_pos_total", "0"): 7,
+        (prefix + "accepted_tokens_per_pos_total", "1"): 4,
+        (prefix + "accepted_tokens_per_pos_total", "2"): 1,
+    }
+    assert "spec_decode" not in ServerMetrics("m").render(SchedulerStats()).decode()
+
+
+def test_the_stats_line_gives_acceptance_over_the_interval():
+    before = SchedulerStats(
+        spec_decode_num_drafts=2,
+        spec_decode_num_draft_tokens=6,
+        spec_decode_num_accepted_tokens=3,
+        spec_decode_num_accepted_tokens_per_pos=[2, 1, 0],
+    )
+    now = SchedulerStats(
+        spec_decode_num_drafts=6,
+        spec_decode_num_draft_tokens=18,
+        spec_decode_num_accepted_tokens=9,
+        spec_decode_num_accepted_tokens_per_pos=[6, 2, 1],
+    )
+    assert spec_decode_summary(before, now) == (
+        "acceptance rate 50.0%, mean acceptance length 2.50, 4 drafts, 12 draft tokens, "
+        "6 accepted; per position 1.00, 0.25, 0.25"
+    )
+    assert spec_decode_summary(now, now) == "no drafts"
