@@ -134,7 +134,7 @@ class Scheduler:
             + [r.num_computed_tokens for r in resumed],
         )
         structured_ids, bitmask = self.structured_output.grammar_bitmask(
-            self.requests, num_scheduled_tokens
+            self.requests, num_scheduled_tokens, spec_tokens
         )
         swap_out, swap_in = kv.take_block_copies()
         total = sum(num_scheduled_tokens.values())
@@ -194,6 +194,9 @@ class Scheduler:
             new_blocks = None
             if spec_tokens is not None and self._may_speculate(request, num_new):
                 drafts = self.spec.drafts(request, budget)
+                if drafts and request.request_id in self.structured_output.matchers:
+                    num_valid = self.structured_output.num_valid_drafts(request.request_id, drafts)
+                    drafts = drafts[:num_valid]
                 if drafts:
                     new_blocks = kv.allocate_slots(request, 1 + len(drafts))
                     if new_blocks is not None:
@@ -222,12 +225,8 @@ class Scheduler:
         return scheduled, new_block_ids, preempted
 
     def _may_speculate(self, request: Request, num_new: int) -> bool:
-        """Decoding its last known token, no step in flight for it, and no grammar."""
-        return (
-            num_new == 1
-            and request.num_output_placeholders == 0
-            and request.request_id not in self.structured_output.matchers
-        )
+        """Decoding its last known token, with no step in flight for it."""
+        return num_new == 1 and request.num_output_placeholders == 0
 
     def _has_all_its_tokens_in_flight(self, request: Request) -> bool:
         """Async scheduling: the steps in flight sample the request's last token (by

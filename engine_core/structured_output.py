@@ -1,12 +1,14 @@
 """Structured output in the EngineCore: one llguidance matcher per structured request.
 
-The scheduler asks this manager three things: whether a request's grammar compiles (at
-add time), the token bitmask rows of the structured requests that sample in a step
-(sent to the workers in the SchedulerOutput, which mask the logits with them), and,
-once the step's tokens are back, whether each token kept to the grammar and whether the
-grammar is complete. Compiled grammars are cached by spec (LRU); a request starts from a
-copy of the cached matcher. A preempted request keeps its matcher as it is: the tokens it
-already produced stay accepted.
+The scheduler asks this manager four things: whether a request's grammar compiles (at
+add time), how many of a request's draft tokens the grammar allows (speculative decoding
+cuts them at the first it forbids), the token bitmask rows of the structured requests
+that sample in a step (sent to the workers in the SchedulerOutput, which mask the logits
+with them; a request verifying drafts has a row per position, each after the drafts
+before it), and, once the step's tokens are back, whether each token kept to the grammar
+and whether the grammar is complete. Compiled grammars are cached by spec (LRU); a
+request starts from a copy of the cached matcher. A preempted request keeps its matcher as
+it is: the tokens it already produced stay accepted.
 
 llguidance is loaded with the first structured request, and the tokenizer read from
 the folder's tokenizer.json, so an engine that never sees one starts as fast as before.
@@ -55,12 +57,24 @@ class StructuredOutputManager:
         self.matchers[request_id] = compiled.deep_copy()
         return None
 
+    def num_valid_drafts(self, request_id: str, drafts: list[int]) -> int:
+        """How many of the drafts, from the first, the request's grammar accepts."""
+        matcher = self.matchers[request_id]
+        if matcher.is_stopped():
+            return 0
+        return matcher.validate_tokens(drafts)
+
     def grammar_bitmask(
-        self, requests: dict[str, Request], num_scheduled_tokens: dict[str, int]
+        self,
+        requests: dict[str, Request],
+        num_scheduled_tokens: dict[str, int],
+        drafts: dict[str, list[int]] | None = None,
     ) -> tuple[list[str], bytes]:
         """The ids of the structured requests that sample this step (their tokens are all
         computed once the step runs; a partial prefill chunk does not sample) and their
-        bitmask rows, in that order."""
+        bitmask rows, in that order: one row each, or 1 + len(drafts) rows for a request
+        verifying drafts (the grammar advanced through them for the masks, then rolled
+        back: only the tokens the step returns are consumed)."""
         if not self.matchers:
             return [], b""
         ids = []
@@ -74,6 +88,9 @@ class StructuredOutputManager:
             return [], b""
         import llguidance.numpy as llg_numpy
 
+        drafts = drafts or {}
+        if any(request_id in drafts for request_id in ids):
+            return ids, self._bitmask_with_drafts(ids, drafts)
         bitmask = self._bitmask_rows(len(ids))
         if len(ids) == 1:
             llg_numpy.fill_next_token_bitmask(self.matchers[ids[0]], bitmask, 0)
@@ -81,6 +98,22 @@ class StructuredOutputManager:
             pairs = [(self.matchers[request_id], i) for i, request_id in enumerate(ids)]
             llg_numpy.fill_next_token_bitmask_par(self._executor, pairs, bitmask)
         return ids, bitmask.tobytes()
+
+    def _bitmask_with_drafts(self, ids: list[str], drafts: dict[str, list[int]]) -> bytes:
+        import llguidance.numpy as llg_numpy
+
+        counts = [1 + len(drafts.get(request_id, ())) for request_id in ids]
+        bitmask = self._bitmask_rows(sum(counts))
+        row = 0
+        for request_id, count in zip(ids, counts, strict=True):
+            matcher = self.matchers[request_id]
+            for position in range(count):
+                llg_numpy.fill_next_token_bitmask(matcher, bitmask, row)
+                row += 1
+                if position < count - 1 and not matcher.consume_token(drafts[request_id][position]):
+                    raise RuntimeError(f"request {request_id}: a validated draft was refused")
+            matcher.rollback(count - 1)
+        return bitmask.tobytes()
 
     def accept_tokens(self, request: Request, token_ids: list[int]) -> RequestStatus | None:
         """Advance the request's matcher: FINISHED_STOPPED at the EOS that ends a complete

@@ -19,21 +19,33 @@ def apply_grammar_bitmask(
     request_ids: list[str],
     bitmask: bytes,
     batch_req_ids: list[str | None],
-    sample_rows: np.ndarray,
+    logits_rows: np.ndarray,
+    drafts: dict[str, list[int]] | None = None,
 ) -> None:
     """Mask `logits` in place. Logits row i belongs to the request of batch row
-    `sample_rows[i]`; bitmask row k to `request_ids[k]` (one that does not sample here, a
-    request the workers failed, is skipped)."""
-    logits_row_of = {batch_req_ids[row]: i for i, row in enumerate(sample_rows.tolist())}
-    pairs = [(k, logits_row_of[r]) for k, r in enumerate(request_ids) if r in logits_row_of]
-    if not pairs:
+    `logits_rows[i]` (a request verifying drafts has 1 + len(drafts) consecutive logits
+    rows, and as many bitmask rows); the bitmask rows follow `request_ids` (a request that
+    does not sample here, one the workers failed, is skipped)."""
+    drafts = drafts or {}
+    first_row: dict[str, int] = {}
+    for i, row in enumerate(logits_rows.tolist()):
+        first_row.setdefault(batch_req_ids[row], i)
+    mask_rows, rows = [], []
+    num_mask_rows = 0
+    for request_id in request_ids:
+        count = 1 + len(drafts.get(request_id, ()))
+        first = first_row.get(request_id)
+        if first is not None:
+            mask_rows += range(num_mask_rows, num_mask_rows + count)
+            rows += range(first, first + count)
+        num_mask_rows += count
+    if not rows:
         return
-    words = np.frombuffer(bitmask, dtype="<i4").reshape(len(request_ids), -1)
-    mask_rows, logits_rows = (list(column) for column in zip(*pairs, strict=True))
+    words = np.frombuffer(bitmask, dtype="<i4").reshape(num_mask_rows, -1)
     device = logits.device
     allowed = unpack_bitmask(torch.from_numpy(words[mask_rows]).to(device), logits.shape[1])
-    rows = torch.tensor(logits_rows, dtype=torch.long, device=device)
-    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    index = torch.tensor(rows, dtype=torch.long, device=device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
 
 
 def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -329,7 +329,14 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(hidden) if batch.num_prompt_logprobs else {}
         if so.structured_output_request_ids and self.is_driver:
             ids, bitmask = so.structured_output_request_ids, so.grammar_bitmask
-            apply_grammar_bitmask(logits, ids, bitmask, batch.req_ids, step.logits_rows)
+            apply_grammar_bitmask(
+                logits,
+                ids,
+                bitmask,
+                batch.req_ids,
+                step.logits_rows,
+                so.scheduled_spec_decode_tokens,
+            )
         verification = None
         if step.num_logits is not None:
             verification = self._verification(step)

@@ -3,9 +3,11 @@ greedy tokens equal transformers' under chunked prefill, preemption and prefix h
 lockstep and with async scheduling; every sampling feature gives the tokens plain decoding
 gives (seeded streams included); workers in processes of their own (tensor parallel)."""
 
+import re
+
 import pytest
 
-from splitserve import LLM, SamplingParams
+from splitserve import LLM, SamplingParams, StructuredOutputsParams
 from tests.integration.greedy import greedy_reference, random_prompts
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
@@ -101,3 +103,30 @@ def test_worker_processes_verify_drafts_in_lockstep(checkpoint, reference):
         assert out.outputs[0].token_ids == reference(prompt, 20)
     assert llm.engine.get_stats().spec_decode_num_accepted_tokens > 0
     llm.shutdown()
+
+
+def test_structured_output_drafts_are_cut_by_the_grammar(checkpoint):
+    """Drafts a grammar forbids are cut before they are verified, and each position is
+    masked after the drafts before it: the outputs are those of plain decoding and match
+    the grammar."""
+    regex = r"(ab|cd|ef){3,8}-[0-9]{2}"
+    prompts = ["abcdab" * 3, "cdcdcd" * 3, "efabef" * 2, "xyz"]
+    params = [
+        SamplingParams(temperature=t, seed=3, max_tokens=40,
+                       structured_outputs=StructuredOutputsParams(regex=regex))
+        for t in (0.0, 1.0, 0.0, 1.0)
+    ]  # fmt: skip
+
+    def run(spec):
+        llm = _engine(checkpoint, spec)
+        outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        stats = llm.engine.get_stats()
+        llm.shutdown()
+        return [(o.text, o.finish_reason) for o in outs], stats
+
+    expected, _ = run(None)
+    got, stats = run(ALWAYS)
+    assert got == expected
+
+    assert all(re.fullmatch(regex, text) for text, _ in got)
+    assert stats.spec_decode_num_accepted_tokens > 0

@@ -64,3 +64,18 @@ def test_nothing_happens_when_no_structured_request_samples():
     words = np.zeros((1, 2), dtype="<i4")
     apply_grammar_bitmask(logits, ["x"], words.tobytes(), ["a", "b"], np.array([0, 1]))
     torch.testing.assert_close(logits, before, rtol=0, atol=0)
+
+
+def test_a_request_verifying_drafts_has_a_mask_row_per_position():
+    vocab_size = 64
+    words = random_words(np.random.default_rng(3), 5, vocab_size)
+    batch_req_ids = ["a", "b"]
+    logits_rows = np.array([0, 0, 0, 1, 1])  # a verifies 2 drafts, b 1
+    request_ids = ["b", "a"]  # bitmask rows: b's 2, then a's 3
+    logits = torch.zeros(5, vocab_size)
+    apply_grammar_bitmask(
+        logits, request_ids, words.tobytes(), batch_req_ids, logits_rows, {"a": [1, 2], "b": [3]}
+    )
+    allowed = reference_allowed(words, vocab_size)
+    expected_rows = [allowed[2], allowed[3], allowed[4], allowed[0], allowed[1]]
+    np.testing.assert_array_equal((logits == 0).numpy(), np.stack(expected_rows))
