@@ -12,8 +12,8 @@ differences between a verification row and a single-token step can flip a near t
 Each engine starts once and warms up on a short wave; `plain` runs without a speculative
 config, `ngram-kK` with {"method": "ngram", "num_speculative_tokens": K,
 "prompt_lookup_min": 2, "prompt_lookup_max": 4} and the gate at its defaults (--no-gate
-sets min_accepted_per_step 0). The acceptance rate and mean acceptance length are those of
-each cell.
+sets adaptive false: every step speculates). The acceptance rate and mean acceptance
+length are those of each cell.
 
     python -m benchmarks.spec_decode_bench [--k 2 4 6] [--concurrency 1 4 16 64]
         [--workloads repeat code chat] [--max-tokens 128]
@@ -136,7 +136,7 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=list(PROMPTS), choices=list(PROMPTS))
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--no-gate", action="store_true", help="min_accepted_per_step 0")
+    parser.add_argument("--no-gate", action="store_true", help="adaptive false")
     args = parser.parse_args()
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     print(next((line for line in cpu.splitlines() if "Model name" in line), "CPU ?"))
@@ -145,7 +145,7 @@ def main() -> None:
         spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
                 "prompt_lookup_max": 4}  # fmt: skip
         if args.no_gate:
-            spec["min_accepted_per_step"] = 0
+            spec["adaptive"] = False
         configs[f"ngram-k{k}"] = spec
     results: dict[tuple[str, str, int], dict] = {}
     for name, spec in configs.items():

@@ -152,8 +152,8 @@ class Scheduler:
             swap_in,
             scheduled_spec_decode_tokens=spec_tokens,
         )
-        if self.spec is not None:
-            self.spec.step_scheduled(self.step_id, speculates and total > 0)
+        if self.spec is not None and total:
+            self.spec.gate.step_scheduled(self.step_id, len(self.running), speculates)
         self.step_id += 1
         # Finished ids reach the workers with the next step that runs; keep them until then.
         if num_scheduled_tokens or swap_out:
@@ -325,7 +325,7 @@ class Scheduler:
             request.num_output_placeholders = 0  # the steps in flight died with the workers
         self.finished_req_ids = []
         if self.spec is not None:
-            self.spec.forget_steps()
+            self.spec.gate.forget_steps()
         return len(running)
 
     def update_from_output(
@@ -343,7 +343,7 @@ class Scheduler:
                 self._free_request(request, RequestStatus.FINISHED_ERROR)
                 outputs.append(EngineCoreOutput(request_id, [], FinishReason.ERROR, error=error))
         if self.spec is not None:
-            self.spec.roll_back(scheduler_output, model_runner_output, requests)
+            self.spec.step_answered(scheduler_output, model_runner_output, requests)
         updated, stopped = update_requests(
             model_runner_output, requests, self.max_model_len, self.structured_output, self.counters
         )

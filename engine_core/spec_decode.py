@@ -1,67 +1,14 @@
-"""Speculative decoding in the EngineCore: whether a step speculates, the drafts of each
-request, and what the verification steps accepted.
-
-A step that carries drafts runs in lockstep: the next step can only be scheduled once it
-is known how many of them were accepted (each request's next position depends on it).
-So speculating costs the overlap of async scheduling and the verification of the rejected
-drafts; it pays only while enough drafts are accepted. `SpeculationGate` turns it off for
-the steps where it cannot pay:
-
-* while more requests run than `disable_by_batch_size` (vLLM's bound), and
-* for a pause after a window of verification steps whose requests accepted, on average,
-  fewer than `min_accepted_per_step` draft tokens each (counting requests that got no
-  draft as accepting none). Each pause that follows a failed probe doubles, up to
-  `_MAX_PAUSE` steps; a window that pays resets it.
-"""
+"""Speculative decoding in the EngineCore: the drafts of each request a step decodes, the
+rollback of the rejected ones once the step answers, and the spec_decode counters. When
+steps speculate at all is the gate's call (spec_gate.py)."""
 
 from __future__ import annotations
 
-from collections import deque
-
 from engine_core.ngram_proposer import NgramProposer
 from engine_core.request import Request
+from engine_core.spec_gate import SpeculationGate
 from ipc.messages import ModelRunnerOutput, SchedulerOutput, SchedulerStats
 from ipc.spec_config import SpeculativeConfig
-
-_WINDOW = 8  # verification steps judged together
-_MIN_PAUSE = 16  # steps without drafts after a window that did not pay
-_MAX_PAUSE = 512
-
-
-class SpeculationGate:
-    def __init__(self, config: SpeculativeConfig) -> None:
-        self.disable_by_batch_size = config.disable_by_batch_size
-        self.min_accepted = config.min_accepted_per_step
-        self.paused_steps = 0
-        self.pause = _MIN_PAUSE
-        # (speculating requests, accepted drafts) of the recent verification steps.
-        self.window: deque[tuple[int, int]] = deque(maxlen=_WINDOW)
-
-    def speculates(self, num_running: int) -> bool:
-        """Whether the next step proposes drafts, with `num_running` requests running."""
-        bound = self.disable_by_batch_size
-        return self.paused_steps == 0 and (bound is None or num_running <= bound)
-
-    def step_scheduled(self, speculated: bool) -> None:
-        if not speculated and self.paused_steps:
-            self.paused_steps -= 1
-
-    def verified(self, num_requests: int, num_accepted: int) -> None:
-        """A verification step's outcome: `num_requests` requests could have speculated
-        (decoding in it), and they accepted `num_accepted` drafts together."""
-        if not num_requests or not self.min_accepted:
-            return
-        self.window.append((num_requests, num_accepted))
-        if len(self.window) < _WINDOW:
-            return
-        requests = sum(n for n, _ in self.window)
-        accepted = sum(a for _, a in self.window)
-        self.window.clear()
-        if accepted >= self.min_accepted * requests:
-            self.pause = _MIN_PAUSE
-            return
-        self.paused_steps = self.pause
-        self.pause = min(2 * self.pause, _MAX_PAUSE)
 
 
 class SpecDecodeCounters:
@@ -121,26 +68,16 @@ class SpecDecoding:
         self.gate = SpeculationGate(config)
         self.counters = SpecDecodeCounters(config.num_speculative_tokens)
         self.max_model_len = max_model_len
-        self.num_candidates = 0  # decoding requests of the step being scheduled
-        # step id -> its decoding requests, for the speculating steps not yet answered.
-        self._candidates: dict[int, int] = {}
 
     def drafts(self, request: Request, budget: int) -> list[int]:
         """Drafts for a request that decodes one known token this step: as many as the
         budget (after that token), max_tokens and max_model_len leave room for."""
-        self.num_candidates += 1
         room = min(budget, self.max_model_len - request.num_tokens) - 1
         if request.max_tokens is not None:
             room = min(room, request.max_tokens - request.num_output_tokens - 1)
         return self.proposer.propose(request.request_id, request.all_token_ids, room)
 
-    def step_scheduled(self, step_id: int, speculated: bool) -> None:
-        if speculated:
-            self._candidates[step_id] = self.num_candidates
-        self.num_candidates = 0
-        self.gate.step_scheduled(speculated)
-
-    def roll_back(
+    def step_answered(
         self,
         scheduler_output: SchedulerOutput,
         model_runner_output: ModelRunnerOutput,
@@ -148,27 +85,24 @@ class SpecDecoding:
     ) -> None:
         """Give back the positions of the rejected drafts: a request's next step starts
         right after its last accepted token. Only committed tokens are ever hashed (block
-        hashes follow the request's tokens), so the KV cache needs nothing undone."""
-        num_candidates = self._candidates.pop(scheduler_output.step_id, None)
-        if num_candidates is None:
-            return
+        hashes follow the request's tokens), so the KV cache needs nothing undone. Then
+        count, and tell the gate what the step produced."""
         drafts = scheduler_output.scheduled_spec_decode_tokens
-        num_accepted_total = 0
+        scheduled = scheduler_output.num_scheduled_tokens
         sampled = model_runner_output.sampled_token_ids
+        num_tokens = 0
         for i, request_id in enumerate(model_runner_output.req_ids):
-            scheduled = drafts.get(request_id)
+            num_tokens += len(sampled[i])
             request = requests.get(request_id)
-            if scheduled is None or request is None or not sampled[i]:
+            if request_id not in drafts or request is None or not sampled[i]:
                 continue
             num_accepted = len(sampled[i]) - 1
-            request.num_computed_tokens -= len(scheduled) - num_accepted
-            self.counters.count(len(scheduled), num_accepted)
-            num_accepted_total += num_accepted
-        self.gate.verified(num_candidates, num_accepted_total)
+            request.num_computed_tokens -= len(drafts[request_id]) - num_accepted
+            self.counters.count(len(drafts[request_id]), num_accepted)
+        decode_only = all(
+            n == 1 + len(drafts.get(request_id, ())) for request_id, n in scheduled.items()
+        )
+        self.gate.step_answered(scheduler_output.step_id, num_tokens, decode_only)
 
     def free(self, request_id: str) -> None:
         self.proposer.free(request_id)
-
-    def forget_steps(self) -> None:
-        """The steps in flight died with the workers."""
-        self._candidates.clear()

@@ -239,7 +239,7 @@ class EngineConfig:
         metadata=option(
             'speculative decoding, as vLLM\'s JSON: {"method": "ngram", '
             '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}; '
-            "also disable_by_batch_size and min_accepted_per_step (ipc/spec_config.py)",
+            "also disable_by_batch_size and adaptive (ipc/spec_config.py)",
             "off",
             parse=parse_speculative_config,
             metavar="JSON",

@@ -22,16 +22,16 @@ MAX_SPECULATIVE_TOKENS = 16
 @dataclass
 class SpeculativeConfig:
     """`disable_by_batch_size`: no drafts in a step while more requests than this are
-    running (vLLM's name); None: no bound. `min_accepted_per_step`: speculation pauses while
-    the recent verification steps accepted fewer draft tokens per speculating request than
-    this, then probes again (spec_decode.SpeculationGate); 0 never pauses."""
+    running (vLLM's name); None: no bound. `adaptive`: steps speculate only while measured
+    steps with drafts generate more tokens per second than steps without
+    (engine_core/spec_gate.py); off, every step below the bound speculates."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     disable_by_batch_size: int | None = None
-    min_accepted_per_step: float = 0.3
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.method in _PLANNED_METHODS:
@@ -54,10 +54,9 @@ class SpeculativeConfig:
         _check_int("prompt_lookup_max", self.prompt_lookup_max, self.prompt_lookup_min)
         if self.disable_by_batch_size is not None:
             _check_int("disable_by_batch_size", self.disable_by_batch_size, 1)
-        accepted = self.min_accepted_per_step
-        if isinstance(accepted, bool) or not isinstance(accepted, int | float) or accepted < 0:
+        if not isinstance(self.adaptive, bool):
             raise ValueError(
-                f"speculative_config: min_accepted_per_step must be a number >= 0, got {accepted!r}"
+                f"speculative_config: adaptive must be true or false, got {self.adaptive!r}"
             )
 
     @classmethod

@@ -69,7 +69,7 @@ request_strategy = st.fixed_dictionaries(
     speculation=st.sampled_from(
         [
             None,
-            {"num_speculative_tokens": 2, "prompt_lookup_min": 1, "min_accepted_per_step": 0},
+            {"num_speculative_tokens": 2, "prompt_lookup_min": 1, "adaptive": False},
             {"num_speculative_tokens": 4, "prompt_lookup_min": 2},
             {"num_speculative_tokens": 3, "prompt_lookup_min": 1, "disable_by_batch_size": 2},
         ]

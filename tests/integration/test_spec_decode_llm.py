@@ -12,7 +12,7 @@ from tests.integration.greedy import greedy_reference, random_prompts
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
 # Always speculate: the tiny model's tokens repeat too little for the gate's default.
-ALWAYS = {**SPEC, "min_accepted_per_step": 0}
+ALWAYS = {**SPEC, "adaptive": False}
 
 
 @pytest.fixture(scope="module")
