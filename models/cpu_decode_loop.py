@@ -120,11 +120,11 @@ class CPUDecodeLoop:
         group = self._attention[0].kv_cache_group
         md = ctx.attn_metadata[group]
         num_tokens = hidden.shape[0]
-        split = md.split
+        decodes = md.decodes
         if (
             num_tokens > self.max_rows
-            or split.num_prefills
-            or split.num_decodes != num_tokens
+            or md.split.num_prefills
+            or decodes.num != num_tokens
             or md.num_actual_tokens != num_tokens
         ):
             return None
@@ -138,10 +138,10 @@ class CPUDecodeLoop:
             positions.long().contiguous(),
             caches,
             md.slot_mapping,
-            md.block_table,
-            md.seq_lens,
-            split.decode_reqs,
-            md.decode_query_rows,
+            decodes.block_table,
+            decodes.seq_lens,
+            decodes.reqs,
+            decodes.rows,
         )
 
 
