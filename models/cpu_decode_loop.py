@@ -8,8 +8,10 @@ layers'. It takes a step when:
   LlamaDecoderLayer with RMSNorm, SiLU-and-mul, no q/k norm, every linear layer computed
   by int8-activation kernels (a quantized weight: `LinearMethodBase.decode_weight`) or
   dense without a packed copy, all layers in one KV cache group;
-- the step: only decodes, one query row each, on the CPU attention backend, no padding,
-  no more rows than the row-layout quantized kernels take (strips take any).
+- the step: on the CPU attention backend, every row a decode or a short row (at most
+  cpu_backend.SHORT_QUERY_LEN query tokens, as a speculative step's verification), which
+  the backend attends as one decode entry per query token; no padding, no more tokens
+  than the row-layout quantized kernels take (strips take any).
 Anything else runs the Python layers. SPLITSERVE_CPU_DECODE_LOOP=0 turns it off
 (`KernelSet.decode_loop`).
 """
@@ -123,7 +125,7 @@ class CPUDecodeLoop:
         decodes = md.decodes
         if (
             num_tokens > self.max_rows
-            or md.split.num_prefills
+            or md.long_prefill_reqs_cpu
             or decodes.num != num_tokens
             or md.num_actual_tokens != num_tokens
         ):
