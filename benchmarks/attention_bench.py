@@ -1,11 +1,15 @@
 r"""One decode step's attention for one layer: the torch backend (page gather + SDPA)
 against the C++ kernel (cpu backend), in the same process, on SmolLM2's shape by default
 (9 query heads, 3 KV heads, head_dim 64, bf16, block 16), contexts uniform in [lo, hi].
+With --query-len 2..8, each request's row has that many query tokens, as a speculative
+step's verification: the torch backend attends to each as a prefill (one SDPA per
+request), the cpu backend as one decode per token in its kernel call.
 With --triton, on a GPU: the Triton backend's decode launch split over the context
 (flash-decoding, as its heuristic picks) against the unsplit launch. With --sweep: the
 decode launch over key tile widths, num_warps and num_stages, against the default.
 
     python -m benchmarks.attention_bench [--decodes 256] [--context 100 512] [--threads 2]
+    python -m benchmarks.attention_bench --decodes 16 --query-len 5 --context 512 512
     python -m benchmarks.attention_bench --triton --decodes 4 --context 4096 32768
     python -m benchmarks.attention_bench --sweep --decodes 256 --context 100 2048 \
         --heads 16 --kv-heads 8 --head-dim 128      # Qwen3-0.6B, nano-vllm's decode mix
@@ -38,7 +42,7 @@ def decode_batch(
     args: argparse.Namespace,
 ) -> tuple[CommonAttentionMetadata, torch.Tensor, Attention]:
     gen = torch.Generator().manual_seed(0)
-    n, bs = args.decodes, args.block_size
+    n, bs, query_len = args.decodes, args.block_size, args.query_len
     seq_lens = torch.randint(args.context[0], args.context[1] + 1, (n,), generator=gen)
     if args.longest_first:
         seq_lens = seq_lens.sort(descending=True).values
@@ -51,12 +55,12 @@ def decode_batch(
     shape = (2, num_blocks, bs, args.kv_heads, args.head_dim)
     cache = zeros_on_huge_pages(shape, dtype)  # as the worker allocates it
     cache.copy_(torch.randn(shape, generator=gen))
-    starts = torch.arange(n + 1, dtype=torch.int32)
-    last = seq_lens - 1
-    slots = table.gather(1, (last // bs)[:, None])[:, 0] * bs + last % bs
+    starts = torch.arange(n + 1, dtype=torch.int32) * query_len
+    positions = seq_lens[:, None] - query_len + torch.arange(query_len)  # each row's tokens
+    slots = (table.gather(1, positions // bs) * bs + positions % bs).flatten()
     common = CommonAttentionMetadata(
-        num_actual_tokens=n,
-        max_query_len=1,
+        num_actual_tokens=n * query_len,
+        max_query_len=query_len,
         max_seq_len=int(seq_lens.max()),
         query_start_loc=starts,
         seq_lens=seq_lens.to(torch.int32),
@@ -72,7 +76,8 @@ def decode_batch(
 
 def time_backend(backend, common, layer, args) -> float:
     device = layer.kv_cache.device
-    q = torch.randn(args.decodes, (args.heads + 2 * args.kv_heads) * args.head_dim)
+    num_tokens = args.decodes * args.query_len
+    q = torch.randn(num_tokens, (args.heads + 2 * args.kv_heads) * args.head_dim)
     q, k, v = q.to(device, layer.kv_cache.dtype).split(
         [args.heads * args.head_dim, args.kv_heads * args.head_dim, args.kv_heads * args.head_dim],
         1,
@@ -144,6 +149,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--decodes", type=int, default=256)
     p.add_argument("--context", type=int, nargs=2, default=(100, 512))
+    p.add_argument("--query-len", type=int, default=1, help="query tokens per request")
     p.add_argument("--heads", type=int, default=9)
     p.add_argument("--kv-heads", type=int, default=3)
     p.add_argument("--head-dim", type=int, default=64)

@@ -81,8 +81,10 @@ class DecodeLoop {
   }
 
   // hidden [T, hidden_size] (the embeddings; taken over as the residual stream), positions
-  // [T] int64, one KV cache per layer, and the step's attention metadata for T decodes of
-  // one query row each. Returns (hidden, residual) after the last layer, before the norm.
+  // [T] int64, one KV cache per layer, the step's slot mapping, and paged_decode's entries
+  // for its T query rows (cpu_backend.DecodeEntries: a decode row, or one token of a short
+  // row, each with its own seq_len). Returns (hidden, residual) after the last layer,
+  // before the norm.
   std::pair<at::Tensor, at::Tensor> forward(
       at::Tensor hidden, const at::Tensor& positions,
       const std::vector<at::Tensor>& kv_caches, const at::Tensor& slot_mapping,

@@ -8,8 +8,10 @@ layers'. It takes a step when:
   LlamaDecoderLayer with RMSNorm, SiLU-and-mul, no q/k norm, every linear layer computed
   by int8-activation kernels (a quantized weight: `LinearMethodBase.decode_weight`) or
   dense without a packed copy, all layers in one KV cache group;
-- the step: only decodes, one query row each, on the CPU attention backend, no padding,
-  no more rows than the row-layout quantized kernels take (strips take any).
+- the step: on the CPU attention backend, every row a decode or a short row (at most
+  cpu_backend.SHORT_QUERY_LEN query tokens, as a speculative step's verification), which
+  the backend attends as one decode entry per query token; no padding, no more tokens
+  than the row-layout quantized kernels take (strips take any).
 Anything else runs the Python layers. SPLITSERVE_CPU_DECODE_LOOP=0 turns it off
 (`KernelSet.decode_loop`).
 """
@@ -120,11 +122,11 @@ class CPUDecodeLoop:
         group = self._attention[0].kv_cache_group
         md = ctx.attn_metadata[group]
         num_tokens = hidden.shape[0]
-        split = md.split
+        decodes = md.decodes
         if (
             num_tokens > self.max_rows
-            or split.num_prefills
-            or split.num_decodes != num_tokens
+            or md.long_prefill_reqs_cpu
+            or decodes.num != num_tokens
             or md.num_actual_tokens != num_tokens
         ):
             return None
@@ -138,10 +140,10 @@ class CPUDecodeLoop:
             positions.long().contiguous(),
             caches,
             md.slot_mapping,
-            md.block_table,
-            md.seq_lens,
-            split.decode_reqs,
-            md.decode_query_rows,
+            decodes.block_table,
+            decodes.seq_lens,
+            decodes.reqs,
+            decodes.rows,
         )
 
 

@@ -65,14 +65,15 @@ def test_fused_layer_kernels(kernels, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("head_dim", [64, 80])
 def test_paged_attention(kernels, dtype, head_dim):
-    """Decodes, a chunked prefill with a cached prefix and a fresh prompt through the CPU
-    backend, K/V stored by its C++ copy, against the torch backend."""
+    """Decodes, short rows (decode-kernel entries: one crossing a page, a fresh prompt), a
+    chunked prefill with a cached prefix and a fresh prompt through the CPU backend, K/V
+    stored by its C++ copy, against the torch backend."""
     module = load_cpu_attention(kernels)
     assert module is not None and not module.has_amx_path()
-    reqs = PagedRequests([70, 33, 40, 9], 8, 2, head_dim, 16, dtype=dtype)
-    for req, length in ((0, 69), (1, 32), (2, 10)):
+    reqs = PagedRequests([70, 33, 40, 9, 19, 3], 8, 2, head_dim, 16, dtype=dtype)
+    for req, length in ((0, 69), (1, 32), (2, 10), (4, 14)):
         reqs.cache_prefix(req, length)
-    schedule = [(0, 69, 1), (1, 32, 1), (2, 10, 30), (3, 0, 9)]
+    schedule = [(0, 69, 1), (4, 14, 5), (1, 32, 1), (2, 10, 30), (5, 0, 3), (3, 0, 9)]
     expected = reqs.run_step(TorchAttentionBackend(), schedule)
     got = reqs.run_step(CPUAttentionBackend(module), schedule)
     tolerance = dict(atol=2e-2, rtol=2e-2) if dtype == torch.bfloat16 else {}

@@ -1,16 +1,21 @@
 """The CPU decode loop (models/cpu_decode_loop.py) against the Python layers it replaces:
 the same tokens and bitwise the same logprobs with the loop on and off, on GGUF weights
 (strips or rows, whichever this machine's kernels hold), with and without qkv bias, and
-on a dense checkpoint; steps it does not take (prefills, mixed batches) run the layers.
+on a dense checkpoint; steps of short rows (chunks of up to SHORT_QUERY_LEN tokens) are
+taken, steps it does not take (longer prefills, mixed batches with them) run the layers.
 Also the models it refuses and the capsule check between the kernel modules."""
+
+from dataclasses import dataclass
 
 import pytest
 import torch
 
-from attention.backends.cpu_backend import load_cpu_attention
+from attention.backends.cpu_backend import SHORT_QUERY_LEN, load_cpu_attention
+from attention.forward_context import get_forward_context
 from kernels import KernelSet
 from models.cpu_decode_loop import CPUDecodeLoop, decode_loop_module
 from models.layers.fused_ops import fused_ops
+from models.quantization.cpu_quant_linear import TILE_ROWS
 from splitserve import LLM, SamplingParams
 from tests.integration.greedy import random_prompts
 from tests.models.tiny import make_tiny_checkpoint
@@ -29,19 +34,26 @@ LOOP_TYPES = {
 }
 
 
+@dataclass(frozen=True)
+class Step:
+    taken: bool  # by the loop
+    max_query_len: int
+
+
 @pytest.fixture
-def loop_steps(monkeypatch):
-    """How many steps the loop took, counted as they run."""
-    taken = []
+def loop_steps(monkeypatch) -> list[Step]:
+    """The steps offered to the loop, recorded as they run."""
+    steps = []
     call = CPUDecodeLoop.__call__
 
     def counted(self, hidden, positions):
         out = call(self, hidden, positions)
-        taken.append(out is not None)
+        md = get_forward_context().attn_metadata[0]
+        steps.append(Step(out is not None, md.max_query_len))
         return out
 
     monkeypatch.setattr(CPUDecodeLoop, "__call__", counted)
-    return taken
+    return steps
 
 
 def _run(monkeypatch, loop: bool, model: str, **llm_kwargs) -> list:
@@ -58,7 +70,9 @@ def _run(monkeypatch, loop: bool, model: str, **llm_kwargs) -> list:
 
 def _check_same(monkeypatch, loop_steps, model: str, **llm_kwargs) -> None:
     with_loop = _run(monkeypatch, True, model, **llm_kwargs)
-    assert any(loop_steps) and not all(loop_steps)  # decodes taken, prefills not
+    taken = [step.taken for step in loop_steps]
+    assert any(taken) and not all(taken)  # decodes taken, prefills not
+    assert not any(s.taken for s in loop_steps if s.max_query_len > SHORT_QUERY_LEN)
     loop_steps.clear()
     without = _run(monkeypatch, False, model, **llm_kwargs)
     assert not loop_steps
@@ -84,6 +98,26 @@ def test_dense_checkpoint_loop_is_bitwise_the_layers(
 def test_steps_mixing_prefill_chunks_and_decodes_run_the_layers(tmp_path, monkeypatch, loop_steps):
     path, _ = write_tiny_gguf(tmp_path, "llama", types=LOOP_TYPES)
     _check_same(monkeypatch, loop_steps, str(path), dtype="float32", max_num_batched_tokens=16)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "budget"),
+    [("float32", SHORT_QUERY_LEN), ("bfloat16", TILE_ROWS.start - 1)],
+)  # bf16 rows from TILE_ROWS on may take the bf16 tiles, which the loop does not run
+def test_steps_of_short_rows_are_taken_and_bitwise_the_layers(
+    tmp_path, monkeypatch, loop_steps, dtype, budget
+):
+    """Prompts in chunks of at most `budget` tokens: fresh, after a cached prefix
+    (crossing pages), beside decodes, as a speculative step's rows of 1 + k tokens are.
+    Every step is short rows and decodes, which the loop takes, bitwise the layers."""
+    path, _ = write_tiny_gguf(tmp_path, "llama", types=LOOP_TYPES)
+    kwargs = dict(dtype=dtype, max_num_batched_tokens=budget)
+    with_loop = _run(monkeypatch, True, str(path), **kwargs)
+    assert all(s.taken for s in loop_steps)
+    assert any(s.max_query_len > 1 for s in loop_steps)
+    loop_steps.clear()
+    assert with_loop == _run(monkeypatch, False, str(path), **kwargs)
+    assert not loop_steps
 
 
 @pytest.mark.parametrize(
