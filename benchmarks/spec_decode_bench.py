@@ -3,11 +3,12 @@ r"""Speculative decoding (ngram) against plain decoding, offline (`LLM`), in one
 Three chat workloads on the default model (greedy, EOS respected, at most --max-tokens
 tokens each): `repeat` asks to write a paragraph out again with its typos fixed (the
 answer copies the prompt), `code` to complete a Python class whose methods repeat its
-fields, `chat` asks open questions. For concurrency C, --requests max(8, C) requests run in
-waves of C (each wave one `generate`, so up to C streams decode together). Output tok/s is
-the tokens generated over the wall time of the waves; greedy speculation is exact, so both
-engines generate the same tokens (the script counts requests whose tokens differ: rounding
-differences between a verification row and a single-token step can flip a near tie).
+fields, `chat` asks open questions. For concurrency C, max(8, --requests-per-stream x C)
+requests run in a closed loop on the EngineCore: C in flight, the next added as one
+finishes (as a serving benchmark's max concurrency). Output tok/s is the tokens generated
+over the wall time; greedy speculation is exact, so both engines generate the same tokens
+(the script counts requests whose tokens differ: a near tie can flip where a
+verification row and a single-token step round differently).
 
 Each engine starts once and warms up on a short wave; `plain` runs without a speculative
 config, `ngram-kK` with {"method": "ngram", "num_speculative_tokens": K,
@@ -25,6 +26,7 @@ import argparse
 import random
 import subprocess
 import time
+from collections import deque
 
 from ipc.sampling_params import SamplingParams
 
@@ -96,23 +98,37 @@ PROMPTS = {"repeat": repeat_prompt, "code": code_prompt, "chat": lambda i: CHAT[
 
 
 def run_cell(llm, workload: str, concurrency: int, args) -> dict:
-    n = max(8, concurrency)
-    messages = [[{"role": "user", "content": PROMPTS[workload](i)}] for i in range(n)]
+    """Closed loop: `concurrency` requests in flight, the next one added as one finishes,
+    until --requests-per-stream x concurrency (at least 8) have run."""
+    n = max(8, args.requests_per_stream * concurrency)
+    processor, engine = llm.input_processor, llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    before = llm.engine.get_stats()
-    tokens = []
+    pending = deque()
+    for i in range(n):
+        ids = processor.chat_token_ids([{"role": "user", "content": PROMPTS[workload](i)}])
+        pending.append(processor.process(ids, params, f"{workload}-{concurrency}-{i}")[0])
+    before = engine.get_stats()
+    tokens: dict[str, list[int]] = {}
+    in_flight: set[str] = set()
     start = time.perf_counter()
-    for wave in range(0, n, concurrency):
-        outs = llm.chat(messages[wave : wave + concurrency], params, use_tqdm=False)
-        tokens += [o.outputs[0].token_ids for o in outs]
+    while pending or in_flight:
+        while pending and len(in_flight) < concurrency:
+            request = pending.popleft()
+            engine.add_request(request)
+            in_flight.add(request.request_id)
+            tokens[request.request_id] = []
+        for out in engine.step().outputs:
+            tokens[out.request_id] += out.new_token_ids
+            if out.finish_reason is not None:
+                in_flight.discard(out.request_id)
     seconds = time.perf_counter() - start
-    after = llm.engine.get_stats()
+    after = engine.get_stats()
     drafts = after.spec_decode_num_drafts - before.spec_decode_num_drafts
     draft_tokens = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
     accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
     return {
-        "tok_s": sum(map(len, tokens)) / seconds,
-        "tokens": tokens,
+        "tok_s": sum(map(len, tokens.values())) / seconds,
+        "tokens": list(tokens.values()),
         "acceptance": accepted / draft_tokens if draft_tokens else None,
         "mean_len": 1 + accepted / drafts if drafts else None,
     }
@@ -135,6 +151,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--workloads", nargs="+", default=list(PROMPTS), choices=list(PROMPTS))
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--requests-per-stream", type=int, default=2)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--no-gate", action="store_true", help="adaptive false")
     args = parser.parse_args()

@@ -88,7 +88,6 @@ class SpecDecoding:
         hashes follow the request's tokens), so the KV cache needs nothing undone. Then
         count, and tell the gate what the step produced."""
         drafts = scheduler_output.scheduled_spec_decode_tokens
-        scheduled = scheduler_output.num_scheduled_tokens
         sampled = model_runner_output.sampled_token_ids
         num_tokens = 0
         for i, request_id in enumerate(model_runner_output.req_ids):
@@ -99,10 +98,7 @@ class SpecDecoding:
             num_accepted = len(sampled[i]) - 1
             request.num_computed_tokens -= len(drafts[request_id]) - num_accepted
             self.counters.count(len(drafts[request_id]), num_accepted)
-        decode_only = all(
-            n == 1 + len(drafts.get(request_id, ())) for request_id, n in scheduled.items()
-        )
-        self.gate.step_answered(scheduler_output.step_id, num_tokens, decode_only)
+        self.gate.step_answered(scheduler_output.step_id, num_tokens)
 
     def free(self, request_id: str) -> None:
         self.proposer.free(request_id)

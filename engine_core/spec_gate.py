@@ -2,32 +2,88 @@
 
 Verifying k drafts makes a step dearer than a plain one: the drafts' compute (nearly free
 while a step is bound by reading the weights, as a small-batch GPU decode; nearly linear
-in the tokens once it is compute-bound, as a CPU step or a large batch), the lockstep (a
-step with drafts loses the overlap of async scheduling) and the rejected drafts. Whether
-the accepted drafts make up for it depends on the hardware, the batch and the text, so the
-gate measures it. It alternates:
+in the tokens once it is compute-bound, as a CPU step of more than a few requests), the
+lockstep (a step with drafts loses the overlap of async scheduling) and the rejected
+drafts. Whether the accepted drafts make up for it depends on the hardware, the batch and
+the text, so the gate measures it, for each batch-size bucket (running requests, powers of
+two) on its own. A bucket alternates:
 
-    measure: _WINDOW decode-only steps with drafts, then _WINDOW without
+    measure: _WINDOW steps with drafts, then _WINDOW without
     run:     the faster of the two (generated tokens per second) for a run of steps
 
-A run lasts _MIN_RUN steps, doubling (up to _MAX_RUN) each time the same mode wins again;
-then both are measured again. A step counts for its mode when it only decoded (a prefill
-chunk would make it look slow), from when it was scheduled (or the last answer, when it was
-scheduled ahead of it) to its answer. A new batch-size bucket (running requests, powers of
-two) starts a new measurement. `disable_by_batch_size` (vLLM's) bounds it outright, and
-with `adaptive` off every step below that bound speculates.
+A run lasts _MIN_RUN of the bucket's steps, doubling (up to _MAX_RUN) each time the same
+mode wins again; then both are measured again. A bucket keeps its state while the batch
+is in another, so a batch that shrinks and grows goes back to what each size measured. A
+step counts from when it was scheduled (or the last answer, when it was scheduled ahead of
+it) to its answer. Steps with prefill chunks count too: new requests arrive in both modes
+alike, and a server that only counted decode-only steps would never finish measuring
+under a steady stream of arrivals. `disable_by_batch_size` (vLLM's) bounds it outright,
+and with `adaptive` off every step below that bound speculates.
+
+Measured on a 2-core AVX2 CPU (SmolLM2-135M Q4_1, k = 4, drafts ~70 % accepted): steps
+with drafts generated 2.1x the tokens per second of plain steps with one request running,
+0.8x with 8 to 15 and about 0.95x with 33 to 64.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from ipc.spec_config import SpeculativeConfig
 
 _WINDOW = 8
 _MIN_RUN = 16
 _MAX_RUN = 512
+
+
+def _no_measures() -> dict[bool, list]:
+    return {True: [0, 0.0, 0], False: [0, 0.0, 0]}  # tokens, seconds, steps
+
+
+@dataclass
+class BucketState:
+    mode: bool = True  # whether the current window or run speculates
+    measuring: bool = True
+    measured: dict[bool, list] = field(default_factory=_no_measures)
+    run_length: int = _MIN_RUN
+    run_left: int = 0
+    last_winner: bool | None = None
+
+    def measure(self) -> None:
+        self.measuring, self.mode, self.measured = True, True, _no_measures()
+
+    def count(self, speculated: bool, num_tokens: int, seconds: float) -> None:
+        if not self.measuring or speculated != self.mode:
+            return
+        window = self.measured[speculated]
+        window[0] += num_tokens
+        window[1] += seconds
+        window[2] += 1
+        if window[2] < _WINDOW:
+            return
+        if self.mode:
+            self.mode = False
+            return
+        self._run(self._rate(True) > self._rate(False))
+
+    def step_scheduled(self) -> None:
+        if not self.measuring:
+            self.run_left -= 1
+            if self.run_left <= 0:
+                self.measure()
+
+    def _rate(self, mode: bool) -> float:
+        tokens, seconds, _ = self.measured[mode]
+        return tokens / seconds if seconds > 0 else float(tokens)
+
+    def _run(self, winner: bool) -> None:
+        self.run_length = min(2 * self.run_length, _MAX_RUN)
+        if winner != self.last_winner:
+            self.run_length = _MIN_RUN
+        self.last_winner = winner
+        self.measuring, self.mode, self.run_left = False, winner, self.run_length
 
 
 class SpeculationGate:
@@ -37,76 +93,43 @@ class SpeculationGate:
         self.disable_by_batch_size = config.disable_by_batch_size
         self.adaptive = config.adaptive
         self.clock = clock
-        self.mode = True  # whether the current window or run speculates
-        self.measuring = True
-        self.bucket: int | None = None
-        # [tokens, seconds, steps] measured in this round, with drafts and without.
-        self.measured = {True: [0, 0.0, 0], False: [0, 0.0, 0]}
-        self.run_length = _MIN_RUN
-        self.run_left = 0
-        self.last_winner: bool | None = None
+        self.buckets: dict[int, BucketState] = {}
         self.last_answer: float | None = None
-        self.scheduled: dict[int, tuple[float, bool]] = {}  # step id -> (time, speculated)
+        # step id -> (time scheduled, speculated, bucket)
+        self.scheduled: dict[int, tuple[float, bool, int]] = {}
+
+    def bucket(self, num_running: int) -> BucketState:
+        return self.buckets.setdefault(_bucket(num_running), BucketState())
 
     def speculates(self, num_running: int) -> bool:
         """Whether the next step proposes drafts, with `num_running` requests running."""
         bound = self.disable_by_batch_size
         if bound is not None and num_running > bound:
             return False
-        if not self.adaptive or _bucket(num_running) != self.bucket:
-            return True  # a new bucket's measurement starts with drafts
-        return self.mode
+        if not self.adaptive:
+            return True
+        state = self.buckets.get(_bucket(num_running))
+        return state is None or state.mode  # a new bucket's measurement starts with drafts
 
     def step_scheduled(self, step_id: int, num_running: int, speculated: bool) -> None:
-        if self.adaptive and _bucket(num_running) != self.bucket:
-            self.bucket = _bucket(num_running)
-            self.last_winner = None
-            self._measure()
-        self.scheduled[step_id] = (self.clock(), speculated)
-        if not self.measuring:
-            self.run_left -= 1
-            if self.run_left <= 0:
-                self._measure()
+        self.scheduled[step_id] = (self.clock(), speculated, _bucket(num_running))
+        if self.adaptive:
+            self.bucket(num_running).step_scheduled()
 
-    def step_answered(self, step_id: int, num_tokens: int, decode_only: bool) -> None:
-        """Step `step_id` generated `num_tokens` tokens; `decode_only`: it ran no prefill."""
+    def step_answered(self, step_id: int, num_tokens: int) -> None:
+        """Step `step_id` generated `num_tokens` tokens."""
         now = self.clock()
         entry = self.scheduled.pop(step_id, None)
         last, self.last_answer = self.last_answer, now
-        if entry is None or not self.measuring or not decode_only:
+        if entry is None or not self.adaptive:
             return
-        start, speculated = entry
-        if speculated != self.mode:
-            return
-        window = self.measured[speculated]
-        window[0] += num_tokens
-        window[1] += now - max(start, last if last is not None else start)
-        window[2] += 1
-        if window[2] < _WINDOW:
-            return
-        if self.mode:
-            self.mode = False
-            return
-        self._run(self._rate(True) > self._rate(False))
+        start, speculated, bucket = entry
+        seconds = now - max(start, last if last is not None else start)
+        self.buckets[bucket].count(speculated, num_tokens, seconds)
 
     def forget_steps(self) -> None:
         """The steps in flight died with the workers."""
         self.scheduled.clear()
-
-    def _rate(self, mode: bool) -> float:
-        tokens, seconds, _ = self.measured[mode]
-        return tokens / seconds if seconds > 0 else float(tokens)
-
-    def _measure(self) -> None:
-        self.measuring, self.mode = True, True
-        self.measured = {True: [0, 0.0, 0], False: [0, 0.0, 0]}
-
-    def _run(self, winner: bool) -> None:
-        self.run_length = min(2 * self.run_length, _MAX_RUN)
-        if winner != self.last_winner:
-            self.run_length = _MIN_RUN
-        self.last_winner = winner
-        self.measuring, self.mode, self.run_left = False, winner, self.run_length
 
 
 def _bucket(num_running: int) -> int:

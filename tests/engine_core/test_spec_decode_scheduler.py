@@ -139,8 +139,8 @@ def test_the_gate_keeps_drafts_that_pay():
     engine, executor = gated_engine({"r": [5, 6, 7, 8] * 40})
     engine.add_request(make_request("r", [5, 6, 7, 8] * 2, max_tokens=150, ignore_eos=True))
     run_to_completion(engine)
-    gate = engine.scheduler.spec.gate
-    assert gate.last_winner is True and gate.run_length > 16
+    state = engine.scheduler.spec.gate.buckets[1]
+    assert state.last_winner is True and state.run_length > 16
     with_drafts = [bool(so.scheduled_spec_decode_tokens) for so in executor.outputs[1:]]
     assert sum(with_drafts) > 0.6 * len(with_drafts)
 
@@ -152,8 +152,8 @@ def test_the_gate_turns_off_drafts_that_do_not_pay(async_scheduling):
     engine, executor = gated_engine(script, async_scheduling=async_scheduling)
     engine.add_request(make_request("r", [5, 6, 5, 6, 5], max_tokens=150, ignore_eos=True))
     run_to_completion(engine)
-    gate = engine.scheduler.spec.gate
-    assert gate.last_winner is False and gate.run_length > 16
+    state = engine.scheduler.spec.gate.buckets[1]
+    assert state.last_winner is False and state.run_length > 16
     steps = executor.outputs[1:]
     lockstep = sum(so.lockstep for so in steps)
     # Two windows of 8 with drafts: 8 at the start, 8 after the first run of 16 plain
@@ -163,17 +163,22 @@ def test_the_gate_turns_off_drafts_that_do_not_pay(async_scheduling):
         assert lockstep <= 3 * 8 + 2  # plain steps overlap again
 
 
-def test_a_new_batch_size_bucket_is_measured_again():
-    engine, executor = gated_engine({"a": [5] + list(range(100, 200))}, k=2, max_num_seqs=8)
+def test_each_batch_size_bucket_is_measured_on_its_own():
+    script = {"a": [5] + list(range(100, 200))}
+    engine, executor = gated_engine(script, k=2, max_num_seqs=8)
     gate = engine.scheduler.spec.gate
     engine.add_request(make_request("a", [5, 6, 5, 6], max_tokens=60, ignore_eos=True))
     for _ in range(30):
         engine.step()
-    assert gate.bucket == 1 and not gate.measuring and gate.mode is False
+    alone = gate.buckets[1]
+    assert not alone.measuring and alone.mode is False
     for name in "bcd":
-        engine.add_request(make_request(name, [9, 9, 9, 9], max_tokens=60, ignore_eos=True))
+        engine.add_request(make_request(name, [9, 9, 9, 9], max_tokens=3, ignore_eos=True))
     engine.step()
-    assert gate.bucket == 3 and gate.measuring and gate.mode is True
+    assert set(gate.buckets) == {1, 3} and gate.buckets[3].measuring
+    assert gate.speculates(4) and not gate.speculates(1)
+    run_to_completion(engine)
+    assert gate.buckets[1] is alone  # back alone: its run goes on
 
 
 def test_without_adaptive_every_step_may_speculate():
@@ -181,7 +186,7 @@ def test_without_adaptive_every_step_may_speculate():
     engine.add_request(make_request("r", [5, 6, 5, 6, 5], max_tokens=40, ignore_eos=True))
     run_to_completion(engine)
     assert all(so.lockstep for so in executor.outputs)
-    assert engine.scheduler.spec.gate.measuring  # never judged
+    assert not engine.scheduler.spec.gate.buckets  # never judged
 
 
 def test_disable_by_batch_size_turns_drafts_off_while_more_requests_run():
