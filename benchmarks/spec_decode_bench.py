@@ -10,7 +10,9 @@ over the wall time; greedy speculation is exact, so both engines generate the sa
 (the script counts requests whose tokens differ: a near tie can flip where a
 verification row and a single-token step round differently).
 
-Each engine starts once and warms up on a short wave; `plain` runs without a speculative
+Every engine (1 GiB of KV cache each) starts once and warms up on a short wave, and each
+cell runs on every engine back to back (the CPU's speed drifts over minutes); `plain` runs
+without a speculative
 config, `ngram-kK` with {"method": "ngram", "num_speculative_tokens": K,
 "prompt_lookup_min": 2, "prompt_lookup_max": 4} and the gate at its defaults (--no-gate
 sets adaptive false: every step speculates). The acceptance rate and mean acceptance
@@ -140,7 +142,7 @@ def make_llm(spec: dict | None, args):
 
     model, tokenizer = serve_args()[1], serve_args()[3]
     llm = LLM(model, tokenizer=tokenizer, max_num_seqs=max(args.concurrency),
-              speculative_config=spec, dtype=args.dtype)  # fmt: skip
+              speculative_config=spec, dtype=args.dtype, kv_cache_memory=1 << 30)  # fmt: skip
     llm.chat([[{"role": "user", "content": "Hello!"}]] * 2, SamplingParams(max_tokens=16))
     return llm
 
@@ -165,12 +167,13 @@ def main() -> None:
             spec["adaptive"] = False
         configs[f"ngram-k{k}"] = spec
     results: dict[tuple[str, str, int], dict] = {}
-    for name, spec in configs.items():
-        llm = make_llm(spec, args)
-        for workload in args.workloads:
-            for c in args.concurrency:
+    engines = {name: make_llm(spec, args) for name, spec in configs.items()}
+    for workload in args.workloads:
+        for c in args.concurrency:
+            for name, llm in engines.items():  # back to back: the CPU's speed drifts
                 cell = results[name, workload, c] = run_cell(llm, workload, c, args)
                 print(f"{name:9} {workload:6} c={c:<3} {cell['tok_s']:7.1f} tok/s", flush=True)
+    for llm in engines.values():
         llm.shutdown()
     print("\n| workload | concurrency | plain tok/s | " + " | ".join(list(configs)[1:]) + " |")
     print("|---|---|---|" + "---|" * (len(configs) - 1))

@@ -14,6 +14,9 @@ two) on its own. A bucket alternates:
 A run lasts _MIN_RUN of the bucket's steps, doubling (up to _MAX_RUN) each time the same
 mode wins again; then both are measured again. A bucket keeps its state while the batch
 is in another, so a batch that shrinks and grows goes back to what each size measured. A
+bucket seen for the first time starts with a run instead of a measurement when a smaller
+bucket found drafts do not pay (a larger batch is more compute-bound, so they pay less)
+or a larger one found they do. A
 step counts from when it was scheduled (or the last answer, when it was scheduled ahead of
 it) to its answer. Steps with prefill chunks count too: new requests arrive in both modes
 alike, and a server that only counted decode-only steps would never finish measuring
@@ -53,6 +56,12 @@ class BucketState:
 
     def measure(self) -> None:
         self.measuring, self.mode, self.measured = True, True, _no_measures()
+
+    def start_run(self, mode: bool) -> None:
+        """A run of _MIN_RUN steps in `mode`, as if it had been measured the winner."""
+        self.last_winner = mode
+        self.measuring, self.mode = False, mode
+        self.run_length = self.run_left = _MIN_RUN
 
     def count(self, speculated: bool, num_tokens: int, seconds: float) -> None:
         if not self.measuring or speculated != self.mode:
@@ -99,17 +108,23 @@ class SpeculationGate:
         self.scheduled: dict[int, tuple[float, bool, int]] = {}
 
     def bucket(self, num_running: int) -> BucketState:
-        return self.buckets.setdefault(_bucket(num_running), BucketState())
+        index = _bucket(num_running)
+        state = self.buckets.get(index)
+        if state is None:
+            state = self.buckets[index] = BucketState()
+            others = self.buckets.items()
+            smaller_lost = any(k < index and s.last_winner is False for k, s in others)
+            larger_won = any(k > index and s.last_winner is True for k, s in others)
+            if smaller_lost or larger_won:
+                state.start_run(not smaller_lost)
+        return state
 
     def speculates(self, num_running: int) -> bool:
         """Whether the next step proposes drafts, with `num_running` requests running."""
         bound = self.disable_by_batch_size
         if bound is not None and num_running > bound:
             return False
-        if not self.adaptive:
-            return True
-        state = self.buckets.get(_bucket(num_running))
-        return state is None or state.mode  # a new bucket's measurement starts with drafts
+        return not self.adaptive or self.bucket(num_running).mode
 
     def step_scheduled(self, step_id: int, num_running: int, speculated: bool) -> None:
         self.scheduled[step_id] = (self.clock(), speculated, _bucket(num_running))

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from stand_in_executor import make_engine, make_request, run_to_completion
 
 from engine_core.ngram_proposer import NgramProposer
+from engine_core.spec_gate import SpeculationGate
 from ipc.config import EngineConfig
 from ipc.spec_config import SpeculativeConfig
 
@@ -175,10 +176,24 @@ def test_each_batch_size_bucket_is_measured_on_its_own():
     for name in "bcd":
         engine.add_request(make_request(name, [9, 9, 9, 9], max_tokens=3, ignore_eos=True))
     engine.step()
-    assert set(gate.buckets) == {1, 3} and gate.buckets[3].measuring
-    assert gate.speculates(4) and not gate.speculates(1)
+    # Drafts did not pay for one request: four start without them, in a run.
+    assert set(gate.buckets) == {1, 3} and not gate.buckets[3].measuring
+    assert not gate.speculates(4) and not gate.speculates(1)
     run_to_completion(engine)
     assert gate.buckets[1] is alone  # back alone: its run goes on
+
+
+def test_a_new_bucket_is_measured_unless_a_neighbour_decides_it():
+    gate = SpeculationGate(SpeculativeConfig())
+    assert gate.speculates(1) and gate.buckets[1].measuring
+    gate.buckets[1].start_run(True)
+    assert gate.speculates(8) and gate.buckets[4].measuring  # larger: measure it
+    gate.buckets[4].start_run(False)
+    assert not gate.speculates(40) and not gate.buckets[6].measuring  # a smaller lost
+    assert gate.speculates(2) and gate.buckets[2].measuring  # none lost below, none won above
+    gate = SpeculationGate(SpeculativeConfig())
+    gate.bucket(40).start_run(True)
+    assert gate.speculates(3) and not gate.buckets[2].measuring  # a larger won
 
 
 def test_without_adaptive_every_step_may_speculate():
