@@ -16,12 +16,12 @@ mode wins again; then both are measured again. A bucket keeps its state while th
 is in another, so a batch that shrinks and grows goes back to what each size measured. A
 bucket seen for the first time starts with a run instead of a measurement when a smaller
 bucket found drafts do not pay (a larger batch is more compute-bound, so they pay less)
-or a larger one found they do. A
-step counts from when it was scheduled (or the last answer, when it was scheduled ahead of
-it) to its answer. Steps with prefill chunks count too: new requests arrive in both modes
-alike, and a server that only counted decode-only steps would never finish measuring
-under a steady stream of arrivals. `disable_by_batch_size` (vLLM's) bounds it outright,
-and with `adaptive` off every step below that bound speculates.
+or a larger one found they do. A step counts from when it was scheduled (or the last
+answer, when it was scheduled ahead of it) to its answer. Steps with prefill chunks count
+too: new requests arrive in both modes alike, and a server that only counted decode-only
+steps would never finish measuring under a steady stream of arrivals.
+`disable_by_batch_size` (vLLM's) bounds it outright, and with `adaptive` off every step
+below that bound speculates.
 
 Measured on a 2-core AVX2 CPU (SmolLM2-135M Q4_1, k = 4, drafts ~70 % accepted): steps
 with drafts generated 2.1x the tokens per second of plain steps with one request running,

@@ -339,7 +339,7 @@ class ModelRunner:
             )
         verification = None
         if step.num_logits is not None:
-            verification = self._verification(step)
+            verification = self._verification(step, so.scheduled_spec_decode_tokens)
         sampled, logprobs = self._sample(logits, step)
         host_buffer = None
         if self._host_samples:
@@ -355,23 +355,18 @@ class ModelRunner:
             failed,
             host_buffer,
             verification,
+            step.logits_rows,
         )
         self._unfinished.append(launched)
         return launched
 
-    def _verification(self, step: StepInputs) -> DraftVerification:
-        """The drafts of the step's sample rows (in their token tables, after the known
-        tokens) and, where the step draws, the seeded rows' generator states before it."""
+    def _verification(
+        self, step: StepInputs, scheduled_drafts: dict[str, list[int]]
+    ) -> DraftVerification:
+        """The drafts of the step's sample rows and, where the step draws, the seeded
+        rows' generator states before it."""
         batch = self.input_batch
-        drafts = [
-            batch.token_ids[row, start : start + d].tolist()
-            for row, start, d in zip(
-                step.sample_rows,
-                batch.num_tokens[step.sample_rows],
-                batch.num_draft_tokens[step.sample_rows],
-                strict=True,
-            )
-        ]
+        drafts = [scheduled_drafts.get(batch.req_ids[row], []) for row in step.sample_rows]
         states = {}
         metadata = step.sampling_metadata
         if metadata is not None and not metadata.all_greedy and batch.generators:

@@ -30,15 +30,9 @@ class StepInputs:
     # verifies d drafts its last d + 1 tokens (one logits row per position).
     logits_indices: torch.Tensor
     sampling_metadata: SamplingMetadata | None  # when this rank samples and a row does
+    logits_rows: np.ndarray  # the batch row of each logits row (sample_rows without drafts)
     # With drafts: each sample row's number of logits rows (d + 1), else None.
     num_logits: np.ndarray | None = None
-
-    @property
-    def logits_rows(self) -> np.ndarray:
-        """The batch row of each logits row."""
-        if self.num_logits is None:
-            return self.sample_rows
-        return np.repeat(self.sample_rows, self.num_logits)
 
 
 @dataclass
@@ -182,5 +176,6 @@ def prepare_inputs(
         sample_rows,
         logits_indices,
         sampling_metadata,
+        logits_rows,
         num_logits,
     )

@@ -83,12 +83,13 @@ class LaunchedStep:
         failed_requests: dict[str, str],
         host_buffer: torch.Tensor | None = None,
         verification: DraftVerification | None = None,
+        logits_rows: np.ndarray | None = None,
     ) -> LaunchedStep:
         """Start the samples' copy from a CUDA device into `host_buffer` (pinned, at
-        least as long), asynchronously."""
-        logits_rows = sample_rows
-        if verification is not None:
-            logits_rows = np.repeat(sample_rows, verification.num_logits)
+        least as long), asynchronously. `logits_rows`: the batch row of each sample
+        (sample_rows when no row verifies drafts)."""
+        if logits_rows is None:
+            logits_rows = sample_rows
         copied = None
         host_sampled = sampled
         if sampled.device.type == "cuda":

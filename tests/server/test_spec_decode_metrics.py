@@ -8,13 +8,17 @@ from ipc.messages import SchedulerStats
 from server.metrics import ServerMetrics
 
 
-def test_spec_decode_counters_have_vllm_names_and_positions():
-    stats = SchedulerStats(
-        spec_decode_num_drafts=10,
-        spec_decode_num_draft_tokens=30,
-        spec_decode_num_accepted_tokens=12,
-        spec_decode_num_accepted_tokens_per_pos=[7, 4, 1],
+def spec_stats(drafts: int, draft_tokens: int, accepted: int, per_pos: list[int]):
+    return SchedulerStats(
+        spec_decode_num_drafts=drafts,
+        spec_decode_num_draft_tokens=draft_tokens,
+        spec_decode_num_accepted_tokens=accepted,
+        spec_decode_num_accepted_tokens_per_pos=per_pos,
     )
+
+
+def test_spec_decode_counters_have_vllm_names_and_positions():
+    stats = spec_stats(10, 30, 12, [7, 4, 1])
     text = ServerMetrics("m").render(stats).decode()
     samples = {
         (s.name, s.labels.get("position")): s.value
@@ -35,18 +39,8 @@ def test_spec_decode_counters_have_vllm_names_and_positions():
 
 
 def test_the_stats_line_gives_acceptance_over_the_interval():
-    before = SchedulerStats(
-        spec_decode_num_drafts=2,
-        spec_decode_num_draft_tokens=6,
-        spec_decode_num_accepted_tokens=3,
-        spec_decode_num_accepted_tokens_per_pos=[2, 1, 0],
-    )
-    now = SchedulerStats(
-        spec_decode_num_drafts=6,
-        spec_decode_num_draft_tokens=18,
-        spec_decode_num_accepted_tokens=9,
-        spec_decode_num_accepted_tokens_per_pos=[6, 2, 1],
-    )
+    before = spec_stats(2, 6, 3, [2, 1, 0])
+    now = spec_stats(6, 18, 9, [6, 2, 1])
     assert spec_decode_summary(before, now) == (
         "acceptance rate 50.0%, mean acceptance length 2.50, 4 drafts, 12 draft tokens, "
         "6 accepted; per position 1.00, 0.25, 0.25"
