@@ -1,11 +1,16 @@
-r"""Requantize a GGUF file to another block type, once, with gguf-py.
+r"""Requantize a GGUF file to another block type, or keep only its first layers, once, with
+gguf-py.
 
 The default model ships only as Q4_1 (its token embedding as Q8_0); no 16-bit GGUF of it
 exists. A Q8_0 file for the benchmarks is made by dequantizing every quantized tensor and
 quantizing it again to Q8_0, copying the metadata. Its weights are the Q4_1 model's
 (requantized), not an 8-bit quantization of the original checkpoint.
 
-    python -m benchmarks.gguf_requantize [--type Q8_0] [--src FILE] [--dst FILE]
+`--layers N` keeps the first N transformer blocks (and the embedding, final norm and
+head) as they are: a layer-truncated model of the same tokenizer, the draft model of the
+speculative decoding benchmark.
+
+    python -m benchmarks.gguf_requantize [--type Q8_0 | --layers N] [--src FILE] [--dst FILE]
 """
 
 from __future__ import annotations
@@ -22,22 +27,33 @@ UNQUANTIZED = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizat
 FILE_TYPES = {"Q8_0": LlamaFileType.MOSTLY_Q8_0, "Q4_0": LlamaFileType.MOSTLY_Q4_0}
 
 
-def requantize(src: Path, dst: Path, qtype: str) -> Path:
-    """Write src with every quantized tensor requantized to qtype (F16/F32 tensors as they
-    are); the file appears at dst whole or not at all."""
-    target = GGMLQuantizationType[qtype]
+def requantize(
+    src: Path, dst: Path, qtype: str | None = None, num_layers: int | None = None
+) -> Path:
+    """Write src with every quantized tensor requantized to qtype (None: as it is; F16/F32
+    tensors always as they are), and of its blocks only the first num_layers (None: all);
+    the file appears at dst whole or not at all."""
+    target = None if qtype is None else GGMLQuantizationType[qtype]
     reader = GGUFReader(src)
     arch = reader.fields["general.architecture"].contents()
     tmp = dst.with_name(dst.name + f".tmp{os.getpid()}")
     writer = GGUFWriter(tmp, arch)
+    skipped = {"general.architecture"} | ({"general.file_type"} if qtype else set())
     for name, field in reader.fields.items():
-        if name.startswith("GGUF.") or name in ("general.architecture", "general.file_type"):
+        if name.startswith("GGUF.") or name in skipped:
             continue
+        contents = field.contents()
+        if num_layers is not None and name == f"{arch}.block_count":
+            contents = num_layers
         sub_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
-        writer.add_key_value(name, field.contents(), field.types[0], sub_type)
-    writer.add_file_type(FILE_TYPES[qtype])
+        writer.add_key_value(name, contents, field.types[0], sub_type)
+    if qtype is not None:
+        writer.add_file_type(FILE_TYPES[qtype])
     for t in reader.tensors:
-        if t.tensor_type in UNQUANTIZED:
+        block = int(t.name.split(".")[1]) if t.name.startswith("blk.") else -1
+        if num_layers is not None and block >= num_layers:
+            continue
+        if t.tensor_type in UNQUANTIZED or target is None:
             writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
         else:
             data = quantize(dequantize(t.data, t.tensor_type), target)
@@ -62,17 +78,33 @@ def requantized_default(qtype: str = "Q8_0") -> Path:
     return dst
 
 
+def truncated_default(num_layers: int) -> Path:
+    """The default model's GGUF with its first num_layers blocks, made once in the cache."""
+    from models.default import cache_dir, find_gguf
+
+    src = find_gguf()
+    dst = cache_dir() / src.name.replace("Q4_1", f"Q4_1-{num_layers}-layers")
+    if not dst.exists():
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        requantize(src, dst, num_layers=num_layers)
+    return dst
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--type", default="Q8_0", choices=sorted(FILE_TYPES))
+    p.add_argument("--type", choices=sorted(FILE_TYPES), help="default Q8_0, unless --layers")
+    p.add_argument("--layers", type=int, help="keep only the first N blocks, as they are")
     p.add_argument("--src", type=Path, help="default: the default model's Q4_1 file")
     p.add_argument("--dst", type=Path, help="default: beside the converted default model")
     args = p.parse_args()
+    qtype = args.type or (None if args.layers else "Q8_0")
     if args.src is None:
-        print(requantized_default(args.type))
+        print(truncated_default(args.layers) if args.layers else requantized_default(qtype))
     else:
-        dst = args.dst or args.src.with_suffix(f".{args.type}.gguf")
-        print(requantize(args.src, dst, args.type))
+        suffix = f".{qtype}" if qtype else ""
+        suffix += f".{args.layers}-layers" if args.layers else ""
+        dst = args.dst or args.src.with_suffix(f"{suffix}.gguf")
+        print(requantize(args.src, dst, qtype, args.layers))
 
 
 if __name__ == "__main__":

@@ -75,7 +75,11 @@ class EngineCore:
             if in_flight and (in_flight[-1].lockstep or self.scheduler.needs_lockstep):
                 return self._collect()
             so = self.scheduler.schedule()
-            so.lockstep = self.scheduler.needs_lockstep or bool(so.scheduled_spec_decode_tokens)
+            so.lockstep = (
+                self.scheduler.needs_lockstep
+                or bool(so.scheduled_spec_decode_tokens)
+                or so.propose_drafts
+            )
             if _runs(so):
                 self.executor.submit(so)
                 in_flight.append(so)

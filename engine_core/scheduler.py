@@ -69,6 +69,7 @@ class Scheduler:
         self.structured_output = StructuredOutputManager(config)
         spec = config.speculative_config
         self.spec = None if spec is None else SpecDecoding(spec, config.max_model_len)
+        self._lookahead = 0 if self.spec is None else self.spec.num_lookahead_tokens
         self.step_id = 0
         self.counters = SchedulerCounters(cache_config_info(config, kv_cache_manager))
 
@@ -154,6 +155,8 @@ class Scheduler:
         )
         if self.spec is not None and total:
             self.spec.gate.step_scheduled(self.step_id, len(self.running), speculates)
+            # A draft model drafts now for the next step, if the gate lets that one speculate.
+            scheduler_output.propose_drafts = bool(self._lookahead) and self._speculates()
         self.step_id += 1
         # Finished ids reach the workers with the next step that runs; keep them until then.
         if num_scheduled_tokens or swap_out:
@@ -198,12 +201,25 @@ class Scheduler:
                     num_valid = self.structured_output.num_valid_drafts(request.request_id, drafts)
                     drafts = drafts[:num_valid]
                 if drafts:
-                    new_blocks = kv.allocate_slots(request, 1 + len(drafts))
+                    lookahead = self._lookahead_slots(request.num_computed_tokens + 1 + len(drafts))
+                    new_blocks = kv.allocate_slots(
+                        request, 1 + len(drafts), num_lookahead_tokens=lookahead
+                    )
                     if new_blocks is not None:
                         num_new = 1 + len(drafts)
                         spec_tokens[request.request_id] = drafts
             while (
-                new_blocks is None and (new_blocks := kv.allocate_slots(request, num_new)) is None
+                new_blocks is None
+                and (
+                    new_blocks := kv.allocate_slots(
+                        request,
+                        num_new,
+                        num_lookahead_tokens=self._lookahead_slots(
+                            request.num_computed_tokens + num_new
+                        ),
+                    )
+                )
+                is None
             ):
                 victim = self.preemption.victim(self.running)
                 victim_index = self.running.index(victim)
@@ -223,6 +239,10 @@ class Scheduler:
             budget -= num_new
             index += 1
         return scheduled, new_block_ids, preempted
+
+    def _lookahead_slots(self, num_tokens: int) -> int:
+        """Slots after a request's first `num_tokens` for the draft model's tokens."""
+        return max(0, min(self._lookahead, self.max_model_len - num_tokens))
 
     def _may_speculate(self, request: Request, num_new: int) -> bool:
         """Decoding its last known token, with no step in flight for it."""
@@ -259,7 +279,8 @@ class Scheduler:
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
-            new_blocks = kv.allocate_slots(request, num_new, num_hit_tokens, hit_blocks)
+            lookahead = self._lookahead_slots(num_hit_tokens + num_new)
+            new_blocks = kv.allocate_slots(request, num_new, num_hit_tokens, hit_blocks, lookahead)
             if new_blocks is None:
                 break
             self.waiting.pop()

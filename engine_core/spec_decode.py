@@ -1,6 +1,7 @@
 """Speculative decoding in the EngineCore: the drafts of each request a step decodes, the
-rollback of the rejected ones once the step answers, and the spec_decode counters. When
-steps speculate at all is the gate's call (spec_gate.py)."""
+rollback of the rejected ones once the step answers, and the spec_decode counters. Drafts
+come from prompt lookup here (ngram) or from the workers' draft model, which proposes them
+after each step. When steps speculate at all is the gate's call (spec_gate.py)."""
 
 from __future__ import annotations
 
@@ -58,13 +59,42 @@ def spec_decode_summary(before: SchedulerStats, now: SchedulerStats) -> str:
     )
 
 
+class DraftModelProposals:
+    """The drafts the workers' draft model proposed after a step, kept for the step that
+    verifies them. They hold only while the request has exactly the tokens they follow
+    (not after a preemption, nor once a later step produced tokens without them)."""
+
+    def __init__(self) -> None:
+        self._drafts: dict[str, tuple[int, list[int]]] = {}
+
+    def store(self, request_id: str, num_tokens: int, drafts: list[int]) -> None:
+        self._drafts[request_id] = (num_tokens, drafts)
+
+    def propose(self, request_id: str, token_ids: list[int], room: int) -> list[int]:
+        entry = self._drafts.pop(request_id, None)
+        if entry is None or entry[0] != len(token_ids) or room <= 0:
+            return []
+        return entry[1][:room]
+
+    def free(self, request_id: str) -> None:
+        self._drafts.pop(request_id, None)
+
+
 class SpecDecoding:
-    """Drafts for the requests a step decodes, and the rollback of the rejected ones."""
+    """Drafts for the requests a step decodes, and the rollback of the rejected ones.
+    `num_lookahead_tokens`: slots a request needs beyond its scheduled tokens, where the
+    draft model writes the KV of the tokens it drafts (0 for ngram)."""
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
-        self.proposer = NgramProposer(
-            config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
-        )
+        self.proposer: NgramProposer | DraftModelProposals
+        if config.method == "draft_model":
+            self.proposer = DraftModelProposals()
+            self.num_lookahead_tokens = config.num_speculative_tokens
+        else:
+            self.proposer = NgramProposer(
+                config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
+            )
+            self.num_lookahead_tokens = 0
         self.gate = SpeculationGate(config)
         self.counters = SpecDecodeCounters(config.num_speculative_tokens)
         self.max_model_len = max_model_len
@@ -86,13 +116,18 @@ class SpecDecoding:
         """Give back the positions of the rejected drafts: a request's next step starts
         right after its last accepted token. Only committed tokens are ever hashed (block
         hashes follow the request's tokens), so the KV cache needs nothing undone. Then
-        count, and tell the gate what the step produced."""
+        count, keep the draft model's proposals, and tell the gate what the step produced."""
         drafts = scheduler_output.scheduled_spec_decode_tokens
         sampled = model_runner_output.sampled_token_ids
+        proposed = model_runner_output.draft_token_ids
         num_tokens = 0
         for i, request_id in enumerate(model_runner_output.req_ids):
             num_tokens += len(sampled[i])
             request = requests.get(request_id)
+            if request_id in proposed and request is not None:
+                self.proposer.store(
+                    request_id, request.num_tokens + len(sampled[i]), proposed[request_id]
+                )
             if request_id not in drafts or request is None or not sampled[i]:
                 continue
             num_accepted = len(sampled[i]) - 1

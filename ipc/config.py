@@ -238,8 +238,9 @@ class EngineConfig:
         default=None,
         metadata=option(
             'speculative decoding, as vLLM\'s JSON: {"method": "ngram", '
-            '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}; '
-            "also disable_by_batch_size and adaptive (ipc/spec_config.py)",
+            '"num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4} or '
+            '{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}; also '
+            "disable_by_batch_size and adaptive (ipc/spec_config.py)",
             "off",
             parse=parse_speculative_config,
             metavar="JSON",

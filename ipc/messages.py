@@ -224,6 +224,9 @@ class SchedulerOutput(_Tagged):
     # token. Such a request's num_scheduled_tokens is 1 + len(drafts); the workers verify
     # the drafts and answer with the accepted ones plus one token of their own.
     scheduled_spec_decode_tokens: dict[str, list[int]] = {}
+    # A draft model runs in the workers: after this step, draft the next tokens of every
+    # request that sampled (their slots were allocated as lookahead), for the next step.
+    propose_drafts: bool = False
 
 
 # Worker -> EngineCore
@@ -244,6 +247,9 @@ class ModelRunnerOutput(_Tagged):
     prompt_logprobs: dict[str, PromptLogprobs] = {}
     # Seconds rank 0 waited for this step with nothing left running on its device.
     worker_idle_time: float = 0.0
+    # A draft model's proposals (SchedulerOutput.propose_drafts): request id -> the tokens
+    # it drafts after that request's last sampled token.
+    draft_token_ids: dict[str, list[int]] = {}
 
 
 class WorkerError(_Tagged):

@@ -1,8 +1,11 @@
 """SpeculativeConfig: vLLM's `--speculative-config` JSON, validated once.
 
 `ngram` proposes by prompt lookup over a request's own tokens, in the EngineCore (drafts
-travel in the SchedulerOutput). A draft model is not available yet: asking for one is
-refused with that message rather than run without speculation.
+travel in the SchedulerOutput). `draft_model` runs a smaller model of the same tokenizer
+(`model`, a folder or a .gguf file) in the workers beside the target: each step it drafts
+the next tokens of every request that sampled, and they come back in the
+ModelRunnerOutput (worker/draft_model.py). The other methods vLLM knows are refused as
+not available yet rather than run without speculation.
 """
 
 from __future__ import annotations
@@ -12,8 +15,8 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-SPEC_METHODS = ("ngram",)
-_PLANNED_METHODS = ("draft_model", "eagle", "eagle3", "medusa", "mtp")
+SPEC_METHODS = ("ngram", "draft_model")
+_PLANNED_METHODS = ("eagle", "eagle3", "medusa", "mtp")
 # More draft tokens than this never pay on any device we measured, and bound the worker's
 # per-step logits rows (max_num_seqs x (1 + k)).
 MAX_SPECULATIVE_TOKENS = 16
@@ -28,8 +31,10 @@ class SpeculativeConfig:
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
-    prompt_lookup_min: int = 2
-    prompt_lookup_max: int = 4
+    model: str | None = None  # draft_model's checkpoint
+    # ngram's; None: 2 and 4 for ngram (draft_model takes none).
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
     disable_by_batch_size: int | None = None
     adaptive: bool = True
 
@@ -44,14 +49,30 @@ class SpeculativeConfig:
                 f"speculative_config: unknown method {self.method!r}; "
                 f"supported: {', '.join(SPEC_METHODS)}"
             )
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError(
+                "speculative_config: method draft_model needs a model (its path), and "
+                "only draft_model takes one"
+            )
+        if self.model is not None and not isinstance(self.model, str):
+            raise ValueError(f"speculative_config: model must be a path, got {self.model!r}")
         _check_int("num_speculative_tokens", self.num_speculative_tokens, 1)
         if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
             raise ValueError(
                 f"speculative_config: num_speculative_tokens must be <= "
                 f"{MAX_SPECULATIVE_TOKENS}, got {self.num_speculative_tokens}"
             )
-        _check_int("prompt_lookup_min", self.prompt_lookup_min, 1)
-        _check_int("prompt_lookup_max", self.prompt_lookup_max, self.prompt_lookup_min)
+        if self.method == "ngram":
+            self.prompt_lookup_min = 2 if self.prompt_lookup_min is None else self.prompt_lookup_min
+            _check_int("prompt_lookup_min", self.prompt_lookup_min, 1)
+            if self.prompt_lookup_max is None:
+                self.prompt_lookup_max = max(4, self.prompt_lookup_min)
+            _check_int("prompt_lookup_max", self.prompt_lookup_max, self.prompt_lookup_min)
+        elif self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
+            raise ValueError(
+                "speculative_config: prompt_lookup_min and prompt_lookup_max only apply to "
+                "method ngram"
+            )
         if self.disable_by_batch_size is not None:
             _check_int("disable_by_batch_size", self.disable_by_batch_size, 1)
         if not isinstance(self.adaptive, bool):

@@ -12,6 +12,7 @@ import json
 import os
 import types
 import typing
+from pathlib import Path
 from typing import Any
 
 from ipc.config import EngineConfig
@@ -67,13 +68,42 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 def make_engine_config(**kwargs: Any) -> EngineConfig:
     """EngineConfig(**kwargs); a .gguf model's metadata is first converted (once, cached)
-    into the folder of its config and tokenizer, given as hf_config_path."""
+    into the folder of its config and tokenizer, given as hf_config_path. A draft model
+    must have the target's tokenizer (checked here, before any process starts)."""
     model = kwargs.get("model")
     if model is not None and str(model).endswith(".gguf") and not kwargs.get("hf_config_path"):
-        from models.gguf_folder import gguf_hf_folder
+        kwargs["hf_config_path"] = _model_folder(model)
+    config = EngineConfig(**kwargs)
+    spec = config.speculative_config
+    if spec is not None and spec.model is not None and config.tokenizer is not None:
+        check_draft_tokenizer(config.tokenizer, spec.model)
+    return config
 
-        kwargs["hf_config_path"] = gguf_hf_folder(model)
-    return EngineConfig(**kwargs)
+
+def check_draft_tokenizer(target_tokenizer: str, draft_model: str) -> None:
+    """The draft's vocabulary (token -> id) must be the target's, token for token."""
+    from transformers import AutoTokenizer
+
+    folder = _model_folder(draft_model)
+    if not (Path(folder) / "config.json").is_file():
+        raise ValueError(f"speculative_config: draft model {draft_model} is not a model folder")
+    target = AutoTokenizer.from_pretrained(target_tokenizer).get_vocab()
+    draft = AutoTokenizer.from_pretrained(folder).get_vocab()
+    if draft != target:
+        differ = sum(draft.get(token) != i for token, i in target.items())
+        raise ValueError(
+            f"speculative_config: draft model {draft_model} has another tokenizer than the "
+            f"target ({len(draft)} tokens vs {len(target)}, {differ} of the target's differ)"
+        )
+
+
+def _model_folder(model: str) -> str:
+    """A model folder as it is; a .gguf file's converted folder (config, tokenizer)."""
+    if not str(model).endswith(".gguf"):
+        return model
+    from models.gguf_folder import gguf_hf_folder
+
+    return gguf_hf_folder(model)
 
 
 def _help(f: dataclasses.Field) -> str:

@@ -16,6 +16,7 @@ from models.parallel_state import get_tp_rank, get_tp_size, tp_broadcast
 from worker.batch_update import update_batch
 from worker.buffers import InputBuffers, zeros_on_huge_pages
 from worker.cuda_graph import CudaGraphRunner, Mode, capture_sizes, cuda_graphs_off_reason
+from worker.draft_model import DraftModel
 from worker.grammar_bitmask import apply_grammar_bitmask
 from worker.input_batch import CachedRequestState, InputBatch
 from worker.kv_cache_groups import group_layers, group_size
@@ -113,6 +114,21 @@ class ModelRunner:
             num_kv_cache_groups=len(self.kv_cache_groups),
             staging=self.inputs.batch_staging,
         )
+        self.drafter = None
+        spec = config.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            self.drafter = DraftModel(
+                spec.model,
+                spec.num_speculative_tokens,
+                self.hf_config.vocab_size,
+                self.kv_cache_groups,
+                self.attn_backend,
+                dtype=self.dtype,
+                device=self.device,
+                kernels=self.kernels,
+                kv_cache_dtype=config.kv_cache_dtype,
+                max_model_len=config.max_model_len,
+            )
         self.requests: dict[str, CachedRequestState] = {}
         generator = torch.Generator(self.device).manual_seed(config.seed)
         self.sampler = Sampler(generator, self.kernels)
@@ -132,10 +148,14 @@ class ModelRunner:
         self.prefill_token_seconds = 0.0
 
     def kv_cache_bytes_per_block(self) -> int:
-        """A block id addresses one page in each of the cache's group_size tensors."""
+        """A block id addresses one page in each of the cache's group_size tensors (and
+        in each of the draft model's layers)."""
         elem = self.kv_cache_dtype.itemsize
         num_tensors = group_size(self.kv_cache_groups)
-        return 2 * num_tensors * self.block_size * self.num_kv_heads * self.head_dim * elem
+        size = 2 * num_tensors * self.block_size * self.num_kv_heads * self.head_dim * elem
+        if self.drafter is not None:
+            size += self.drafter.kv_cache_bytes_per_block(self.block_size, self.kv_cache_dtype)
+        return size
 
     def determine_num_blocks(self) -> int:
         """Blocks that fit this rank: `--kv-cache-memory` bytes when given; else on CUDA,
@@ -212,12 +232,12 @@ class ModelRunner:
         With num_host_blocks, the host tier mirrors those tensors (kv_offload.py)."""
         shape = (2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
-        def zeros() -> torch.Tensor:
+        def zeros(shape: tuple[int, ...]) -> torch.Tensor:
             if self.device.type == "cpu":
                 return zeros_on_huge_pages(shape, self.kv_cache_dtype)
             return torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
 
-        tensors = [zeros() for _ in range(group_size(self.kv_cache_groups))]
+        tensors = [zeros(shape) for _ in range(group_size(self.kv_cache_groups))]
         layers = self.model.attention_layers()
         for index, group in enumerate(self.kv_cache_groups):
             for tensor, layer in zip(tensors, group.layers, strict=False):
@@ -237,6 +257,11 @@ class ModelRunner:
                 for g in self.kv_cache_groups
             ),
         )
+        if self.drafter is not None:
+            draft_shape = self.drafter.kv_cache_shape(num_blocks, self.block_size)
+            draft_tensors = [zeros(draft_shape) for _ in range(self.drafter.num_layers)]
+            self.drafter.bind_kv_cache(draft_tensors)
+            tensors = tensors + draft_tensors
         self.host_kv_cache = None
         if num_host_blocks > 0:
             self.host_kv_cache = HostKVCache(tensors, num_host_blocks)
@@ -259,6 +284,8 @@ class ModelRunner:
             reason = cuda_graphs_off_reason(
                 self.device, self.config.enforce_eager, self.attn_backend
             )
+            if reason is None and self.drafter is not None:
+                reason = "a draft model runs beside the target with the step's metadata"
             if reason is not None:
                 if self.device.type == "cuda":
                     logger.info("CUDA graphs off: %s", reason)
@@ -325,6 +352,8 @@ class ModelRunner:
         else:
             with set_forward_context(step.attn_metadata, self.attn_backend):
                 hidden = self.model(step.input_ids, step.positions)
+        if self.drafter is not None:
+            self.drafter.forward(step)
         logits = self.model.compute_logits(hidden[step.logits_indices])
         prompt_logprobs = self._prompt_logprobs(hidden) if batch.num_prompt_logprobs else {}
         if so.structured_output_request_ids and self.is_driver:
@@ -357,6 +386,7 @@ class ModelRunner:
             verification,
             step.logits_rows,
         )
+        launched.propose_drafts = so.propose_drafts and self.drafter is not None
         self._unfinished.append(launched)
         return launched
 
@@ -382,6 +412,11 @@ class ModelRunner:
         while step.output is None:
             oldest = self._unfinished.popleft()
             oldest.output = finish_step(self.input_batch, self.requests, oldest)
+            # Drafts follow the batch as this step left it: no later step may have launched.
+            if oldest.propose_drafts and not self._unfinished:
+                sampled = oldest.output.sampled_token_ids
+                req_ids = [r for r, tokens in zip(oldest.req_ids, sampled, strict=True) if tokens]
+                oldest.output.draft_token_ids = self.drafter.propose(self.input_batch, req_ids)
         return step.output
 
     def _copy_blocks(self, so: SchedulerOutput) -> None:

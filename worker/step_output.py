@@ -68,6 +68,7 @@ class LaunchedStep:
     prompt_logprobs: dict
     failed_requests: dict[str, str]
     verification: DraftVerification | None = None
+    propose_drafts: bool = False  # the draft model drafts once the step is answered
     output: ModelRunnerOutput | None = None
     idle_before: float = 0.0  # seconds the device sat idle waiting for this step
 

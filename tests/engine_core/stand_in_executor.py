@@ -13,7 +13,11 @@ listed in `fail_steps` fail as dead workers do; replacing the workers forgets ev
 request and the cache, as fresh workers would. Drafts (speculative decoding) are verified
 against the scripted stream: accepted while they equal it, then one scripted token; the
 rejected drafts' KV stays written, so a step that reads it (a rollback gone wrong) is
-caught as a stale read.
+caught as a stale read. With `draft` it stands in for a draft model too: after a step
+whose SchedulerOutput says propose_drafts, each request that produced tokens gets the
+first k of `draft(request_id, token_ids)`, cut where its blocks end; its last token and
+the drafts but the last are written into the slots after it, as a draft model's decode
+rounds do (so a step that reads them before rewriting them is a stale read).
 """
 
 import zlib
@@ -53,6 +57,9 @@ class StandInExecutor(Executor):
     num_blocks: int
     script: dict[str, list[int]] = field(default_factory=dict)
     sample: Callable[[str, list[int]], int] | None = None
+    draft: Callable[[str, list[int]], list[int]] | None = None
+    max_model_len: int = 0
+    num_speculative_tokens: int = 0
     kv_cache_manager: object = None
     outputs: list[SchedulerOutput] = field(default_factory=list)
     states: dict[str, WorkerRequestState] = field(default_factory=dict)
@@ -145,7 +152,29 @@ class StandInExecutor(Executor):
             self._check_context(*args)
         for request_id, state, num_known in verifying:
             sampled[scheduled.index(request_id)] = self._verify(request_id, state, num_known)
-        return ModelRunnerOutput(so.step_id, scheduled, sampled)
+        proposed = {}
+        if so.propose_drafts:
+            assert self.draft is not None, "propose_drafts without a draft model"
+            for request_id, tokens in zip(scheduled, sampled, strict=True):
+                if tokens:
+                    proposed[request_id] = self._propose(request_id, self.states[request_id])
+        return ModelRunnerOutput(so.step_id, scheduled, sampled, draft_token_ids=proposed)
+
+    def _propose(self, request_id: str, state: WorkerRequestState) -> list[int]:
+        """The lookahead slots must cover the drafts, up to max_model_len."""
+        drafts = self.draft(request_id, list(state.token_ids))[: self.num_speculative_tokens]
+        start = len(state.token_ids) - 1
+        if self.kv_cache_manager is None:
+            return drafts
+        block_size = self.kv_cache_manager.block_size
+        end = min(start + len(drafts), self.max_model_len)
+        for ids in state.block_ids:
+            assert len(ids) * block_size >= end, "no lookahead slots for the drafts"
+        written = [state.token_ids[-1], *drafts[: end - start - 1]]
+        for group, ids in enumerate(state.block_ids):
+            for position, token in enumerate(written, start):
+                self.kv[ids[position // block_size], position % block_size] = (group, token)
+        return drafts[: end - start]
 
     def _verify(self, request_id: str, state: WorkerRequestState, num_known: int) -> list[int]:
         """Keep the drafts while they match the script, then one scripted token; the next
@@ -273,6 +302,8 @@ def make_engine(
     executor.costs = costs
     engine = EngineCore(make_config(**config_kwargs), executor)
     executor.kv_cache_manager = engine.kv_cache_manager
+    executor.max_model_len = engine.config.max_model_len
+    executor.num_speculative_tokens = engine.config.num_speculative_tokens
     executor.schedules_ahead = engine.max_in_flight > 0
     return engine, executor
 

@@ -2,7 +2,8 @@
 preemption, random aborts, workers that fail and are replaced, with and without a host
 tier (swap preemption, spills and host hits, under the stand-in's content model), with
 and without async scheduling (the stand-in runs a step when it is collected), with and
-without speculative decoding (ngram drafts, verified against the token stream). Every
+without speculative decoding (ngram drafts, or a stand-in draft model that is right but
+now and then, verified against the token stream). Every
 request must finish exactly once with exactly the tokens and finish reason its token stream
 implies, and both tiers of the KV cache must end empty."""
 
@@ -21,6 +22,15 @@ MAX_MODEL_LEN = 32
 
 def sample(request_id: str, token_ids: list[int]) -> int:
     return (len(token_ids) * 7 + zlib.crc32(request_id.encode())) % 13
+
+
+def draft(request_id: str, token_ids: list[int]) -> list[int]:
+    """Three drafts that follow the stream, but every fourth position is one off."""
+    tokens = list(token_ids)
+    for _ in range(3):
+        token = sample(request_id, tokens)
+        tokens.append(token if len(tokens) % 4 else (token + 1) % 13)
+    return tokens[len(token_ids) :]
 
 
 def expected_output(request_id: str, num_prompt: int, sp: SamplingParams) -> tuple[list, str]:
@@ -72,6 +82,8 @@ request_strategy = st.fixed_dictionaries(
             {"num_speculative_tokens": 2, "prompt_lookup_min": 1, "adaptive": False},
             {"num_speculative_tokens": 4, "prompt_lookup_min": 2},
             {"num_speculative_tokens": 3, "prompt_lookup_min": 1, "disable_by_batch_size": 2},
+            {"method": "draft_model", "model": "-", "num_speculative_tokens": 3, "adaptive": False},
+            {"method": "draft_model", "model": "-", "num_speculative_tokens": 2},
         ]
     ),
 )
@@ -112,6 +124,7 @@ def test_random_workloads_finish_every_request_once_and_free_every_block(
         speculative_config=speculation,
     )
     executor.fail_steps = fail_steps
+    executor.draft = draft
     requests = {}
     for i, spec in enumerate(specs):
         sp = SamplingParams(

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from stand_in_executor import make_engine, make_request, run_to_completion
 
 from engine_core.ngram_proposer import NgramProposer
+from engine_core.spec_decode import DraftModelProposals
 from engine_core.spec_gate import SpeculationGate
 from ipc.config import EngineConfig
 from ipc.spec_config import SpeculativeConfig
@@ -109,6 +110,91 @@ def test_drafts_respect_max_tokens_max_model_len_and_the_budget():
     run_to_completion(engine)
     assert max(so.total_num_scheduled_tokens for so in executor.outputs) <= 3
     assert any(so.scheduled_spec_decode_tokens for so in executor.outputs)
+
+
+def draft_model_engine(k=3, draft=None, **kwargs):
+    spec = {"method": "draft_model", "model": "-", "num_speculative_tokens": k}
+    spec["adaptive"] = False
+    engine, executor = make_engine(speculative_config=spec, **{"max_model_len": 160, **kwargs})
+    executor.draft = draft
+    return engine, executor
+
+
+def test_a_draft_models_proposals_are_verified_in_the_next_step():
+    # The script: 10 11 12 13 14 ...; the stand-in draft model is right but for 3rd drafts.
+    script = {"r": list(range(10, 40))}
+
+    def draft(request_id, token_ids):
+        n = len(token_ids) - 4  # outputs so far
+        return [10 + n, 11 + n, 99]
+
+    engine, executor = draft_model_engine(3, draft, script=script)
+    engine.add_request(make_request("r", [1, 2, 3, 4], max_tokens=9))
+    engine.step()  # prefill: samples 10, then the draft model proposes 11 12 99
+    first = executor.outputs[0]
+    assert first.propose_drafts and first.lockstep
+    assert not first.scheduled_spec_decode_tokens
+    request = engine.scheduler.requests["r"]
+    # Lookahead: 4 prompt tokens + 3 slots for the draft model = 2 blocks of 4.
+    assert len(engine.kv_cache_manager.get_block_ids("r")[0]) == 2
+    engine.step()
+    so = executor.outputs[-1]
+    assert so.scheduled_spec_decode_tokens == {"r": [11, 12, 99]}
+    assert so.num_scheduled_tokens == {"r": 4}
+    assert request.output_token_ids == [10, 11, 12, 13]
+    assert request.num_computed_tokens == request.num_tokens - 1 == 7
+    results = run_to_completion(engine)
+    assert results["r"] == [list(range(10, 19))[4:], "length"]
+    assert request.output_token_ids == list(range(10, 19))
+    stats = engine.get_stats()
+    # 11 12 99, 14 15 99, then max_tokens leaves room for one draft (17).
+    assert stats.spec_decode_num_draft_tokens == 7
+    assert stats.spec_decode_num_accepted_tokens_per_pos == [3, 2, 0]
+    assert engine.kv_cache_manager.usage == 0.0
+
+
+def test_a_draft_models_proposals_hold_only_for_the_tokens_they_follow():
+    proposals = DraftModelProposals()
+    proposals.store("r", 5, [1, 2, 3])
+    assert proposals.propose("r", [0] * 6, 3) == []  # the request moved on without them
+    proposals.store("r", 5, [1, 2, 3])
+    assert proposals.propose("r", [0] * 5, 2) == [1, 2]
+    assert proposals.propose("r", [0] * 5, 2) == []  # used once
+    proposals.store("r", 5, [1, 2, 3])
+    proposals.free("r")
+    assert proposals.propose("r", [0] * 5, 3) == []
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_draft_model_gives_the_tokens_of_plain_decoding(async_scheduling):
+    """Greedy streams, preemption (few blocks) and prefix hits: a draft that is wrong now
+    and then changes nothing but the number of steps."""
+    script = {f"r{i}": [(7 * i + 3 * j) % 50 + 3 for j in range(20)] for i in range(4)}
+
+    def draft(request_id, token_ids):
+        stream = script[request_id]
+        n = len(token_ids) - 6
+        return [stream[n + j] if (n + j) % 3 else 1 for j in range(3) if n + j < len(stream)]
+
+    def run(spec):
+        kw = dict(num_blocks=20, async_scheduling=async_scheduling, enable_prefix_caching=True)
+        kw["max_model_len"] = 32
+        if spec:
+            engine, executor = draft_model_engine(3, draft, script=script, **kw)
+        else:
+            engine, executor = make_engine(script=script, **kw)
+        for i in range(4):
+            engine.add_request(make_request(f"r{i}", [1, 2, 3, 4, 5, i], max_tokens=18))
+        return engine, executor, run_to_completion(engine)
+
+    plain = run(False)[2]
+    engine, executor, speculative = run(True)
+    assert speculative == plain
+    stats = engine.get_stats()
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    for so in executor.outputs:
+        assert so.lockstep
 
 
 class StepClock:
@@ -245,7 +331,10 @@ def test_speculating_steps_run_in_lockstep_and_match_plain_decoding(async_schedu
     ("value", "message"),
     [
         ({"method": "medusa"}, "not available yet"),
-        ({"method": "draft_model", "model": "x"}, "not available yet"),
+        ({"method": "eagle3"}, "not available yet"),
+        ({"method": "draft_model"}, "draft_model needs a model"),
+        ({"model": "x"}, "only draft_model takes one"),
+        ({"method": "draft_model", "model": "x", "prompt_lookup_min": 2}, "only apply to"),
         ({"method": "nope"}, "unknown method 'nope'"),
         ({"num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
         ({"num_speculative_tokens": 17}, "<= 16"),

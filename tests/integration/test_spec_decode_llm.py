@@ -1,14 +1,19 @@
-"""Speculative decoding (ngram) end to end on a tiny random checkpoint in float32 on CPU:
-greedy tokens equal transformers' under chunked prefill, preemption and prefix hits, in
-lockstep and with async scheduling; every sampling feature gives the tokens plain decoding
-gives (seeded streams included); workers in processes of their own (tensor parallel)."""
+"""Speculative decoding end to end on a tiny random checkpoint in float32 on CPU, with
+ngram drafts and with a draft model (the checkpoint cut to one layer): greedy tokens equal
+transformers' under chunked prefill, preemption and prefix hits, in lockstep and with async
+scheduling; every sampling feature gives the tokens plain decoding gives (seeded streams
+included); workers in processes of their own (tensor parallel); the target as its own
+draft accepts every draft; a draft of another vocabulary or tokenizer is refused."""
 
+import json
 import re
+from pathlib import Path
 
 import pytest
 
 from splitserve import LLM, SamplingParams, StructuredOutputsParams
 from tests.integration.greedy import greedy_reference, random_prompts
+from tests.models.tiny import make_tiny_checkpoint, truncate_checkpoint
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
 # Always speculate: the tiny model's tokens repeat too little for the gate's default.
@@ -18,6 +23,20 @@ ALWAYS = {**SPEC, "adaptive": False}
 @pytest.fixture(scope="module")
 def reference(checkpoint):
     return greedy_reference(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def draft_checkpoint(checkpoint, tmp_path_factory) -> str:
+    return truncate_checkpoint(checkpoint, tmp_path_factory.mktemp("draft"), 1)
+
+
+@pytest.fixture(params=["ngram", "draft_model"])
+def always(request, draft_checkpoint) -> dict:
+    """A config that speculates in every step, by each method."""
+    if request.param == "ngram":
+        return ALWAYS
+    return {"method": "draft_model", "model": draft_checkpoint, "num_speculative_tokens": 3,
+            "adaptive": False}  # fmt: skip
 
 
 def repetitive_prompts(seed: int) -> list[list[int]]:
@@ -34,10 +53,10 @@ def _engine(checkpoint: str, spec: dict | None, **kw) -> LLM:
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_greedy_with_drafts_matches_transformers(checkpoint, reference, async_scheduling):
+def test_greedy_with_drafts_matches_transformers(checkpoint, reference, async_scheduling, always):
     llm = _engine(
         checkpoint,
-        ALWAYS,
+        always,
         async_scheduling=async_scheduling,
         block_size=4,
         max_model_len=96,
@@ -58,7 +77,7 @@ def test_greedy_with_drafts_matches_transformers(checkpoint, reference, async_sc
     llm.shutdown()
 
 
-def test_every_sampling_feature_gives_the_tokens_of_plain_decoding(checkpoint):
+def test_every_sampling_feature_gives_the_tokens_of_plain_decoding(checkpoint, always):
     """Per-position settings: penalties, min_tokens and bad words see the drafts before
     each position; seeded streams draw once per produced token, so a seeded request's
     tokens are those it gets without drafts; logprobs are per position."""
@@ -83,7 +102,7 @@ def test_every_sampling_feature_gives_the_tokens_of_plain_decoding(checkpoint):
         return [o.outputs[0] for o in outs], stats
 
     expected, _ = run(None)
-    got, stats = run(ALWAYS)
+    got, stats = run(always)
     assert stats.spec_decode_num_accepted_tokens > 0
     for want, have in zip(expected, got, strict=True):
         assert (have.token_ids, have.finish_reason) == (want.token_ids, want.finish_reason)
@@ -94,8 +113,8 @@ def test_every_sampling_feature_gives_the_tokens_of_plain_decoding(checkpoint):
                 assert entry.logprob == pytest.approx(b[token_id].logprob, abs=1e-4)
 
 
-def test_worker_processes_verify_drafts_in_lockstep(checkpoint, reference):
-    llm = _engine(checkpoint, ALWAYS, tensor_parallel_size=2)
+def test_worker_processes_verify_drafts_in_lockstep(checkpoint, reference, always):
+    llm = _engine(checkpoint, always, tensor_parallel_size=2)
     assert llm.engine.max_in_flight == 1  # async scheduling is on with worker processes
     prompts = repetitive_prompts(seed=40)
     sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -105,7 +124,7 @@ def test_worker_processes_verify_drafts_in_lockstep(checkpoint, reference):
     llm.shutdown()
 
 
-def test_structured_output_drafts_are_cut_by_the_grammar(checkpoint):
+def test_structured_output_drafts_are_cut_by_the_grammar(checkpoint, always):
     """Drafts a grammar forbids are cut before they are verified, and each position is
     masked after the drafts before it: the outputs are those of plain decoding and match
     the grammar."""
@@ -125,8 +144,42 @@ def test_structured_output_drafts_are_cut_by_the_grammar(checkpoint):
         return [(o.text, o.finish_reason) for o in outs], stats
 
     expected, _ = run(None)
-    got, stats = run(ALWAYS)
+    got, stats = run(always)
     assert got == expected
 
     assert all(re.fullmatch(regex, text) for text, _ in got)
-    assert stats.spec_decode_num_accepted_tokens > 0
+    # The tiny draft model drafts without the grammar: nearly all its drafts are cut.
+    if always["method"] == "ngram":
+        assert stats.spec_decode_num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_the_target_as_its_own_draft_accepts_every_draft(checkpoint, reference, k):
+    spec = {"method": "draft_model", "model": checkpoint, "num_speculative_tokens": k,
+            "adaptive": False}  # fmt: skip
+    llm = _engine(checkpoint, spec, block_size=4, max_num_batched_tokens=16)
+    prompts = random_prompts(5, 3, 30, seed=50)
+    sp = SamplingParams(temperature=0, max_tokens=21, ignore_eos=True)
+    for prompt, out in zip(prompts, llm.generate(prompts, sp, use_tqdm=False), strict=True):
+        assert out.outputs[0].token_ids == reference(prompt, 21)
+    stats = llm.engine.get_stats()
+    assert stats.spec_decode_num_drafts > 0
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
+    # After the prefill's token, each verification gives k + 1 tokens (max_tokens permitting).
+    assert stats.spec_decode_num_drafts <= len(prompts) * -(-20 // (k + 1))
+    llm.shutdown()
+
+
+def test_a_draft_of_another_vocabulary_or_tokenizer_is_refused(checkpoint, tmp_path):
+    other_vocab = make_tiny_checkpoint(tmp_path, "llama", name="v300", vocab_size=300)
+    spec = {"method": "draft_model", "model": other_vocab}
+    with pytest.raises(Exception, match="vocabulary of 300 tokens, the target 288"):
+        _engine(checkpoint, spec)
+    other_tokenizer = truncate_checkpoint(checkpoint, tmp_path, 1)
+    tokenizer_json = Path(other_tokenizer) / "tokenizer.json"
+    tokenizer = json.loads(tokenizer_json.read_text())
+    vocab = tokenizer["model"]["vocab"]
+    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]  # two byte tokens swap ids
+    tokenizer_json.write_text(json.dumps(tokenizer))
+    with pytest.raises(ValueError, match="another tokenizer than the target"):
+        _engine(checkpoint, {"method": "draft_model", "model": other_tokenizer})

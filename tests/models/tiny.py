@@ -184,3 +184,19 @@ def load_reference(path: str) -> Any:
         path, dtype=torch.float32, attn_implementation="eager"
     )
     return model.eval()
+
+
+def truncate_checkpoint(path: str, tmp_path: str | Path, num_layers: int) -> str:
+    """A copy of the checkpoint at `path` with only its first num_layers layers (the
+    embedding, final norm and head as they are): a draft model of the same tokenizer."""
+    import transformers
+
+    model = load_reference(path)
+    model.model.layers = model.model.layers[:num_layers]
+    model.config.num_hidden_layers = num_layers
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = model.config.layer_types[:num_layers]
+    out = Path(tmp_path) / f"{Path(path).name}-{num_layers}-layers"
+    model.save_pretrained(str(out), safe_serialization=True)
+    transformers.AutoTokenizer.from_pretrained(path).save_pretrained(str(out))
+    return str(out)

@@ -1,0 +1,159 @@
+"""The draft model of speculative decoding (method draft_model): a smaller model of the
+target's tokenizer that runs in each worker beside the target, sharded the same way.
+
+Its KV cache is a group of its own on the target's full-attention block table: every
+block id holds the draft's KV of the same tokens in the draft's tensors, so the
+EngineCore allocates, caches, swaps and frees one set of blocks for both models.
+
+Each step it runs twice:
+
+* `forward`: over the step's tokens, with the target's inputs and attention metadata,
+  so it writes its KV wherever the target writes (prefill chunks and verified drafts
+  alike; a rejected draft's KV is rewritten later, as the target's is);
+* `propose`, once the step's tokens are known (steps that propose run in lockstep): k
+  greedy decode rounds per request from its last sampled token, each writing that
+  token's KV into a lookahead slot (the scheduler allocated k of them) and drafting the
+  next token. Those slots are rewritten by the next step's `forward`.
+
+A greedy draft is a point mass, so the target's verification (accept while the draft
+equals the token sampled at its position) keeps the target's distribution exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from attention import AttentionBackend, CommonAttentionMetadata, set_forward_context
+from models import kv_cache_shape_info, load_config, load_model
+from models.parallel_state import get_tp_size, tp_broadcast
+from worker.input_batch import InputBatch
+from worker.kv_cache_groups import KVCacheGroup
+from worker.step_inputs import StepInputs
+
+logger = logging.getLogger(__name__)
+
+
+class DraftModel:
+    def __init__(
+        self,
+        path: str,
+        num_speculative_tokens: int,
+        target_vocab_size: int,
+        kv_cache_groups: list[KVCacheGroup],
+        backend: AttentionBackend,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        kernels,
+        kv_cache_dtype: str,
+        max_model_len: int,
+    ) -> None:
+        self.hf_config = load_config(path)
+        vocab_size = getattr(self.hf_config, "vocab_size", None)
+        if vocab_size != target_vocab_size:
+            raise ValueError(
+                f"speculative_config: the draft model {path} has a vocabulary of "
+                f"{vocab_size} tokens, the target {target_vocab_size}; they must share a "
+                "tokenizer"
+            )
+        full = [g for g, group in enumerate(kv_cache_groups) if group.sliding_window is None]
+        if not full:
+            raise ValueError(
+                "speculative_config: a draft model needs a target with full-attention "
+                "layers (its KV shares their block table)"
+            )
+        self.group = full[0]
+        self.num_groups = len(kv_cache_groups)
+        self.model = load_model(path, dtype, device, self.hf_config, kernels=kernels)
+        layers = self.model.attention_layers()
+        if any(layer.spec.sliding_window is not None for layer in layers):
+            raise ValueError(
+                f"speculative_config: the draft model {path} has sliding-window layers; "
+                "only full attention is supported for a draft"
+            )
+        for layer in layers:
+            layer.spec = replace(layer.spec, kv_cache_dtype=kv_cache_dtype)
+        self.num_layers, self.num_kv_heads, self.head_dim = kv_cache_shape_info(
+            self.hf_config, get_tp_size()
+        )
+        self.k = num_speculative_tokens
+        self.backend = backend
+        self.device = device
+        self.max_model_len = max_model_len
+        self.kv_caches: list[torch.Tensor] = []
+
+    def kv_cache_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * dtype.itemsize
+
+    def bind_kv_cache(self, tensors: list[torch.Tensor]) -> None:
+        """One tensor per draft layer: [2, num_blocks, block_size, kv_heads, head_dim]."""
+        for tensor, layer in zip(tensors, self.model.attention_layers(), strict=True):
+            layer.kv_cache = tensor
+            layer.kv_cache_group = self.group
+        self.kv_caches = tensors
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
+    def forward(self, step: StepInputs) -> None:
+        """The step's tokens, into the draft's KV cache."""
+        with set_forward_context(step.attn_metadata, self.backend):
+            self.model(step.input_ids, step.positions)
+
+    @torch.inference_mode()
+    def propose(self, batch: InputBatch, req_ids: list[str]) -> dict[str, list[int]]:
+        """Up to k greedy drafts after the last token of each request in `req_ids` that
+        still has a row: fewer where its allocated slots or max_model_len end first."""
+        row_of = batch.req_id_to_index
+        ids = [r for r in req_ids if r in row_of]
+        if not ids:
+            return {}
+        rows = np.array([row_of[r] for r in ids], dtype=np.int64)
+        table = batch.block_table.groups[self.group]
+        block_size = table.block_size
+        start = batch.num_tokens[rows].astype(np.int64) - 1  # the last token's position
+        writable = np.minimum(table.num_blocks_per_row[rows] * block_size, self.max_model_len)
+        num_drafts = np.clip(writable - start, 0, self.k)
+        tokens = batch.token_ids[rows, start].astype(np.int64)
+        drafts = np.zeros((len(rows), self.k), dtype=np.int64)
+        for j in range(int(num_drafts.max())):
+            active = np.flatnonzero(num_drafts > j)
+            positions = start[active] + j
+            tokens[active] = self._decode_round(table, rows[active], tokens[active], positions)
+            drafts[active, j] = tokens[active]
+        return {r: drafts[i, : num_drafts[i]].tolist() for i, r in enumerate(ids)}
+
+    def _decode_round(
+        self, table, rows: np.ndarray, tokens: np.ndarray, positions: np.ndarray
+    ) -> np.ndarray:
+        """One token per row at `positions`: store its KV, return the argmax after it."""
+        n, device = len(rows), self.device
+        block_size = table.block_size
+        slots = table.np[rows, positions // block_size].astype(np.int64) * block_size
+        slots += positions % block_size
+        query_start_loc_cpu = torch.arange(n + 1, dtype=torch.int32)
+        seq_lens_cpu = torch.from_numpy((positions + 1).astype(np.int32))
+        common = CommonAttentionMetadata(
+            num_actual_tokens=n,
+            max_query_len=1,
+            max_seq_len=int(positions.max()) + 1,
+            query_start_loc=query_start_loc_cpu.to(device),
+            seq_lens=seq_lens_cpu.to(device),
+            block_table=table.get_device_tensor()[torch.from_numpy(rows).to(device)],
+            slot_mapping=torch.from_numpy(slots).to(device),
+            query_start_loc_cpu=query_start_loc_cpu,
+            seq_lens_cpu=seq_lens_cpu,
+        )
+        metadata = [self.backend.build_metadata(common)] * self.num_groups
+        with set_forward_context(metadata, self.backend):
+            hidden = self.model(
+                torch.from_numpy(tokens).to(device), torch.from_numpy(positions).to(device)
+            )
+        next_ids = self.model.compute_logits(hidden).argmax(dim=-1)
+        if get_tp_size() > 1:
+            tp_broadcast(next_ids, src=0)
+        return next_ids.cpu().numpy()
