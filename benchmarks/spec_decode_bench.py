@@ -1,4 +1,4 @@
-r"""Speculative decoding (ngram) against plain decoding, offline (`LLM`), in one run.
+r"""Speculative decoding (ngram, a draft model) against plain decoding, offline, in one run.
 
 Three chat workloads on the default model (greedy, EOS respected, at most --max-tokens
 tokens each): `repeat` asks to write a paragraph out again with its typos fixed (the
@@ -15,11 +15,15 @@ cell runs on every engine back to back (the CPU's speed drifts over minutes); `p
 without a speculative
 config, `ngram-kK` with {"method": "ngram", "num_speculative_tokens": K,
 "prompt_lookup_min": 2, "prompt_lookup_max": 4} and the gate at its defaults (--no-gate
-sets adaptive false: every step speculates). The acceptance rate and mean acceptance
-length are those of each cell.
+sets adaptive false: every step speculates). `draftL-kK` (--draft-layers L) drafts with
+the default model's layers L: the first N for "N", those listed for "0-3,26-29"
+(benchmarks/gguf_requantize.py --layers L: same file type, same tokenizer),
+{"method": "draft_model", "num_speculative_tokens": K}. The acceptance rate and mean
+acceptance length are those of each cell.
 
     python -m benchmarks.spec_decode_bench [--k 2 4 6] [--concurrency 1 4 16 64]
-        [--workloads repeat code chat] [--max-tokens 128]
+        [--workloads repeat code chat] [--max-tokens 128] [--draft-layers 4 0-3,26-29]
+        [--no-ngram]
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import subprocess
 import time
 from collections import deque
 
+from benchmarks.gguf_requantize import truncated_default
 from ipc.sampling_params import SamplingParams
 
 WORDS = {
@@ -156,6 +161,8 @@ def main() -> None:
     parser.add_argument("--requests-per-stream", type=int, default=2)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--no-gate", action="store_true", help="adaptive false")
+    parser.add_argument("--draft-layers", nargs="*", default=[], help="N or 0-3,26-29")
+    parser.add_argument("--no-ngram", action="store_true", help="only the draft models")
     args = parser.parse_args()
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     print(next((line for line in cpu.splitlines() if "Model name" in line), "CPU ?"))
@@ -163,16 +170,22 @@ def main() -> None:
     for k in args.k:
         spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
                 "prompt_lookup_max": 4}  # fmt: skip
-        if args.no_gate:
+        if not args.no_ngram:
+            configs[f"ngram-k{k}"] = spec
+        for layers in args.draft_layers:
+            draft = str(truncated_default(layers))
+            configs[f"draft{layers}-k{k}"] = {"method": "draft_model", "model": draft,
+                                         "num_speculative_tokens": k}  # fmt: skip
+    for spec in configs.values():
+        if spec is not None and args.no_gate:
             spec["adaptive"] = False
-        configs[f"ngram-k{k}"] = spec
     results: dict[tuple[str, str, int], dict] = {}
     engines = {name: make_llm(spec, args) for name, spec in configs.items()}
     for workload in args.workloads:
         for c in args.concurrency:
             for name, llm in engines.items():  # back to back: the CPU's speed drifts
                 cell = results[name, workload, c] = run_cell(llm, workload, c, args)
-                print(f"{name:9} {workload:6} c={c:<3} {cell['tok_s']:7.1f} tok/s", flush=True)
+                print(f"{name:16} {workload:6} c={c:<3} {cell['tok_s']:7.1f} tok/s", flush=True)
     for llm in engines.values():
         llm.shutdown()
     print("\n| workload | concurrency | plain tok/s | " + " | ".join(list(configs)[1:]) + " |")

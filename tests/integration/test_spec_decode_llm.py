@@ -183,3 +183,32 @@ def test_a_draft_of_another_vocabulary_or_tokenizer_is_refused(checkpoint, tmp_p
     tokenizer_json.write_text(json.dumps(tokenizer))
     with pytest.raises(ValueError, match="another tokenizer than the target"):
         _engine(checkpoint, {"method": "draft_model", "model": other_tokenizer})
+
+
+def test_a_draft_of_another_shape_drafts_its_own_greedy_tokens(checkpoint, reference, tmp_path):
+    """A draft with its own weights and KV shapes (one layer, one KV head of 16): every
+    proposal is the draft's greedy continuation per transformers, so its KV cache holds its
+    own keys and values of every token, and the target's tokens are transformers' own."""
+    draft = make_tiny_checkpoint(
+        tmp_path, "llama", name="small", seed=1, hidden_size=32, num_attention_heads=2,
+        num_key_value_heads=1, num_hidden_layers=1, intermediate_size=48,
+    )  # fmt: skip
+    draft_reference = greedy_reference(draft)
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3,
+            "adaptive": False}  # fmt: skip
+    llm = _engine(checkpoint, spec, block_size=4, max_num_batched_tokens=16)
+    proposals = []
+    store = llm.engine.scheduler.spec.proposer.store
+    llm.engine.scheduler.spec.proposer.store = lambda *a: (proposals.append(a), store(*a))
+    prompts = random_prompts(4, 5, 30, seed=60)
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    sequences = {}
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == reference(prompt, 16)
+        sequences[out.request_id] = prompt + reference(prompt, 16)
+    assert len(proposals) > 4 * 3
+    for request_id, num_tokens, drafts in proposals:
+        prefix = sequences[request_id][:num_tokens]
+        assert drafts == draft_reference(prefix, len(drafts))
+    llm.shutdown()
