@@ -11,12 +11,15 @@ Each step it runs twice:
   so it writes its KV wherever the target writes (prefill chunks and verified drafts
   alike; a rejected draft's KV is rewritten later, as the target's is);
 * `propose`, once the step's tokens are known (steps that propose run in lockstep): k
-  greedy decode rounds per request from its last sampled token, each writing that
-  token's KV into a lookahead slot (the scheduler allocated k of them) and drafting the
-  next token. Those slots are rewritten by the next step's `forward`.
+  decode rounds per request from its last sampled token, each writing that token's KV
+  into a lookahead slot (the scheduler allocated k of them) and drafting the next token.
+  Those slots are rewritten by the next step's `forward`.
 
-A greedy draft is a point mass, so the target's verification (accept while the draft
-equals the token sampled at its position) keeps the target's distribution exactly.
+Greedy and seeded requests draft greedily: a point mass, which the target's verification
+(accept while the draft equals the token sampled at its position) keeps exact, seeded
+streams included. Other random requests draw each draft from q = softmax(logits / T) and
+keep q (`draft_probs`) for the next step's rejection sampler (rejection_sampler.py),
+which accepts a draft with probability min(1, p/q).
 """
 
 from __future__ import annotations
@@ -29,9 +32,11 @@ import torch
 
 from attention import AttentionBackend, CommonAttentionMetadata, set_forward_context
 from models import kv_cache_shape_info, load_config, load_model
-from models.parallel_state import get_tp_size, tp_broadcast
+from models.parallel_state import get_tp_rank, get_tp_size, tp_broadcast
 from worker.input_batch import InputBatch
 from worker.kv_cache_groups import KVCacheGroup
+from worker.rejection_sampler import DraftProbs
+from worker.sampler import SAMPLING_EPS
 from worker.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
@@ -51,6 +56,7 @@ class DraftModel:
         kernels,
         kv_cache_dtype: str,
         max_model_len: int,
+        generator: torch.Generator | None = None,
     ) -> None:
         self.hf_config = load_config(path)
         vocab_size = getattr(self.hf_config, "vocab_size", None)
@@ -81,10 +87,15 @@ class DraftModel:
             self.hf_config, get_tp_size()
         )
         self.k = num_speculative_tokens
+        self.vocab_size = vocab_size
         self.backend = backend
         self.device = device
         self.max_model_len = max_model_len
+        self.generator = generator
         self.kv_caches: list[torch.Tensor] = []
+        # Request id -> (its last proposal, q of each of its drafts [d, V]): the sampled
+        # drafts of the last propose, on the rank that samples.
+        self.draft_probs: dict[str, tuple[list[int], torch.Tensor]] = {}
 
     def kv_cache_bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * dtype.itemsize
@@ -106,8 +117,9 @@ class DraftModel:
 
     @torch.inference_mode()
     def propose(self, batch: InputBatch, req_ids: list[str]) -> dict[str, list[int]]:
-        """Up to k greedy drafts after the last token of each request in `req_ids` that
-        still has a row: fewer where its allocated slots or max_model_len end first."""
+        """Up to k drafts after the last token of each request in `req_ids` that still has
+        a row: fewer where its allocated slots or max_model_len end first."""
+        self.draft_probs = {}
         row_of = batch.req_id_to_index
         ids = [r for r in req_ids if r in row_of]
         if not ids:
@@ -119,18 +131,54 @@ class DraftModel:
         writable = np.minimum(table.num_blocks_per_row[rows] * block_size, self.max_model_len)
         num_drafts = np.clip(writable - start, 0, self.k)
         tokens = batch.token_ids[rows, start].astype(np.int64)
+        temperature = np.where(
+            [row not in batch.generators for row in rows.tolist()], batch.temperature[rows], 0.0
+        )
+        sampling = temperature >= SAMPLING_EPS
+        probs = None
+        if sampling.any() and get_tp_rank() == 0:
+            probs = torch.zeros(len(rows), self.k, self.vocab_size, device=self.device)
         drafts = np.zeros((len(rows), self.k), dtype=np.int64)
         for j in range(int(num_drafts.max())):
             active = np.flatnonzero(num_drafts > j)
-            positions = start[active] + j
-            tokens[active] = self._decode_round(table, rows[active], tokens[active], positions)
+            logits = self._decode_round(table, rows[active], tokens[active], start[active] + j)
+            tokens[active] = self._draft_tokens(logits, temperature[active], probs, active, j)
             drafts[active, j] = tokens[active]
+        if probs is not None:
+            for i in np.flatnonzero(sampling).tolist():
+                proposal = drafts[i, : num_drafts[i]].tolist()
+                self.draft_probs[ids[i]] = (proposal, probs[i, : num_drafts[i]])
         return {r: drafts[i, : num_drafts[i]].tolist() for i, r in enumerate(ids)}
+
+    def _draft_tokens(
+        self,
+        logits: torch.Tensor,
+        temperature: np.ndarray,
+        probs: torch.Tensor | None,
+        rows: np.ndarray,
+        j: int,
+    ) -> np.ndarray:
+        """Greedy rows take the argmax; sampling rows draw from q = softmax(logits / T),
+        kept in probs[rows, j]. Rank 0 decides and broadcasts."""
+        next_ids = logits.argmax(dim=-1)
+        sampling = np.flatnonzero(temperature >= SAMPLING_EPS)
+        if probs is not None and len(sampling):
+            index = torch.from_numpy(sampling).to(logits.device)
+            scale = torch.from_numpy(temperature[sampling].astype(np.float32)).to(logits.device)
+            q = (logits[index].float() / scale.unsqueeze(1)).softmax(dim=-1)
+            cdf = q.cumsum(dim=-1)
+            u = torch.rand(len(sampling), 1, generator=self.generator, device=logits.device)
+            drawn = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
+            next_ids[index] = drawn.clamp(max=q.shape[1] - 1)
+            probs[torch.from_numpy(rows[sampling]).to(probs.device), j] = q
+        if get_tp_size() > 1:
+            tp_broadcast(next_ids, src=0)
+        return next_ids.cpu().numpy()
 
     def _decode_round(
         self, table, rows: np.ndarray, tokens: np.ndarray, positions: np.ndarray
-    ) -> np.ndarray:
-        """One token per row at `positions`: store its KV, return the argmax after it."""
+    ) -> torch.Tensor:
+        """One token per row at `positions`: store its KV, return the logits after it."""
         n, device = len(rows), self.device
         block_size = table.block_size
         slots = table.np[rows, positions // block_size].astype(np.int64) * block_size
@@ -153,7 +201,31 @@ class DraftModel:
             hidden = self.model(
                 torch.from_numpy(tokens).to(device), torch.from_numpy(positions).to(device)
             )
-        next_ids = self.model.compute_logits(hidden).argmax(dim=-1)
-        if get_tp_size() > 1:
-            tp_broadcast(next_ids, src=0)
-        return next_ids.cpu().numpy()
+        return self.model.compute_logits(hidden)
+
+    def verification_probs(
+        self, batch: InputBatch, step: StepInputs, scheduled_drafts: dict[str, list[int]]
+    ) -> DraftProbs | None:
+        """The step's sample rows whose drafts were sampled here (q known), as the
+        scheduler kept them (a prefix of the proposal, cut by max_tokens or a grammar)."""
+        first_rows = np.cumsum(step.num_logits) - step.num_logits
+        picked = []
+        for i, row in enumerate(step.sample_rows.tolist()):
+            drafts = scheduled_drafts.get(batch.req_ids[row])
+            entry = self.draft_probs.get(batch.req_ids[row])
+            if drafts and entry is not None and entry[0][: len(drafts)] == drafts:
+                picked.append((int(first_rows[i]), drafts, entry[1][: len(drafts)]))
+        if not picked:
+            return None
+        k, device = max(len(d) for _, d, _ in picked), self.device
+        probs = torch.zeros(len(picked), k, self.vocab_size, device=device)
+        draft_ids = torch.zeros(len(picked), k, dtype=torch.long)
+        for i, (_, drafts, q) in enumerate(picked):
+            probs[i, : len(drafts)] = q
+            draft_ids[i, : len(drafts)] = torch.tensor(drafts)
+        return DraftProbs(
+            torch.tensor([first for first, _, _ in picked], device=device),
+            torch.tensor([len(d) for _, d, _ in picked], device=device),
+            draft_ids.to(device),
+            probs,
+        )

@@ -114,6 +114,7 @@ class ModelRunner:
             num_kv_cache_groups=len(self.kv_cache_groups),
             staging=self.inputs.batch_staging,
         )
+        generator = torch.Generator(self.device).manual_seed(config.seed)
         self.drafter = None
         spec = config.speculative_config
         if spec is not None and spec.method == "draft_model":
@@ -128,9 +129,9 @@ class ModelRunner:
                 kernels=self.kernels,
                 kv_cache_dtype=config.kv_cache_dtype,
                 max_model_len=config.max_model_len,
+                generator=generator,
             )
         self.requests: dict[str, CachedRequestState] = {}
-        generator = torch.Generator(self.device).manual_seed(config.seed)
         self.sampler = Sampler(generator, self.kernels)
         self.is_driver = get_tp_rank() == 0
         self.cuda_graphs: CudaGraphRunner | None = None
@@ -369,6 +370,13 @@ class ModelRunner:
         verification = None
         if step.num_logits is not None:
             verification = self._verification(step, so.scheduled_spec_decode_tokens)
+            if self.drafter is not None and step.sampling_metadata is not None:
+                step.sampling_metadata = replace(
+                    step.sampling_metadata,
+                    draft_probs=self.drafter.verification_probs(
+                        self.input_batch, step, so.scheduled_spec_decode_tokens
+                    ),
+                )
         sampled, logprobs = self._sample(logits, step)
         host_buffer = None
         if self._host_samples:

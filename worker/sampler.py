@@ -19,6 +19,7 @@ from worker.logits_processors import (
     apply_logit_bias,
     apply_penalties,
 )
+from worker.rejection_sampler import DraftProbs, rejection_sample, write_rejection_samples
 from worker.sampler_triton import sample_triton, triton_takes
 
 # Temperatures below this are greedy.
@@ -44,6 +45,8 @@ class SamplingMetadata:
     bad_words: BadWords | None = None
     logit_bias: LogitBias | None = None
     penalties: Penalties | None = None
+    # Rows verifying drafts the draft model sampled (rejection_sampler.py).
+    draft_probs: DraftProbs | None = None
 
 
 class LogprobsTensors(NamedTuple):
@@ -99,6 +102,8 @@ class Sampler(torch.nn.Module):
             )
         else:
             sampled = self._sample_torch(processed.float(), metadata)
+        if metadata.draft_probs is not None:
+            self._verify_sampled_drafts(sampled, processed, metadata)
         logprobs = None
         if metadata.max_num_logprobs is not None:
             logprobs = _gather_logprobs(logits, sampled, metadata.max_num_logprobs)
@@ -132,17 +137,54 @@ class Sampler(torch.nn.Module):
         temperature = metadata.temperature
         if not metadata.all_random:
             temperature = torch.where(temperature < SAMPLING_EPS, 1.0, temperature)
-        logits = logits / temperature.unsqueeze(1)
-        if metadata.top_p is not None:
-            logits = _apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
-        elif metadata.top_k is not None:
-            logits = _apply_top_k(logits, metadata.top_k)
-        probs = logits.softmax(dim=-1)
-        if metadata.min_p is not None:
-            threshold = probs.amax(dim=-1, keepdim=True) * metadata.min_p.unsqueeze(1)
-            probs = probs.masked_fill(probs < threshold, 0.0)
+        m = metadata
+        probs = sampling_probs(logits, temperature, m.top_k, m.top_p, m.min_p)
         u = _draw_uniforms(probs.shape[0], metadata.generators, self.generator, probs.device)
         return _inverse_cdf_sample(probs, u)
+
+    def _verify_sampled_drafts(
+        self, sampled: torch.Tensor, logits: torch.Tensor, metadata: SamplingMetadata
+    ) -> None:
+        """Rows whose drafts were sampled from q: rejection sampling against p (every
+        setting of the row applied), its outcome written into `sampled`. These rows are
+        random and unseeded: their draws come from the engine's generator."""
+        drafts = metadata.draft_probs
+        num_rows, k = drafts.draft_ids.shape
+        positions = torch.arange(k + 1, device=logits.device)
+        last = (drafts.first_logits_rows + drafts.num_drafts).unsqueeze(1)
+        index = (drafts.first_logits_rows.unsqueeze(1) + positions).minimum(last).flatten()
+
+        def take(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[index]
+
+        m = metadata
+        p = sampling_probs(
+            logits[index].float(), m.temperature[index], take(m.top_k), take(m.top_p), take(m.min_p)
+        )
+        u = torch.rand(num_rows, k + 1, generator=self.generator, device=logits.device)
+        target = p.view(num_rows, k + 1, -1)
+        num_accepted, token = rejection_sample(target, drafts, u[:, :k], u[:, k])
+        write_rejection_samples(sampled, drafts, num_accepted, token)
+
+
+def sampling_probs(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor | None,
+    top_p: torch.Tensor | None,
+    min_p: torch.Tensor | None,
+) -> torch.Tensor:
+    """The distribution a random row draws from: temperature, top-k, top-p, min-p."""
+    logits = logits / temperature.unsqueeze(1)
+    if top_p is not None:
+        logits = _apply_top_k_top_p(logits, top_k, top_p)
+    elif top_k is not None:
+        logits = _apply_top_k(logits, top_k)
+    probs = logits.softmax(dim=-1)
+    if min_p is not None:
+        threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs
 
 
 def process_logits(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
