@@ -194,10 +194,14 @@ def test_a_draft_of_another_vocabulary_or_tokenizer_is_refused(checkpoint, tmp_p
         _engine(checkpoint, {"method": "draft_model", "model": other_tokenizer})
 
 
-def test_a_draft_of_another_shape_drafts_its_own_greedy_tokens(checkpoint, reference, tmp_path):
+@pytest.mark.parametrize("swap", [False, True])
+def test_a_draft_of_another_shape_drafts_its_own_greedy_tokens(
+    checkpoint, reference, tmp_path, swap
+):
     """A draft with its own weights and KV shapes (one layer, one KV head of 16): every
     proposal is the draft's greedy continuation per transformers, so its KV cache holds its
-    own keys and values of every token, and the target's tokens are transformers' own."""
+    own keys and values of every token, and the target's tokens are transformers' own.
+    With `swap`, preempted requests go to the host tier and back, the draft's pages too."""
     draft = make_tiny_checkpoint(
         tmp_path, "llama", name="small", seed=1, hidden_size=32, num_attention_heads=2,
         num_key_value_heads=1, num_hidden_layers=1, intermediate_size=48,
@@ -205,7 +209,11 @@ def test_a_draft_of_another_shape_drafts_its_own_greedy_tokens(checkpoint, refer
     draft_reference = greedy_reference(draft)
     spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3,
             "adaptive": False}  # fmt: skip
-    llm = _engine(checkpoint, spec, block_size=4, max_num_batched_tokens=16)
+    swapping = {}
+    if swap:
+        swapping = dict(num_gpu_blocks_override=24, kv_offload_memory=4 << 20,
+                        preemption_mode="swap", max_model_len=64)  # fmt: skip
+    llm = _engine(checkpoint, spec, block_size=4, max_num_batched_tokens=16, **swapping)
     proposals = []
     store = llm.engine.scheduler.spec.proposer.store
     llm.engine.scheduler.spec.proposer.store = lambda *a: (proposals.append(a), store(*a))
@@ -220,4 +228,7 @@ def test_a_draft_of_another_shape_drafts_its_own_greedy_tokens(checkpoint, refer
     for request_id, num_tokens, drafts in proposals:
         prefix = sequences[request_id][:num_tokens]
         assert drafts == draft_reference(prefix, len(drafts))
+    if swap:
+        stats = llm.engine.get_stats()
+        assert stats.num_swapped_out_blocks > 0 and stats.num_swapped_in_blocks > 0
     llm.shutdown()
