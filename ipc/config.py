@@ -170,6 +170,13 @@ class EngineConfig:
             metavar="N",
         ),
     )
+    enable_expert_parallel: bool = field(
+        default=False,
+        metadata=option(
+            "MoE models: place whole experts on the ranks instead of slicing every expert "
+            "over them (the experts must divide over the ranks)"
+        ),
+    )
     gpu_memory_utilization: float = field(
         default=0.9, metadata=option("share of each GPU's memory the engine may use, in (0, 1]")
     )

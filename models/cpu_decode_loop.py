@@ -157,7 +157,7 @@ def _takes_layer(layer: nn.Module, layer_type: type, first: nn.Module, eps: floa
     return (
         type(layer) is layer_type
         and not attn.qk_norm
-        and type(mlp.act_fn) is SiluAndMul
+        and type(getattr(mlp, "act_fn", None)) is SiluAndMul
         and all(type(n) is RMSNorm and n.ops is not None for n in norms)
         and all(n.variance_epsilon == eps for n in norms)
         and shape(attn.attn.spec) == shape(first.attn.spec)

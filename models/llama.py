@@ -7,6 +7,7 @@ sliding window (`layer_sliding_windows`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,14 +127,21 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    """`mlp`: the layer's MLP when it is not the dense one (a mixture of experts)."""
+
     def __init__(
-        self, config: Any, options: DecoderOptions, sliding_window: int | None, prefix: str
+        self,
+        config: Any,
+        options: DecoderOptions,
+        sliding_window: int | None,
+        prefix: str,
+        mlp: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(
             config, options, sliding_window, prefix=f"{prefix}.self_attn"
         )
-        self.mlp = LlamaMLP(
+        self.mlp = mlp or LlamaMLP(
             config.hidden_size,
             config.intermediate_size,
             config.hidden_act,
@@ -168,7 +176,9 @@ class LlamaModel(nn.Module):
         options: DecoderOptions,
         sliding_windows: list[int | None],
         prefix: str = "model",
+        build_mlp: Callable[[int, str], nn.Module | None] | None = None,
     ) -> None:
+        """`build_mlp(layer_index, prefix)`: a layer's MLP when not the dense one."""
         super().__init__()
         self.config = config
         self.embed_tokens = VocabParallelEmbedding(
@@ -176,7 +186,13 @@ class LlamaModel(nn.Module):
         )
         self.rotary_emb = RotaryEmbedding.from_config(config)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, options, window, prefix=f"{prefix}.layers.{i}")
+            LlamaDecoderLayer(
+                config,
+                options,
+                window,
+                prefix=f"{prefix}.layers.{i}",
+                mlp=build_mlp(i, f"{prefix}.layers.{i}.mlp") if build_mlp else None,
+            )
             for i, window in enumerate(sliding_windows)
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -224,4 +240,9 @@ class LlamaForCausalLM(CausalLM):
             self.decoder_options(config),
             self.layer_sliding_windows(config),
             prefix="model",
+            build_mlp=self.build_mlp,
         )
+
+    def build_mlp(self, layer_index: int, prefix: str) -> nn.Module | None:
+        """A layer's MLP when it is not the dense one (mixture-of-experts models)."""
+        return None

@@ -24,6 +24,9 @@ _TP_RANK = 0
 _TP_SIZE = 1
 _TP_GROUP: dist.ProcessGroup | None = None
 _BACKEND: str | None = None
+# MoE layers place whole experts on the ranks instead of slicing each (models built after
+# set_expert_parallel; the worker sets it from --enable-expert-parallel).
+_EXPERT_PARALLEL = False
 
 
 def init_distributed(
@@ -75,6 +78,15 @@ def destroy_distributed() -> None:
     if _TP_GROUP is not None and dist.is_initialized():
         dist.destroy_process_group()
     _TP_RANK, _TP_SIZE, _TP_GROUP, _BACKEND = 0, 1, None, None
+
+
+def set_expert_parallel(enabled: bool) -> None:
+    global _EXPERT_PARALLEL
+    _EXPERT_PARALLEL = enabled
+
+
+def get_expert_parallel() -> bool:
+    return _EXPERT_PARALLEL
 
 
 def get_tp_rank() -> int:

@@ -12,8 +12,11 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Gemma3ForCausalLM": ("models.gemma3", "Gemma3ForCausalLM"),
     "LlamaForCausalLM": ("models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("models.mistral", "MistralForCausalLM"),
+    "MixtralForCausalLM": ("models.moe", "MixtralForCausalLM"),
     "Qwen2ForCausalLM": ("models.qwen2", "Qwen2ForCausalLM"),
+    "Qwen2MoeForCausalLM": ("models.moe", "Qwen2MoeForCausalLM"),
     "Qwen3ForCausalLM": ("models.qwen3", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("models.moe", "Qwen3MoeForCausalLM"),
 }
 
 

@@ -1,4 +1,5 @@
 import logging
+import math
 import time
 from collections import deque
 from dataclasses import replace
@@ -12,7 +13,7 @@ from ipc.messages import ModelRunnerOutput, SchedulerOutput
 from ipc.utils import cdiv
 from kernels import KernelSet
 from models import kv_cache_shape_info, load_config, load_model, resolve_dtype
-from models.parallel_state import get_tp_rank, get_tp_size, tp_broadcast
+from models.parallel_state import get_tp_rank, get_tp_size, set_expert_parallel, tp_broadcast
 from worker.batch_update import update_batch
 from worker.buffers import InputBuffers, zeros_on_huge_pages
 from worker.cuda_graph import CudaGraphRunner, Mode, capture_sizes, cuda_graphs_off_reason
@@ -60,6 +61,7 @@ class ModelRunner:
         # Chosen once, from the environment; every kernel below is built now, before READY.
         self.kernels = KernelSet.for_device(self.device)
         self.kernels.build_declared()
+        set_expert_parallel(config.enable_expert_parallel)
         self.model = load_model(
             config.model,
             self.dtype,
@@ -194,6 +196,9 @@ class ModelRunner:
         self.block_copy_seconds = measure_block_copy_seconds(
             num_tensors, page_shape, self.kv_cache_dtype, self.device
         )
+        if self.drafter is not None:  # its pages travel too: scaled by bytes
+            target_bytes = 2 * num_tensors * math.prod(page_shape) * self.kv_cache_dtype.itemsize
+            self.block_copy_seconds *= self.kv_cache_bytes_per_block() / target_bytes
         per_token = profiled_seconds_per_token
         if per_token is None:
             num_tokens = min(_CPU_TIMED_PREFILL_TOKENS, self.max_num_tokens)

@@ -69,6 +69,20 @@ CASES = {
         "gemma3",
         {"sliding_window_pattern": 3, "attention_bias": True, "tie_word_embeddings": False},
     ),
+    # Mixtures of experts: dense and sparse layers, top-k weights kept or renormalised, a
+    # shared expert.
+    "qwen3-moe": ("qwen3_moe", {"num_hidden_layers": 3, "mlp_only_layers": [1]}),
+    "qwen3-moe-step-2-top-3-unnormalised": (
+        "qwen3_moe",
+        {"decoder_sparse_step": 2, "num_experts_per_tok": 3, "norm_topk_prob": False},
+    ),
+    "qwen2-moe": ("qwen2_moe", {}),
+    "qwen2-moe-normalised-sparse-step-2": (
+        "qwen2_moe",
+        {"norm_topk_prob": True, "decoder_sparse_step": 2, "num_hidden_layers": 3},
+    ),
+    "mixtral": ("mixtral", {}),
+    "mixtral-top-1-window-4": ("mixtral", {"num_experts_per_tok": 1, "sliding_window": 4}),
 }
 
 

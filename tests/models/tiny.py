@@ -48,6 +48,27 @@ _ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 8}),
+    # Mixtures of experts: 8 (Mixtral 4) experts of intermediate 32, top 2.
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        {
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48,
+        },
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        {"num_local_experts": 4, "num_experts_per_tok": 2},
+    ),
     # Six layers: five local (window 8) then one global; tied embeddings as Gemma ships.
     "gemma3": (
         "Gemma3TextConfig",
@@ -74,6 +95,10 @@ TINY_MODELS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "mistral": ("mistral", {}),
     "gemma3": ("gemma3", {}),
+    # Layer 1 dense (mlp_only_layers), layers 0 and 2 sparse.
+    "qwen3-moe": ("qwen3_moe", dict(num_hidden_layers=3, mlp_only_layers=[1])),
+    "qwen2-moe": ("qwen2_moe", {}),
+    "mixtral": ("mixtral", {}),
 }
 
 
@@ -84,7 +109,9 @@ def _config(arch: str, overrides: dict[str, Any]) -> Any:
         raise ValueError(f"arch must be one of {sorted(_ARCHS)}")
     class_name, architecture, defaults = _ARCHS[arch]
     kwargs = {**_COMMON, **defaults, **overrides}
-    if arch in ("qwen3", "gemma3") and "head_dim" not in kwargs:  # their default is not this
+    if (
+        arch in ("qwen3", "qwen3_moe", "gemma3") and "head_dim" not in kwargs
+    ):  # their default is not this
         kwargs["head_dim"] = kwargs["hidden_size"] // kwargs["num_attention_heads"]
     config = getattr(transformers, class_name)(**kwargs)
     config.architectures = [architecture]

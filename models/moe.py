@@ -1,0 +1,125 @@
+"""Mixture-of-experts decoders: Qwen3-MoE, Qwen2-MoE and Mixtral. Each is its dense
+family's decoder with a sparse MLP block (models/layers/fused_moe.py) in some or all
+layers; attention, norms and the KV cache are the dense model's.
+
+Checkpoints name each expert's projections (`...experts.{e}.gate_proj.weight`, Mixtral's
+`w1`/`w3`/`w2`), as transformers writes them, or hold them stacked
+(`...experts.gate_up_proj` [E, 2 I, H], `...experts.down_proj` [E, H, I]); both load.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Any
+
+from torch import nn
+
+from models.layers.fused_moe import FusedMoE, SparseMoeBlock
+from models.llama import LlamaMLP
+from models.mistral import MistralForCausalLM
+from models.qwen2 import Qwen2ForCausalLM
+from models.qwen3 import Qwen3ForCausalLM
+
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_STACKED = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
+_PROJECTION = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up"}
+_PROJECTION |= {"down_proj": "down", "w2": "down"}
+
+
+class MoEWeightsMixin:
+    """Expert tensors go to their FusedMoE; the rest load as the dense model's."""
+
+    checkpoint_renames: tuple[tuple[str, str], ...] = ()
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> set[str]:
+        experts: dict[str, FusedMoE] = {}
+
+        def dense(weights: Iterable[tuple[str, Any]]):
+            for name, weight in weights:
+                for old, new in self.checkpoint_renames:
+                    name = name.replace(old, new)
+                if match := _EXPERT.match(name):
+                    module, expert, projection = match.groups()
+                    moe = experts.setdefault(module, self.get_submodule(module))
+                    moe.load_expert(int(expert), _PROJECTION[projection], weight)
+                elif match := _STACKED.match(name):
+                    module, projection = match.groups()
+                    moe = experts.setdefault(module, self.get_submodule(module))
+                    moe.load_stacked(projection.removesuffix("_proj"), weight)
+                else:
+                    yield name, weight
+
+        loaded = super().load_weights(dense(weights))
+        for module, moe in experts.items():
+            if moe.fully_loaded():
+                loaded |= {f"{module}.w13", f"{module}.w2"}
+        return loaded
+
+
+def _is_sparse(config: Any, layer_index: int) -> bool:
+    """transformers' rule: not in mlp_only_layers, and every decoder_sparse_step-th."""
+    if layer_index in (getattr(config, "mlp_only_layers", None) or []):
+        return False
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    return (layer_index + 1) % step == 0
+
+
+class Qwen3MoeForCausalLM(MoEWeightsMixin, Qwen3ForCausalLM):
+    def build_mlp(self, layer_index: int, prefix: str) -> nn.Module | None:
+        config = self.config
+        if not config.num_experts or not _is_sparse(config, layer_index):
+            return None
+        return SparseMoeBlock(
+            config.hidden_size,
+            config.num_experts,
+            config.num_experts_per_tok,
+            config.moe_intermediate_size,
+            renormalize=bool(getattr(config, "norm_topk_prob", True)),
+            prefix=prefix,
+        )
+
+
+class Qwen2MoeForCausalLM(MoEWeightsMixin, Qwen2ForCausalLM):
+    """Qwen2's attention (q/k/v bias), and beside the experts a shared expert."""
+
+    def build_mlp(self, layer_index: int, prefix: str) -> nn.Module | None:
+        config = self.config
+        if not config.num_experts or not _is_sparse(config, layer_index):
+            return None
+        shared = None
+        if getattr(config, "shared_expert_intermediate_size", 0):
+            shared = LlamaMLP(
+                config.hidden_size,
+                config.shared_expert_intermediate_size,
+                config.hidden_act,
+                bias=False,
+                prefix=f"{prefix}.shared_expert",
+            )
+        return SparseMoeBlock(
+            config.hidden_size,
+            config.num_experts,
+            config.num_experts_per_tok,
+            config.moe_intermediate_size,
+            renormalize=bool(getattr(config, "norm_topk_prob", False)),
+            prefix=prefix,
+            shared_expert=shared,
+        )
+
+
+class MixtralForCausalLM(MoEWeightsMixin, MistralForCausalLM):
+    """Mistral's attention (its sliding window, if any), every layer sparse, the top-k
+    weights always renormalised."""
+
+    checkpoint_renames = ((".block_sparse_moe.", ".mlp."),)
+
+    def build_mlp(self, layer_index: int, prefix: str) -> nn.Module | None:
+        config = self.config
+        return SparseMoeBlock(
+            config.hidden_size,
+            config.num_local_experts,
+            config.num_experts_per_tok,
+            config.intermediate_size,
+            renormalize=True,
+            prefix=prefix,
+        )
