@@ -44,6 +44,7 @@ def update_batch(
         if cached.resumed_from_preemption[i]:
             state.block_ids = [list(ids) for ids in new_block_ids]
             state.output_token_ids = cached.new_token_ids[i][len(state.prompt_token_ids) :]
+            state.draft_num_computed = 0
             if row is not None:
                 batch.remove_request(req_id)
             batch.add_request(state)

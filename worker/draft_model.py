@@ -5,15 +5,18 @@ Its KV cache is a group of its own on the target's full-attention block table: e
 block id holds the draft's KV of the same tokens in the draft's tensors, so the
 EngineCore allocates, caches, swaps and frees one set of blocks for both models.
 
-Each step it runs twice:
+It runs only in steps that propose (they run in lockstep), once the step's tokens are
+known: for each request, one pass over the tokens its KV does not hold yet (a request's
+`draft_num_computed`: the whole context at its first proposal, after that the tokens of
+the last verification), ending with the last sampled token, then k - 1 single-token
+rounds, each drafting the next token and writing the KV of the one before into a
+lookahead slot (the scheduler allocated k of them). Slots past the last token are
+rewritten by the next catch-up. While the gate keeps drafts off the draft costs nothing.
 
-* `forward`: over the step's tokens, with the target's inputs and attention metadata,
-  so it writes its KV wherever the target writes (prefill chunks and verified drafts
-  alike; a rejected draft's KV is rewritten later, as the target's is);
-* `propose`, once the step's tokens are known (steps that propose run in lockstep): k
-  decode rounds per request from its last sampled token, each writing that token's KV
-  into a lookahead slot (the scheduler allocated k of them) and drafting the next token.
-  Those slots are rewritten by the next step's `forward`.
+Every request's draft KV is written by its own catch-ups from position 0 (a prefix-cache
+hit spares the target's prefill, not the draft's), so the draft reads only pages written
+for the same tokens; a request resumed after a preemption starts over. The draft's KV
+only ever shapes proposals: the target verifies them.
 
 Greedy and seeded requests draft greedily: a point mass, which the target's verification
 (accept while the draft equals the token sampled at its position) keeps exact, seeded
@@ -33,7 +36,7 @@ import torch
 from attention import AttentionBackend, CommonAttentionMetadata, set_forward_context
 from models import kv_cache_shape_info, load_config, load_model
 from models.parallel_state import get_tp_rank, get_tp_size, tp_broadcast
-from worker.input_batch import InputBatch
+from worker.input_batch import CachedRequestState, InputBatch
 from worker.kv_cache_groups import KVCacheGroup
 from worker.rejection_sampler import DraftProbs
 from worker.sampler import SAMPLING_EPS
@@ -110,27 +113,29 @@ class DraftModel:
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
 
-    def forward(self, step: StepInputs) -> None:
-        """The step's tokens, into the draft's KV cache."""
-        with set_forward_context(step.attn_metadata, self.backend):
-            self.model(step.input_ids, step.positions)
-
     @torch.inference_mode()
-    def propose(self, batch: InputBatch, req_ids: list[str]) -> dict[str, list[int]]:
+    def propose(
+        self, batch: InputBatch, requests: dict[str, CachedRequestState], req_ids: list[str]
+    ) -> dict[str, list[int]]:
         """Up to k drafts after the last token of each request in `req_ids` that still has
         a row: fewer where its allocated slots or max_model_len end first."""
         self.draft_probs = {}
         row_of = batch.req_id_to_index
-        ids = [r for r in req_ids if r in row_of]
-        if not ids:
-            return {}
+        ids = [r for r in req_ids if r in row_of and r in requests]
         rows = np.array([row_of[r] for r in ids], dtype=np.int64)
         table = batch.block_table.groups[self.group]
-        block_size = table.block_size
         start = batch.num_tokens[rows].astype(np.int64) - 1  # the last token's position
-        writable = np.minimum(table.num_blocks_per_row[rows] * block_size, self.max_model_len)
+        writable = np.minimum(table.num_blocks_per_row[rows] * table.block_size, self.max_model_len)
         num_drafts = np.clip(writable - start, 0, self.k)
-        tokens = batch.token_ids[rows, start].astype(np.int64)
+        keep = np.flatnonzero(num_drafts > 0)
+        ids, rows, start, num_drafts = (
+            [ids[i] for i in keep],
+            rows[keep],
+            start[keep],
+            num_drafts[keep],
+        )
+        if not ids:
+            return {}
         temperature = np.where(
             [row not in batch.generators for row in rows.tolist()], batch.temperature[rows], 0.0
         )
@@ -138,12 +143,22 @@ class DraftModel:
         probs = None
         if sampling.any() and get_tp_rank() == 0:
             probs = torch.zeros(len(rows), self.k, self.vocab_size, device=self.device)
+        computed = np.array([requests[r].draft_num_computed for r in ids], dtype=np.int64)
+        first = np.minimum(computed, start)
         drafts = np.zeros((len(rows), self.k), dtype=np.int64)
+        everyone = np.arange(len(rows))
+        row_of_token, positions = _spans(first, start + 1)
+        catch_up = batch.token_ids[rows[row_of_token], positions]
+        logits = self._forward(table, rows, catch_up, first, start + 1)
+        for r, s in zip(ids, start.tolist(), strict=True):
+            requests[r].draft_num_computed = s + 1
         for j in range(int(num_drafts.max())):
-            active = np.flatnonzero(num_drafts > j)
-            logits = self._decode_round(table, rows[active], tokens[active], start[active] + j)
-            tokens[active] = self._draft_tokens(logits, temperature[active], probs, active, j)
-            drafts[active, j] = tokens[active]
+            active = everyone if j == 0 else np.flatnonzero(num_drafts > j)
+            if j:
+                positions = start[active] + j
+                tokens = drafts[active, j - 1]
+                logits = self._forward(table, rows[active], tokens, positions, positions + 1)
+            drafts[active, j] = self._draft_tokens(logits, temperature[active], probs, active, j)
         if probs is not None:
             for i in np.flatnonzero(sampling).tolist():
                 proposal = drafts[i, : num_drafts[i]].tolist()
@@ -175,20 +190,23 @@ class DraftModel:
             tp_broadcast(next_ids, src=0)
         return next_ids.cpu().numpy()
 
-    def _decode_round(
-        self, table, rows: np.ndarray, tokens: np.ndarray, positions: np.ndarray
+    def _forward(
+        self, table, rows: np.ndarray, token_ids: np.ndarray, begin: np.ndarray, end: np.ndarray
     ) -> torch.Tensor:
-        """One token per row at `positions`: store its KV, return the logits after it."""
-        n, device = len(rows), self.device
-        block_size = table.block_size
-        slots = table.np[rows, positions // block_size].astype(np.int64) * block_size
-        slots += positions % block_size
-        query_start_loc_cpu = torch.arange(n + 1, dtype=torch.int32)
-        seq_lens_cpu = torch.from_numpy((positions + 1).astype(np.int32))
+        """Row i's tokens at positions begin[i] .. end[i] - 1 (`token_ids`, row after row):
+        their KV stored, the logits after each row's last one returned."""
+        device, block_size = self.device, table.block_size
+        query_lens = end - begin
+        row_of_token, positions = _spans(begin, end)
+        slots = table.np[rows[row_of_token], positions // block_size].astype(np.int64)
+        slots = slots * block_size + positions % block_size
+        query_start_loc_cpu = torch.zeros(len(rows) + 1, dtype=torch.int32)
+        query_start_loc_cpu[1:] = torch.from_numpy(np.cumsum(query_lens))
+        seq_lens_cpu = torch.from_numpy(end.astype(np.int32))
         common = CommonAttentionMetadata(
-            num_actual_tokens=n,
-            max_query_len=1,
-            max_seq_len=int(positions.max()) + 1,
+            num_actual_tokens=len(positions),
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(end.max()),
             query_start_loc=query_start_loc_cpu.to(device),
             seq_lens=seq_lens_cpu.to(device),
             block_table=table.get_device_tensor()[torch.from_numpy(rows).to(device)],
@@ -199,9 +217,11 @@ class DraftModel:
         metadata = [self.backend.build_metadata(common)] * self.num_groups
         with set_forward_context(metadata, self.backend):
             hidden = self.model(
-                torch.from_numpy(tokens).to(device), torch.from_numpy(positions).to(device)
+                torch.from_numpy(token_ids.astype(np.int64)).to(device),
+                torch.from_numpy(positions).to(device),
             )
-        return self.model.compute_logits(hidden)
+        last = torch.from_numpy(np.cumsum(query_lens) - 1).to(device)
+        return self.model.compute_logits(hidden[last])
 
     def verification_probs(
         self, batch: InputBatch, step: StepInputs, scheduled_drafts: dict[str, list[int]]
@@ -229,3 +249,13 @@ class DraftModel:
             draft_ids.to(device),
             probs,
         )
+
+
+def _spans(begin: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For positions begin[i] .. end[i] - 1 of each row i, row after row: each one's row
+    index and the position."""
+    lengths = end - begin
+    row_of_token = np.repeat(np.arange(len(begin)), lengths)
+    firsts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    positions = np.repeat(begin, lengths) + np.arange(int(lengths.sum())) - firsts
+    return row_of_token, positions

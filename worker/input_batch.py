@@ -31,6 +31,7 @@ class CachedRequestState:
     block_ids: list[list[int]]  # per KV cache group
     num_computed_tokens: int
     output_token_ids: list[int] = field(default_factory=list)
+    draft_num_computed: int = 0  # leading tokens whose draft-model KV is written
 
     @classmethod
     def from_new_request(

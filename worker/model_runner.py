@@ -358,8 +358,6 @@ class ModelRunner:
         else:
             with set_forward_context(step.attn_metadata, self.attn_backend):
                 hidden = self.model(step.input_ids, step.positions)
-        if self.drafter is not None:
-            self.drafter.forward(step)
         logits = self.model.compute_logits(hidden[step.logits_indices])
         prompt_logprobs = self._prompt_logprobs(hidden) if batch.num_prompt_logprobs else {}
         if so.structured_output_request_ids and self.is_driver:
@@ -429,7 +427,9 @@ class ModelRunner:
             if oldest.propose_drafts and not self._unfinished:
                 sampled = oldest.output.sampled_token_ids
                 req_ids = [r for r, tokens in zip(oldest.req_ids, sampled, strict=True) if tokens]
-                oldest.output.draft_token_ids = self.drafter.propose(self.input_batch, req_ids)
+                oldest.output.draft_token_ids = self.drafter.propose(
+                    self.input_batch, self.requests, req_ids
+                )
         return step.output
 
     def _copy_blocks(self, so: SchedulerOutput) -> None:
