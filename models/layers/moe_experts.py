@@ -12,19 +12,23 @@ and the reference the kernel is tested against.
 from __future__ import annotations
 
 from functools import cache
+from pathlib import Path
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
 from kernels import KernelSet
+from kernels.build import cpp_extension
+
+_EXTENSION = cpp_extension("splitserve_cpu_moe", Path(__file__).with_name("cpu_moe.cpp"))
 
 
 @cache
 def moe_kernel(kernels: KernelSet) -> ModuleType | None:
     """The compiled fused-experts kernel for the set's ISA (looked up once per set); None
     where the C++ kernels are off or cannot be built."""
-    return None
+    return kernels.cpp(_EXTENSION)
 
 
 def fused_experts(
