@@ -1,10 +1,11 @@
 // The dot-product tiles of the fused-experts kernel (cpu_moe.cpp): out[r][c] = a[r] . w[c]
 // for R rows of activations by C rows of one expert's weight, both contiguous along k.
 //
-// The weight is read where it lies (float32 or bf16 rows [N, K], no packing per call), so
-// each tile streams C weight rows once for its R activation rows: decode, a row or two per
-// expert, reads every active weight once at memory speed, and prefill reuses each weight
-// row R times from the cache. The activations are packed per call instead (`pack_row`, a
+// The weight is read where it lies (float32 or bf16 rows [N, K], no packing per call): a
+// block (`dot_block`) streams its weight rows from memory once, for its first 4 activation
+// rows, and from the cache for each further 4. Decode, a row or two per expert, thus reads
+// every active weight once at memory speed; the first pass prefetches each tile's
+// successor, and `Ahead` the next block's rows, spread over this one. The activations are packed per call instead (`pack_row`, a
 // float32 copy): k runs in steps of 16, two vectors of 8 floats; a bf16 weight's step is
 // one 32-byte load whose even elements widen to floats by a shift and odd ones by a mask,
 // so a packed row holds each step's even k, then its odd k (`deinterleave`). The k past the
@@ -102,13 +103,16 @@ inline void hsum4(Vec a, Vec b, Vec c, Vec d, float* out) {
 // rows (stride ldw), k long. Each half step keeps R * C accumulators, C weight vectors and
 // one activation vector in registers: (4, 2) is the widest that fits AVX2's 16 (4 x 3
 // spills an accumulator: 40% slower on Zen 3), 75-90 GFLOP/s a core there, as MKL's sgemm.
-template <int R, int C, typename W>
+template <int R, int C, bool Prefetch, typename W>
 inline void dot_tile(const float* a, int64_t lda, const W* w, int64_t ldw, int64_t k,
                      float* out, int64_t ldo) {
   Vec acc[R * C + 3];
   for (int i = 0; i < R * C + 3; ++i) acc[i] = vzero();
   const int64_t whole = k / kStep * kStep;
   for (int64_t s = 0; s < whole; s += kStep) {
+    if (Prefetch) {
+      for (int c = 0; c < C; ++c) __builtin_prefetch(w + (C + c) * ldw + s);
+    }
     for (int half = 0; half < 2; ++half) {  // one half at a time: C weight vectors live
       Vec wv[C];
       for (int c = 0; c < C; ++c) {
@@ -133,32 +137,61 @@ inline void dot_tile(const float* a, int64_t lda, const W* w, int64_t ldw, int64
   }
 }
 
+// Bytes wanted next (the next weight tile), prefetched into L2 a few lines per tile call
+// of the block before, so that its first pass does not wait on memory.
+struct Ahead {
+  const char* at = nullptr;
+  const char* end = nullptr;
+  int64_t per_call = 0;
+  template <typename T>
+  Ahead(const T* begin, int64_t count)
+      : at(reinterpret_cast<const char*>(begin)), end(at + count * int64_t(sizeof(T))) {}
+  Ahead() = default;
+  void step() {
+    for (int64_t i = 0; i < per_call && at < end; ++i, at += 64) __builtin_prefetch(at, 0, 2);
+  }
+};
+
 // R rows by `cols` weight rows, in the widest tiles the registers hold.
-template <int R, typename W>
+template <int R, bool Prefetch, typename W>
 inline void dot_cols(const float* a, int64_t lda, const W* w, int64_t ldw, int64_t k,
-                     int64_t cols, float* out, int64_t ldo) {
+                     int64_t cols, float* out, int64_t ldo, Ahead& ahead) {
   constexpr int C = R <= 2 ? 4 : R == 3 ? 3 : 2;
   int64_t c = 0;
-  for (; c + C <= cols; c += C) dot_tile<R, C>(a, lda, w + c * ldw, ldw, k, out + c, ldo);
-  for (; c < cols; ++c) dot_tile<R, 1>(a, lda, w + c * ldw, ldw, k, out + c, ldo);
+  for (; c + C <= cols; c += C) {
+    ahead.step();
+    dot_tile<R, C, Prefetch>(a, lda, w + c * ldw, ldw, k, out + c, ldo);
+  }
+  for (; c < cols; ++c) {
+    ahead.step();
+    dot_tile<R, 1, Prefetch>(a, lda, w + c * ldw, ldw, k, out + c, ldo);
+  }
 }
 
-// out[r * ldo + c] = a[r] . w[c] for r < rows, c < cols: each weight row is read once per
-// 4 activation rows.
+template <bool Prefetch, typename W>
+inline void dot_rows(const float* a, int64_t lda, int64_t rows, const W* w, int64_t ldw,
+                     int64_t cols, int64_t k, float* out, int64_t ldo, Ahead& ahead) {
+  switch (rows) {
+    case 4: dot_cols<4, Prefetch>(a, lda, w, ldw, k, cols, out, ldo, ahead); break;
+    case 3: dot_cols<3, Prefetch>(a, lda, w, ldw, k, cols, out, ldo, ahead); break;
+    case 2: dot_cols<2, Prefetch>(a, lda, w, ldw, k, cols, out, ldo, ahead); break;
+    case 1: dot_cols<1, Prefetch>(a, lda, w, ldw, k, cols, out, ldo, ahead); break;
+    default: break;
+  }
+}
+
+// out[r * ldo + c] = a[r] . w[c] for r < rows, c < cols, 4 activation rows at a time: the
+// first 4 read the weight rows from memory (prefetching each tile's successor), the others
+// from the cache. `ahead` spreads its prefetches over the block.
 template <typename W>
 inline void dot_block(const float* a, int64_t lda, int64_t rows, const W* w, int64_t ldw,
-                      int64_t cols, int64_t k, float* out, int64_t ldo) {
-  int64_t r = 0;
-  for (; r + 4 <= rows; r += 4) {
-    dot_cols<4>(a + r * lda, lda, w, ldw, k, cols, out + r * ldo, ldo);
-  }
-  const float* a_r = a + r * lda;
-  float* out_r = out + r * ldo;
-  switch (rows - r) {
-    case 3: dot_cols<3>(a_r, lda, w, ldw, k, cols, out_r, ldo); break;
-    case 2: dot_cols<2>(a_r, lda, w, ldw, k, cols, out_r, ldo); break;
-    case 1: dot_cols<1>(a_r, lda, w, ldw, k, cols, out_r, ldo); break;
-    default: break;
+                      int64_t cols, int64_t k, float* out, int64_t ldo, Ahead ahead = {}) {
+  const int64_t calls = (rows + 3) / 4 * (cols + 1) / 2;
+  ahead.per_call = ((ahead.end - ahead.at) / 64 + calls - 1) / calls;
+  dot_rows<true>(a, lda, std::min<int64_t>(rows, 4), w, ldw, cols, k, out, ldo, ahead);
+  for (int64_t r = 4; r < rows; r += 4) {
+    dot_rows<false>(a + r * lda, lda, std::min<int64_t>(rows - r, 4), w, ldw, cols, k,
+                    out + r * ldo, ldo, ahead);
   }
 }
 

@@ -112,6 +112,16 @@ def test_kernel_with_every_id_absent_or_one_expert(kernel):
     )
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernel_in_chunks_of_tokens(kernel, dtype):
+    """Beyond its workspace the kernel runs chunks of tokens: forced to 7 tokens, the same
+    result as in one chunk."""
+    args = problem(30, 2, dtype, absent=0.2)
+    whole = kernel.fused_experts(*args)
+    assert torch.equal(kernel.fused_experts(*args, chunk_tokens=7), whole)
+    torch.testing.assert_close(whole.double(), reference(*args), **TOLERANCE[dtype])
+
+
 def test_kernel_takes_strided_x_and_int32_ids(kernel):
     x, w13, w2, weights, ids = problem(7, 2, torch.float32)
     wide = torch.zeros(7, 2 * HIDDEN)
