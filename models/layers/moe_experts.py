@@ -6,7 +6,8 @@ MLPs, weighted by the router and summed.
 with e = topk_ids[t, j]. An id below 0 names an expert that is not on this rank (expert
 parallelism): that (t, j) adds nothing. `fused_experts` runs the C++ kernel on CPU tensors
 when the kernel set has it built, else `fused_experts_torch`, the fallback (CPU and CUDA)
-and the reference the kernel is tested against.
+and the reference the kernel is tested against. The kernel (cpu_moe.cpp) keeps a float32
+workspace of up to 32 MB in each thread that calls it, and runs longer batches in chunks.
 """
 
 from __future__ import annotations
