@@ -6,25 +6,30 @@ MLPs, weighted by the router and summed.
 with e = topk_ids[t, j]. An id below 0 names an expert that is not on this rank (expert
 parallelism): that (t, j) adds nothing. `fused_experts` runs the C++ kernel on CPU tensors
 when the kernel set has it built, else `fused_experts_torch`, the fallback (CPU and CUDA)
-and the reference the kernel is tested against.
+and the reference the kernel is tested against. The kernel (cpu_moe.cpp) keeps a float32
+workspace of up to 32 MB in each thread that calls it, and runs longer batches in chunks.
 """
 
 from __future__ import annotations
 
 from functools import cache
+from pathlib import Path
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
 from kernels import KernelSet
+from kernels.build import cpp_extension
+
+_EXTENSION = cpp_extension("splitserve_cpu_moe", Path(__file__).with_name("cpu_moe.cpp"))
 
 
 @cache
 def moe_kernel(kernels: KernelSet) -> ModuleType | None:
     """The compiled fused-experts kernel for the set's ISA (looked up once per set); None
     where the C++ kernels are off or cannot be built."""
-    return None
+    return kernels.cpp(_EXTENSION)
 
 
 def fused_experts(
