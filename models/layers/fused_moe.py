@@ -30,6 +30,7 @@ from models.layers.moe_experts import fused_experts
 from models.layers.triton_moe import fused_experts_triton, triton_moe_takes
 from models.layers.utils import ShardedModule, copy_weight, full_weight, new_parameter
 from models.parallel_state import get_expert_parallel, tp_all_reduce
+from models.quantization.base_config import current_quant_config
 
 # Checkpoint projection -> (which weight, which half of w13).
 _PROJECTIONS = {"gate": ("w13", 0), "up": ("w13", 1), "down": ("w2", None)}
@@ -59,6 +60,12 @@ class FusedMoE(ShardedModule):
         prefix: str,
     ) -> None:
         super().__init__(prefix)
+        quant_config = current_quant_config()
+        if quant_config is not None:
+            raise ValueError(
+                f"{prefix}: quantized experts are not supported yet (quantization "
+                f"{quant_config.name!r}); run this model unquantized"
+            )
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.expert_parallel = get_expert_parallel() and self.tp_size > 1
         if self.expert_parallel:

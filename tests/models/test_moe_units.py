@@ -7,6 +7,7 @@ import re
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -63,3 +64,9 @@ def test_stacked_experts_load_as_per_expert_ones(tmp_path):
         got.compute_logits(got(PROMPT, positions)),
         expected.compute_logits(expected(PROMPT, positions)),
     )
+
+
+def test_quantized_experts_are_refused(tmp_path):
+    path = make_tiny_checkpoint(tmp_path, "qwen3_moe", name="moe")
+    with pytest.raises(ValueError, match="quantized experts are not supported yet .*'int8'"):
+        load_model(path, torch.float32, quantization="int8")
