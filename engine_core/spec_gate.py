@@ -12,7 +12,10 @@ two) on its own. A bucket alternates:
     run:     the faster of the two (generated tokens per second) for a run of steps
 
 A run lasts _MIN_RUN of the bucket's steps, doubling (up to _MAX_RUN) each time the same
-mode wins again; then both are measured again. A bucket keeps its state while the batch
+mode wins again; then both are measured again. A window with drafts ends after _EARLY
+steps when they generate less than _EARLY_RATIO of the bucket's last plain rate: drafts
+that never pay (a draft model whose drafts are rejected) then cost 2 steps a measurement,
+not 8; the plain window is skipped and its last rate kept. A bucket keeps its state while the batch
 is in another, so a batch that shrinks and grows goes back to what each size measured. A
 bucket seen for the first time starts with a run instead of a measurement when a smaller
 bucket found drafts do not pay (a larger batch is more compute-bound, so they pay less)
@@ -39,6 +42,8 @@ from ipc.spec_config import SpeculativeConfig
 _WINDOW = 8
 _MIN_RUN = 16
 _MAX_RUN = 512
+_EARLY = 2
+_EARLY_RATIO = 0.6
 
 
 def _no_measures() -> dict[bool, list]:
@@ -53,6 +58,7 @@ class BucketState:
     run_length: int = _MIN_RUN
     run_left: int = 0
     last_winner: bool | None = None
+    plain_rate: float | None = None  # of the last full measurement
 
     def measure(self) -> None:
         self.measuring, self.mode, self.measured = True, True, _no_measures()
@@ -70,12 +76,17 @@ class BucketState:
         window[0] += num_tokens
         window[1] += seconds
         window[2] += 1
+        early = self.mode and window[2] >= _EARLY and self.plain_rate is not None
+        if early and self._rate(True) < _EARLY_RATIO * self.plain_rate:
+            self._run(False)
+            return
         if window[2] < _WINDOW:
             return
         if self.mode:
             self.mode = False
             return
-        self._run(self._rate(True) > self._rate(False))
+        self.plain_rate = self._rate(False)
+        self._run(self._rate(True) > self.plain_rate)
 
     def step_scheduled(self) -> None:
         if not self.measuring:
