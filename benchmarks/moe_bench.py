@@ -9,36 +9,22 @@ a naive loop over all experts (transformers' Mixtral style: torch.where per expe
 call routes afresh (random experts), so that the experts' weights (96 MB bf16, 192 MB
 float32) come from memory, as in a decode step, not from the cache.
 
-    python benchmarks/moe_bench.py [--threads 2] [--dtype bfloat16 float32]
+    python -m benchmarks.moe_bench [--threads 2] [--dtype bfloat16 float32]
 """
 
 from __future__ import annotations
 
 import argparse
 import subprocess
-import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.quant_linear_bench import seconds_per_call
 from kernels import KernelSet
 from models.layers.moe_experts import fused_experts, fused_experts_torch, moe_kernel
 
 HIDDEN, EXPERTS, TOP_K, INTER = 1024, 64, 8, 256
-
-
-def seconds_per_call(calls: list[Callable[[], object]], repeats: int) -> float:
-    """The best over `repeats` passes through `calls` of the mean time of one call: on a
-    shared machine other processes only add time."""
-    calls[0]()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for call in calls:
-            call()
-        samples.append((time.perf_counter() - start) / len(calls))
-    return min(samples)
 
 
 def routings(tokens: int, count: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:

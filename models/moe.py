@@ -57,26 +57,40 @@ class MoEWeightsMixin:
         return loaded
 
 
-def _is_sparse(config: Any, layer_index: int) -> bool:
-    """transformers' rule: not in mlp_only_layers, and every decoder_sparse_step-th."""
-    if layer_index in (getattr(config, "mlp_only_layers", None) or []):
-        return False
+def _qwen_sparse_block(
+    config: Any, layer_index: int, prefix: str, *, norm_default: bool, shared_expert: bool
+) -> nn.Module | None:
+    """A Qwen MoE layer's sparse block, None where transformers keeps the layer dense (in
+    mlp_only_layers, or not every decoder_sparse_step-th); with `shared_expert`, Qwen2-MoE's
+    shared expert beside the experts."""
     step = getattr(config, "decoder_sparse_step", 1) or 1
-    return (layer_index + 1) % step == 0
+    dense = layer_index in (getattr(config, "mlp_only_layers", None) or [])
+    if not config.num_experts or dense or (layer_index + 1) % step:
+        return None
+    shared = None
+    if shared_expert and getattr(config, "shared_expert_intermediate_size", 0):
+        shared = LlamaMLP(
+            config.hidden_size,
+            config.shared_expert_intermediate_size,
+            config.hidden_act,
+            bias=False,
+            prefix=f"{prefix}.shared_expert",
+        )
+    return SparseMoeBlock(
+        config.hidden_size,
+        config.num_experts,
+        config.num_experts_per_tok,
+        config.moe_intermediate_size,
+        renormalize=bool(getattr(config, "norm_topk_prob", norm_default)),
+        prefix=prefix,
+        shared_expert=shared,
+    )
 
 
 class Qwen3MoeForCausalLM(MoEWeightsMixin, Qwen3ForCausalLM):
     def build_mlp(self, layer_index: int, prefix: str) -> nn.Module | None:
-        config = self.config
-        if not config.num_experts or not _is_sparse(config, layer_index):
-            return None
-        return SparseMoeBlock(
-            config.hidden_size,
-            config.num_experts,
-            config.num_experts_per_tok,
-            config.moe_intermediate_size,
-            renormalize=bool(getattr(config, "norm_topk_prob", True)),
-            prefix=prefix,
+        return _qwen_sparse_block(
+            self.config, layer_index, prefix, norm_default=True, shared_expert=False
         )
 
 
@@ -84,26 +98,8 @@ class Qwen2MoeForCausalLM(MoEWeightsMixin, Qwen2ForCausalLM):
     """Qwen2's attention (q/k/v bias), and beside the experts a shared expert."""
 
     def build_mlp(self, layer_index: int, prefix: str) -> nn.Module | None:
-        config = self.config
-        if not config.num_experts or not _is_sparse(config, layer_index):
-            return None
-        shared = None
-        if getattr(config, "shared_expert_intermediate_size", 0):
-            shared = LlamaMLP(
-                config.hidden_size,
-                config.shared_expert_intermediate_size,
-                config.hidden_act,
-                bias=False,
-                prefix=f"{prefix}.shared_expert",
-            )
-        return SparseMoeBlock(
-            config.hidden_size,
-            config.num_experts,
-            config.num_experts_per_tok,
-            config.moe_intermediate_size,
-            renormalize=bool(getattr(config, "norm_topk_prob", False)),
-            prefix=prefix,
-            shared_expert=shared,
+        return _qwen_sparse_block(
+            self.config, layer_index, prefix, norm_default=False, shared_expert=True
         )
 
 

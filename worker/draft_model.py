@@ -27,7 +27,6 @@ which accepts a draft with probability min(1, p/q).
 
 from __future__ import annotations
 
-import logging
 from dataclasses import replace
 
 import numpy as np
@@ -41,8 +40,6 @@ from worker.kv_cache_groups import KVCacheGroup
 from worker.rejection_sampler import DraftProbs
 from worker.sampler import SAMPLING_EPS
 from worker.step_inputs import StepInputs
-
-logger = logging.getLogger(__name__)
 
 
 class DraftModel:
@@ -95,7 +92,6 @@ class DraftModel:
         self.device = device
         self.max_model_len = max_model_len
         self.generator = generator
-        self.kv_caches: list[torch.Tensor] = []
         # Request id -> (its last proposal, q of each of its drafts [d, V]): the sampled
         # drafts of the last propose, on the rank that samples.
         self.draft_probs: dict[str, tuple[list[int], torch.Tensor]] = {}
@@ -108,7 +104,6 @@ class DraftModel:
         for tensor, layer in zip(tensors, self.model.attention_layers(), strict=True):
             layer.kv_cache = tensor
             layer.kv_cache_group = self.group
-        self.kv_caches = tensors
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)

@@ -31,6 +31,13 @@ class DraftProbs:
     draft_ids: torch.Tensor  # [R, k] long
     probs: torch.Tensor  # [R, k, V] float32
 
+    def logits_rows(self) -> torch.Tensor:
+        """[R, k + 1]: row i's logits rows at its positions, past d_i its last one."""
+        k = self.draft_ids.shape[1]
+        positions = torch.arange(k + 1, device=self.draft_ids.device)
+        last = (self.first_logits_rows + self.num_drafts).unsqueeze(1)
+        return (self.first_logits_rows.unsqueeze(1) + positions).minimum(last)
+
 
 def rejection_sample(
     target_probs: torch.Tensor,
@@ -72,8 +79,7 @@ def write_rejection_samples(
     the draft it replaces: a rejected draft has no residual mass)."""
     k = drafts.draft_ids.shape[1]
     positions = torch.arange(k + 1, device=sampled.device)
-    last = drafts.first_logits_rows + drafts.num_drafts
-    index = (drafts.first_logits_rows.unsqueeze(1) + positions).minimum(last.unsqueeze(1))
+    index = drafts.logits_rows()
     padded = torch.cat([drafts.draft_ids, drafts.draft_ids[:, :1]], dim=1)
     values = torch.where(positions == num_accepted.unsqueeze(1), token.unsqueeze(1), padded)
     keep = positions <= num_accepted.unsqueeze(1)

@@ -150,9 +150,7 @@ class Sampler(torch.nn.Module):
         random and unseeded: their draws come from the engine's generator."""
         drafts = metadata.draft_probs
         num_rows, k = drafts.draft_ids.shape
-        positions = torch.arange(k + 1, device=logits.device)
-        last = (drafts.first_logits_rows + drafts.num_drafts).unsqueeze(1)
-        index = (drafts.first_logits_rows.unsqueeze(1) + positions).minimum(last).flatten()
+        index = drafts.logits_rows().flatten()
 
         def take(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t[index]
