@@ -208,19 +208,11 @@ class Scheduler:
                     if new_blocks is not None:
                         num_new = 1 + len(drafts)
                         spec_tokens[request.request_id] = drafts
-            while (
-                new_blocks is None
-                and (
-                    new_blocks := kv.allocate_slots(
-                        request,
-                        num_new,
-                        num_lookahead_tokens=self._lookahead_slots(
-                            request.num_computed_tokens + num_new
-                        ),
-                    )
-                )
-                is None
-            ):
+            lookahead = self._lookahead_slots(request.num_computed_tokens + num_new)
+            while new_blocks is None:
+                new_blocks = kv.allocate_slots(request, num_new, num_lookahead_tokens=lookahead)
+                if new_blocks is not None:
+                    break
                 victim = self.preemption.victim(self.running)
                 victim_index = self.running.index(victim)
                 del self.running[victim_index]
@@ -242,6 +234,8 @@ class Scheduler:
 
     def _lookahead_slots(self, num_tokens: int) -> int:
         """Slots after a request's first `num_tokens` for the draft model's tokens."""
+        if not self._lookahead:
+            return 0
         return max(0, min(self._lookahead, self.max_model_len - num_tokens))
 
     def _may_speculate(self, request: Request, num_new: int) -> bool:
