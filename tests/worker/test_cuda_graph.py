@@ -158,7 +158,8 @@ def _written_slots(before: list[torch.Tensor], after: list[torch.Tensor]) -> int
 
 MODES = [
     ("torch", "padded_eager"),
-    ("triton", "padded_eager"),
+    # Under the Triton interpreter (no GPU) about 22 s of the default set: marked slow.
+    pytest.param("triton", "padded_eager", marks=pytest.mark.slow),
     pytest.param(
         "triton",
         "cuda_graph",
