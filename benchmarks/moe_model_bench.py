@@ -10,9 +10,12 @@ tokens greedily, EOS ignored; output tok/s is all generated tokens over the wall
 * `fused`: the engine as it runs (moe_experts.py's C++ kernel on CPU);
 * `loop`: the same engine with the experts computed by a Python loop over all 64 experts
   (each takes the tokens routed to it), as a plain port of transformers' block does;
-* `transformers`: the model in transformers, `generate` on a batch of C.
+* `transformers`: the model in transformers, `generate` on a batch of C;
+* with `--int8`, also `int8`: the engine with `--quantization int8` (every linear layer and
+  every expert int8 per channel, models/quantization/quant_moe.py).
 
     python -m benchmarks.moe_model_bench [--streams 1 16 64] [--max-tokens 64] [--dtype float32]
+                                         [--int8]
 """
 
 from __future__ import annotations
@@ -80,7 +83,7 @@ def prompts(streams: int) -> list[list[int]]:
     return torch.randint(0, 256, (streams, 32), generator=g).tolist()
 
 
-def run_engine(path: Path, streams: int, args, loop: bool) -> float:
+def run_engine(path: Path, streams: int, args, loop: bool, quantization: str | None = None):
     from models.layers import fused_moe
     from splitserve import LLM, SamplingParams
 
@@ -88,7 +91,8 @@ def run_engine(path: Path, streams: int, args, loop: bool) -> float:
     fused_moe.fused_experts = loop_over_experts if loop else original
     try:
         llm = LLM(str(path), dtype=args.dtype, max_num_seqs=max(args.streams),
-                  max_model_len=512, kv_cache_memory=1 << 30)  # fmt: skip
+                  max_model_len=512, kv_cache_memory=1 << 30,
+                  quantization=quantization)  # fmt: skip
         sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
         llm.generate(prompts(2), SamplingParams(max_tokens=4), use_tqdm=False)
         start = time.perf_counter()
@@ -125,6 +129,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--no-transformers", action="store_true")
+    parser.add_argument("--int8", action="store_true", help="also the engine with int8 weights")
     args = parser.parse_args()
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     print(next((line for line in cpu.splitlines() if "Model name" in line), "CPU ?"))
@@ -136,8 +141,12 @@ def main() -> None:
         fused = run_engine(path, streams, args, loop=False)
         loop = run_engine(path, streams, args, loop=True)
         hf = float("nan") if args.no_transformers else run_transformers(path, streams, args)
-        print(f"| {streams} | {fused:.1f} | {loop:.1f} | {hf:.1f} | {fused / loop:.2f}x | "
-              f"{fused / hf:.2f}x |", flush=True)  # fmt: skip
+        line = f"| {streams} | {fused:.1f} | {loop:.1f} | {hf:.1f} | {fused / loop:.2f}x | "
+        line += f"{fused / hf:.2f}x |"
+        if args.int8:
+            int8 = run_engine(path, streams, args, loop=False, quantization="int8")
+            line += f" int8 {int8:.1f} tok/s ({int8 / fused:.2f}x fused) |"
+        print(line, flush=True)
 
 
 if __name__ == "__main__":

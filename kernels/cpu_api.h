@@ -32,7 +32,8 @@ using PagedDecode = void (*)(at::Tensor out, at::Tensor q, at::Tensor kv_cache,
                              at::Tensor reqs, at::Tensor rows, double scale,
                              int64_t window, double k_scale, double v_scale);
 
-// models/quantization/cpu_quant_*.cpp: linear_int8 (rows) and strip_linear_int8 (strips)
+// models/quantization/cpu_quant_*.cpp: linear_int8 and linear_f32 (rows), strip_linear_int8
+// and strip_linear_f32 (strips)
 using QuantLinear = std::optional<at::Tensor> (*)(
     const at::Tensor& x, const at::Tensor& q, const at::Tensor& scales,
     const std::optional<at::Tensor>& mins, int64_t bits, int64_t block_size,

@@ -58,6 +58,12 @@ inline float exp_nonpositive(float y) {
   return y < -87.0f ? 0.0f : p * scale;
 }
 
+// g * sigmoid(g), with exp's argument kept <= 0 so that it cannot overflow.
+inline float silu(float g) {
+  const float e = exp_nonpositive(-std::abs(g));
+  return g >= 0 ? g / (1.0f + e) : g * e / (1.0f + e);
+}
+
 #if defined(SPLITSERVE_AMX)
 // Linux hands out the AMX tile state only to processes that ask for it.
 inline bool amx_usable() {

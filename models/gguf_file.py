@@ -26,6 +26,8 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -44,7 +46,23 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # Mixtures of experts: the router, the experts stacked [E, N, K], Qwen2-MoE's shared expert.
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
+# transformers' config fields the GGUF metadata of a mixture of experts sets, which its own
+# GGUF reader leaves at their defaults; llama.cpp renormalises Qwen3-MoE's top-k weights.
+_MOE_METADATA = {
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+}
+_MOE_DEFAULTS = {"qwen3_moe": {"norm_topk_prob": True}, "qwen2_moe": {"norm_topk_prob": False}}
 # Tensors the models do not load: llama3's rope frequency factors are in the config.
 _SKIPPED = {"rope_freqs"}
 _PLAIN = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -67,11 +85,24 @@ def gguf_config(path: str | os.PathLike) -> Any:
             f"{', '.join(ARCHITECTURES)}"
         )
     config.architectures = [ARCHITECTURES[config.model_type]]
+    reader = GGUFReader(path)
+    arch = gguf_metadata(reader, "general.architecture")
     if config.model_type not in ("llama", "mistral"):
         # transformers takes head_dim from the metadata for these only (others: its default)
-        head_dim = gguf_metadata(GGUFReader(path), f"{config.model_type}.attention.key_length")
+        head_dim = gguf_metadata(reader, f"{arch}.attention.key_length")
         if head_dim is not None:
             config.head_dim = head_dim
+    if gguf_metadata(reader, f"{arch}.expert_count") and not hasattr(config, "num_experts"):
+        raise ValueError(
+            f"GGUF file {path} holds a {arch} mixture of experts, which is not supported "
+            "(GGUF mixtures of experts: qwen2moe, qwen3moe)"
+        )
+    for key, field in _MOE_METADATA.items():
+        value = gguf_metadata(reader, f"{arch}.{key}")
+        if value is not None:
+            setattr(config, field, value)
+    for field, value in _MOE_DEFAULTS.get(config.model_type, {}).items():
+        setattr(config, field, value)
     return config
 
 
@@ -105,6 +136,8 @@ def iterate_gguf(path: str | os.PathLike) -> Iterator[tuple[str, GGUFWeight | to
             continue
         value = _tensor(tensor, name)
         kind = tensor.name.split(".")[-2]
+        if kind == "ffn_gate_inp_shexp" and value.dim() == 1:  # llama.cpp stores it as [H]
+            value = value.unsqueeze(0)
         if kind in heads:
             value = _unpermute_rows(value, heads[kind])
         yield name, value

@@ -4,7 +4,8 @@ layers; attention, norms and the KV cache are the dense model's.
 
 Checkpoints name each expert's projections (`...experts.{e}.gate_proj.weight`, Mixtral's
 `w1`/`w3`/`w2`), as transformers writes them, or hold them stacked
-(`...experts.gate_up_proj` [E, 2 I, H], `...experts.down_proj` [E, H, I]); both load.
+(`...experts.gate_up_proj` [E, 2 I, H], `...experts.down_proj` [E, H, I]; a GGUF file's
+`...experts.gate_proj` / `up_proj` / `down_proj`); all load.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from models.qwen2 import Qwen2ForCausalLM
 from models.qwen3 import Qwen3ForCausalLM
 
 _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
-_STACKED = re.compile(r"^(.*\.experts)\.(gate_up_proj|down_proj)$")
+_STACKED = re.compile(r"^(.*\.experts)\.(gate_up_proj|gate_proj|up_proj|down_proj)(?:\.weight)?$")
 _PROJECTION = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up"}
 _PROJECTION |= {"down_proj": "down", "w2": "down"}
 
@@ -53,7 +54,7 @@ class MoEWeightsMixin:
         loaded = super().load_weights(dense(weights))
         for module, moe in experts.items():
             if moe.fully_loaded():
-                loaded |= {f"{module}.w13", f"{module}.w2"}
+                loaded |= {f"{module}.{name}" for name, _ in moe.named_parameters()}
         return loaded
 
 

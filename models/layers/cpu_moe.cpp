@@ -21,11 +21,11 @@
 // returns None and the caller runs the torch path.
 
 #include "cpu_moe_tiles.h"
+#include "moe_routing.h"
 #include "torch_ext.h"
 
 #include <algorithm>
 #include <atomic>
-#include <numeric>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -36,6 +36,8 @@ using splitserve::moe::Ahead;
 using splitserve::moe::dot_block;
 using splitserve::moe::kStep;
 using splitserve::moe::pack_row;
+using splitserve::moe::Routing;
+using splitserve::moe::route;
 
 constexpr int64_t kUpTile = 32;    // intermediate features per gate/up item
 constexpr int64_t kDownTile = 32;  // hidden features per down item
@@ -44,41 +46,6 @@ constexpr int64_t kRowChunk = 64;  // pairs per pass over a tile (their rows sta
 // (32 MB at most, less if no call needed more), as fresh memory measured several times
 // slower to fill. H=1024, I=256, top-8 takes 819 tokens a chunk (bf16: 744).
 constexpr int64_t kWorkspaceFloats = int64_t(8) << 20;
-
-// The (token, slot) pairs of tokens [t0, t1) sorted by expert: expert e's are
-// [start[e], start[e + 1]), with their tokens (from t0) and router weights.
-struct Routing {
-  std::vector<int64_t> start;
-  std::vector<int64_t> token;
-  std::vector<float> weight;
-  std::vector<int64_t> active;  // the experts with pairs, most pairs first
-  int64_t rows(int64_t e) const { return start[e + 1] - start[e]; }
-};
-
-Routing route(const int64_t* id, const float* w, int64_t pairs, int64_t top_k, int64_t experts) {
-  Routing r;
-  r.start.assign(experts + 1, 0);
-  for (int64_t p = 0; p < pairs; ++p) {
-    TORCH_CHECK_VALUE(id[p] < experts, "topk_ids names expert ", id[p], " of ", experts);
-    if (id[p] >= 0) ++r.start[id[p] + 1];
-  }
-  std::partial_sum(r.start.begin(), r.start.end(), r.start.begin());
-  std::vector<int64_t> next(r.start.begin(), r.start.end() - 1);
-  r.token.resize(r.start[experts]);
-  r.weight.resize(r.start[experts]);
-  for (int64_t p = 0; p < pairs; ++p) {
-    if (id[p] < 0) continue;
-    const int64_t at = next[id[p]]++;
-    r.token[at] = p / top_k;
-    r.weight[at] = w[p];
-  }
-  for (int64_t e = 0; e < experts; ++e) {
-    if (r.rows(e) > 0) r.active.push_back(e);
-  }
-  std::stable_sort(r.active.begin(), r.active.end(),
-                   [&](int64_t a, int64_t b) { return r.rows(a) > r.rows(b); });
-  return r;
-}
 
 // Runs work(i, j) for every item i, handed out one at a time to at::parallel_for's
 // threads; j is the item the thread runs next (claimed ahead, for prefetching), or -1.
@@ -101,12 +68,6 @@ inline int64_t packed_index(int64_t n, int64_t k) {
   if (sizeof(W) == 4 || n >= k / kStep * kStep) return n;
   const int64_t i = n % kStep;
   return n - i + (i % 2) * (kStep / 2) + i / 2;
-}
-
-inline float silu(float g) {
-  // g * sigmoid(g), with exp's argument kept <= 0 so that it cannot overflow.
-  const float e = splitserve::exp_nonpositive(-std::abs(g));
-  return g >= 0 ? g / (1.0f + e) : g * e / (1.0f + e);
 }
 
 // One chunk: the pairs of `r`, over x rows xp (the chunk's tokens), into acc [tokens, H]
@@ -146,7 +107,7 @@ void fused_chunk(const W* xp, const W* w13p, const W* w2p, int64_t hidden, int64
       for (int64_t row = 0; row < rows; ++row) {
         float* h = ph + (p0 + row) * inter;
         for (int64_t c = 0; c < cols; ++c) {
-          const float v = silu(g[row * kUpTile + c]) * u[row * kUpTile + c];
+          const float v = splitserve::silu(g[row * kUpTile + c]) * u[row * kUpTile + c];
           h[packed_index<W>(n0 + c, inter)] = float(X(v));  // rounded as torch's matmul input
         }
       }

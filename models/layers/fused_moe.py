@@ -30,10 +30,14 @@ from models.layers.moe_experts import fused_experts
 from models.layers.triton_moe import fused_experts_triton, triton_moe_takes
 from models.layers.utils import ShardedModule, copy_weight, full_weight, new_parameter
 from models.parallel_state import get_expert_parallel, tp_all_reduce
-from models.quantization.base_config import current_quant_config
+from models.quantization.base_config import (
+    FusedMoEMethodBase,
+    QuantizationConfig,
+    current_quant_config,
+)
+from models.quantization.gguf_types import GGUFWeight
 
-# Checkpoint projection -> (which weight, which half of w13).
-_PROJECTIONS = {"gate": ("w13", 0), "up": ("w13", 1), "down": ("w2", None)}
+_PROJECTIONS = ("gate", "up", "down")
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool):
@@ -60,12 +64,6 @@ class FusedMoE(ShardedModule):
         prefix: str,
     ) -> None:
         super().__init__(prefix)
-        quant_config = current_quant_config()
-        if quant_config is not None:
-            raise ValueError(
-                f"{prefix}: quantized experts are not supported yet (quantization "
-                f"{quant_config.name!r}); run this model unquantized"
-            )
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.expert_parallel = get_expert_parallel() and self.tp_size > 1
         if self.expert_parallel:
@@ -85,15 +83,14 @@ class FusedMoE(ShardedModule):
                 )
             self.num_local_experts, self.first_expert = num_experts, 0
             self.intermediate_size = intermediate_size // self.tp_size
-        n, i = self.num_local_experts, self.intermediate_size
-        self.w13 = new_parameter(n, 2 * i, hidden_size)
-        self.w2 = new_parameter(n, hidden_size, i)
+        self.hidden_size = hidden_size
         self.full_intermediate_size = intermediate_size
-        self.kernels: KernelSet | None = None
+        self.quant_method = _moe_method(current_quant_config(), self)
+        self.quant_method.create_weights(self)
         self._loaded: set[tuple[int, str]] = set()
 
     def bind_kernels(self, kernels: KernelSet) -> None:
-        self.kernels = kernels
+        self.quant_method.bind_kernels(self, kernels)
 
     def load_expert(self, expert: int, projection: str, loaded: Any) -> None:
         """One expert's gate [I, H], up [I, H] or down [H, I] checkpoint tensor (or lazy
@@ -103,17 +100,19 @@ class FusedMoE(ShardedModule):
             return
         i = self.intermediate_size
         start = 0 if self.expert_parallel else self.tp_rank * i
-        which, half = _PROJECTIONS[projection]
-        if which == "w13":
-            target = self.w13.data[local, half * i : (half + 1) * i]
-            copy_weight(target, full_weight(loaded[start : start + i]))
-        else:
-            copy_weight(self.w2.data[local], full_weight(loaded[:, start : start + i]))
+        part = _narrow(loaded, 1 if projection == "down" else 0, start, i)
+        self.quant_method.load_weight(self, local, projection, part)
         self._loaded.add((expert, projection))
 
     def load_stacked(self, projection: str, loaded: Any) -> None:
-        """transformers' fused layout: gate_up [E, 2 I, H] (gate rows first) or down
-        [E, H, I]."""
+        """All experts' projection in one tensor: transformers' fused layout, gate_up
+        [E, 2 I, H] (gate rows first) or down [E, H, I]; or GGUF's gate, up or down, whose
+        experts' rows come one after another ([E * N, K])."""
+        if isinstance(loaded, GGUFWeight):  # [E * N, K] rows
+            rows = loaded.shape[0] // self.num_experts
+            for expert in range(self.num_experts):
+                self.load_expert(expert, projection, loaded.narrow(0, expert * rows, rows))
+            return
         tensor = full_weight(loaded)
         for expert in range(self.num_experts):
             if projection == "gate_up":
@@ -121,7 +120,7 @@ class FusedMoE(ShardedModule):
                 self.load_expert(expert, "gate", tensor[expert, :full])
                 self.load_expert(expert, "up", tensor[expert, full:])
             else:
-                self.load_expert(expert, "down", tensor[expert])
+                self.load_expert(expert, projection, tensor[expert])
 
     def fully_loaded(self) -> bool:
         local = range(self.first_expert, self.first_expert + self.num_local_experts)
@@ -132,11 +131,65 @@ class FusedMoE(ShardedModule):
         if self.expert_parallel:
             ids = ids - self.first_expert
             ids = ids.masked_fill((ids < 0) | (ids >= self.num_local_experts), -1)
-        if self.kernels is not None and self.kernels.triton and triton_moe_takes(x):
-            out = fused_experts_triton(x, self.w13, self.w2, weights, ids)
-        else:
-            out = fused_experts(x, self.w13, self.w2, weights, ids, self.kernels)
+        out = self.quant_method.apply(self, x, weights, ids)
         return tp_all_reduce(out) if self.tp_size > 1 else out
+
+
+class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
+    """The experts in the model's dtype, stacked: w13 [E, 2 I, H], w2 [E, H, I]."""
+
+    def create_weights(self, layer: nn.Module) -> None:
+        n, i, h = layer.num_local_experts, layer.intermediate_size, layer.hidden_size
+        layer.w13 = new_parameter(n, 2 * i, h)
+        layer.w2 = new_parameter(n, h, i)
+        self.kernels: KernelSet | None = None
+
+    def load_weight(self, layer: nn.Module, expert: int, projection: str, loaded: Any) -> None:
+        if not isinstance(loaded, torch.Tensor):
+            raise ValueError(f"{layer.prefix}: expert {projection} is quantized ({loaded!r})")
+        i = layer.intermediate_size
+        if projection == "down":
+            copy_weight(layer.w2.data[expert], loaded)
+        else:
+            half = 0 if projection == "gate" else 1
+            copy_weight(layer.w13.data[expert, half * i : (half + 1) * i], loaded)
+
+    def bind_kernels(self, layer: nn.Module, kernels: KernelSet) -> None:
+        self.kernels = kernels
+
+    def apply(
+        self,
+        layer: nn.Module,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        if self.kernels is not None and self.kernels.triton and triton_moe_takes(x):
+            return fused_experts_triton(x, layer.w13, layer.w2, topk_weights, topk_ids)
+        return fused_experts(x, layer.w13, layer.w2, topk_weights, topk_ids, self.kernels)
+
+
+def _moe_method(config: QuantizationConfig | None, layer: FusedMoE) -> FusedMoEMethodBase:
+    """The config's method for the experts; a config that quantizes other layers but has
+    none for experts is an error naming it."""
+    if config is None:
+        return UnquantizedFusedMoEMethod()
+    method = config.get_quant_method(layer, layer.prefix)
+    if not isinstance(method, FusedMoEMethodBase):
+        raise ValueError(
+            f"{layer.prefix}: experts quantized with {config.name!r} are not supported "
+            "(quantized experts: int8, gguf); run this model unquantized"
+        )
+    return method
+
+
+def _narrow(loaded: Any, dim: int, start: int, length: int) -> Any:
+    """loaded[start : start + length] along dim 0 or 1: a GGUF tensor's whole rows or
+    blocks, else the (lazy) tensor's slice, read."""
+    if isinstance(loaded, GGUFWeight):
+        return loaded.narrow(dim, start, length)
+    end = start + length
+    return full_weight(loaded[start:end] if dim == 0 else loaded[:, start:end])
 
 
 class SparseMoeBlock(nn.Module):

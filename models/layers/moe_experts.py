@@ -15,6 +15,7 @@ from __future__ import annotations
 from functools import cache
 from pathlib import Path
 from types import ModuleType
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -52,19 +53,33 @@ def fused_experts(
     return fused_experts_torch(x, w13, w2, topk_weights, topk_ids)
 
 
+class ExpertWeights(Protocol):
+    """Experts held otherwise than as one tensor (quantized: models/quantization/quant_moe.py)."""
+
+    def linear(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, K] times expert's weight [N, K]^T, in x's dtype."""
+
+
+def _linear(w: torch.Tensor | ExpertWeights, expert: int, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, w[expert]) if isinstance(w, torch.Tensor) else w.linear(expert, x)
+
+
 def fused_experts_torch(
     x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: torch.Tensor | ExpertWeights,
+    w2: torch.Tensor | ExpertWeights,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    num_experts: int | None = None,
 ) -> torch.Tensor:
     """`fused_experts` in torch: the (token, slot) pairs sorted by expert, one gate/up and
     one down matmul (in x's dtype) per expert that has pairs, SiLU(gate) * up in float32,
     and the weighted rows added into a float32 sum (index_add_), rounded once to x's dtype.
-    Reads the experts' pair counts to the host once (a sync on CUDA)."""
+    Reads the experts' pair counts to the host once (a sync on CUDA). Experts held as
+    ExpertWeights take `num_experts`."""
     num_tokens, hidden = x.shape
-    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    if num_experts is None:
+        num_experts = w13.shape[0]
     out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=x.device)
     if num_tokens == 0 or topk_ids.numel() == 0:
         return out.to(x.dtype)
@@ -82,9 +97,10 @@ def fused_experts_torch(
         if count == 0:
             continue
         rows = tokens[start : start + count]
-        gate_up = F.linear(x[rows], w13[expert]).float()
+        gate_up = _linear(w13, expert, x[rows]).float()
+        inter = gate_up.shape[1] // 2
         h = (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(x.dtype)
-        y = F.linear(h, w2[expert]).float() * weights[start : start + count, None]
+        y = _linear(w2, expert, h).float() * weights[start : start + count, None]
         out.index_add_(0, rows, y)
         start += count
     return out.to(x.dtype)

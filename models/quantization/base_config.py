@@ -65,6 +65,30 @@ class LinearMethodBase(QuantizeMethodBase):
         return None
 
 
+class FusedMoEMethodBase(QuantizeMethodBase):
+    """How a FusedMoE layer (models/layers/fused_moe.py) holds and runs its experts."""
+
+    @abstractmethod
+    def create_weights(self, layer: nn.Module) -> None:
+        """Register the storage for the layer's local experts (its geometry: num_local_experts,
+        intermediate_size (this rank's), hidden_size)."""
+
+    @abstractmethod
+    def load_weight(self, layer: nn.Module, expert: int, projection: str, loaded: Any) -> None:
+        """Local expert `expert`'s `projection` ("gate", "up": [I, H]; "down": [H, I]), already
+        sliced to this rank: a tensor, or a GGUFWeight for the GGUF method."""
+
+    @abstractmethod
+    def apply(  # type: ignore[override]
+        self,
+        layer: nn.Module,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        """This rank's share of the experts' weighted sum (models/layers/moe_experts.py)."""
+
+
 class QuantizationConfig(ABC):
     """One model's quantization. `name` is its --quantization value."""
 

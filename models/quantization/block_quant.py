@@ -59,6 +59,11 @@ class BlockQuantWeight:
         n, width = self.qweight.shape
         return n, width * 2 if self.bits == 4 else width
 
+    @property
+    def format(self) -> tuple:
+        """What weights must share to be concatenated or stacked."""
+        return self.bits, self.block_size, self.scales.dtype, self.mins is None
+
     def narrow(self, dim: int, start: int, length: int) -> BlockQuantWeight:
         """Rows (dim 0) or input features (dim 1, whole blocks and 32-runs) start:start+length."""
         if dim == 0:

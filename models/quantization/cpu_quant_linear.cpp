@@ -312,6 +312,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     lent["linear_int8"] = api::lend<api::QuantLinear>(&linear_int8, "splitserve.linear_int8");
     lent["strip_linear_int8"] = api::lend<api::QuantLinear>(
         &splitserve::quant::strip_linear_int8, "splitserve.strip_linear_int8");
+    lent["linear_f32"] = api::lend<api::QuantLinear>(&linear_f32, "splitserve.linear_f32");
+    lent["strip_linear_f32"] = api::lend<api::QuantLinear>(
+        &splitserve::quant::strip_linear_f32, "splitserve.strip_linear_f32");
     return lent;
   }, "these kernels for other C++ modules (kernels/cpu_api.h)");
 }

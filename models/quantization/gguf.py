@@ -1,9 +1,9 @@
 """GGUF weights served as they are stored: each linear layer's tensors (one per fused
 projection: q/k/v, gate/up, which a GGUF file may store in different types) are sliced
 to this rank, converted once into BlockQuantWeights, and computed on by the
-block-quantized kernels. The token embedding looks up and dequantizes only the rows it
-needs; the LM head (tied to it or not) is a quantized linear layer over the vocabulary.
-F32/F16/BF16 tensors stay dense."""
+block-quantized kernels (a mixture of experts' experts too: quant_moe.py). The token
+embedding looks up and dequantizes only the rows it needs; the LM head (tied to it or
+not) is a quantized linear layer over the vocabulary. F32/F16/BF16 tensors stay dense."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from torch import nn
 
 from kernels import KernelSet
 from models.layers.embedding import VocabParallelEmbedding
+from models.layers.fused_moe import FusedMoE
 from models.layers.linear import LinearBase
 from models.layers.utils import set_weight_attrs
 from models.quantization.base_config import (
@@ -29,6 +30,7 @@ from models.quantization.cpu_quant_linear import (
     quant_linear,
 )
 from models.quantization.gguf_types import GGUFWeight
+from models.quantization.quant_moe import BlockQuantMoEMethod
 
 Part = BlockQuantWeight | torch.Tensor
 
@@ -51,12 +53,7 @@ def _concat(parts: list[Part]) -> list[Part]:
     if all(isinstance(p, torch.Tensor) for p in parts):
         return [torch.cat(parts)]
     first = parts[0]
-    if not all(
-        isinstance(p, BlockQuantWeight)
-        and (p.bits, p.block_size, p.scales.dtype, p.mins is None)
-        == (first.bits, first.block_size, first.scales.dtype, first.mins is None)
-        for p in parts
-    ):
+    if not all(isinstance(p, BlockQuantWeight) and p.format == first.format for p in parts):
         return parts
     mins = None if first.mins is None else torch.cat([p.mins for p in parts])
     return [
@@ -201,10 +198,26 @@ class GGUFEmbeddingMethod(QuantizeMethodBase):
         return F.pad(logits, (0, pad)) if pad else logits
 
 
+class GGUFMoEMethod(BlockQuantMoEMethod):
+    """A GGUF file's experts, each projection in its ggml type. Experts stored unquantized
+    (F32/F16/BF16) are refused: serve such a model from its HF folder."""
+
+    def to_block_quant(self, layer: nn.Module, projection: str, loaded: Any) -> BlockQuantWeight:
+        if not isinstance(loaded, GGUFWeight):
+            raise ValueError(
+                f"{layer.prefix}: the experts' {projection} weights are unquantized "
+                f"({getattr(loaded, 'dtype', type(loaded).__name__)}) in this GGUF file; "
+                "GGUF experts must be of a quantized ggml type"
+            )
+        return loaded.to_block_quant(f"{layer.prefix}.{projection}")
+
+
 class GGUFConfig(QuantizationConfig):
     name = "gguf"
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        if isinstance(layer, FusedMoE):
+            return GGUFMoEMethod()
         if isinstance(layer, LinearBase):
             return GGUFLinearMethod()
         if isinstance(layer, VocabParallelEmbedding):

@@ -1,13 +1,16 @@
 """--quantization int8: a 16/32-bit checkpoint quantized at load, weight-only, to int8
 with one symmetric scale per output channel (a BlockQuantWeight whose block is the whole
-row), computed on by the block-quantized kernels."""
+row), computed on by the block-quantized kernels; a mixture of experts' experts too."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
 
 from kernels import KernelSet
+from models.layers.fused_moe import FusedMoE
 from models.layers.linear import LinearBase, UnquantizedLinearMethod
 from models.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from models.quantization.block_quant import BlockQuantWeight
@@ -16,6 +19,7 @@ from models.quantization.cpu_quant_linear import (
     prepare_quant_weight,
     quant_linear,
 )
+from models.quantization.quant_moe import BlockQuantMoEMethod
 
 
 def quantize_per_channel_int8(weight: torch.Tensor) -> BlockQuantWeight:
@@ -46,8 +50,19 @@ class Int8LinearMethod(UnquantizedLinearMethod):
         return layer.prepared_weight
 
 
+class Int8MoEMethod(BlockQuantMoEMethod):
+    """Each expert's projections quantized as they load, as Int8LinearMethod's weights."""
+
+    def to_block_quant(self, layer: nn.Module, projection: str, loaded: Any) -> BlockQuantWeight:
+        if not isinstance(loaded, torch.Tensor):
+            raise ValueError(f"{layer.prefix}: int8 quantizes 16/32-bit experts, got {loaded!r}")
+        return quantize_per_channel_int8(loaded)
+
+
 class Int8Config(QuantizationConfig):
     name = "int8"
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        if isinstance(layer, FusedMoE):
+            return Int8MoEMethod()
         return Int8LinearMethod() if isinstance(layer, LinearBase) else None

@@ -84,8 +84,9 @@ def test_names():
     assert hf_name("blk.0.attn_q.bias") == "model.layers.0.self_attn.q_proj.bias"
     assert hf_name("output.weight") == "lm_head.weight"
     assert hf_name("rope_freqs.weight") is None
-    with pytest.raises(ValueError, match=r"blk\.0\.ffn_gate_exps\.weight"):
-        hf_name("blk.0.ffn_gate_exps.weight")
+    assert hf_name("blk.3.ffn_down_exps.weight") == "model.layers.3.mlp.experts.down_proj.weight"
+    with pytest.raises(ValueError, match=r"blk\.0\.ssm_conv1d\.weight"):
+        hf_name("blk.0.ssm_conv1d.weight")
 
 
 def test_unknown_type_is_an_error_naming_the_tensor(tmp_path):

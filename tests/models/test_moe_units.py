@@ -66,7 +66,7 @@ def test_stacked_experts_load_as_per_expert_ones(tmp_path):
     )
 
 
-def test_quantized_experts_are_refused(tmp_path):
+def test_a_method_without_a_moe_method_is_refused_naming_the_layer(tmp_path):
     path = make_tiny_checkpoint(tmp_path, "qwen3_moe", name="moe")
-    with pytest.raises(ValueError, match="quantized experts are not supported yet .*'int8'"):
-        load_model(path, torch.float32, quantization="int8")
+    with pytest.raises(ValueError, match=r"layers\.0\.mlp\.experts: experts quantized with 'fp8'"):
+        load_model(path, torch.float32, quantization="fp8")

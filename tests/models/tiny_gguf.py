@@ -1,6 +1,6 @@
 """Tiny random GGUF files for tests, written with gguf-py's GGUFWriter (no network).
 
-    path, expected = write_tiny_gguf(tmp_path, "llama")
+    path, expected = write_tiny_gguf(tmp_path, "llama")   # or qwen2, qwen3, qwen3moe, qwen2moe
 
 `expected` maps every HF parameter name to its float32 value in HF's layout, made
 independently of the code under test: quantized tensors are drawn as raw blocks in HF
@@ -46,6 +46,21 @@ DEFAULT_TYPES = {
     "blk.1.ffn_up.weight": "Q4_1",
     "blk.1.ffn_down.weight": "Q5_K",
 }
+# Mixtures of experts (qwen3moe, qwen2moe): EXPERTS experts of EXPERT_FFN, top TOP_K, in
+# two layers whose experts take different types (layer 1: gate and up apart).
+EXPERTS, TOP_K, EXPERT_FFN, SHARED_FFN = 4, 2, 256, 256
+MOE_TYPES = {
+    "blk.0.ffn_gate_exps.weight": "Q4_K",
+    "blk.0.ffn_up_exps.weight": "Q4_K",
+    "blk.0.ffn_down_exps.weight": "Q6_K",
+    "blk.1.ffn_gate_exps.weight": "Q8_0",
+    "blk.1.ffn_up_exps.weight": "Q4_1",
+    "blk.1.ffn_down_exps.weight": "Q5_K",
+    "blk.0.ffn_gate_shexp.weight": "Q8_0",
+    "blk.0.ffn_up_shexp.weight": "Q4_0",
+    "blk.0.ffn_down_shexp.weight": "Q5_1",
+}
+_MOE_ARCHS = {"qwen3moe": "qwen3", "qwen2moe": "qwen2"}  # -> their attention's arch
 _HF_LAYER = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -58,6 +73,14 @@ _HF_LAYER = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",  # joined into gate_up_proj (_join_experts)
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
 _HF_GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
@@ -87,12 +110,28 @@ def _shapes(arch: str) -> dict[str, tuple[int, ...]]:
             "ffn_up.weight": (FFN, HIDDEN),
             "ffn_down.weight": (HIDDEN, FFN),
         }
-        if arch == "qwen2":
+        if arch in _MOE_ARCHS:
+            del layer["ffn_gate.weight"], layer["ffn_up.weight"], layer["ffn_down.weight"]
+            layer |= {
+                "ffn_gate_inp.weight": (EXPERTS, HIDDEN),
+                "ffn_gate_exps.weight": (EXPERTS, EXPERT_FFN, HIDDEN),
+                "ffn_up_exps.weight": (EXPERTS, EXPERT_FFN, HIDDEN),
+                "ffn_down_exps.weight": (EXPERTS, HIDDEN, EXPERT_FFN),
+            }
+        if arch == "qwen2moe":
+            layer |= {
+                "ffn_gate_inp_shexp.weight": (HIDDEN,),
+                "ffn_gate_shexp.weight": (SHARED_FFN, HIDDEN),
+                "ffn_up_shexp.weight": (SHARED_FFN, HIDDEN),
+                "ffn_down_shexp.weight": (HIDDEN, SHARED_FFN),
+            }
+        attention = _MOE_ARCHS.get(arch, arch)
+        if attention == "qwen2":
             layer |= {
                 f"attn_{p}.bias": (n * HEAD_DIM,)
                 for p, n in zip("qkv", (HEADS, KV_HEADS, KV_HEADS), strict=True)
             }
-        if arch == "qwen3":
+        if attention == "qwen3":
             layer |= {"attn_q_norm.weight": (HEAD_DIM,), "attn_k_norm.weight": (HEAD_DIM,)}
         shapes |= {f"blk.{i}.{name}": shape for name, shape in layer.items()}
     return shapes
@@ -115,6 +154,9 @@ def _draw(ggml_type: str, shape: tuple[int, ...], rng: np.random.Generator):
         value = value.to(_FLOAT16[ggml_type])
         raw = value.view(torch.int16).numpy().view(np.uint8).reshape(*shape[:-1], -1)
         return raw, value.float().numpy()
+    if len(shape) == 3:  # stacked experts: each a matrix of the type
+        drawn = [_draw(ggml_type, shape[1:], rng) for _ in range(shape[0])]
+        return np.stack([r for r, _ in drawn]), np.stack([v for _, v in drawn])
     qtype = GGMLQuantizationType[ggml_type]
     n, k = shape
     if ggml_type in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"):
@@ -176,7 +218,13 @@ def write_tiny_gguf(
         writer.add_eot_token_id(eot_id)
     writer.add_add_bos_token(False)
     writer.add_chat_template(CHAT_TEMPLATE)
-    types = {**DEFAULT_TYPES, **(types or {})}
+    if arch in _MOE_ARCHS:
+        writer.add_expert_count(EXPERTS)
+        writer.add_expert_used_count(TOP_K)
+        writer.add_expert_feed_forward_length(EXPERT_FFN)
+        if arch == "qwen2moe":
+            writer.add_expert_shared_feed_forward_length(SHARED_FFN)
+    types = {**DEFAULT_TYPES, **MOE_TYPES, **(types or {})}
     expected = {}
     for name, shape in _shapes(arch).items():
         ggml_type = types.get(name, "F32")
@@ -191,4 +239,23 @@ def write_tiny_gguf(
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return path, expected
+    return path, _join_experts(expected)
+
+
+def _join_experts(expected: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers' names of the experts: gate_up_proj [E, 2 I, H], down_proj [E, H, I];
+    the shared expert's gate [1, H]."""
+    out = {}
+    for name, value in expected.items():
+        if name.endswith("experts.up_proj.weight"):
+            continue
+        if name.endswith("experts.gate_proj.weight"):
+            up = expected[name.replace("gate_proj", "up_proj")]
+            out[name.replace("gate_proj.weight", "gate_up_proj")] = torch.cat([value, up], dim=1)
+        elif name.endswith("experts.down_proj.weight"):
+            out[name.removesuffix(".weight")] = value
+        elif name.endswith("shared_expert_gate.weight"):
+            out[name] = value.unsqueeze(0)
+        else:
+            out[name] = value
+    return out

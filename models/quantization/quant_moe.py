@@ -1,0 +1,183 @@
+"""Quantized experts: a FusedMoE layer (models/layers/fused_moe.py) whose expert weights
+are BlockQuantWeights, from a GGUF file (each projection in its ggml type) or quantized at
+load (`--quantization int8`, per output channel).
+
+Each projection of the local experts is held stacked (`StackedQuantWeight`, one format for
+all experts): gate and up as one [2 I, H] weight per expert where their formats agree
+(else as two), down [H, I]. On the CPU the C++ kernel (cpu_quant_moe.cpp) runs every
+routed expert's projections with the block-quantized linear kernels (int8 activations,
+or float32 products when exact; on strips where the build computes on strips, the one
+copy kept). Anywhere else, and as the reference: `fused_experts_torch` over the experts
+with `quant_linear` (the Triton matmul on CUDA, the weight dequantized per call otherwise).
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import nn
+
+from kernels import KernelSet
+from kernels.build import cpp_extension
+from models.layers.moe_experts import ExpertWeights, fused_experts_torch
+from models.quantization.base_config import FusedMoEMethodBase
+from models.quantization.block_quant import BlockQuantWeight
+from models.quantization.cpu_quant_linear import PreparedQuantWeight, quant_kernel, quant_linear
+from models.quantization.strips import StripQuantWeight, to_strips
+
+_EXTENSION = cpp_extension(
+    "splitserve_cpu_quant_moe", Path(__file__).with_name("cpu_quant_moe.cpp")
+)
+
+
+@dataclass(frozen=True)
+class StackedQuantWeight:
+    """One projection of every local expert: expert e's BlockQuantWeight (or, with
+    `strips`, StripQuantWeight) is (q[e], scales[e], mins[e], bits, block_size)."""
+
+    bits: int
+    q: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+    block_size: int
+    strips: bool = False
+
+    @classmethod
+    def stack(cls, weights: list[BlockQuantWeight]) -> StackedQuantWeight:
+        first = weights[0]
+        mins = None if first.mins is None else torch.stack([w.mins for w in weights])
+        q = torch.stack([w.qweight for w in weights])
+        return cls(first.bits, q, torch.stack([w.scales for w in weights]), mins, first.block_size)
+
+    def to(self, device: torch.device) -> StackedQuantWeight:
+        mins = None if self.mins is None else self.mins.to(device)
+        return StackedQuantWeight(
+            self.bits, self.q.to(device), self.scales.to(device), mins, self.block_size, self.strips
+        )
+
+    def expert(self, e: int) -> BlockQuantWeight:
+        """Expert e's weight in the row layout (a copy when held in strips)."""
+        mins = None if self.mins is None else self.mins[e]
+        if self.strips:
+            strips = StripQuantWeight(self.bits, self.q[e], self.scales[e], mins, self.block_size)
+            return strips.row_weight()
+        return BlockQuantWeight(self.bits, self.q[e], self.scales[e], mins, self.block_size)
+
+    def in_strips(self) -> StackedQuantWeight | None:
+        """Every expert regrouped into strips; None when its rows are not whole strips."""
+        experts = [to_strips(self.expert(e)) for e in range(self.q.shape[0])]
+        if any(s is None for s in experts):
+            return None
+        mins = None if self.mins is None else torch.stack([s.mins for s in experts])
+        q, scales = torch.stack([s.q for s in experts]), torch.stack([s.scales for s in experts])
+        return StackedQuantWeight(self.bits, q, scales, mins, self.block_size, strips=True)
+
+
+def _stack_gate_up(
+    gate: list[BlockQuantWeight], up: list[BlockQuantWeight]
+) -> list[StackedQuantWeight]:
+    """gate and up as one [2 I, H] weight per expert where one format holds both."""
+    g, u = gate[0], up[0]
+    if g.format != u.format:
+        return [StackedQuantWeight.stack(gate), StackedQuantWeight.stack(up)]
+    joined = []
+    for a, b in zip(gate, up, strict=True):
+        mins = None if a.mins is None else torch.cat([a.mins, b.mins])
+        q, scales = torch.cat([a.qweight, b.qweight]), torch.cat([a.scales, b.scales])
+        joined.append(BlockQuantWeight(a.bits, q, scales, mins, a.block_size))
+    return [StackedQuantWeight.stack(joined)]
+
+
+def quant_moe_kernel(kernels: KernelSet) -> ModuleType | None:
+    return kernels.cpp(_EXTENSION)
+
+
+class _ExpertLinear(ExpertWeights):
+    """One projection's parts (outputs side by side) for fused_experts_torch."""
+
+    def __init__(self, parts: list[StackedQuantWeight], triton: bool) -> None:
+        self.parts, self.triton = parts, triton
+
+    def linear(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        outs = [
+            quant_linear(x, PreparedQuantWeight(p.expert(expert), None, triton=self.triton))
+            for p in self.parts
+        ]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+
+class BlockQuantMoEMethod(FusedMoEMethodBase):
+    """Experts held as StackedQuantWeights (`to_block_quant` turns what was loaded into
+    one BlockQuantWeight per local expert and projection)."""
+
+    def create_weights(self, layer: nn.Module) -> None:
+        self.parts: dict[str, dict[int, BlockQuantWeight]] = {p: {} for p in ("gate", "up", "down")}
+        self.gate_up: list[StackedQuantWeight] = []
+        self.down: StackedQuantWeight | None = None
+        self.kernel_experts: tuple[list[Any], Any] | None = None
+        self.kernel: ModuleType | None = None
+        self.triton = False
+        self.device = torch.get_default_device()  # the model's, as the layer is built
+
+    @abstractmethod
+    def to_block_quant(self, layer: nn.Module, projection: str, loaded: Any) -> BlockQuantWeight:
+        """What the checkpoint gave for a local expert's projection, as a BlockQuantWeight."""
+
+    def load_weight(self, layer: nn.Module, expert: int, projection: str, loaded: Any) -> None:
+        self.parts[projection][expert] = self.to_block_quant(layer, projection, loaded)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        n = layer.num_local_experts
+        gate, up, down = ([self.parts[p][e] for e in range(n)] for p in ("gate", "up", "down"))
+        for projection, weights in (("gate", gate), ("up", up), ("down", down)):
+            w = weights[0]
+            if any(v.format != w.format for v in weights):
+                raise ValueError(f"{layer.prefix}: its experts' {projection} formats differ")
+        self.gate_up = [w.to(self.device) for w in _stack_gate_up(gate, up)]
+        self.down = StackedQuantWeight.stack(down).to(self.device)
+        self.parts = {}
+
+    def bind_kernels(self, layer: nn.Module, kernels: KernelSet) -> None:
+        self.triton = kernels.triton
+        self.kernel_experts = None
+        quant = quant_kernel(kernels)
+        moe = quant_moe_kernel(kernels)
+        if quant is None or moe is None or self.down.q.device.type != "cpu":
+            return
+        strips = bool(quant.strip_width())
+        exact = not kernels.int8_activations
+        lent = quant.c_api()
+
+        def bound(w: StackedQuantWeight) -> tuple[StackedQuantWeight, Any]:
+            if strips and not w.strips:
+                w = w.in_strips() or w
+            kernel = ("strip_" if w.strips else "") + ("linear_f32" if exact else "linear_int8")
+            return w, moe.QuantExperts(w.q, w.scales, w.mins, w.bits, w.block_size, lent, kernel)
+
+        gate_up = [bound(w) for w in self.gate_up]
+        down = bound(self.down)
+        self.gate_up, self.down = [w for w, _ in gate_up], down[0]
+        self.kernel_experts = ([k for _, k in gate_up], down[1])
+        self.kernel = moe
+
+    def apply(
+        self,
+        layer: nn.Module,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        if self.kernel_experts is not None and x.device.type == "cpu":
+            gate_up, down = self.kernel_experts
+            out = self.kernel.fused_quant_experts(x, gate_up, down, topk_weights, topk_ids)
+            if out is not None:
+                return out
+        w13 = _ExpertLinear(self.gate_up, self.triton)
+        w2 = _ExpertLinear([self.down], self.triton)
+        experts = layer.num_local_experts
+        return fused_experts_torch(x, w13, w2, topk_weights, topk_ids, experts)

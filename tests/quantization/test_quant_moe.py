@@ -1,0 +1,205 @@
+"""Quantized experts (models/quantization/quant_moe.py, cpu_quant_moe.cpp): the C++ kernel
+against a float64 reference on the dequantized weights over random routings, for each
+format pair and ISA built here; --quantization int8 on MoE models against transformers on
+the dequantized weights."""
+
+import pytest
+import torch
+
+from kernels import KernelSet
+from models.gguf_file import gguf_config
+from models.quantization.block_quant import BlockQuantWeight, pack_int4
+from models.quantization.int8 import quantize_per_channel_int8
+from models.quantization.quant_moe import StackedQuantWeight, quant_moe_kernel
+from splitserve import LLM
+from tests.integration.greedy import random_prompts
+from tests.models.tiny_gguf import DEFAULT_TYPES, EXPERT_FFN, write_tiny_gguf
+from tests.models.tiny_gguf import EXPERTS as EXPERTS_GGUF
+from tests.models.tiny_gguf import TOP_K as TOP_K_GGUF
+from tests.quantization.reference import check_greedy, dequantized_reference
+
+HIDDEN, INTER, EXPERTS, TOP_K = 96, 64, 6, 2
+
+
+def _random_block_quant(n: int, k: int, bits: int, block: int, mins: bool, gen) -> BlockQuantWeight:
+    scales = (torch.rand(n, k // block, generator=gen) * 0.02 + 0.005).half()
+    if bits == 4:
+        q = pack_int4(torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8))
+    else:
+        q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    m = -(torch.rand(n, k // block, generator=gen) * 0.1).half() if mins else None
+    return BlockQuantWeight(bits, q, scales, m, block)
+
+
+# (gate, up, down) formats: (bits, block size, mins)
+FORMATS = {
+    "int8-per-channel": [(8, None, False)] * 3,
+    "q4_1": [(4, 32, True)] * 3,
+    "gate-up-apart": [(4, 32, True), (8, 32, False), (4, 16, False)],
+}
+
+
+def _experts(formats, gen) -> tuple[list[list[BlockQuantWeight]], list[StackedQuantWeight]]:
+    shapes = [(INTER, HIDDEN), (INTER, HIDDEN), (HIDDEN, INTER)]
+    weights = [
+        [_random_block_quant(n, k, bits, block or k, mins, gen) for _ in range(EXPERTS)]
+        for (n, k), (bits, block, mins) in zip(shapes, formats, strict=True)
+    ]
+    return weights, [StackedQuantWeight.stack(w) for w in weights]
+
+
+def _reference(x, weights, topk_weights, topk_ids) -> torch.Tensor:
+    gate, up, down = ([w.dequantize().double() for w in ws] for ws in weights)
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for w, e in zip(topk_weights[t].tolist(), topk_ids[t].tolist(), strict=True):
+            if e < 0:
+                continue
+            xt = x[t].double()
+            h = torch.nn.functional.silu(gate[e] @ xt) * (up[e] @ xt)
+            out[t] += w * (down[e] @ h)
+    return out
+
+
+def _method(stacked, kernels):
+    from models.quantization.int8 import Int8MoEMethod
+
+    method = Int8MoEMethod()
+    method.create_weights(None)
+    gate, up, down = stacked
+    if gate.q.shape == up.q.shape and (gate.bits, gate.block_size) == (up.bits, up.block_size):
+        joined = [
+            BlockQuantWeight(
+                gate.bits,
+                torch.cat([gate.q[e], up.q[e]]),
+                torch.cat([gate.scales[e], up.scales[e]]),
+                None if gate.mins is None else torch.cat([gate.mins[e], up.mins[e]]),
+                gate.block_size,
+            )
+            for e in range(EXPERTS)
+        ]
+        method.gate_up = [StackedQuantWeight.stack(joined)]
+    else:
+        method.gate_up = [gate, up]
+    method.down = down
+    method.bind_kernels(None, kernels)
+    return method
+
+
+class _Layer:
+    num_local_experts = EXPERTS
+
+
+@pytest.mark.parametrize("exact", [True, False], ids=["float32-products", "int8-activations"])
+@pytest.mark.parametrize("formats", list(FORMATS), ids=list(FORMATS))
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+def test_kernel_matches_the_dequantized_reference(isa, formats, tokens, exact):
+    gen = torch.Generator().manual_seed(tokens)
+    weights, stacked = _experts(FORMATS[formats], gen)
+    kernels = KernelSet(cpu=True, isa=isa, int8_activations=not exact)
+    assert quant_moe_kernel(kernels) is not None, f"the {isa} build failed"
+    method = _method(stacked, kernels)
+    assert method.kernel_experts is not None
+    x = torch.randn(tokens, HIDDEN, generator=gen)
+    topk_ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOP_K] for _ in range(tokens)])
+    topk_ids[0, 0] = -1  # an expert on another rank; expert 5 never routed below
+    topk_ids[topk_ids == EXPERTS - 1] = -1
+    topk_weights = torch.rand(tokens, TOP_K, generator=gen)
+    out = method.apply(_Layer(), x, topk_weights, topk_ids)
+    expected = _reference(x, weights, topk_weights, topk_ids)
+    scale = expected.abs().max().item()
+    tol = 2e-6 if exact else 2e-2  # int8 activations: ~1/254 per feature, relative
+    assert (out.double() - expected).abs().max().item() <= tol * scale + 1e-7
+    torch_out = _method(stacked, KernelSet()).apply(_Layer(), x, topk_weights, topk_ids)
+    assert (torch_out.double() - expected).abs().max().item() <= 2e-6 * scale + 1e-7
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_kernel_takes_16_bit_activations(dtype):
+    gen = torch.Generator().manual_seed(7)
+    weights, stacked = _experts(FORMATS["q4_1"], gen)
+    method = _method(stacked, KernelSet(cpu=True))
+    x = torch.randn(9, HIDDEN, generator=gen)
+    topk_ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOP_K] for _ in range(9)])
+    topk_weights = torch.rand(9, TOP_K, generator=gen)
+    out = method.apply(_Layer(), x.to(dtype), topk_weights, topk_ids)
+    assert out.dtype == dtype
+    expected = _reference(x.to(dtype).float(), weights, topk_weights, topk_ids)
+    assert (out.double() - expected).abs().max().item() <= 3e-2 * expected.abs().max().item()
+
+
+@torch.no_grad()
+def _int8_experts(name: str, w: torch.Tensor) -> torch.Tensor:
+    return torch.stack([quantize_per_channel_int8(e).dequantize() for e in w])
+
+
+@pytest.mark.usefixtures("exact_float32")
+@pytest.mark.parametrize("checkpoint", ["qwen3-moe", "mixtral"], indirect=True)
+def test_int8_experts_greedy_matches_transformers(checkpoint):
+    def dequantize(name, w):
+        return quantize_per_channel_int8(w).dequantize()
+
+    reference = dequantized_reference(checkpoint, dequantize)
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            if ".experts." in name and param.dim() == 3:
+                param.copy_(_int8_experts(name, param.data))
+    llm = LLM(checkpoint, dtype="float32", quantization="int8", kv_cache_memory=2**24)
+    check_greedy(llm, reference, random_prompts(4, 3, 20))
+    llm.shutdown()
+
+
+def _gguf_moe_reference(path, expected):
+    """transformers' model of the file's config with the expected (gguf-py dequantized)
+    weights: its own GGUF reader leaves moe_intermediate_size at the default."""
+    from transformers import AutoModelForCausalLM
+
+    config = gguf_config(path)
+    assert (config.num_experts, config.num_experts_per_tok) == (EXPERTS_GGUF, TOP_K_GGUF)
+    assert config.moe_intermediate_size == EXPERT_FFN
+    model = AutoModelForCausalLM.from_config(
+        config, dtype=torch.float32, attn_implementation="eager"
+    )
+    model.load_state_dict(expected, strict=True)
+    return model.eval()
+
+
+@pytest.mark.usefixtures("exact_float32")
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe"])
+def test_gguf_experts_greedy_matches_transformers(tmp_path, arch):
+    path, expected = write_tiny_gguf(tmp_path, arch)
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=2**24)
+    assert llm.config.quantization == "gguf"
+    check_greedy(llm, _gguf_moe_reference(path, expected), random_prompts(4, 3, 20))
+    llm.shutdown()
+
+
+# Every tensor on 32-element blocks, so that two ranks can split it.
+TP2_MOE_TYPES = {n: "Q8_0" for n, t in DEFAULT_TYPES.items() if t.endswith("_K")} | {
+    f"blk.{i}.ffn_{p}_exps.weight": t
+    for i in range(2)
+    for p, t in zip(("gate", "up", "down"), ("Q8_0", "Q4_1", "Q5_0"), strict=True)
+}
+
+
+@pytest.mark.usefixtures("exact_float32")
+@pytest.mark.gpus(2)
+@pytest.mark.parametrize("expert_parallel", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_gguf_experts_on_two_ranks(tmp_path, expert_parallel):
+    path, expected = write_tiny_gguf(tmp_path, "qwen3moe", types=TP2_MOE_TYPES)
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        kv_cache_memory=2**24,
+        tensor_parallel_size=2,
+        enable_expert_parallel=expert_parallel,
+    )
+    check_greedy(llm, _gguf_moe_reference(path, expected), random_prompts(4, 3, 20))
+    llm.shutdown()
+
+
+def test_unquantized_gguf_experts_are_refused(tmp_path):
+    types = {f"blk.{i}.ffn_down_exps.weight": "F16" for i in range(2)}
+    path, _ = write_tiny_gguf(tmp_path, "qwen3moe", types=types)
+    with pytest.raises(Exception, match="experts' down weights are unquantized"):
+        LLM(str(path), dtype="float32", kv_cache_memory=2**24)
