@@ -95,7 +95,14 @@ def _stop(process) -> int:
     ("rank", "sig", "args", "logged"),
     [
         (1, signal.SIGKILL, (), "replacing the workers (restart 1) and replaying"),
-        (0, signal.SIGSTOP, ("--worker-step-timeout", "2"), "did not answer step"),
+        # 13 s: slow (the killed case covers the replacement and the replay)
+        pytest.param(
+            0,
+            signal.SIGSTOP,
+            ("--worker-step-timeout", "2"),
+            "did not answer step",
+            marks=pytest.mark.slow,
+        ),
     ],
     ids=["killed", "hung"],
 )
