@@ -20,6 +20,7 @@
 #include <ATen/Parallel.h>
 #include "torch_ext.h"
 
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -183,8 +184,13 @@ inline __m256i bcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
-template <int Bits, int R>
+// Whole: every 32-run lies in one weight block (block sizes that are multiples of 32), so
+// both halves of a run share a scale and sum into one accumulator per row, which keeps 4
+// rows' sums in registers (two per row spilled at 4 rows: 8-bit passes of 4 rows measured
+// twice the time of 3).
+template <int Bits, bool Whole, int R>
 void strip_pass_int8(const Strips& w, int64_t s, const Acts& a, int64_t m, float (*res)[kStrip]) {
+  constexpr int H = Whole ? 1 : 2;  // accumulators per row
   const int64_t K = w.K;
   const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
   __m256 acc[R];
@@ -193,40 +199,52 @@ void strip_pass_int8(const Strips& w, int64_t s, const Acts& a, int64_t m, float
   for (int64_t k = 0; k < K; k += kRun) {
     const uint8_t* run = q + k / kRun * w.run_bytes();
     const int64_t j0 = a.half_block[k / 16], j1 = a.half_block[k / 16 + 1];
-    __m256i dot[R][2];  // int32 per feature, per half of the run
+    __m256i dot[R][H];  // int32 per feature, per half of the run (Whole: both)
     if constexpr (Bits == 4) {
-      __m256i sum[R][2];  // int16 pairs: at most 4 chunks * 2 * 15 * 127
-      for (auto& row : sum) row[0] = row[1] = _mm256_setzero_si256();
+      // int16 pairs: at most 4 chunks * 2 * 15 * 127 per half, twice that for both
+      __m256i sum[R][H];
+      for (auto& row : sum)
+        for (auto& v : row) v = _mm256_setzero_si256();
       for (int c = 0; c < 4; ++c) {
         const __m256i v = load_chunk(run + 32 * c);
         const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
         for (int r = 0; r < R; ++r) {
           const int8_t* x = a.q + (m + r) * K + k + 4 * c;
           sum[r][0] = _mm256_add_epi16(sum[r][0], _mm256_maddubs_epi16(lo, bcast4(x)));
-          sum[r][1] = _mm256_add_epi16(sum[r][1], _mm256_maddubs_epi16(hi, bcast4(x + 16)));
+          sum[r][H - 1] = _mm256_add_epi16(sum[r][H - 1], _mm256_maddubs_epi16(hi, bcast4(x + 16)));
         }
       }
       for (int r = 0; r < R; ++r)
-        for (int h = 0; h < 2; ++h) dot[r][h] = _mm256_madd_epi16(sum[r][h], ones);
+        for (int h = 0; h < H; ++h) dot[r][h] = _mm256_madd_epi16(sum[r][h], ones);
     } else {
-      for (auto& row : dot) row[0] = row[1] = _mm256_setzero_si256();
+      for (auto& row : dot)
+        for (auto& v : row) v = _mm256_setzero_si256();
       for (int c = 0; c < 8; ++c) {
         const __m256i v = load_chunk(run + 32 * c), u = _mm256_abs_epi8(v);
         for (int r = 0; r < R; ++r) {  // |q| <= 128, |x| <= 127: no saturation
           const __m256i xs = _mm256_sign_epi8(bcast4(a.q + (m + r) * K + k + 4 * c), v);
-          dot[r][c / 4] = _mm256_add_epi32(dot[r][c / 4], _mm256_madd_epi16(_mm256_maddubs_epi16(u, xs), ones));
+          __m256i& d = dot[r][Whole ? 0 : c / 4];
+          d = _mm256_add_epi32(d, _mm256_madd_epi16(_mm256_maddubs_epi16(u, xs), ones));
         }
       }
     }
-    const __m256 s0 = load8(w, w.scales, s, j0), s1 = j1 == j0 ? s0 : load8(w, w.scales, s, j1);
-    for (int r = 0; r < R; ++r) {
-      const __m256 d = _mm256_set1_ps(a.d[(m + r) * a.runs + k / kRun]);
-      if (j1 == j0) {
-        const __m256 both = _mm256_cvtepi32_ps(_mm256_add_epi32(dot[r][0], dot[r][1]));
-        acc[r] = _mm256_fmadd_ps(both, _mm256_mul_ps(s0, d), acc[r]);
-      } else {
+    const __m256 s0 = load8(w, w.scales, s, j0);
+    if constexpr (Whole) {
+      for (int r = 0; r < R; ++r) {
+        const __m256 d = _mm256_set1_ps(a.d[(m + r) * a.runs + k / kRun]);
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][0]), _mm256_mul_ps(s0, d), acc[r]);
-        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][1]), _mm256_mul_ps(s1, d), acc[r]);
+      }
+    } else {
+      const __m256 s1 = j1 == j0 ? s0 : load8(w, w.scales, s, j1);
+      for (int r = 0; r < R; ++r) {
+        const __m256 d = _mm256_set1_ps(a.d[(m + r) * a.runs + k / kRun]);
+        if (j1 == j0) {
+          const __m256 both = _mm256_cvtepi32_ps(_mm256_add_epi32(dot[r][0], dot[r][H - 1]));
+          acc[r] = _mm256_fmadd_ps(both, _mm256_mul_ps(s0, d), acc[r]);
+        } else {
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][0]), _mm256_mul_ps(s0, d), acc[r]);
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r][H - 1]), _mm256_mul_ps(s1, d), acc[r]);
+        }
       }
     }
   }
@@ -242,9 +260,14 @@ void strip_pass_int8(const Strips& w, int64_t s, const Acts& a, int64_t m, float
 }
 
 using StripPassInt8 = void (*)(const Strips&, int64_t, const Acts&, int64_t, float (*)[kStrip]);
-constexpr StripPassInt8 kStripPassInt8[2][kMaxStripRows] = {
-    {strip_pass_int8<4, 1>, strip_pass_int8<4, 2>, strip_pass_int8<4, 3>, strip_pass_int8<4, 4>},
-    {strip_pass_int8<8, 1>, strip_pass_int8<8, 2>, strip_pass_int8<8, 3>, strip_pass_int8<8, 4>}};
+template <int Bits, bool Whole>
+constexpr std::array<StripPassInt8, kMaxStripRows> kPassesInt8 = {
+    strip_pass_int8<Bits, Whole, 1>, strip_pass_int8<Bits, Whole, 2>,
+    strip_pass_int8<Bits, Whole, 3>, strip_pass_int8<Bits, Whole, 4>};
+// [bits 4, 8][whole runs]
+constexpr const std::array<StripPassInt8, kMaxStripRows>* kStripPassInt8[2][2] = {
+    {&kPassesInt8<4, false>, &kPassesInt8<4, true>},
+    {&kPassesInt8<8, false>, &kPassesInt8<8, true>}};
 
 #endif
 
@@ -309,7 +332,7 @@ std::optional<at::Tensor> strip_linear_int8(const at::Tensor& x, const at::Tenso
                                               x.stride(0), block_size, w.mins != nullptr);
     const Acts acts = storage.view();
     auto out = at::empty({M, w.N}, x.options());
-    const auto* passes = kStripPassInt8[bits == 4 ? 0 : 1];
+    const auto& passes = *kStripPassInt8[bits == 4 ? 0 : 1][block_size % kRun == 0];
     over_strips(M, w.N, kMaxStripRows, b, reinterpret_cast<T*>(out.data_ptr()),
                 [&](int64_t s, int64_t m, int64_t rows, float (*res)[kStrip]) {
                   passes[rows - 1](w, s, acts, m, res);
