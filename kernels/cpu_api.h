@@ -39,6 +39,13 @@ using QuantLinear = std::optional<at::Tensor> (*)(
     const std::optional<at::Tensor>& mins, int64_t bits, int64_t block_size,
     const std::optional<at::Tensor>& bias);
 
+// models/quantization/cpu_fp8_linear.cpp: x (scale * W)^T for W float8_e4m3fn as uint8 [N, K],
+// scale float32 [N]; and scale * W dense in a dtype
+using Fp8Linear = at::Tensor (*)(const at::Tensor& x, const at::Tensor& weight,
+                                 const at::Tensor& scale, const std::optional<at::Tensor>& bias);
+using Fp8Dequantize = at::Tensor (*)(const at::Tensor& weight, const at::Tensor& scale,
+                                     at::ScalarType dtype);
+
 template <typename F>
 pybind11::capsule lend(F function, const char* name) {
   return pybind11::capsule(reinterpret_cast<void*>(function), name);

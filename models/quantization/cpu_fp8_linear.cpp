@@ -18,6 +18,7 @@
 #include <ATen/Parallel.h>
 #include "torch_ext.h"
 
+#include "cpu_api.h"
 #include "cpu_math.h"
 
 #include <algorithm>
@@ -242,4 +243,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("weight"), py::arg("scale"), py::arg("bias") = py::none());
   m.def("dequantize", &dequantize, "scale * W as a dense tensor of dtype", py::arg("weight"),
         py::arg("scale"), py::arg("dtype"));
+  m.def("c_api", [] {
+    namespace api = splitserve::api;
+    py::dict lent;
+    lent["fp8_linear"] = api::lend<api::Fp8Linear>(&linear, "splitserve.fp8_linear");
+    lent["fp8_dequantize"] = api::lend<api::Fp8Dequantize>(&dequantize, "splitserve.fp8_dequantize");
+    return lent;
+  }, "these kernels for other C++ modules (kernels/cpu_api.h)");
 }

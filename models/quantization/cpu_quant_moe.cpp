@@ -1,11 +1,11 @@
 // The fused experts of a mixture-of-experts layer whose expert weights are block-quantized
-// (models/quantization/quant_moe.py): the sum models/layers/moe_experts.py defines,
+// or fp8 (models/quantization/quant_moe.py): the sum models/layers/moe_experts.py defines,
 //
 //   out[t] = sum_j weight[t, j] * down[e] @ (silu(gate[e] @ x[t]) * (up[e] @ x[t])),
 //
-// each expert's projections computed by the block-quantized linear kernels, which the
-// quantized-linear module lends (kernels/cpu_api.h: int8 activations, or float32 products
-// when exact; on rows or on strips). In three steps:
+// each expert's projections computed by the kernels the quantized-linear modules lend
+// (kernels/cpu_api.h): block-quantized (int8 activations, or float32 products when exact;
+// on rows or on strips) or fp8. In three steps:
 //   1. route: a counting sort of the (token, slot) pairs by expert (kernels/moe_routing.h);
 //   2. experts: each active expert gathers its pairs' rows of x, runs its gate/up parts,
 //      h = silu(gate) * up in float32 rounded to x's dtype, its down projection, and writes
@@ -31,22 +31,51 @@ namespace {
 
 namespace api = splitserve::api;
 
-// One projection of every expert, stacked: q [E, ...], scales [E, ...] (mins the same),
-// in the rows or the strips layout, with the lent kernel that computes on it.
+// One projection of every local expert, stacked, with the kernel that computes on it.
 struct QuantExperts {
+  virtual ~QuantExperts() = default;
+  // x [rows, K] times expert e's weight; nullopt where the kernel declines x.
+  virtual std::optional<at::Tensor> apply(const at::Tensor& x, int64_t e) const = 0;
+};
+
+// Block-quantized: q [E, ...], scales [E, ...] (mins the same), in the rows or the strips
+// layout, computed by the lent kernel named `kernel`.
+struct BlockQuantExperts : QuantExperts {
   at::Tensor q, scales;
   std::optional<at::Tensor> mins;
   int64_t bits, block_size;
   api::QuantLinear linear;
 
-  QuantExperts(at::Tensor q, at::Tensor scales, std::optional<at::Tensor> mins, int64_t bits,
-               int64_t block_size, const py::dict& lent, const std::string& kernel)
+  BlockQuantExperts(at::Tensor q, at::Tensor scales, std::optional<at::Tensor> mins,
+                    int64_t bits, int64_t block_size, const py::dict& lent,
+                    const std::string& kernel)
       : q(std::move(q)), scales(std::move(scales)), mins(std::move(mins)), bits(bits),
         block_size(block_size), linear(api::borrow<api::QuantLinear>(lent, kernel.c_str())) {}
 
-  std::optional<at::Tensor> apply(const at::Tensor& x, int64_t e) const {
+  std::optional<at::Tensor> apply(const at::Tensor& x, int64_t e) const override {
     const auto m = mins ? std::optional<at::Tensor>(mins->select(0, e)) : std::nullopt;
     return linear(x, q.select(0, e), scales.select(0, e), m, bits, block_size, std::nullopt);
+  }
+};
+
+// fp8 e4m3 (as uint8) [E, N, K] with a float32 scale per output feature [E, N]: up to
+// `small_rows` rows through the fp8 kernel, more through a matmul on the dequantized
+// weight (as cpu_fp8_linear.py's fp8_linear).
+struct Fp8Experts : QuantExperts {
+  at::Tensor weight, scale;
+  int64_t small_rows;
+  api::Fp8Linear linear;
+  api::Fp8Dequantize dequantize;
+
+  Fp8Experts(at::Tensor weight, at::Tensor scale, int64_t small_rows, const py::dict& lent)
+      : weight(std::move(weight)), scale(std::move(scale)), small_rows(small_rows),
+        linear(api::borrow<api::Fp8Linear>(lent, "fp8_linear")),
+        dequantize(api::borrow<api::Fp8Dequantize>(lent, "fp8_dequantize")) {}
+
+  std::optional<at::Tensor> apply(const at::Tensor& x, int64_t e) const override {
+    const at::Tensor w = weight.select(0, e), s = scale.select(0, e);
+    if (x.size(0) <= small_rows) return linear(x, w, s, std::nullopt);
+    return at::linear(x, dequantize(w, s, x.scalar_type()));
   }
 };
 
@@ -69,7 +98,7 @@ void silu_mul(const std::vector<at::Tensor>& parts, int64_t inter, T* h) {
 }
 
 template <typename T>
-std::optional<at::Tensor> fused(const at::Tensor& x, const std::vector<QuantExperts>& gate_up,
+std::optional<at::Tensor> fused(const at::Tensor& x, const std::vector<const QuantExperts*>& gate_up,
                                 const QuantExperts& down, const at::Tensor& ids,
                                 const at::Tensor& weights, int64_t experts) {
   const int64_t tokens = x.size(0), hidden = x.size(1), top_k = ids.size(1);
@@ -87,8 +116,8 @@ std::optional<at::Tensor> fused(const at::Tensor& x, const std::vector<QuantExpe
     const int64_t p0 = r.start[e], rows = r.rows(e);
     const at::Tensor xe = x.index_select(0, token.narrow(0, p0, rows));
     std::vector<at::Tensor> parts;
-    for (const auto& part : gate_up) {
-      auto out = part.apply(xe, e);
+    for (const QuantExperts* part : gate_up) {
+      auto out = part->apply(xe, e);
       if (!out) return declined.store(true);
       parts.push_back(*out);
     }
@@ -137,10 +166,10 @@ std::optional<at::Tensor> fused(const at::Tensor& x, const std::vector<QuantExpe
 }
 
 std::optional<at::Tensor> fused_quant_experts(const at::Tensor& x,
-                                              const std::vector<QuantExperts>& gate_up,
+                                              const std::vector<const QuantExperts*>& gate_up,
                                               const QuantExperts& down,
                                               const at::Tensor& topk_weights,
-                                              const at::Tensor& topk_ids) {
+                                              const at::Tensor& topk_ids, int64_t experts) {
   const auto dtype = x.scalar_type();
   if (!x.device().is_cpu() || !topk_ids.device().is_cpu() || !topk_weights.device().is_cpu())
     return std::nullopt;
@@ -149,7 +178,7 @@ std::optional<at::Tensor> fused_quant_experts(const at::Tensor& x,
                     "fused_quant_experts takes x [T, H], topk_ids and topk_weights [T, k]; got ",
                     x.sizes(), ", ", topk_ids.sizes(), ", ", topk_weights.sizes());
   TORCH_CHECK_VALUE(gate_up.size() == 1 || gate_up.size() == 2, "gate_up has 1 or 2 parts");
-  const int64_t experts = down.q.size(0);
+  TORCH_CHECK_VALUE(experts > 0, "experts must be > 0");
   const at::Tensor xc = x.contiguous(), ids = topk_ids.to(at::kLong).contiguous();
   const at::Tensor weights = topk_weights.to(at::kFloat).contiguous();
   switch (dtype) {
@@ -163,14 +192,18 @@ std::optional<at::Tensor> fused_quant_experts(const at::Tensor& x,
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  py::class_<QuantExperts>(m, "QuantExperts")
+  py::class_<QuantExperts>(m, "QuantExperts");
+  py::class_<BlockQuantExperts, QuantExperts>(m, "BlockQuantExperts")
       .def(py::init<at::Tensor, at::Tensor, std::optional<at::Tensor>, int64_t, int64_t,
                     const py::dict&, const std::string&>(),
            py::arg("q"), py::arg("scales"), py::arg("mins"), py::arg("bits"),
            py::arg("block_size"), py::arg("lent"), py::arg("kernel"));
+  py::class_<Fp8Experts, QuantExperts>(m, "Fp8Experts")
+      .def(py::init<at::Tensor, at::Tensor, int64_t, const py::dict&>(), py::arg("weight"),
+           py::arg("scale"), py::arg("small_rows"), py::arg("lent"));
   m.def("fused_quant_experts", &fused_quant_experts,
         "sum_j weight[t, j] * expert ids[t, j]'s SwiGLU MLP of x[t] on quantized experts; "
         "None if a kernel declines",
         py::arg("x"), py::arg("gate_up"), py::arg("down"), py::arg("topk_weights"),
-        py::arg("topk_ids"), py::call_guard<py::gil_scoped_release>());
+        py::arg("topk_ids"), py::arg("experts"), py::call_guard<py::gil_scoped_release>());
 }

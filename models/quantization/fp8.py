@@ -11,18 +11,23 @@ Two sources, one computed form (cpu_fp8_linear.Fp8Weight):
 On a CPU the weights stay fp8 (weight-only: the C++ kernel, or the torch path); a static
 input_scale is only used on CUDA, where a GPU with fp8 (compute capability 8.9 or more)
 runs torch._scaled_mm on fp8 activations, and any other GPU computes weight-only.
+A mixture of experts' experts are quantized at load too (Fp8MoEMethod, weight-only); an fp8
+checkpoint's experts are not supported.
 """
 
 from __future__ import annotations
 
 import math
+from types import ModuleType
 from typing import Any
 
 import torch
 from torch import nn
 
 from kernels import KernelSet
+from models.layers.fused_moe import FusedMoE
 from models.layers.linear import LinearBase, UnquantizedLinearMethod
+from models.layers.moe_experts import ExpertWeights
 from models.layers.utils import full_weight, set_shard_axes, set_weight_attrs, weight_shape
 from models.quantization.base_config import (
     LinearMethodBase,
@@ -32,12 +37,16 @@ from models.quantization.base_config import (
 from models.quantization.cpu_fp8_linear import (
     FP8_DTYPE,
     FP8_MAX,
+    SMALL_BATCH_ROWS,
     Fp8Weight,
+    PreparedFp8Weight,
+    fp8_kernel,
     fp8_linear,
     prepare_fp8_weight,
     quantize_fp8_per_channel,
     torch_fp8_linear,
 )
+from models.quantization.quant_moe import QuantMoEMethodBase
 
 # A fused layer's name -> the checkpoint projections it holds (for ignored_layers).
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -114,6 +123,53 @@ class Fp8OnlineLinearMethod(Fp8LinearMethod):
         layer.weight_scale = _frozen(fp8.scale)
 
 
+class _Fp8ExpertLinear(ExpertWeights):
+    """One projection of every expert, fp8 [E, N, K] with scales [E, N], for
+    fused_experts_torch (weight-only; the C++ kernel where bound)."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor) -> None:
+        self.weight, self.scale = weight, scale
+        self.kernel: ModuleType | None = None
+
+    def linear(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        w = Fp8Weight(self.weight[expert], self.scale[expert])
+        return fp8_linear(x, PreparedFp8Weight(w, self.kernel if x.device.type == "cpu" else None))
+
+
+class Fp8MoEMethod(QuantMoEMethodBase):
+    """--quantization fp8 on a 16/32-bit mixture of experts: each expert's projections
+    quantized per output channel as they load (gate and up stacked as one weight)."""
+
+    def to_part(self, layer: nn.Module, projection: str, loaded: Any) -> Fp8Weight:
+        if not isinstance(loaded, torch.Tensor) or loaded.dtype == FP8_DTYPE:
+            raise ValueError(f"{layer.prefix}: fp8 quantizes 16/32-bit experts, got {loaded!r}")
+        return quantize_fp8_per_channel(loaded)
+
+    def stack(self, layer: nn.Module, gate: list, up: list, down: list) -> None:
+        def stacked(parts: list[list[Fp8Weight]]) -> _Fp8ExpertLinear:
+            weight = torch.stack([torch.cat([p.weight for p in expert]) for expert in parts])
+            scale = torch.stack([torch.cat([p.scale for p in expert]) for expert in parts])
+            return _Fp8ExpertLinear(weight.to(self.device), scale.to(self.device))
+
+        self.w13 = stacked([[g, u] for g, u in zip(gate, up, strict=True)])
+        self.w2 = stacked([[d] for d in down])
+
+    def bind_cpu(self, kernels: KernelSet, moe: ModuleType) -> tuple[list[Any], Any] | None:
+        fp8 = fp8_kernel(kernels)
+        self.w13.kernel = self.w2.kernel = fp8
+        if fp8 is None:
+            return None
+        lent = fp8.c_api()
+
+        def bound(w: _Fp8ExpertLinear) -> Any:
+            return moe.Fp8Experts(w.weight.view(torch.uint8), w.scale, SMALL_BATCH_ROWS, lent)
+
+        return [bound(self.w13)], bound(self.w2)
+
+    def torch_weights(self) -> tuple[ExpertWeights, ExpertWeights]:
+        return self.w13, self.w2
+
+
 class Fp8Config(QuantizationConfig):
     """`checkpoint`: the weights are stored fp8 (else quantized at load)."""
 
@@ -148,6 +204,8 @@ class Fp8Config(QuantizationConfig):
         return cls(True, scheme == "static", ignored)
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        if isinstance(layer, FusedMoE):  # fp8 checkpoints' experts: not supported (None)
+            return None if self.checkpoint else Fp8MoEMethod()
         if not isinstance(layer, LinearBase) or self._ignored(prefix):
             return None
         if self.checkpoint:

@@ -202,7 +202,7 @@ class GGUFMoEMethod(BlockQuantMoEMethod):
     """A GGUF file's experts, each projection in its ggml type. Experts stored unquantized
     (F32/F16/BF16) are refused: serve such a model from its HF folder."""
 
-    def to_block_quant(self, layer: nn.Module, projection: str, loaded: Any) -> BlockQuantWeight:
+    def to_part(self, layer: nn.Module, projection: str, loaded: Any) -> BlockQuantWeight:
         if not isinstance(loaded, GGUFWeight):
             raise ValueError(
                 f"{layer.prefix}: the experts' {projection} weights are unquantized "

@@ -53,7 +53,7 @@ class Int8LinearMethod(UnquantizedLinearMethod):
 class Int8MoEMethod(BlockQuantMoEMethod):
     """Each expert's projections quantized as they load, as Int8LinearMethod's weights."""
 
-    def to_block_quant(self, layer: nn.Module, projection: str, loaded: Any) -> BlockQuantWeight:
+    def to_part(self, layer: nn.Module, projection: str, loaded: Any) -> BlockQuantWeight:
         if not isinstance(loaded, torch.Tensor):
             raise ValueError(f"{layer.prefix}: int8 quantizes 16/32-bit experts, got {loaded!r}")
         return quantize_per_channel_int8(loaded)

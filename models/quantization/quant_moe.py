@@ -97,6 +97,64 @@ def quant_moe_kernel(kernels: KernelSet) -> ModuleType | None:
     return kernels.cpp(_EXTENSION)
 
 
+class QuantMoEMethodBase(FusedMoEMethodBase):
+    """Experts that load one expert projection at a time (`to_part`), are stacked once
+    loaded (`stack`), and run through the C++ kernel where `bind_cpu` bound them, else
+    through fused_experts_torch over `torch_weights`."""
+
+    def create_weights(self, layer: nn.Module) -> None:
+        self.parts: dict[str, dict[int, Any]] = {p: {} for p in ("gate", "up", "down")}
+        self.kernel: ModuleType | None = None
+        self.kernel_experts: tuple[list[Any], Any] | None = None  # (gate/up parts, down)
+        self.triton = False
+        self.device = torch.get_default_device()  # the model's, as the layer is built
+
+    @abstractmethod
+    def to_part(self, layer: nn.Module, projection: str, loaded: Any) -> Any:
+        """What the checkpoint gave for a local expert's projection, as this method holds it."""
+
+    @abstractmethod
+    def stack(self, layer: nn.Module, gate: list, up: list, down: list) -> None:
+        """Hold the experts' parts (in expert order) stacked, on self.device."""
+
+    @abstractmethod
+    def bind_cpu(self, kernels: KernelSet, moe: ModuleType) -> tuple[list[Any], Any] | None:
+        """The kernel's experts objects (gate/up parts, down); None where it cannot run."""
+
+    @abstractmethod
+    def torch_weights(self) -> tuple[ExpertWeights, ExpertWeights]:
+        """(gate/up, down) for fused_experts_torch."""
+
+    def load_weight(self, layer: nn.Module, expert: int, projection: str, loaded: Any) -> None:
+        self.parts[projection][expert] = self.to_part(layer, projection, loaded)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        n = layer.num_local_experts
+        self.stack(layer, *([self.parts[p][e] for e in range(n)] for p in ("gate", "up", "down")))
+        self.parts = {}
+
+    def bind_kernels(self, layer: nn.Module, kernels: KernelSet) -> None:
+        self.triton = kernels.triton
+        self.kernel = quant_moe_kernel(kernels) if self.device.type == "cpu" else None
+        self.kernel_experts = None if self.kernel is None else self.bind_cpu(kernels, self.kernel)
+
+    def apply(
+        self,
+        layer: nn.Module,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        experts = layer.num_local_experts
+        if self.kernel_experts is not None and x.device.type == "cpu":
+            gate_up, down = self.kernel_experts
+            out = self.kernel.fused_quant_experts(x, gate_up, down, topk_weights, topk_ids, experts)
+            if out is not None:
+                return out
+        w13, w2 = self.torch_weights()
+        return fused_experts_torch(x, w13, w2, topk_weights, topk_ids, experts)
+
+
 class _ExpertLinear(ExpertWeights):
     """One projection's parts (outputs side by side) for fused_experts_torch."""
 
@@ -111,44 +169,24 @@ class _ExpertLinear(ExpertWeights):
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
 
-class BlockQuantMoEMethod(FusedMoEMethodBase):
-    """Experts held as StackedQuantWeights (`to_block_quant` turns what was loaded into
-    one BlockQuantWeight per local expert and projection)."""
+class BlockQuantMoEMethod(QuantMoEMethodBase):
+    """Experts held as StackedQuantWeights (`to_part` gives one BlockQuantWeight per local
+    expert and projection), computed by the block-quantized linear kernels."""
 
-    def create_weights(self, layer: nn.Module) -> None:
-        self.parts: dict[str, dict[int, BlockQuantWeight]] = {p: {} for p in ("gate", "up", "down")}
-        self.gate_up: list[StackedQuantWeight] = []
-        self.down: StackedQuantWeight | None = None
-        self.kernel_experts: tuple[list[Any], Any] | None = None
-        self.kernel: ModuleType | None = None
-        self.triton = False
-        self.device = torch.get_default_device()  # the model's, as the layer is built
+    gate_up: list[StackedQuantWeight]
+    down: StackedQuantWeight
 
-    @abstractmethod
-    def to_block_quant(self, layer: nn.Module, projection: str, loaded: Any) -> BlockQuantWeight:
-        """What the checkpoint gave for a local expert's projection, as a BlockQuantWeight."""
-
-    def load_weight(self, layer: nn.Module, expert: int, projection: str, loaded: Any) -> None:
-        self.parts[projection][expert] = self.to_block_quant(layer, projection, loaded)
-
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
-        n = layer.num_local_experts
-        gate, up, down = ([self.parts[p][e] for e in range(n)] for p in ("gate", "up", "down"))
+    def stack(self, layer: nn.Module, gate: list, up: list, down: list) -> None:
         for projection, weights in (("gate", gate), ("up", up), ("down", down)):
-            w = weights[0]
-            if any(v.format != w.format for v in weights):
+            if any(v.format != weights[0].format for v in weights):
                 raise ValueError(f"{layer.prefix}: its experts' {projection} formats differ")
         self.gate_up = [w.to(self.device) for w in _stack_gate_up(gate, up)]
         self.down = StackedQuantWeight.stack(down).to(self.device)
-        self.parts = {}
 
-    def bind_kernels(self, layer: nn.Module, kernels: KernelSet) -> None:
-        self.triton = kernels.triton
-        self.kernel_experts = None
+    def bind_cpu(self, kernels: KernelSet, moe: ModuleType) -> tuple[list[Any], Any] | None:
         quant = quant_kernel(kernels)
-        moe = quant_moe_kernel(kernels)
-        if quant is None or moe is None or self.down.q.device.type != "cpu":
-            return
+        if quant is None:
+            return None
         strips = bool(quant.strip_width())
         exact = not kernels.int8_activations
         lent = quant.c_api()
@@ -157,27 +195,14 @@ class BlockQuantMoEMethod(FusedMoEMethodBase):
             if strips and not w.strips:
                 w = w.in_strips() or w
             kernel = ("strip_" if w.strips else "") + ("linear_f32" if exact else "linear_int8")
-            return w, moe.QuantExperts(w.q, w.scales, w.mins, w.bits, w.block_size, lent, kernel)
+            return w, moe.BlockQuantExperts(
+                w.q, w.scales, w.mins, w.bits, w.block_size, lent, kernel
+            )
 
         gate_up = [bound(w) for w in self.gate_up]
         down = bound(self.down)
-        self.gate_up, self.down = [w for w, _ in gate_up], down[0]
-        self.kernel_experts = ([k for _, k in gate_up], down[1])
-        self.kernel = moe
+        self.gate_up, self.down = [w for w, _ in gate_up], down[0]  # the one copy: strips
+        return [k for _, k in gate_up], down[1]
 
-    def apply(
-        self,
-        layer: nn.Module,
-        x: torch.Tensor,
-        topk_weights: torch.Tensor,
-        topk_ids: torch.Tensor,
-    ) -> torch.Tensor:
-        if self.kernel_experts is not None and x.device.type == "cpu":
-            gate_up, down = self.kernel_experts
-            out = self.kernel.fused_quant_experts(x, gate_up, down, topk_weights, topk_ids)
-            if out is not None:
-                return out
-        w13 = _ExpertLinear(self.gate_up, self.triton)
-        w2 = _ExpertLinear([self.down], self.triton)
-        experts = layer.num_local_experts
-        return fused_experts_torch(x, w13, w2, topk_weights, topk_ids, experts)
+    def torch_weights(self) -> tuple[ExpertWeights, ExpertWeights]:
+        return _ExpertLinear(self.gate_up, self.triton), _ExpertLinear([self.down], self.triton)

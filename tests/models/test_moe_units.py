@@ -66,7 +66,13 @@ def test_stacked_experts_load_as_per_expert_ones(tmp_path):
     )
 
 
-def test_a_method_without_a_moe_method_is_refused_naming_the_layer(tmp_path):
-    path = make_tiny_checkpoint(tmp_path, "qwen3_moe", name="moe")
-    with pytest.raises(ValueError, match=r"layers\.0\.mlp\.experts: experts quantized with 'fp8'"):
-        load_model(path, torch.float32, quantization="fp8")
+def test_a_method_without_a_moe_method_is_refused_naming_the_layer():
+    from models.layers.fused_moe import FusedMoE
+    from models.quantization import building_with
+    from models.quantization.fp8 import Fp8Config
+
+    with (
+        building_with(Fp8Config(checkpoint=True)),
+        pytest.raises(ValueError, match=r"layers\.0\.mlp\.experts: experts quantized with 'fp8'"),
+    ):
+        FusedMoE(8, 2, 64, 32, renormalize=True, prefix="layers.0.mlp.experts")

@@ -1,7 +1,7 @@
 """Quantized experts (models/quantization/quant_moe.py, cpu_quant_moe.cpp): the C++ kernel
 against a float64 reference on the dequantized weights over random routings, for each
-format pair and ISA built here; --quantization int8 on MoE models against transformers on
-the dequantized weights."""
+format pair (and fp8) and ISA built here; --quantization int8 / fp8 on MoE models and GGUF
+MoE files against transformers on the dequantized weights."""
 
 import pytest
 import torch
@@ -9,6 +9,8 @@ import torch
 from kernels import KernelSet
 from models.gguf_file import gguf_config
 from models.quantization.block_quant import BlockQuantWeight, pack_int4
+from models.quantization.cpu_fp8_linear import Fp8Weight, quantize_fp8_per_channel
+from models.quantization.fp8 import Fp8MoEMethod
 from models.quantization.int8 import quantize_per_channel_int8
 from models.quantization.quant_moe import StackedQuantWeight, quant_moe_kernel
 from splitserve import LLM
@@ -50,6 +52,10 @@ def _experts(formats, gen) -> tuple[list[list[BlockQuantWeight]], list[StackedQu
 
 def _reference(x, weights, topk_weights, topk_ids) -> torch.Tensor:
     gate, up, down = ([w.dequantize().double() for w in ws] for ws in weights)
+    return _reference_dense(x, gate, up, down, topk_weights, topk_ids)
+
+
+def _reference_dense(x, gate, up, down, topk_weights, topk_ids) -> torch.Tensor:
     out = torch.zeros(x.shape, dtype=torch.float64)
     for t in range(x.shape[0]):
         for w, e in zip(topk_weights[t].tolist(), topk_ids[t].tolist(), strict=True):
@@ -128,23 +134,64 @@ def test_kernel_takes_16_bit_activations(dtype):
     assert (out.double() - expected).abs().max().item() <= 3e-2 * expected.abs().max().item()
 
 
+@pytest.mark.parametrize("tokens", [1, 5, 100])
+def test_fp8_kernel_matches_the_dequantized_reference(isa, tokens):
+    """Experts with more than SMALL_BATCH_ROWS rows take the dequantized matmul."""
+    gen = torch.Generator().manual_seed(tokens)
+    shapes = [(2 * INTER, HIDDEN), (HIDDEN, INTER)]
+    w13, w2 = (
+        [quantize_fp8_per_channel(torch.randn(n, k, generator=gen) * 0.1) for _ in range(EXPERTS)]
+        for n, k in shapes
+    )
+    method = Fp8MoEMethod()
+    method.create_weights(None)
+    gate = [Fp8Weight(w.weight[:INTER], w.scale[:INTER]) for w in w13]
+    up = [Fp8Weight(w.weight[INTER:], w.scale[INTER:]) for w in w13]
+    method.stack(None, gate, up, w2)
+    method.bind_kernels(None, KernelSet(cpu=True, isa=isa))
+    assert method.kernel_experts is not None, f"the {isa} build failed"
+    x = torch.randn(tokens, HIDDEN, generator=gen)
+    topk_ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOP_K] for _ in range(tokens)])
+    topk_weights = torch.rand(tokens, TOP_K, generator=gen)
+    out = method.apply(_Layer(), x, topk_weights, topk_ids)
+    dense = [[w.dequantize().double() for w in ws] for ws in (w13, w2)]
+    gate = [w[:INTER] for w in dense[0]]
+    up = [w[INTER:] for w in dense[0]]
+    expected = _reference_dense(x, gate, up, dense[1], topk_weights, topk_ids)
+    assert (out.double() - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
+
+
+def _per_channel(quantize):
+    """dequantized_reference's function for a per-channel method, experts included."""
+
+    def dequantize(name, w):
+        return quantize(w).dequantize()
+
+    return dequantize
+
+
 @torch.no_grad()
-def _int8_experts(name: str, w: torch.Tensor) -> torch.Tensor:
-    return torch.stack([quantize_per_channel_int8(e).dequantize() for e in w])
+def _quantized_reference(checkpoint, dequantize):
+    reference = dequantized_reference(checkpoint, dequantize)
+    for name, param in reference.named_parameters():
+        if ".experts." in name and param.dim() == 3:  # stacked [E, N, K]: per expert, per row
+            param.copy_(torch.stack([dequantize(name, e) for e in param.data]))
+    return reference
 
 
 @pytest.mark.usefixtures("exact_float32")
 @pytest.mark.parametrize("checkpoint", ["qwen3-moe", "mixtral"], indirect=True)
 def test_int8_experts_greedy_matches_transformers(checkpoint):
-    def dequantize(name, w):
-        return quantize_per_channel_int8(w).dequantize()
-
-    reference = dequantized_reference(checkpoint, dequantize)
-    with torch.no_grad():
-        for name, param in reference.named_parameters():
-            if ".experts." in name and param.dim() == 3:
-                param.copy_(_int8_experts(name, param.data))
+    reference = _quantized_reference(checkpoint, _per_channel(quantize_per_channel_int8))
     llm = LLM(checkpoint, dtype="float32", quantization="int8", kv_cache_memory=2**24)
+    check_greedy(llm, reference, random_prompts(4, 3, 20))
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("checkpoint", ["qwen3-moe"], indirect=True)
+def test_fp8_experts_greedy_matches_transformers(checkpoint):
+    reference = _quantized_reference(checkpoint, _per_channel(quantize_fp8_per_channel))
+    llm = LLM(checkpoint, dtype="float32", quantization="fp8", kv_cache_memory=2**24)
     check_greedy(llm, reference, random_prompts(4, 3, 20))
     llm.shutdown()
 
