@@ -15,8 +15,8 @@
 // Top-p needs no sort: the weights go to a buffer and a histogram over their float
 // bits (monotone in w), the bucket where the mass crosses p * total is found, and only
 // that bucket's values are sorted.
-#include <ATen/Parallel.h>
 #include "torch_ext.h"
+#include <ATen/Parallel.h>
 
 #include "cpu_math.h"
 

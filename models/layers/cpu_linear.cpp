@@ -15,8 +15,8 @@
 // pack_weight and linear say which tensors they take: they return None, doing nothing, for
 // the others (the layer then runs F.linear).
 
-#include <ATen/Parallel.h>
 #include "torch_ext.h"
+#include <ATen/Parallel.h>
 
 #include "cpu_math.h"
 

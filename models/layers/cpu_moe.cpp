@@ -20,9 +20,9 @@
 // Float32 and bfloat16 x and weights (all of one dtype, weights contiguous); anything else
 // returns None and the caller runs the torch path.
 
+#include "torch_ext.h"
 #include "cpu_moe_tiles.h"
 #include "moe_routing.h"
-#include "torch_ext.h"
 
 #include <algorithm>
 #include <atomic>

@@ -9,6 +9,7 @@
 // in-place ones), touching nothing, for tensors it does not take, and the layer runs its
 // torch code. Arguments that do not fit together raise.
 
+#include "torch_ext.h"
 #include "cpu_ops.h"
 #include "cpu_api.h"
 

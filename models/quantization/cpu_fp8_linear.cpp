@@ -14,9 +14,9 @@
 // batches: the weight in the activations' dtype, for a matmul. Paths: AVX-512 (32 bytes a
 // step), AVX2 + F16C (16), and a table lookup for the generic build and the tail of K.
 
+#include "torch_ext.h"
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
-#include "torch_ext.h"
 
 #include "cpu_api.h"
 #include "cpu_math.h"

@@ -14,8 +14,8 @@
 //
 // Each returns None (or false) for tensors it does not take; the caller then runs torch.
 
-#include <ATen/Parallel.h>
 #include "torch_ext.h"
+#include <ATen/Parallel.h>
 
 #include "cpu_api.h"
 

@@ -17,10 +17,10 @@
 // A kernel that declines (a dtype it does not take) makes the call return None, and the
 // caller runs the torch path.
 
+#include "torch_ext.h"
 #include "cpu_api.h"
 #include "cpu_math.h"
 #include "moe_routing.h"
-#include "torch_ext.h"
 
 #include <atomic>
 #include <optional>

@@ -17,8 +17,8 @@
 // strip_dequantize_into: the weight regrouped into rows, then dequantized as the row kernel
 // does (bitwise the same).
 
-#include <ATen/Parallel.h>
 #include "torch_ext.h"
+#include <ATen/Parallel.h>
 
 #include <array>
 #include <cstdint>

@@ -13,8 +13,8 @@
 // weight, tiles 5-7 x. Without AMX (or where the process may not use it), vdpbf16ps on
 // each feature's runs against each row of x.
 
-#include <ATen/Parallel.h>
 #include "torch_ext.h"
+#include <ATen/Parallel.h>
 
 #include "cpu_quant_linear.h"
 
