@@ -11,11 +11,11 @@ tokens greedily, EOS ignored; output tok/s is all generated tokens over the wall
 * `loop`: the same engine with the experts computed by a Python loop over all 64 experts
   (each takes the tokens routed to it), as a plain port of transformers' block does;
 * `transformers`: the model in transformers, `generate` on a batch of C;
-* with `--int8`, also `int8`: the engine with `--quantization int8` (every linear layer and
-  every expert int8 per channel, models/quantization/quant_moe.py).
+* with `--quantizations int8 fp8`, also the engine with each `--quantization` (every
+  linear layer and every expert quantized per channel at load, models/quantization/).
 
     python -m benchmarks.moe_model_bench [--streams 1 16 64] [--max-tokens 64] [--dtype float32]
-                                         [--int8]
+                                         [--quantizations int8 fp8] [--no-transformers]
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--no-transformers", action="store_true")
-    parser.add_argument("--int8", action="store_true", help="also the engine with int8 weights")
+    parser.add_argument("--quantizations", nargs="*", default=[], help="e.g. int8 fp8")
     args = parser.parse_args()
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     print(next((line for line in cpu.splitlines() if "Model name" in line), "CPU ?"))
@@ -143,9 +143,9 @@ def main() -> None:
         hf = float("nan") if args.no_transformers else run_transformers(path, streams, args)
         line = f"| {streams} | {fused:.1f} | {loop:.1f} | {hf:.1f} | {fused / loop:.2f}x | "
         line += f"{fused / hf:.2f}x |"
-        if args.int8:
-            int8 = run_engine(path, streams, args, loop=False, quantization="int8")
-            line += f" int8 {int8:.1f} tok/s ({int8 / fused:.2f}x fused) |"
+        for method in args.quantizations:
+            rate = run_engine(path, streams, args, loop=False, quantization=method)
+            line += f" {method} {rate:.1f} tok/s ({rate / fused:.2f}x fused) |"
         print(line, flush=True)
 
 
