@@ -20,9 +20,10 @@ only ever shapes proposals: the target verifies them.
 
 Greedy and seeded requests draft greedily: a point mass, which the target's verification
 (accept while the draft equals the token sampled at its position) keeps exact, seeded
-streams included. Other random requests draw each draft from q = softmax(logits / T) and
-keep q (`draft_probs`) for the next step's rejection sampler (rejection_sampler.py),
-which accepts a draft with probability min(1, p/q).
+streams included. Other random requests draw each draft from q, the draft's logits under
+the request's temperature, top-k, top-p and min-p, and keep q (`draft_probs`) for the next
+step's rejection sampler (rejection_sampler.py), which accepts a draft with probability
+min(1, p/q).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from models.parallel_state import get_tp_rank, get_tp_size, tp_broadcast
 from worker.input_batch import CachedRequestState, InputBatch
 from worker.kv_cache_groups import KVCacheGroup
 from worker.rejection_sampler import DraftProbs
-from worker.sampler import SAMPLING_EPS
+from worker.sampler import SAMPLING_EPS, sampling_probs
 from worker.step_inputs import StepInputs
 
 
@@ -134,6 +135,7 @@ class DraftModel:
         temperature = np.where(
             [row not in batch.generators for row in rows.tolist()], batch.temperature[rows], 0.0
         )
+        top_k, top_p, min_p = batch.top_k[rows], batch.top_p[rows], batch.min_p[rows]
         sampling = temperature >= SAMPLING_EPS
         probs = None
         if sampling.any() and get_tp_rank() == 0:
@@ -153,7 +155,8 @@ class DraftModel:
                 positions = start[active] + j
                 tokens = drafts[active, j - 1]
                 logits = self._forward(table, rows[active], tokens, positions, positions + 1)
-            drafts[active, j] = self._draft_tokens(logits, temperature[active], probs, active, j)
+            settings = (temperature[active], top_k[active], top_p[active], min_p[active])
+            drafts[active, j] = self._draft_tokens(logits, settings, probs, active, j)
         if probs is not None:
             for i in np.flatnonzero(sampling).tolist():
                 proposal = drafts[i, : num_drafts[i]].tolist()
@@ -163,19 +166,32 @@ class DraftModel:
     def _draft_tokens(
         self,
         logits: torch.Tensor,
-        temperature: np.ndarray,
+        settings: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
         probs: torch.Tensor | None,
         rows: np.ndarray,
         j: int,
     ) -> np.ndarray:
-        """Greedy rows take the argmax; sampling rows draw from q = softmax(logits / T),
-        kept in probs[rows, j]. Rank 0 decides and broadcasts."""
+        """Greedy rows take the argmax; sampling rows draw from q, the request's temperature,
+        top-k, top-p and min-p applied to the draft's logits (as the target's p has them,
+        so that a draft close to the target is accepted as often as it can be), kept in
+        probs[rows, j]. Rank 0 decides and broadcasts."""
+        temperature, top_k, top_p, min_p = settings
         next_ids = logits.argmax(dim=-1)
         sampling = np.flatnonzero(temperature >= SAMPLING_EPS)
         if probs is not None and len(sampling):
-            index = torch.from_numpy(sampling).to(logits.device)
-            scale = torch.from_numpy(temperature[sampling].astype(np.float32)).to(logits.device)
-            q = (logits[index].float() / scale.unsqueeze(1)).softmax(dim=-1)
+            device = logits.device
+            index = torch.from_numpy(sampling).to(device)
+
+            def column(values: np.ndarray, used: np.ndarray) -> torch.Tensor | None:
+                return torch.from_numpy(values[sampling]).to(device) if used.any() else None
+
+            q = sampling_probs(
+                logits[index].float(),
+                torch.from_numpy(temperature[sampling].astype(np.float32)).to(device),
+                column(top_k, top_k[sampling] > 0),
+                column(top_p, top_p[sampling] < 1.0),
+                column(min_p, min_p[sampling] > 0.0),
+            )
             cdf = q.cumsum(dim=-1)
             u = torch.rand(len(sampling), 1, generator=self.generator, device=logits.device)
             drawn = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)

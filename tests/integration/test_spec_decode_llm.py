@@ -154,19 +154,28 @@ def test_structured_output_drafts_are_cut_by_the_grammar(checkpoint, always):
 
 
 @pytest.mark.parametrize(
-    ("k", "temperature", "tp"), [(1, 0.0, 1), (4, 0.0, 1), (3, 0.8, 1), (2, 0.8, 2)]
+    ("k", "temperature", "tp", "truncation"),
+    [
+        (1, 0.0, 1, {}),
+        (4, 0.0, 1, {}),
+        (3, 0.8, 1, {}),
+        (3, 0.8, 1, {"top_k": 20, "top_p": 0.9, "min_p": 0.02}),
+        (2, 0.8, 2, {}),
+    ],
 )
-def test_the_target_as_its_own_draft_accepts_every_draft(checkpoint, reference, k, temperature, tp):
+def test_the_target_as_its_own_draft_accepts_every_draft(
+    checkpoint, reference, k, temperature, tp, truncation
+):
     """Greedy: the drafts are the target's own greedy tokens. Random (unseeded): each draft
-    is drawn from q = p, which min(1, p/q) always accepts (tp=2: rank 0 draws and keeps q,
-    and its verdicts reach the other rank)."""
+    is drawn from q = p (top-k, top-p and min-p applied to both), which min(1, p/q) always
+    accepts (tp=2: rank 0 draws and keeps q, and its verdicts reach the other rank)."""
     spec = {"method": "draft_model", "model": checkpoint, "num_speculative_tokens": k,
             "adaptive": False}  # fmt: skip
     llm = _engine(
         checkpoint, spec, block_size=4, max_num_batched_tokens=16, tensor_parallel_size=tp
     )
     prompts = random_prompts(5, 3, 30, seed=50)
-    sp = SamplingParams(temperature=temperature, max_tokens=21, ignore_eos=True)
+    sp = SamplingParams(temperature=temperature, max_tokens=21, ignore_eos=True, **truncation)
     for prompt, out in zip(prompts, llm.generate(prompts, sp, use_tqdm=False), strict=True):
         assert len(out.outputs[0].token_ids) == 21
         if temperature == 0:
