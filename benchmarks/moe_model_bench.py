@@ -83,7 +83,9 @@ def prompts(streams: int) -> list[list[int]]:
     return torch.randint(0, 256, (streams, 32), generator=g).tolist()
 
 
-def run_engine(path: Path, streams: int, args, loop: bool, quantization: str | None = None):
+def run_engine(
+    path: Path, streams: int, args, loop: bool, quantization: str | None = None
+) -> float:
     from models.layers import fused_moe
     from splitserve import LLM, SamplingParams
 

@@ -31,13 +31,12 @@ from models.layers.triton_moe import fused_experts_triton, triton_moe_takes
 from models.layers.utils import ShardedModule, copy_weight, full_weight, new_parameter
 from models.parallel_state import get_expert_parallel, tp_all_reduce
 from models.quantization.base_config import (
+    EXPERT_PROJECTIONS,
     FusedMoEMethodBase,
     QuantizationConfig,
     current_quant_config,
 )
 from models.quantization.gguf_types import GGUFWeight
-
-_PROJECTIONS = ("gate", "up", "down")
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool):
@@ -124,7 +123,7 @@ class FusedMoE(ShardedModule):
 
     def fully_loaded(self) -> bool:
         local = range(self.first_expert, self.first_expert + self.num_local_experts)
-        return all((e, p) in self._loaded for e in local for p in _PROJECTIONS)
+        return all((e, p) in self._loaded for e in local for p in EXPERT_PROJECTIONS)
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = route(router_logits, self.top_k, self.renormalize)
@@ -178,7 +177,7 @@ def _moe_method(config: QuantizationConfig | None, layer: FusedMoE) -> FusedMoEM
     if not isinstance(method, FusedMoEMethodBase):
         raise ValueError(
             f"{layer.prefix}: experts quantized with {config.name!r} are not supported "
-            "(quantized experts: int8, gguf); run this model unquantized"
+            "(quantized experts: int8, fp8 at load, gguf); run this model unquantized"
         )
     return method
 

@@ -65,6 +65,9 @@ class LinearMethodBase(QuantizeMethodBase):
         return None
 
 
+EXPERT_PROJECTIONS = ("gate", "up", "down")  # what a FusedMoE method loads per expert
+
+
 class FusedMoEMethodBase(QuantizeMethodBase):
     """How a FusedMoE layer (models/layers/fused_moe.py) holds and runs its experts."""
 

@@ -79,11 +79,6 @@ struct Fp8Experts : QuantExperts {
   }
 };
 
-template <typename T>
-inline float widen(T v) {
-  return float(v);
-}
-
 // h [rows, I] = T(silu(gate) * up), from gate/up outputs in `parts` (one [rows, 2I] part,
 // or [rows, I] each).
 template <typename T>
@@ -94,7 +89,7 @@ void silu_mul(const std::vector<at::Tensor>& parts, int64_t inter, T* h) {
   const int64_t ldg = parts[0].size(1), ldu = parts.size() == 1 ? ldg : parts[1].size(1);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < inter; ++c)
-      h[r * inter + c] = T(splitserve::silu(widen(g[r * ldg + c])) * widen(u[r * ldu + c]));
+      h[r * inter + c] = T(splitserve::silu(float(g[r * ldg + c])) * float(u[r * ldu + c]));
 }
 
 template <typename T>
@@ -130,7 +125,7 @@ std::optional<at::Tensor> fused(const at::Tensor& x, const std::vector<const Qua
     for (int64_t row = 0; row < rows; ++row) {
       const float w = r.weight[p0 + row];
       float* dst = yp + (p0 + row) * hidden;
-      for (int64_t c = 0; c < hidden; ++c) dst[c] = w * widen(src[row * hidden + c]);
+      for (int64_t c = 0; c < hidden; ++c) dst[c] = w * float(src[row * hidden + c]);
     }
   };
   const auto& active = r.active;  // most pairs first

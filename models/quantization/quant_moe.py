@@ -1,14 +1,16 @@
 """Quantized experts: a FusedMoE layer (models/layers/fused_moe.py) whose expert weights
-are BlockQuantWeights, from a GGUF file (each projection in its ggml type) or quantized at
-load (`--quantization int8`, per output channel).
+are quantized. `QuantMoEMethodBase` loads them one expert projection at a time, stacks
+them once loaded, and runs them through the C++ kernel (cpu_quant_moe.cpp) on the CPU,
+else through `fused_experts_torch`. Its methods: `BlockQuantMoEMethod` here (int8.py's
+per-channel int8 at load, gguf.py's ggml types), `Fp8MoEMethod` in fp8.py.
 
-Each projection of the local experts is held stacked (`StackedQuantWeight`, one format for
-all experts): gate and up as one [2 I, H] weight per expert where their formats agree
-(else as two), down [H, I]. On the CPU the C++ kernel (cpu_quant_moe.cpp) runs every
+A BlockQuantMoEMethod holds each projection of the local experts stacked
+(`StackedQuantWeight`, one format for all experts): gate and up as one [2 I, H] weight per
+expert where their formats agree (else as two), down [H, I]. The C++ kernel runs every
 routed expert's projections with the block-quantized linear kernels (int8 activations,
 or float32 products when exact; on strips where the build computes on strips, the one
-copy kept). Anywhere else, and as the reference: `fused_experts_torch` over the experts
-with `quant_linear` (the Triton matmul on CUDA, the weight dequantized per call otherwise).
+copy kept); the torch path with `quant_linear` (the Triton matmul on CUDA, the weight
+dequantized per call otherwise).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from torch import nn
 from kernels import KernelSet
 from kernels.build import cpp_extension
 from models.layers.moe_experts import ExpertWeights, fused_experts_torch
-from models.quantization.base_config import FusedMoEMethodBase
+from models.quantization.base_config import EXPERT_PROJECTIONS, FusedMoEMethodBase
 from models.quantization.block_quant import BlockQuantWeight
 from models.quantization.cpu_quant_linear import PreparedQuantWeight, quant_kernel, quant_linear
 from models.quantization.strips import StripQuantWeight, to_strips
@@ -103,7 +105,7 @@ class QuantMoEMethodBase(FusedMoEMethodBase):
     through fused_experts_torch over `torch_weights`."""
 
     def create_weights(self, layer: nn.Module) -> None:
-        self.parts: dict[str, dict[int, Any]] = {p: {} for p in ("gate", "up", "down")}
+        self.parts: dict[str, dict[int, Any]] = {p: {} for p in EXPERT_PROJECTIONS}
         self.kernel: ModuleType | None = None
         self.kernel_experts: tuple[list[Any], Any] | None = None  # (gate/up parts, down)
         self.triton = False
@@ -130,7 +132,7 @@ class QuantMoEMethodBase(FusedMoEMethodBase):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         n = layer.num_local_experts
-        self.stack(layer, *([self.parts[p][e] for e in range(n)] for p in ("gate", "up", "down")))
+        self.stack(layer, *([self.parts[p][e] for e in range(n)] for p in EXPERT_PROJECTIONS))
         self.parts = {}
 
     def bind_kernels(self, layer: nn.Module, kernels: KernelSet) -> None:

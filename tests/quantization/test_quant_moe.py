@@ -12,7 +12,7 @@ from models.quantization.block_quant import BlockQuantWeight, pack_int4
 from models.quantization.cpu_fp8_linear import Fp8Weight, quantize_fp8_per_channel
 from models.quantization.fp8 import Fp8MoEMethod
 from models.quantization.int8 import quantize_per_channel_int8
-from models.quantization.quant_moe import StackedQuantWeight, quant_moe_kernel
+from models.quantization.quant_moe import quant_moe_kernel
 from splitserve import LLM
 from tests.integration.greedy import random_prompts
 from tests.models.tiny_gguf import DEFAULT_TYPES, EXPERT_FFN, write_tiny_gguf
@@ -41,13 +41,13 @@ FORMATS = {
 }
 
 
-def _experts(formats, gen) -> tuple[list[list[BlockQuantWeight]], list[StackedQuantWeight]]:
+def _experts(formats, gen) -> list[list[BlockQuantWeight]]:
+    """[gate, up, down], each a BlockQuantWeight per expert."""
     shapes = [(INTER, HIDDEN), (INTER, HIDDEN), (HIDDEN, INTER)]
-    weights = [
+    return [
         [_random_block_quant(n, k, bits, block or k, mins, gen) for _ in range(EXPERTS)]
         for (n, k), (bits, block, mins) in zip(shapes, formats, strict=True)
     ]
-    return weights, [StackedQuantWeight.stack(w) for w in weights]
 
 
 def _reference(x, weights, topk_weights, topk_ids) -> torch.Tensor:
@@ -67,33 +67,20 @@ def _reference_dense(x, gate, up, down, topk_weights, topk_ids) -> torch.Tensor:
     return out
 
 
-def _method(stacked, kernels):
+def _method(weights, kernels):
+    """A block-quantized experts method holding `weights`, bound to `kernels`."""
     from models.quantization.int8 import Int8MoEMethod
 
     method = Int8MoEMethod()
-    method.create_weights(None)
-    gate, up, down = stacked
-    if gate.q.shape == up.q.shape and (gate.bits, gate.block_size) == (up.bits, up.block_size):
-        joined = [
-            BlockQuantWeight(
-                gate.bits,
-                torch.cat([gate.q[e], up.q[e]]),
-                torch.cat([gate.scales[e], up.scales[e]]),
-                None if gate.mins is None else torch.cat([gate.mins[e], up.mins[e]]),
-                gate.block_size,
-            )
-            for e in range(EXPERTS)
-        ]
-        method.gate_up = [StackedQuantWeight.stack(joined)]
-    else:
-        method.gate_up = [gate, up]
-    method.down = down
-    method.bind_kernels(None, kernels)
+    method.create_weights(_Layer())
+    method.stack(_Layer(), *weights)
+    method.bind_kernels(_Layer(), kernels)
     return method
 
 
 class _Layer:
     num_local_experts = EXPERTS
+    prefix = "layers.0.mlp.experts"
 
 
 @pytest.mark.parametrize("exact", [True, False], ids=["float32-products", "int8-activations"])
@@ -101,10 +88,10 @@ class _Layer:
 @pytest.mark.parametrize("tokens", [1, 5, 40])
 def test_kernel_matches_the_dequantized_reference(isa, formats, tokens, exact):
     gen = torch.Generator().manual_seed(tokens)
-    weights, stacked = _experts(FORMATS[formats], gen)
+    weights = _experts(FORMATS[formats], gen)
     kernels = KernelSet(cpu=True, isa=isa, int8_activations=not exact)
     assert quant_moe_kernel(kernels) is not None, f"the {isa} build failed"
-    method = _method(stacked, kernels)
+    method = _method(weights, kernels)
     assert method.kernel_experts is not None
     x = torch.randn(tokens, HIDDEN, generator=gen)
     topk_ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOP_K] for _ in range(tokens)])
@@ -116,15 +103,15 @@ def test_kernel_matches_the_dequantized_reference(isa, formats, tokens, exact):
     scale = expected.abs().max().item()
     tol = 2e-6 if exact else 2e-2  # int8 activations: ~1/254 per feature, relative
     assert (out.double() - expected).abs().max().item() <= tol * scale + 1e-7
-    torch_out = _method(stacked, KernelSet()).apply(_Layer(), x, topk_weights, topk_ids)
+    torch_out = _method(weights, KernelSet()).apply(_Layer(), x, topk_weights, topk_ids)
     assert (torch_out.double() - expected).abs().max().item() <= 2e-6 * scale + 1e-7
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_kernel_takes_16_bit_activations(dtype):
     gen = torch.Generator().manual_seed(7)
-    weights, stacked = _experts(FORMATS["q4_1"], gen)
-    method = _method(stacked, KernelSet(cpu=True))
+    weights = _experts(FORMATS["q4_1"], gen)
+    method = _method(weights, KernelSet(cpu=True))
     x = torch.randn(9, HIDDEN, generator=gen)
     topk_ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOP_K] for _ in range(9)])
     topk_weights = torch.rand(9, TOP_K, generator=gen)
@@ -144,11 +131,11 @@ def test_fp8_kernel_matches_the_dequantized_reference(isa, tokens):
         for n, k in shapes
     )
     method = Fp8MoEMethod()
-    method.create_weights(None)
+    method.create_weights(_Layer())
     gate = [Fp8Weight(w.weight[:INTER], w.scale[:INTER]) for w in w13]
     up = [Fp8Weight(w.weight[INTER:], w.scale[INTER:]) for w in w13]
-    method.stack(None, gate, up, w2)
-    method.bind_kernels(None, KernelSet(cpu=True, isa=isa))
+    method.stack(_Layer(), gate, up, w2)
+    method.bind_kernels(_Layer(), KernelSet(cpu=True, isa=isa))
     assert method.kernel_experts is not None, f"the {isa} build failed"
     x = torch.randn(tokens, HIDDEN, generator=gen)
     topk_ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOP_K] for _ in range(tokens)])
