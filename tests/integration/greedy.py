@@ -34,6 +34,13 @@ def greedy_reference(path: str, ignore_eos: bool = True) -> Callable[..., list[i
     return greedy
 
 
+def float32_engine(checkpoint: str, **kw) -> LLM:
+    """The engine on a tiny checkpoint in float32, with a small KV cache and context."""
+    kw.setdefault("kv_cache_memory", 8 << 20)
+    kw.setdefault("max_model_len", 256)
+    return LLM(checkpoint, dtype="float32", **kw)
+
+
 def random_prompts(n: int, low: int, high: int, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(256) for _ in range(rng.randint(low, high))] for _ in range(n)]

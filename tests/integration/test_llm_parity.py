@@ -3,10 +3,11 @@ chunked prefill, prefix hits and preemption in play (fp32, tiny random checkpoin
 
 import pytest
 
-from splitserve import LLM, SamplingParams
+from splitserve import SamplingParams
 from tests.integration.greedy import (
     MAX_TOKENS,
     check_prefix_hits,
+    float32_engine,
     generate_and_check,
     generate_greedy,
     greedy_reference,
@@ -21,31 +22,25 @@ def reference(checkpoint):
     return greedy_reference(checkpoint)
 
 
-def _engine(checkpoint: str, **kw) -> LLM:
-    kw.setdefault("kv_cache_memory", 8 << 20)
-    kw.setdefault("max_model_len", 256)
-    return LLM(checkpoint, dtype="float32", **kw)
-
-
 def test_many_prompts_of_different_lengths(checkpoint, reference):
     prompts = random_prompts(8, 1, 60)
-    outs = generate_and_check(_engine(checkpoint), prompts, reference)
+    outs = generate_and_check(float32_engine(checkpoint), prompts, reference)
     assert all(out.outputs[0].finish_reason == "length" for out in outs)
 
 
 def test_chunked_prefill(checkpoint, reference):
-    llm = _engine(checkpoint, max_num_batched_tokens=16, max_num_seqs=4)
+    llm = float32_engine(checkpoint, max_num_batched_tokens=16, max_num_seqs=4)
     prompts = random_prompts(5, 20, 70, seed=1)
     generate_and_check(llm, prompts, reference)
 
 
 def test_prefix_hits(checkpoint, reference):
-    llm = _engine(checkpoint, block_size=8)
+    llm = float32_engine(checkpoint, block_size=8)
     check_prefix_hits(llm, reference)
 
 
 def test_preemption(checkpoint, reference):
-    llm = _engine(
+    llm = float32_engine(
         checkpoint,
         block_size=8,
         max_model_len=64,
@@ -60,7 +55,7 @@ def test_preemption(checkpoint, reference):
 def test_min_tokens_blocks_stop_tokens(checkpoint, reference):
     prompt = random_prompts(1, 10, 10, seed=5)[0]
     first = reference(prompt)[0]
-    llm = _engine(checkpoint)
+    llm = float32_engine(checkpoint)
     stop_early = generate_greedy(llm, [prompt], stop_token_ids=[first])[0]
     assert stop_early.outputs[0].token_ids == [first]
     assert stop_early.outputs[0].finish_reason == "stop"
@@ -70,7 +65,7 @@ def test_min_tokens_blocks_stop_tokens(checkpoint, reference):
 
 
 def test_seeded_sampling_is_independent_of_the_batch(checkpoint):
-    llm = _engine(checkpoint)
+    llm = float32_engine(checkpoint)
     prompt = random_prompts(1, 10, 10, seed=6)[0]
     sp = SamplingParams(temperature=1.0, seed=1234, max_tokens=MAX_TOKENS, ignore_eos=True)
     alone = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0].token_ids

@@ -6,9 +6,9 @@ tensor parallel (every expert sliced) and expert parallel (whole experts per ran
 import pytest
 
 from models.layers.fused_moe import FusedMoE
-from splitserve import LLM
 from tests.integration.greedy import (
     check_prefix_hits,
+    float32_engine,
     generate_and_check,
     greedy_reference,
     random_prompts,
@@ -28,15 +28,9 @@ def reference(checkpoint):
     return greedy_reference(checkpoint)
 
 
-def _engine(checkpoint: str, **kw) -> LLM:
-    kw.setdefault("kv_cache_memory", 8 << 20)
-    kw.setdefault("max_model_len", 256)
-    return LLM(checkpoint, dtype="float32", **kw)
-
-
 @pytest.mark.parametrize("checkpoint", MODELS, indirect=True)
 def test_chunked_prefill_and_prefix_hits(checkpoint, reference):
-    llm = _engine(checkpoint, block_size=8, max_num_batched_tokens=16, max_num_seqs=4)
+    llm = float32_engine(checkpoint, block_size=8, max_num_batched_tokens=16, max_num_seqs=4)
     generate_and_check(llm, random_prompts(5, 20, 50, seed=1), reference)
     check_prefix_hits(llm, reference)
     llm.shutdown()
@@ -44,7 +38,7 @@ def test_chunked_prefill_and_prefix_hits(checkpoint, reference):
 
 @pytest.mark.parametrize(("checkpoint", "expert_parallel"), TWO_RANKS, indirect=["checkpoint"])
 def test_two_ranks(checkpoint, reference, expert_parallel):
-    llm = _engine(checkpoint, tensor_parallel_size=2, enable_expert_parallel=expert_parallel)
+    llm = float32_engine(checkpoint, tensor_parallel_size=2, enable_expert_parallel=expert_parallel)
     generate_and_check(llm, random_prompts(4, 3, 40, seed=2), reference)
     llm.shutdown()
 
