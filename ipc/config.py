@@ -116,7 +116,8 @@ class EngineConfig:
         default="auto",
         metadata=option(
             "the weights' and activations' dtype; auto: the checkpoint's (float32 checkpoints "
-            "and .gguf files run in bfloat16 where the hardware has it)",
+            "and .gguf files run in bfloat16 where the hardware has it; on CPUs without bf16 "
+            "instructions float32 with the dense weights held in bfloat16)",
             choices=DTYPES,
         ),
     )

@@ -53,21 +53,24 @@ def build_root(isa: str) -> Path:
 
 @dataclass(frozen=True)
 class CppExtension:
-    """A C++ module of the project: its name, its sources, and the ISA rung it is only
-    used on (None: any)."""
+    """A C++ module of the project: its name, its sources, the ISA rung it is only used on
+    (None: any) and the rung from which on it is not used (None: none)."""
 
     name: str
     sources: tuple[Path, ...]
     only_on: str | None = None
+    not_on: str | None = None
 
 
 _DECLARED: list[CppExtension] = []
 
 
-def cpp_extension(name: str, *sources: Path, only_on: str | None = None) -> CppExtension:
+def cpp_extension(
+    name: str, *sources: Path, only_on: str | None = None, not_on: str | None = None
+) -> CppExtension:
     """Declare a C++ module, at the import of the Python that loads it, so that
     `declared_extensions` lists it for `build_all`."""
-    extension = CppExtension(name, tuple(sources), only_on)
+    extension = CppExtension(name, tuple(sources), only_on, not_on)
     _DECLARED.append(extension)
     return extension
 

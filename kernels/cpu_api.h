@@ -32,6 +32,11 @@ using PagedDecode = void (*)(at::Tensor out, at::Tensor q, at::Tensor kv_cache,
                              at::Tensor reqs, at::Tensor rows, double scale,
                              int64_t window, double k_scale, double v_scale);
 
+// models/layers/cpu_dense_linear.cpp: x W^T (+ bias) in float32 math for a bf16 W [N, K],
+// or a float32 one and few rows; nullopt for tensors it does not take
+using DenseLinear = std::optional<at::Tensor> (*)(const at::Tensor& x, const at::Tensor& weight,
+                                                  const std::optional<at::Tensor>& bias);
+
 // models/quantization/cpu_quant_*.cpp: linear_int8 and linear_f32 (rows), strip_linear_int8
 // and strip_linear_f32 (strips)
 using QuantLinear = std::optional<at::Tensor> (*)(

@@ -68,8 +68,13 @@ class KernelSet:
         """Build every C++ module declared so far that this set's ISA uses, several at
         once, so that later `cpp` calls only load them."""
         if self.cpu:
-            wanted = [e for e in declared_extensions() if e.only_on is None or self.has(e.only_on)]
-            build_all(wanted, self.isa)
+            build_all([e for e in declared_extensions() if self.uses(e)], self.isa)
+
+    def uses(self, extension: CppExtension) -> bool:
+        """Whether this set's ISA runs `extension` (its `only_on` and `not_on` rungs)."""
+        return (extension.only_on is None or self.has(extension.only_on)) and not (
+            extension.not_on is not None and self.has(extension.not_on)
+        )
 
     def has(self, isa: str) -> bool:
         """Whether this set's ISA includes `isa` (e.g. "amx")."""

@@ -25,15 +25,21 @@ namespace {
 
 namespace api = splitserve::api;
 
-// y = x W^T (+ bias): a quantized kernel (`quant`), or at::linear on a dense W.
+// y = x W^T (+ bias): a quantized kernel (`quant`), the dense one (`dense`: float32 math on
+// a bf16 W, or a float32 W of few rows; at::linear for the rows it declines), or at::linear.
 struct Linear {
   api::QuantLinear quant = nullptr;
+  api::DenseLinear dense = nullptr;
   at::Tensor weight, scales;
   std::optional<at::Tensor> mins, bias;
   int64_t bits = 0, block_size = 0;
 
   at::Tensor operator()(const at::Tensor& x) const {
-    if (quant == nullptr) return at::linear(x, weight, bias);
+    if (quant == nullptr && dense == nullptr) return at::linear(x, weight, bias);
+    if (dense != nullptr) {
+      auto out = dense(x, weight, bias);
+      return out.has_value() ? *std::move(out) : at::linear(x, weight, bias);
+    }
     auto out = quant(x, weight, scales, mins, bits, block_size, bias);
     TORCH_CHECK(out.has_value(), "decode loop: a quantized linear kernel declined x");
     return *std::move(out);
@@ -49,7 +55,7 @@ struct Layer {
 
 class DecodeLoop {
  public:
-  DecodeLoop(const py::dict& ops, const py::dict& attention, const py::dict& quant,
+  DecodeLoop(const py::dict& ops, const py::dict& attention, const py::dict& linears,
              int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
              double scale, at::Tensor cos_cache, at::Tensor sin_cache)
       : rms_norm_(api::borrow<api::RmsNorm>(ops, "rms_norm")),
@@ -58,7 +64,7 @@ class DecodeLoop {
         silu_and_mul_(api::borrow<api::SiluAndMul>(ops, "silu_and_mul")),
         store_kv_(api::borrow<api::StoreKV>(attention, "store_kv")),
         paged_decode_(api::borrow<api::PagedDecode>(attention, "paged_decode")),
-        quant_(quant),
+        linears_(linears),
         num_heads_(num_heads),
         num_kv_heads_(num_kv_heads),
         head_dim_(head_dim),
@@ -67,8 +73,9 @@ class DecodeLoop {
         cos_cache_(std::move(cos_cache)),
         sin_cache_(std::move(sin_cache)) {}
 
-  // A linear layer: (kernel name or "" for dense, weight, scales, mins, bits, block_size,
-  // bias), the kernel one the quantized module lends.
+  // A linear layer: (kernel name or "" for at::linear, weight, scales, mins, bits,
+  // block_size, bias), the kernel one a module lends in `linears`: quantized given scales,
+  // else dense.
   using LinearArgs = std::tuple<std::string, at::Tensor, std::optional<at::Tensor>,
                                 std::optional<at::Tensor>, int64_t, int64_t,
                                 std::optional<at::Tensor>>;
@@ -135,8 +142,11 @@ class DecodeLoop {
     out.weight = weight;
     out.bias = bias;
     if (kernel.empty()) return out;
-    TORCH_CHECK(scales.has_value(), "a quantized linear layer needs its scales");
-    out.quant = api::borrow<api::QuantLinear>(quant_, kernel.c_str());
+    if (!scales.has_value()) {
+      out.dense = api::borrow<api::DenseLinear>(linears_, kernel.c_str());
+      return out;
+    }
+    out.quant = api::borrow<api::QuantLinear>(linears_, kernel.c_str());
     out.scales = *scales;
     out.mins = mins;
     out.bits = bits;
@@ -150,7 +160,7 @@ class DecodeLoop {
   api::SiluAndMul silu_and_mul_;
   api::StoreKV store_kv_;
   api::PagedDecode paged_decode_;
-  py::dict quant_;
+  py::dict linears_;
   int64_t num_heads_, num_kv_heads_, head_dim_;
   double eps_, scale_;
   at::Tensor cos_cache_, sin_cache_;
@@ -163,7 +173,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<DecodeLoop>(m, "DecodeLoop")
       .def(py::init<const py::dict&, const py::dict&, const py::dict&, int64_t, int64_t, int64_t,
                     double, double, at::Tensor, at::Tensor>(),
-           py::arg("ops"), py::arg("attention"), py::arg("quant"), py::arg("num_heads"),
+           py::arg("ops"), py::arg("attention"), py::arg("linears"), py::arg("num_heads"),
            py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("scale"),
            py::arg("cos_cache"), py::arg("sin_cache"))
       .def("add_layer", &DecodeLoop::add_layer, py::arg("input_norm"), py::arg("post_norm"),

@@ -6,8 +6,9 @@ runs the same kernels in the same order from C++, so its output is bitwise the P
 layers'. It takes a step when:
 - the model: tensor parallel size 1, C++ kernels on, a neox rotary table, every layer a
   LlamaDecoderLayer with RMSNorm, SiLU-and-mul, no q/k norm, every linear layer computed
-  by int8-activation kernels (a quantized weight: `LinearMethodBase.decode_weight`) or
-  dense without a packed copy, all layers in one KV cache group;
+  by int8-activation kernels (a quantized weight: `LinearMethodBase.decode_weight`),
+  dense in the model's dtype without an AMX copy or on the dense kernel (cpu_dense_linear.cpp:
+  a bf16 weight of a float32 model too), all layers in one KV cache group;
 - the step: on the CPU attention backend, every row a decode or a short row (at most
   cpu_backend.SHORT_QUERY_LEN query tokens, as a speculative step's verification), which
   the backend attends as one decode entry per query token; no padding, no more tokens
@@ -31,6 +32,7 @@ from attention.forward_context import get_forward_context
 from kernels import KernelSet
 from kernels.build import cpp_extension
 from models.layers.activation import SiluAndMul
+from models.layers.cpu_linear import PackedWeight, dense_linear_kernel
 from models.layers.fused_ops import fused_ops
 from models.layers.linear import LinearBase
 from models.layers.norm import RMSNorm
@@ -85,12 +87,12 @@ class CPUDecodeLoop:
         linears = [_linears(layer, dtype) for layer in layers]
         if any(args is None for args in linears):
             return None
-        quant = quant_kernel(kernels)
+        lent = [quant_kernel(kernels), dense_linear_kernel(kernels)]
         spec = first.attn.spec
         loop = module.DecodeLoop(
             ops.c_api(),
             attention_ops.c_api(),
-            {} if quant is None else quant.c_api(),
+            {name: f for m in lent if m is not None for name, f in m.c_api().items()},
             spec.num_heads,
             spec.num_kv_heads,
             spec.head_size,
@@ -180,12 +182,20 @@ def _linears(layer: nn.Module, dtype: torch.dtype) -> tuple[tuple, int] | None:
 
 
 def _linear_args(layer: LinearBase, dtype: torch.dtype) -> tuple[tuple, int] | None:
-    """As quant_linear picks for x of `dtype`: the int8 kernels, strips at any rows, rows
-    up to INT8_ROWS (bfloat16 x from TILE_ROWS on may take the bf16 tiles instead)."""
+    """As the layer computes x of `dtype`: F.linear on a dense weight of that dtype, the
+    dense kernel where the layer has it (F.linear for the rows it declines); the int8
+    kernels, strips at any rows, rows up to INT8_ROWS (bfloat16 x from TILE_ROWS on may
+    take the bf16 tiles instead)."""
     bias = None if layer.bias is None else layer.bias.detach()
     weight = layer.quant_method.decode_weight(layer)
     if isinstance(weight, torch.Tensor):
+        if weight.dtype != dtype:
+            return None
         return ("", weight.detach(), None, None, 0, 0, bias), _UNBOUNDED
+    if isinstance(weight, PackedWeight):
+        if weight.amx:
+            return None
+        return ("dense_linear", weight.data, None, None, 0, 0, bias), _UNBOUNDED
     if not isinstance(weight, PreparedQuantWeight) or weight.kernel is None:
         return None
     if weight.exact_float32 and dtype == torch.float32:

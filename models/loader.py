@@ -20,7 +20,9 @@ from torch import nn
 from ipc.config import DTYPES, resolve_quantization
 from kernels import KernelSet, has_native_bf16
 from models.gguf_file import gguf_config, is_gguf, iterate_gguf
-from models.layers.linear import kv_heads_per_rank
+from models.layers.cpu_linear import dense_linear_kernel
+from models.layers.embedding import VocabParallelEmbedding
+from models.layers.linear import LinearBase, UnquantizedLinearMethod, kv_heads_per_rank
 from models.layers.rotary import get_head_dim
 from models.llama import LlamaForCausalLM
 from models.quantization import building_with, get_quantization_config
@@ -50,7 +52,9 @@ def resolve_dtype(
 
     "auto" is the checkpoint's dtype (config.dtype / config.torch_dtype, float32 if
     absent), except that a float32 checkpoint runs in bfloat16 on a CPU with native
-    bf16, and in bfloat16 (float16 without bf16 support) on CUDA.
+    bf16, and in bfloat16 (float16 without bf16 support) on CUDA, and that any checkpoint
+    runs in float32 on a CPU without native bf16 (its dense weights held in bfloat16:
+    dense_weight_dtype).
     "float32"/"float", "float16"/"half", "bfloat16" name a dtype directly.
     """
     if isinstance(dtype, torch.dtype):
@@ -60,9 +64,11 @@ def resolve_dtype(
     name = str(dtype).strip().lower().removeprefix("torch.")
     if name == "auto":
         resolved = _config_dtype(config)
+        device_type = torch.device(device).type
+        if device_type == "cpu" and not has_native_bf16():
+            return torch.float32
         if resolved == torch.float32:
-            device_type = torch.device(device).type
-            if device_type == "cpu" and has_native_bf16():
+            if device_type == "cpu":
                 return torch.bfloat16
             if device_type == "cuda":
                 return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
@@ -70,6 +76,33 @@ def resolve_dtype(
     if name not in _DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     return _DTYPES[name]
+
+
+def dense_weight_dtype(
+    option: str | torch.dtype, dtype: torch.dtype, device: torch.device | str, kernels: KernelSet
+) -> torch.dtype:
+    """The dtype a model computing in `dtype` holds its dense linear and embedding weights
+    in: `dtype`, except that `--dtype auto` resolved to float32 on a CPU whose kernels lack
+    bf16 instructions holds them in bfloat16 (half the bytes a decode step reads), computed
+    on in float32 by the dense kernel (models/layers/cpu_linear.py). Its output then is
+    that of the checkpoint's weights rounded to bf16, as on CPUs that compute in bf16."""
+    auto = isinstance(option, str) and option.strip().lower() == "auto"
+    cpu = torch.device(device).type == "cpu" and kernels.cpu
+    if auto and cpu and dtype == torch.float32 and dense_linear_kernel(kernels) is not None:
+        return torch.bfloat16
+    return dtype
+
+
+def hold_dense_weights_in(model: nn.Module, dtype: torch.dtype) -> None:
+    """Cast the weights of the model's unquantized linear and embedding layers to `dtype`
+    (a tied LM head shares its embedding's Parameter); they compute in the model's dtype."""
+    for module in model.modules():
+        dense_linear = isinstance(module, LinearBase) and isinstance(
+            module.quant_method, UnquantizedLinearMethod
+        )
+        dense_table = isinstance(module, VocabParallelEmbedding) and module.quant_method is None
+        if dense_linear or dense_table:
+            module.weight.data = module.weight.data.to(dtype)
 
 
 def kv_cache_shape_info(config: Any, tp_size: int = 1) -> tuple[int, int, int]:
@@ -142,6 +175,7 @@ def load_model(
     first for TP > 1."""
     if config is None:
         config = load_config(model_path)
+    option, kernels = dtype, kernels or KernelSet.for_device(device)
     if not isinstance(dtype, torch.dtype):
         dtype = resolve_dtype(dtype, config, device)
     model_cls = get_model_class(getattr(config, "architectures", None))
@@ -161,7 +195,10 @@ def load_model(
         method = getattr(module, "quant_method", None)
         if method is not None:
             method.process_weights_after_loading(module)
-    bind_kernels(model, kernels or KernelSet.for_device(device))
+    weight_dtype = dense_weight_dtype(option, dtype, device, kernels)
+    if weight_dtype != dtype:
+        hold_dense_weights_in(model, weight_dtype)
+    bind_kernels(model, kernels)
     return model.eval()
 
 

@@ -64,7 +64,7 @@ class ModelRunner:
         set_expert_parallel(config.enable_expert_parallel)
         self.model = load_model(
             config.model,
-            self.dtype,
+            config.dtype,
             self.device,
             self.hf_config,
             kernels=self.kernels,

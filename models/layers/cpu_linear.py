@@ -1,4 +1,6 @@
-"""Small-batch bf16 linear layers on CPUs with AMX (cpu_linear.cpp).
+"""Dense linear layers on CPU through C++: bf16 small batches on AMX tiles (cpu_linear.cpp),
+and float32 math on bf16 or float32 weights where the CPU has no bf16 instructions
+(cpu_dense_linear.cpp).
 
 A decode step of few requests multiplies a few rows by every weight, so reading the
 weights is its cost; torch's bf16 matmul reads them at about a third of the memory
@@ -8,6 +10,14 @@ in the kernel's tile layout, as much memory again as the weight. `linear` then r
 batches of up to SMALL_BATCH_ROWS rows through the kernel and anything else through
 F.linear. Both accumulate in float32 and round once (bitwise equal up to 32 rows; beyond,
 about 1 in 10^4 results differ by a rounding, as F.linear's own blocking changes).
+
+Without AVX512-BF16 (AVX2, AVX-512F, Arm) torch's bf16 matmul has no instructions to run
+on (a third of its float32 speed on a Zen 1), so there a bf16 weight is computed on by the
+dense kernel, widened in registers, for any rows and float32 or bf16 x: the weight as it
+is, no copy. That is what lets a float32 model keep its dense weights in bf16
+(loader.dense_weight_dtype): half the bytes a decode step reads, float32 math. The same
+kernel takes a float32 weight for up to 32 rows (decode steps; it reads the weights at
+about twice the rate of torch's GEMM there), F.linear beyond.
 """
 
 from __future__ import annotations
@@ -28,6 +38,11 @@ SMALL_BATCH_ROWS = 256
 _EXTENSION = cpp_extension(
     "splitserve_cpu_linear", Path(__file__).with_name("cpu_linear.cpp"), only_on="amx"
 )
+_DENSE_EXTENSION = cpp_extension(
+    "splitserve_cpu_dense_linear",
+    Path(__file__).with_name("cpu_dense_linear.cpp"),
+    not_on="avx512_bf16",
+)
 
 
 def linear_kernel(kernels: KernelSet) -> ModuleType | None:
@@ -38,20 +53,39 @@ def linear_kernel(kernels: KernelSet) -> ModuleType | None:
     return ops if ops is not None and ops.amx_usable() else None
 
 
+def dense_linear_kernel(kernels: KernelSet) -> ModuleType | None:
+    """The float32-math kernel on bf16 or float32 weights, where the set's ISA has no bf16
+    instructions."""
+    return None if kernels.has("avx512_bf16") else kernels.cpp(_DENSE_EXTENSION)
+
+
 @dataclass(frozen=True)
 class PackedWeight:
-    """A weight in the kernel's tile layout, with the kernel that reads it."""
+    """A weight as a C++ kernel reads it: a copy in the AMX tile layout (`amx`), or the
+    weight itself for the dense kernel."""
 
     kernel: ModuleType
     data: torch.Tensor
+    amx: bool = True
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """x W^T (+ bias), or None where the kernel does not take x."""
+        if not self.amx:
+            return self.kernel.dense_linear(x, self.data, bias)
+        return self.kernel.linear(x, self.data, bias) if x.shape[0] <= SMALL_BATCH_ROWS else None
 
 
 def pack_weight(weight: torch.Tensor, kernels: KernelSet) -> PackedWeight | None:
-    """`weight` packed for the set's kernel; None where there is none or it does not take
-    the weight. The copy does not follow later changes to the weight: pack again."""
+    """`weight` prepared for the set's kernel; None where there is none or it does not
+    take the weight. An AMX copy does not follow later changes to the weight: pack again."""
     kernel = linear_kernel(kernels)
-    data = None if kernel is None else kernel.pack_weight(weight.detach())
-    return None if data is None else PackedWeight(kernel, data)
+    if kernel is not None:
+        data = kernel.pack_weight(weight.detach())
+        return None if data is None else PackedWeight(kernel, data)
+    if weight.dtype not in (torch.bfloat16, torch.float32) or weight.device.type != "cpu":
+        return None
+    dense = dense_linear_kernel(kernels)
+    return None if dense is None else PackedWeight(dense, weight.detach(), amx=False)
 
 
 class PackedWeightMixin:
@@ -70,9 +104,9 @@ def linear(
     bias: torch.Tensor | None = None,
     packed: PackedWeight | None = None,
 ) -> torch.Tensor:
-    """F.linear(x, weight, bias); through the kernel, given `weight` packed, for x of 1 to
-    SMALL_BATCH_ROWS rows that it takes."""
-    if packed is None or not 1 <= x.shape[0] <= SMALL_BATCH_ROWS:
-        return F.linear(x, weight, bias)
-    out = packed.kernel.linear(x, packed.data, bias)
-    return F.linear(x, weight, bias) if out is None else out
+    """F.linear(x, weight, bias) in x's dtype; through the kernel, given `weight` packed,
+    for x that it takes (a weight held in another dtype than x's is widened for F.linear)."""
+    out = None if packed is None else packed(x, bias)
+    if out is not None:
+        return out
+    return F.linear(x, weight if weight.dtype == x.dtype else weight.to(x.dtype), bias)

@@ -58,6 +58,7 @@ class VocabParallelEmbedding(ShardedModule):
         if self.quant_method is not None:
             self.quant_method.create_weights(self, torch.get_default_dtype())
             return
+        self.dtype = torch.get_default_dtype()  # of the output, whatever the table's
         self.weight = new_parameter(self.num_embeddings_per_partition, embedding_dim)
         if self.num_real_rows < self.num_embeddings_per_partition:
             with torch.no_grad():
@@ -86,7 +87,7 @@ class VocabParallelEmbedding(ShardedModule):
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self.quant_method is None:
-            return F.embedding(ids, self.weight)
+            return F.embedding(ids, self.weight).to(self.dtype)
         return self.quant_method.embedding(self, ids)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from kernels import KernelSet
-from models.layers.cpu_linear import linear, pack_weight
+from models.layers.cpu_linear import PackedWeight, linear, pack_weight
 from models.layers.utils import (
     ShardedModule,
     copy_weight,
@@ -60,8 +60,10 @@ class InputShard:
 
 
 class UnquantizedLinearMethod(LinearMethodBase):
-    """A dense weight [out, in] in the model's dtype; small CPU batches run through the
-    packed AMX kernel where the kernel set has it (models.layers.cpu_linear)."""
+    """A dense weight [out, in] in the model's dtype (or bf16: loader.dense_weight_dtype);
+    on CPU small batches run through the packed AMX kernel where the kernel set has it,
+    through the dense kernel (float32 math) where the CPU has no bf16 instructions
+    (models.layers.cpu_linear)."""
 
     def create_weights(
         self,
@@ -86,8 +88,8 @@ class UnquantizedLinearMethod(LinearMethodBase):
     ) -> torch.Tensor:
         return linear(x, layer.weight, bias, layer.packed_weight)
 
-    def decode_weight(self, layer: nn.Module) -> torch.Tensor | None:
-        return layer.weight if layer.packed_weight is None else None
+    def decode_weight(self, layer: nn.Module) -> torch.Tensor | PackedWeight | None:
+        return layer.weight if layer.packed_weight is None else layer.packed_weight
 
 
 class LinearBase(ShardedModule):

@@ -60,8 +60,8 @@ class LinearMethodBase(QuantizeMethodBase):
 
     def decode_weight(self, layer: nn.Module) -> torch.Tensor | PreparedQuantWeight | None:
         """The one weight `apply` computes x W^T with, for the CPU decode loop
-        (models/cpu_decode_loop.py): dense (F.linear) or quantized (quant_linear); None
-        where it computes another way."""
+        (models/cpu_decode_loop.py): dense (F.linear, or a PackedWeight of the bf16
+        widening kernel) or quantized (quant_linear); None where it computes another way."""
         return None
 
 

@@ -107,16 +107,23 @@ def test_sampling(kernels):
 
 @torch.no_grad()
 def test_a_model_loaded_with_the_set(kernels, tmp_path):
-    """Its layers hold the forced ISA's kernels (no AMX linear kernel below amx), and its
-    forward matches the torch code's."""
+    """Its layers hold the forced ISA's kernels (no AMX linear kernel below amx: the bf16
+    weights on the dense kernel, as no bf16 instructions are below avx512_bf16), and
+    its forward matches the torch code's given the same linear kernels (those are tested
+    against float64 in tests/models/test_cpu_dense_linear.py)."""
     path = make_tiny_checkpoint(
         tmp_path, "qwen3", hidden_size=96, num_attention_heads=3, num_key_value_heads=1
     )
     model = load_model(path, torch.bfloat16, kernels=kernels)
     assert linear_kernel(kernels) is None
-    assert all(getattr(m, "packed_weight", None) is None for m in model.modules())
+    packed = [m.packed_weight for m in model.modules() if hasattr(m, "packed_weight")]
+    assert packed and all(p is not None and not p.amx for p in packed)
+    assert {p.kernel.__name__ for p in packed} == {f"splitserve_cpu_dense_linear_{kernels.isa}"}
     ops = {getattr(m, "ops", None) for m in model.modules()} - {None}
     assert [module.__name__ for module in ops] == [f"splitserve_cpu_ops_{kernels.isa}"]
     reference = load_model(path, torch.bfloat16, kernels=KernelSet())
+    for ours, theirs in zip(model.modules(), reference.modules(), strict=True):
+        if hasattr(ours, "packed_weight"):
+            theirs.packed_weight = ours.packed_weight
     input_ids, positions = torch.randint(0, 288, (37,)), torch.arange(37)
     assert torch.equal(model(input_ids, positions), reference(input_ids, positions))

@@ -58,8 +58,9 @@ def test_resolve_dtype_explicit(option, expected):
 
 def test_resolve_dtype_auto(monkeypatch):
     monkeypatch.setattr(loader, "has_native_bf16", lambda: False)
-    assert resolve_dtype("auto", _cfg("bfloat16")) == torch.bfloat16
-    assert resolve_dtype("auto", _cfg(torch.float16)) == torch.float16
+    assert resolve_dtype("auto", _cfg("bfloat16")) == torch.float32  # bf16 weights, fp32 math
+    assert resolve_dtype("auto", _cfg(torch.float16)) == torch.float32
+    assert resolve_dtype("auto", _cfg("bfloat16"), "cuda") == torch.bfloat16
     assert resolve_dtype("auto", _cfg("float32")) == torch.float32
     assert resolve_dtype("auto", types.SimpleNamespace(torch_dtype="float32")) == torch.float32
     assert resolve_dtype("auto", types.SimpleNamespace()) == torch.float32

@@ -1,0 +1,259 @@
+// Dense linear layers in float32 math, for CPUs without bf16 instructions: out = x W^T
+// (+ bias) for W [N, K] as the layer holds it (rows dense), bf16 or float32.
+//   - bf16 W, x float32 or bf16 [T, K]: the weights stay bf16 in memory, half the bytes of
+//     float32 (the cost of a decode step), and are widened to float32 in registers (a bf16
+//     is the top half of a float: a shift), multiplied with FMA and summed in float32; the
+//     result rounds to x's dtype once, after the bias, as F.linear's.
+//   - float32 W and x, up to kFloatRows rows: a decode step's few rows, where reading the
+//     weights is the cost and this kernel reads them near the memory's bandwidth (torch's
+//     GEMM at about half of it); more rows are declined (F.linear's GEMM is faster there).
+//
+// A micro-kernel (`dot_tile`) computes F output features x R rows of x as F * R dot
+// products along K, one vector accumulator each, whose lanes are summed at the end: each
+// widened weight vector serves R rows, each x vector F features. The rows go in chunks
+// that stay in L2 (kChunkBytes); within a chunk the threads share the features in groups
+// of F, and a thread walks the chunk's rows R at a time while its F weight rows stay in
+// L1. Per ISA (Vec): AVX-512F 16 lanes, F 4 x R 6 (24 accumulators of 32 registers); AVX2
+// 8 lanes, F 3 x R 4 (12 of 16; the x vector is a memory operand of the FMA); generic
+// code 8 lanes the compiler vectorises as it can, F 2 x R 2.
+//
+// dense_linear says which tensors it takes: it returns None for the others (the layer then
+// runs F.linear, on the weight widened to x's dtype).
+#include "torch_ext.h"
+
+#include "cpu_api.h"
+#include "cpu_math.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+
+namespace {
+
+using splitserve::bf16_to_float;
+
+#if defined(SPLITSERVE_AVX512)
+struct Vec {
+  static constexpr int kLanes = 16, kFeatures = 4, kRows = 6;
+  __m512 v;
+  static Vec zero() { return {_mm512_setzero_ps()}; }
+  static Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static Vec load(const uint16_t* p) {
+    const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16))};
+  }
+  void fma(const Vec& a, const Vec& b) { v = _mm512_fmadd_ps(a.v, b.v, v); }
+  float sum() const { return _mm512_reduce_add_ps(v); }
+};
+#elif defined(SPLITSERVE_AVX2)
+struct Vec {
+  static constexpr int kLanes = 8, kFeatures = 3, kRows = 4;
+  __m256 v;
+  static Vec zero() { return {_mm256_setzero_ps()}; }
+  static Vec load(const float* p) { return {_mm256_loadu_ps(p)}; }
+  static Vec load(const uint16_t* p) {
+    const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16))};
+  }
+  void fma(const Vec& a, const Vec& b) { v = _mm256_fmadd_ps(a.v, b.v, v); }
+  float sum() const {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  }
+};
+#else
+struct Vec {
+  static constexpr int kLanes = 8, kFeatures = 2, kRows = 2;
+  float v[kLanes];
+  static Vec zero() { return {}; }
+  static Vec load(const float* p) {
+    Vec r;
+    for (int i = 0; i < kLanes; ++i) r.v[i] = p[i];
+    return r;
+  }
+  static Vec load(const uint16_t* p) {
+    Vec r;
+    for (int i = 0; i < kLanes; ++i) r.v[i] = bf16_to_float(p[i]);
+    return r;
+  }
+  void fma(const Vec& a, const Vec& b) {
+    for (int i = 0; i < kLanes; ++i) v[i] += a.v[i] * b.v[i];
+  }
+  float sum() const {
+    float s = 0.0f;
+    for (int i = 0; i < kLanes; ++i) s += v[i];
+    return s;
+  }
+};
+#endif
+
+constexpr int kF = Vec::kFeatures, kR = Vec::kRows;
+constexpr int64_t kChunkBytes = 192 * 1024;  // x rows of a chunk: about half an L2
+constexpr int64_t kGemmRows = 128;  // bf16 W from here on: linear_widened
+constexpr int64_t kFloatRows = 32;  // float32 W up to here
+constexpr int64_t kPanelBytes = 16 << 20;  // a widened panel of linear_widened
+
+// sums[r * F + f] = x row r . W row f, over K features. The next F rows of W are
+// prefetched as these are read: the hardware prefetchers start each row's stream late.
+inline float widen(uint16_t w) { return bf16_to_float(w); }
+inline float widen(float w) { return w; }
+
+template <int F, int R, typename W>
+inline void dot_tile(const W* w, int64_t w_stride, const float* x, int64_t x_stride,
+                     int64_t K, float* sums) {
+  Vec acc[R][F];
+  for (int r = 0; r < R; ++r)
+    for (int f = 0; f < F; ++f) acc[r][f] = Vec::zero();
+  int64_t k = 0;
+  for (; k + Vec::kLanes <= K; k += Vec::kLanes) {
+    Vec wv[F];
+    for (int f = 0; f < F; ++f) {
+      __builtin_prefetch(w + (f + F) * w_stride + k);
+      wv[f] = Vec::load(w + f * w_stride + k);
+    }
+    for (int r = 0; r < R; ++r) {
+      const Vec xv = Vec::load(x + r * x_stride + k);
+      for (int f = 0; f < F; ++f) acc[r][f].fma(wv[f], xv);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int f = 0; f < F; ++f) {
+      float s = acc[r][f].sum();
+      for (int64_t j = k; j < K; ++j) s += widen(w[f * w_stride + j]) * x[r * x_stride + j];
+      sums[r * F + f] = s;
+    }
+}
+
+// The tile of the last n < R rows: one of R - 1 rows or fewer.
+template <int F, int R, typename W>
+inline void dot_rows(int64_t n, const W* w, int64_t w_stride, const float* x,
+                     int64_t K, float* sums) {
+  if constexpr (R > 1) {
+    if (n < R) return dot_rows<F, R - 1, W>(n, w, w_stride, x, K, sums);
+  }
+  dot_tile<F, R, W>(w, w_stride, x, K, K, sums);
+}
+
+// F features (rows of w) of `rows` rows of x, R rows at a time.
+template <int F, typename W, typename Out>
+void feature_group(const W* w, int64_t w_stride, const float* x, int64_t K,
+                   int64_t rows, const float* bias, Out* out, int64_t out_stride) {
+  float sums[kR * F];
+  for (int64_t r = 0; r < rows; r += kR) {
+    const int64_t n = std::min<int64_t>(kR, rows - r);
+    dot_rows<F, kR, W>(n, w, w_stride, x + r * K, K, sums);
+    for (int64_t i = 0; i < n; ++i)
+      for (int f = 0; f < F; ++f)
+        out[(r + i) * out_stride + f] =
+            static_cast<Out>(sums[i * F + f] + (bias == nullptr ? 0.0f : bias[f]));
+  }
+}
+
+template <typename W, typename Out>
+void linear_rows(const float* x, int64_t T, int64_t K, const W* w, int64_t w_stride,
+                 int64_t N, const float* bias, Out* out) {
+  const int64_t chunk = std::max<int64_t>(kR, kChunkBytes / (K * int64_t(sizeof(float))) / kR * kR);
+  const int64_t groups = (N + kF - 1) / kF;
+  for (int64_t t0 = 0; t0 < T; t0 += chunk) {
+    const int64_t rows = std::min(chunk, T - t0);
+    at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t g = begin; g < end; ++g) {
+        const int64_t n = g * kF;
+        const float* b = bias == nullptr ? nullptr : bias + n;
+        Out* o = out + t0 * N + n;
+        if (n + kF <= N) {
+          feature_group<kF, W, Out>(w + n * w_stride, w_stride, x + t0 * K, K, rows, b, o, N);
+          continue;
+        }
+        for (int64_t f = 0; n + f < N; ++f)
+          feature_group<1, W, Out>(w + (n + f) * w_stride, w_stride, x + t0 * K, K, rows,
+                           b == nullptr ? nullptr : b + f, o + f, N);
+      }
+    });
+  }
+}
+
+// Many rows (a prefill): the weight widened to float32 a panel of features at a time, into a
+// buffer each thread keeps, and torch's float32 GEMM on it, which from about kGemmRows rows
+// on beats the tiles by more than the widening costs. Returns float32 [T, N].
+at::Tensor linear_widened(const at::Tensor& xf, const at::Tensor& weight,
+                          const std::optional<at::Tensor>& bias) {
+  const int64_t T = xf.size(0), K = xf.size(1), N = weight.size(0);
+  const int64_t panel = std::min(N, std::max<int64_t>(1, kPanelBytes / (K * int64_t(sizeof(float)))));
+  thread_local at::Tensor buffer;
+  if (!buffer.defined() || buffer.numel() < panel * K) buffer = at::empty({panel * K}, xf.options());
+  const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr());
+  const int64_t w_stride = weight.stride(0);
+  auto out = at::empty({T, N}, xf.options());
+  for (int64_t n0 = 0; n0 < N; n0 += panel) {
+    const int64_t rows = std::min(panel, N - n0);
+    float* dst = buffer.data_ptr<float>();
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; ++n) {
+        const uint16_t* src = w + (n0 + n) * w_stride;
+#pragma omp simd
+        for (int64_t k = 0; k < K; ++k) dst[n * K + k] = bf16_to_float(src[k]);
+      }
+    });
+    const auto widened = buffer.narrow(0, 0, rows * K).view({rows, K});
+    if (rows == N)
+      at::mm_out(out, xf, widened.t());
+    else
+      out.narrow(1, n0, rows).copy_(at::mm(xf, widened.t()));
+  }
+  if (bias.has_value()) out.add_(bias->to(at::kFloat));
+  return out;
+}
+
+// x [T, K] W^T (+ bias) for W [N, K] with dense rows: bf16 W and float32 or bf16 x, or
+// float32 W and x of at most kFloatRows rows; None for other tensors.
+std::optional<at::Tensor> dense_linear(const at::Tensor& x, const at::Tensor& weight,
+                                       const std::optional<at::Tensor>& bias) {
+  const bool float_x = x.scalar_type() == at::kFloat;
+  const bool bf16_w = weight.scalar_type() == at::kBFloat16;
+  if (!weight.device().is_cpu() || weight.dim() != 2 || weight.stride(1) != 1 ||
+      !x.device().is_cpu() || x.dim() != 2 || x.size(1) != weight.size(1))
+    return std::nullopt;
+  if (bf16_w ? !(float_x || x.scalar_type() == at::kBFloat16)
+             : !(weight.scalar_type() == at::kFloat && float_x && x.size(0) <= kFloatRows))
+    return std::nullopt;
+  const int64_t T = x.size(0), K = x.size(1), N = weight.size(0);
+  if (bias.has_value() && bias->numel() != N) return std::nullopt;
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  if (bf16_w && T >= kGemmRows && K > 0 && N > 0) {
+    auto out = linear_widened(xf, weight, bias);
+    return float_x ? out : out.to(x.scalar_type());
+  }
+  const at::Tensor bf = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  const float* b = bias.has_value() ? bf.data_ptr<float>() : nullptr;
+  auto out = at::empty({T, N}, x.options());
+  if (T == 0 || N == 0) return out;
+  const float* xp = xf.data_ptr<float>();
+  const int64_t ws = weight.stride(0);
+  if (!bf16_w)
+    linear_rows(xp, T, K, weight.data_ptr<float>(), ws, N, b, out.data_ptr<float>());
+  else if (float_x)
+    linear_rows(xp, T, K, reinterpret_cast<const uint16_t*>(weight.data_ptr()), ws, N, b,
+                out.data_ptr<float>());
+  else
+    linear_rows(xp, T, K, reinterpret_cast<const uint16_t*>(weight.data_ptr()), ws, N, b,
+                out.data_ptr<at::BFloat16>());
+  return out;
+}
+
+py::dict c_api() {
+  py::dict api;
+  api["dense_linear"] = splitserve::api::lend<splitserve::api::DenseLinear>(
+      &dense_linear, "splitserve.dense_linear");
+  return api;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("dense_linear", &dense_linear,
+        "x W^T (+ bias) in float32 math for a bf16 or float32 W; None for tensors it does not take",
+        py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
+  m.def("c_api", &c_api, "the kernel as a C function pointer, for the decode loop");
+}

@@ -1,0 +1,169 @@
+"""Dense linear layers in float32 math (models/layers/cpu_dense_linear.cpp) for CPUs without
+bf16 instructions: the kernel against a float64 reference for every ISA built here (bf16
+weights: the tiles of few rows, the widened GEMM of many, several panels, strided weight
+rows, bf16 x; float32 weights up to 32 rows), what it declines; `--dtype auto` holding a
+float32 model's dense weights in bf16 (and nothing else), its greedy tokens against
+transformers on the same bf16-representable weights, and the decode loop on them bitwise
+the layers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kernels import KernelSet
+from models.layers.cpu_linear import PackedWeight, dense_linear_kernel, linear
+from models.loader import dense_weight_dtype, load_model
+from splitserve import LLM
+from tests.integration.greedy import generate_greedy, greedy_reference, random_prompts
+from tests.models.tiny import make_tiny_checkpoint
+from tests.quantization.isas import kernel_isas
+
+OWN = KernelSet(cpu=True)
+pytestmark = pytest.mark.skipif(
+    dense_linear_kernel(OWN) is None, reason="the CPU computes in bf16 natively (or no compiler)"
+)
+
+
+@pytest.fixture(params=kernel_isas())
+def ops(request):
+    module = dense_linear_kernel(KernelSet(cpu=True, isa=request.param))
+    assert module is not None, f"the {request.param} build failed"
+    return module
+
+
+def check(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None):
+    """Within float32 summation error of the exact product; a bf16 result within one
+    rounding of it (8 significant bits)."""
+    exact = x.double() @ w.double().t()
+    if bias is not None:
+        exact += bias.double()
+    scale = x.double().abs() @ w.double().abs().t() + 1e-30
+    error = (out.double() - exact).abs()
+    assert out.dtype == x.dtype and out.shape == exact.shape
+    bound = scale * 1e-5 + (exact.abs() * 2**-7 if x.dtype == torch.bfloat16 else 0)
+    assert (error <= bound).all(), (error - bound).max()
+
+
+ROWS = [1, 2, 3, 4, 5, 6, 7, 13, 127, 128, 200]
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize(("k", "n"), [(64, 7), (13, 5), (576, 97)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_bf16_weights_match_float64(ops, rows, k, n, dtype):
+    torch.manual_seed(rows * 1000 + k + n)
+    x = torch.randn(rows, k).to(dtype)
+    w = torch.randn(n, k).bfloat16()
+    bias = torch.randn(n).to(dtype)
+    check(ops.dense_linear(x, w, bias), x, w, bias)
+    check(ops.dense_linear(x, w, None), x, w, None)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 5, 31, 32])
+@pytest.mark.parametrize(("k", "n"), [(13, 5), (576, 97)], ids=str)
+def test_float32_weights_of_few_rows_match_float64(ops, rows, k, n):
+    torch.manual_seed(rows * 1000 + k + n)
+    x, w, bias = torch.randn(rows, k), torch.randn(n, k), torch.randn(n)
+    check(ops.dense_linear(x, w, bias), x, w, bias)
+
+
+@pytest.mark.parametrize("rows", [3, 130])
+def test_weight_rows_may_be_strided(ops, rows):
+    torch.manual_seed(rows)
+    full = torch.randn(40, 100).bfloat16()
+    w = full[:, 10:74]  # rows 100 apart
+    x = torch.randn(rows, 64)
+    check(ops.dense_linear(x, w, None), x, w, None)
+
+
+def test_many_rows_over_several_widened_panels(ops):
+    torch.manual_seed(1)
+    w = torch.randn(65600, 64).bfloat16()  # past 16 MB of float32: two panels
+    x, bias = torch.randn(128, 64), torch.randn(65600)
+    check(ops.dense_linear(x, w, bias), x, w, bias)
+
+
+def test_no_rows_and_what_it_declines(ops):
+    w = torch.randn(8, 16).bfloat16()
+    assert ops.dense_linear(torch.randn(0, 16), w, None).shape == (0, 8)
+    assert ops.dense_linear(torch.randn(33, 16), w.float(), None) is None  # F.linear's rows
+    assert ops.dense_linear(torch.randn(2, 16).bfloat16(), w.float(), None) is None
+    assert ops.dense_linear(torch.randn(2, 16), w.half(), None) is None
+    assert ops.dense_linear(torch.randn(2, 16).half(), w, None) is None
+    assert ops.dense_linear(torch.randn(2, 2, 16), w, None) is None
+    assert ops.dense_linear(torch.randn(2, 15), w, None) is None
+    assert ops.dense_linear(torch.randn(2, 16), w, torch.randn(7)) is None
+    assert ops.dense_linear(torch.randn(2, 16), w.t().contiguous().t(), None) is None
+
+
+def test_the_layer_falls_back_to_a_widened_f_linear():
+    x, w = torch.randn(3, 16), torch.randn(8, 16).bfloat16()
+    torch.testing.assert_close(linear(x, w), x @ w.float().t())
+    declines = PackedWeight(dense_linear_kernel(OWN), w.half(), amx=False)
+    torch.testing.assert_close(linear(x, w, packed=declines), x @ w.float().t())
+    w32 = w.float()
+    many = torch.randn(40, 16)  # past the float32 weight's rows: F.linear
+    taken = PackedWeight(dense_linear_kernel(OWN), w32, amx=False)
+    torch.testing.assert_close(linear(many, w32, packed=taken), many @ w32.t())
+
+
+def test_auto_holds_dense_weights_in_bf16_only_where_it_may():
+    off = KernelSet()
+    assert dense_weight_dtype("auto", torch.float32, "cpu", OWN) == torch.bfloat16
+    assert dense_weight_dtype("float32", torch.float32, "cpu", OWN) == torch.float32
+    assert dense_weight_dtype(torch.float32, torch.float32, "cpu", OWN) == torch.float32
+    assert dense_weight_dtype("auto", torch.bfloat16, "cpu", OWN) == torch.bfloat16
+    assert dense_weight_dtype("auto", torch.float32, "cpu", off) == torch.float32
+    assert dense_weight_dtype("auto", torch.float32, "meta", OWN) == torch.float32
+
+
+def bf16_representable(path: str) -> str:
+    """The checkpoint with every matrix rounded to bf16 (kept float32): what `auto` holds."""
+    for file in Path(path).glob("*.safetensors"):
+        tensors = load_file(file)
+        save_file(
+            {n: t.bfloat16().float() if t.dim() == 2 else t for n, t in tensors.items()},
+            file,
+            metadata={"format": "pt"},
+        )
+    return path
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_auto_model_holds_bf16_and_matches_transformers(tmp_path, tied):
+    path = bf16_representable(make_tiny_checkpoint(tmp_path, tie_word_embeddings=tied))
+    model = load_model(path, "auto", "cpu", kernels=OWN)
+    layer = model.model.layers[0]
+    assert layer.self_attn.qkv_proj.weight.dtype == torch.bfloat16
+    assert model.lm_head.weight.dtype == torch.bfloat16
+    assert layer.input_layernorm.weight.dtype == torch.float32
+    assert model.model.embed_tokens(torch.tensor([1, 2])).dtype == torch.float32
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    llm = LLM(path, dtype="auto", kv_cache_memory=8 << 20, max_model_len=256)
+    try:
+        reference = greedy_reference(path)
+        prompts = random_prompts(4, 3, 150)  # prefills over and under the widened GEMM's rows
+        for prompt, out in zip(prompts, generate_greedy(llm, prompts), strict=True):
+            assert out.outputs[0].token_ids == reference(prompt)
+    finally:
+        llm.shutdown()
+
+
+def test_decode_loop_on_bf16_weights_is_the_layers(tmp_path, monkeypatch):
+    path = make_tiny_checkpoint(tmp_path, "qwen2")  # qkv bias
+    outs = {}
+    for setting in ("1", "0"):
+        monkeypatch.setenv("SPLITSERVE_CPU_DECODE_LOOP", setting)
+        llm = LLM(path, dtype="auto", kv_cache_memory=8 << 20, max_model_len=256)
+        try:
+            model = llm.engine.executor.runner.model.model
+            got = generate_greedy(llm, random_prompts(3, 3, 20), logprobs=2)
+            assert (model.decode_loop is not None) == (setting == "1")
+        finally:
+            llm.shutdown()
+        outs[setting] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in got]
+    assert outs["1"] == outs["0"]
