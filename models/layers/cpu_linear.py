@@ -16,8 +16,8 @@ on (a third of its float32 speed on a Zen 1), so there a bf16 weight is computed
 dense kernel, widened in registers, for any rows and float32 or bf16 x: the weight as it
 is, no copy. That is what lets a float32 model keep its dense weights in bf16
 (loader.dense_weight_dtype): half the bytes a decode step reads, float32 math. The same
-kernel takes a float32 weight for up to 32 rows (decode steps; it reads the weights at
-about twice the rate of torch's GEMM there), F.linear beyond.
+kernel takes a float32 weight below 384 rows (decode steps and short prefills, where it
+beats torch's GEMM), F.linear beyond.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Dense linear layers in float32 math (models/layers/cpu_dense_linear.cpp) for CPUs without
 bf16 instructions: the kernel against a float64 reference for every ISA built here (bf16
-weights: the tiles of few rows, the widened GEMM of many, several panels, strided weight
-rows, bf16 x; float32 weights up to 32 rows), what it declines; `--dtype auto` holding a
+weights: the dot tiles of few rows, the panels of more, the widened GEMM of many over
+several widened panels, strided weight rows, bf16 x; float32 weights below 384 rows), what
+it declines; `--dtype auto` holding a
 float32 model's dense weights in bf16 (and nothing else), its greedy tokens against
 transformers on the same bf16-representable weights, and the decode loop on them bitwise
 the layers."""
@@ -48,7 +49,7 @@ def check(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tenso
     assert (error <= bound).all(), (error - bound).max()
 
 
-ROWS = [1, 2, 3, 4, 5, 6, 7, 13, 127, 128, 200]
+ROWS = [1, 2, 3, 4, 5, 6, 7, 13, 15, 16, 17, 33, 200, 383, 384, 400]
 
 
 @pytest.mark.parametrize("rows", ROWS)
@@ -63,7 +64,7 @@ def test_bf16_weights_match_float64(ops, rows, k, n, dtype):
     check(ops.dense_linear(x, w, None), x, w, None)
 
 
-@pytest.mark.parametrize("rows", [1, 4, 5, 31, 32])
+@pytest.mark.parametrize("rows", [1, 4, 5, 15, 16, 40, 383])
 @pytest.mark.parametrize(("k", "n"), [(13, 5), (576, 97)], ids=str)
 def test_float32_weights_of_few_rows_match_float64(ops, rows, k, n):
     torch.manual_seed(rows * 1000 + k + n)
@@ -71,7 +72,7 @@ def test_float32_weights_of_few_rows_match_float64(ops, rows, k, n):
     check(ops.dense_linear(x, w, bias), x, w, bias)
 
 
-@pytest.mark.parametrize("rows", [3, 130])
+@pytest.mark.parametrize("rows", [3, 30, 400])
 def test_weight_rows_may_be_strided(ops, rows):
     torch.manual_seed(rows)
     full = torch.randn(40, 100).bfloat16()
@@ -83,14 +84,14 @@ def test_weight_rows_may_be_strided(ops, rows):
 def test_many_rows_over_several_widened_panels(ops):
     torch.manual_seed(1)
     w = torch.randn(65600, 64).bfloat16()  # past 16 MB of float32: two panels
-    x, bias = torch.randn(128, 64), torch.randn(65600)
+    x, bias = torch.randn(384, 64), torch.randn(65600)
     check(ops.dense_linear(x, w, bias), x, w, bias)
 
 
 def test_no_rows_and_what_it_declines(ops):
     w = torch.randn(8, 16).bfloat16()
     assert ops.dense_linear(torch.randn(0, 16), w, None).shape == (0, 8)
-    assert ops.dense_linear(torch.randn(33, 16), w.float(), None) is None  # F.linear's rows
+    assert ops.dense_linear(torch.randn(384, 16), w.float(), None) is None  # F.linear's
     assert ops.dense_linear(torch.randn(2, 16).bfloat16(), w.float(), None) is None
     assert ops.dense_linear(torch.randn(2, 16), w.half(), None) is None
     assert ops.dense_linear(torch.randn(2, 16).half(), w, None) is None
@@ -106,7 +107,7 @@ def test_the_layer_falls_back_to_a_widened_f_linear():
     declines = PackedWeight(dense_linear_kernel(OWN), w.half(), amx=False)
     torch.testing.assert_close(linear(x, w, packed=declines), x @ w.float().t())
     w32 = w.float()
-    many = torch.randn(40, 16)  # past the float32 weight's rows: F.linear
+    many = torch.randn(400, 16)  # past the float32 weight's rows: F.linear
     taken = PackedWeight(dense_linear_kernel(OWN), w32, amx=False)
     torch.testing.assert_close(linear(many, w32, packed=taken), many @ w32.t())
 
