@@ -8,6 +8,8 @@
 // over the OpenMP threads dynamically, since contexts differ in length. Three paths:
 //   - AMX (cpu_attn_amx.h): bf16 on CPUs with AMX-BF16, one pass with an online softmax;
 //   - AVX512-BF16 (cpu_attn_bf16.h): bf16 elsewhere, two passes;
+//   - AVX2 (cpu_attn_avx2.h): float32, bf16 and fp16 pages of head sizes that are multiples
+//     of 64 elsewhere, the generic path's two passes vectorised by hand;
 //   - generic (here): every dtype and head size, two passes (scores q.k for every visible
 //     position and an exact softmax over them, then the weighted sum of V rows).
 // fp8 pages (cpu_attn_fp8.h), read times the layer's k/v scales: with bf16 queries where
@@ -159,6 +161,7 @@ void attend_item(const T* q, T* out, const C* cache, const int32_t* blocks, int6
 
 }  // namespace
 
+#include "cpu_attn_avx2.h"
 #include "cpu_attn_bf16.h"
 #include "cpu_attn_amx.h"
 #include "cpu_prefill_amx.h"
@@ -238,6 +241,13 @@ void decode_all(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache
 #endif
         attend_item_bf16<D>(q_row, out_row, pages, blocks, from, to, head, heads, item_scale,
                             layout, work, out_scale);
+        continue;
+      }
+#endif
+#if defined(SPLITSERVE_AVX2)
+      if constexpr (kAvx2Path<C, D>) {
+        attend_item_avx2<T, C, D>(q_row, out_row, cache, blocks, first, seq_len, kv_head,
+                                  static_cast<float>(scale), L, work);
         continue;
       }
 #endif

@@ -13,10 +13,11 @@ from kernels import KernelSet, probe_isa
 from kernels.isa import ladder
 
 
-@pytest.fixture(scope="module", params=["amx", "avx512_bf16", "generic"])
+@pytest.fixture(scope="module", params=["amx", "avx512_bf16", "avx2", "generic"])
 def kernels(request):
-    """The kernels built for AMX (bf16 decodes on tiles), AVX512-BF16 (bf16 dot products)
-    and the baseline (the generic path, which every dtype and head size can take)."""
+    """The kernels built for AMX (bf16 decodes on tiles), AVX512-BF16 (bf16 dot products),
+    AVX2 (float32, bf16 and fp16 pages of head sizes 64k, by hand) and the baseline (the
+    generic path, which every dtype and head size can take)."""
     native = probe_isa()
     if ladder().index(request.param) > ladder().index(native):
         pytest.skip(f"this CPU has no {request.param} (it has {native})")
@@ -54,7 +55,11 @@ def decode_case(seq_lens, kv_heads, group, head_dim, block_size, dtype, seed=0, 
     return q, cache, table, torch.tensor(seq_lens, dtype=torch.int32), reqs, rows
 
 
-TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+TOLERANCE = {
+    torch.float32: dict(atol=1e-5, rtol=1e-4),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+}
 
 
 def check(kernels, seq_lens, kv_heads, group, head_dim, block_size, dtype, window=None, seed=0):
@@ -71,7 +76,7 @@ def check(kernels, seq_lens, kv_heads, group, head_dim, block_size, dtype, windo
     assert out[untouched].eq(7.0).all(), "rows that are not decodes must not be written"
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 3, 4, 8])
 @pytest.mark.parametrize("block_size", [16, 32])
