@@ -32,7 +32,6 @@
 namespace {
 
 inline float to_float(float x) { return x; }
-inline float to_float(double x) { return static_cast<float>(x); }
 inline float to_float(at::Half x) { return static_cast<float>(x); }
 inline float to_float(at::BFloat16 x) { return splitserve::bf16_to_float(x.x); }
 
@@ -169,6 +168,18 @@ void attend_item(const T* q, T* out, const C* cache, const int32_t* blocks, int6
 namespace {
 
 constexpr int32_t kOneBlock[1] = {0};  // the block table of a widened context
+
+// f(T{}) for the dtypes a model computes in (float32, bf16, fp16): each instantiates every
+// path, so float64 (which no model runs in) is not built.
+template <typename F>
+void dispatch_model_dtype(at::ScalarType type, const char* name, F&& f) {
+  switch (type) {
+    case at::kFloat: return f(float{});
+    case at::kBFloat16: return f(at::BFloat16{});
+    case at::kHalf: return f(at::Half{});
+    default: TORCH_CHECK(false, name, " takes float32, bfloat16 or float16, not ", type);
+  }
+}
 
 // Whether a bf16 decode with this layout takes the AMX path (items of at most 16 query
 // heads, chunks of 16 positions within a block).
@@ -308,10 +319,10 @@ void paged_decode(at::Tensor out, at::Tensor q, at::Tensor kv_cache,
                                    k_mul, v_mul, L);
     }
   };
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
-    if (cache_type == at::kFloat8_e4m3fn) return run(scalar_t{}, E4M3{});
-    if (cache_type == at::kFloat8_e5m2) return run(scalar_t{}, E5M2{});
-    return run(scalar_t{}, scalar_t{});
+  dispatch_model_dtype(q.scalar_type(), "paged_decode", [&](auto q_type) {
+    if (cache_type == at::kFloat8_e4m3fn) return run(q_type, E4M3{});
+    if (cache_type == at::kFloat8_e5m2) return run(q_type, E5M2{});
+    return run(q_type, q_type);
   });
 }
 
@@ -344,11 +355,12 @@ bool store_kv(at::Tensor k, at::Tensor v, at::Tensor kv_cache,
   for (int64_t t = 0; t < n; ++t)
     TORCH_CHECK(slots[t] < num_slots, "slot ", slots[t], " is outside the cache");
   if (fp8) {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "store_kv", [&] {
+    dispatch_model_dtype(k.scalar_type(), "store_kv", [&](auto k_type) {
+      using T = decltype(k_type);
       if (cache_type == at::kFloat8_e4m3fn)
-        store_fp8<scalar_t, E4M3>(k, v, kv_cache, slots, n, k_scale, v_scale);
+        store_fp8<T, E4M3>(k, v, kv_cache, slots, n, k_scale, v_scale);
       else
-        store_fp8<scalar_t, E5M2>(k, v, kv_cache, slots, n, k_scale, v_scale);
+        store_fp8<T, E5M2>(k, v, kv_cache, slots, n, k_scale, v_scale);
     });
     return true;
   }
