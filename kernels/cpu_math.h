@@ -38,6 +38,20 @@ inline float bf16_to_float(uint16_t bits) {
   return f;
 }
 
+#if defined(SPLITSERVE_AVX2)
+// 8 (AVX-512: 16) consecutive bf16 as float32, widened by the same shift.
+inline __m256 bf16x8_to_float(const uint16_t* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+#endif
+#if defined(SPLITSERVE_AVX512)
+inline __m512 bf16x16_to_float(const uint16_t* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+#endif
+
 // exp(y) for y <= 0, Cephes' expf (relative error ~1e-7), 0 below -87 and for -inf.
 // Branch-free, so the loops that call it vectorise (std::exp does not without
 // -ffast-math).

@@ -18,8 +18,7 @@ constexpr bool kAvx2Path = D > 0 && D % 64 == 0 &&
 // 8 consecutive page values as float32.
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const at::BFloat16* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+  return splitserve::bf16x8_to_float(reinterpret_cast<const uint16_t*>(p));
 }
 inline __m256 load8(const at::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));

@@ -18,11 +18,6 @@ constexpr int64_t kWholeRequestsPerThread = 8;
 // together by a transpose-add tree; V rows widened to fp32 once per position and
 // accumulated for up to 64 / (head_dim / 16) query heads in registers.
 
-inline __m512 widen_bf16(const uint16_t* p) {
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
 // Lane t of the result is the sum of the 16 lanes of v[t].
 inline __m512 sum_lanes_16(__m512* v) {
   __m512 s[8], w[4];
@@ -77,7 +72,7 @@ inline void bf16_values(const float* p, int64_t n, const uint16_t* values,
         values + (block * L.block_size + pos % L.block_size) * row_stride + kv_head * D;
     for (; pos < end; ++pos, v += row_stride) {
       __m512 vf[D / 16];
-      for (int c = 0; c < D / 16; ++c) vf[c] = widen_bf16(v + 16 * c);
+      for (int c = 0; c < D / 16; ++c) vf[c] = splitserve::bf16x16_to_float(v + 16 * c);
       for (int gb = 0; gb < GB; ++gb) {
         const __m512 w = _mm512_set1_ps(p[gb * n + pos - first]);
         for (int c = 0; c < D / 16; ++c) a[gb][c] = _mm512_fmadd_ps(w, vf[c], a[gb][c]);

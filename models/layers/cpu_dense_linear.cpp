@@ -49,10 +49,7 @@ struct Vec {
   static Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
   static Vec broadcast(const float* p) { return {_mm512_set1_ps(*p)}; }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
-  static Vec load(const uint16_t* p) {
-    const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16))};
-  }
+  static Vec load(const uint16_t* p) { return {splitserve::bf16x16_to_float(p)}; }
   void fma(const Vec& a, const Vec& b) { v = _mm512_fmadd_ps(a.v, b.v, v); }
   float sum() const { return _mm512_reduce_add_ps(v); }
 };
@@ -64,10 +61,7 @@ struct Vec {
   static Vec load(const float* p) { return {_mm256_loadu_ps(p)}; }
   static Vec broadcast(const float* p) { return {_mm256_broadcast_ss(p)}; }
   void store(float* p) const { _mm256_storeu_ps(p, v); }
-  static Vec load(const uint16_t* p) {
-    const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16))};
-  }
+  static Vec load(const uint16_t* p) { return {splitserve::bf16x8_to_float(p)}; }
   void fma(const Vec& a, const Vec& b) { v = _mm256_fmadd_ps(a.v, b.v, v); }
   float sum() const {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
