@@ -80,12 +80,13 @@ class CPUAttentionBackend(TorchAttentionBackend):
     head). Rows of 2..SHORT_QUERY_LEN query tokens (a speculative step's verification,
     a short chunk) join that call as one decode per query token (`short_row_entries`),
     their own K/V read back from the pages as stored (fp8: rounded).
-    The step's longer prefills go to one AMX kernel call where the kernel takes them (it
-    says so: bf16 layers without a window, on a CPU with AMX), reading every context
-    position from the cache, prefix or not; elsewhere they keep the torch path: fresh
-    prompts attend to this step's k/v with SDPA's fused kernel, and a cached prefix is
-    gathered once per request. K/V are stored by a C++ row copy. fp8 pages are read and
-    written by every kernel here (cpu_attn_fp8.h)."""
+    The step's longer prefills go to one prefill kernel call, reading every context
+    position from the cache, prefix or not: AMX for bf16 layers without a window on a CPU
+    with AMX, AVX2 (float32 math) for the rest from AVX2 up, head sizes 64 and 128. What
+    it declines (it says so) keeps the torch path: fresh prompts attend to this step's k/v
+    with SDPA's fused kernel, and a cached prefix is gathered once per request. K/V are
+    stored by a C++ row copy. fp8 pages are read and written by every kernel here
+    (cpu_attn_fp8.h)."""
 
     name = "cpu"
 

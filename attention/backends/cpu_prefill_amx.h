@@ -223,7 +223,6 @@ void prefill_all(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cach
   std::vector<std::pair<int64_t, int64_t>> tiles;  // (prefill index, first query row)
   for (int64_t p = 0; p < num_prefills; ++p) {
     const int64_t r = req_ids[p];
-    TORCH_CHECK(starts[r + 1] - starts[r] <= lens[r], "more queries than context");
     longest = std::max<int64_t>(longest, lens[r]);
     for (int64_t row = starts[r]; row < starts[r + 1]; row += 16) tiles.emplace_back(p, row);
   }
@@ -296,55 +295,3 @@ void prefill_all(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cach
 
 }  // namespace
 #endif
-
-// The kernel entry (bound in cpu_attn.cpp). q, out: [T, num_heads,
-// head_dim] with dense rows; kv_cache as above, holding every context position already
-// (bf16, or fp8 read times k_scale and v_scale); block_table [R, max_blocks] int32 (rows
-// may be strided); seq_lens [R] int32; query_start_loc [R + 1] int32; reqs [P] int64: the
-// prefills, whose query rows are query_start_loc[r] .. query_start_loc[r + 1] - 1, the
-// last positions of their context; window > 0: the layer's sliding window. Returns false,
-// computing nothing, where this is no prefill the kernel takes (no AMX in the build or for
-// the process, q not bf16, a window, head_dim other than 64 or 128, blocks not a multiple
-// of 16 positions): the caller runs its own. Inputs that do not fit together raise.
-bool paged_prefill(at::Tensor out, at::Tensor q, at::Tensor kv_cache,
-                   at::Tensor block_table, at::Tensor seq_lens,
-                   at::Tensor query_start_loc, at::Tensor reqs, double scale,
-                   int64_t window, double k_scale, double v_scale) {
-  TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "paged_prefill runs on CPU");
-  TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && kv_cache.dim() == 5, "bad ranks");
-  const auto cache_type = kv_cache.scalar_type();
-  const bool fp8 = cache_type == at::kFloat8_e4m3fn || cache_type == at::kFloat8_e5m2;
-  TORCH_CHECK((fp8 || q.scalar_type() == cache_type) && out.scalar_type() == q.scalar_type(),
-              "q, out and kv_cache must share a dtype (or kv_cache be fp8)");
-  const int64_t kv_heads = kv_cache.size(3), dim = kv_cache.size(4), heads = q.size(1);
-  TORCH_CHECK(q.size(2) == dim && heads % kv_heads == 0, "head shapes do not match");
-#if defined(SPLITSERVE_AMX)
-  if (!amx_usable() || q.scalar_type() != at::kBFloat16 || window > 0 ||
-      (dim != 64 && dim != 128) || kv_cache.size(2) % 16 != 0)
-    return false;
-  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "q rows must be dense");
-  TORCH_CHECK(out.stride(2) == 1 && out.stride(1) == out.size(2), "out rows must be dense");
-  TORCH_CHECK(kv_cache.is_contiguous() && block_table.stride(1) == 1, "cache, table rows dense");
-  TORCH_CHECK(block_table.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt &&
-                  query_start_loc.scalar_type() == at::kInt && reqs.scalar_type() == at::kLong,
-              "int32 table, lengths and offsets; int64 request ids");
-  auto lens_t = seq_lens.contiguous(), starts_t = query_start_loc.contiguous();
-  auto reqs_t = reqs.contiguous();
-  const int32_t* lens = lens_t.data_ptr<int32_t>();
-  const int32_t* starts = starts_t.data_ptr<int32_t>();
-  const int64_t* req_ids = reqs_t.data_ptr<int64_t>();
-  const int64_t num_prefills = reqs_t.size(0);
-  if (cache_type == at::kFloat8_e4m3fn)
-    prefill_all<E4M3>(out, q, kv_cache, block_table, lens, starts, req_ids, num_prefills, scale,
-                      k_scale, v_scale);
-  else if (cache_type == at::kFloat8_e5m2)
-    prefill_all<E5M2>(out, q, kv_cache, block_table, lens, starts, req_ids, num_prefills, scale,
-                      k_scale, v_scale);
-  else
-    prefill_all<uint16_t>(out, q, kv_cache, block_table, lens, starts, req_ids, num_prefills,
-                          scale, k_scale, v_scale);
-  return true;
-#else
-  return false;
-#endif
-}

@@ -1,6 +1,6 @@
 """fp8 KV pages on CPU: the stores (torch and C++) against the fp8 format of
 attention/kv_cache_dtype.py bit for bit, scales honoured, and attention over fp8 pages by
-the C++ decode kernel (every ISA this CPU has), the AMX prefill kernel and the torch
+the C++ decode and prefill kernels (every ISA this CPU has) and the torch
 backend, against float64 attention over the dequantized pages (tight) and over the 16-bit
 pages they were stored from (loose: the fp8 rounding)."""
 
@@ -138,10 +138,9 @@ def test_cpp_decode_reads_fp8_pages(kernels, fp8, dtype, head_dim, many):
 
 @pytest.mark.parametrize("fp8", FP8)
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_amx_prefill_reads_fp8_pages(fp8, head_dim):
-    module = load_cpu_attention(KernelSet(cpu=True))
-    if not module.has_amx_path():
-        pytest.skip("this CPU has no AMX: fp8 prefills take the torch path")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_prefill_reads_fp8_pages(kernels, fp8, head_dim, dtype):
+    """The AMX prefill (bf16 queries) and the AVX2 one (the rest, and bf16 below AMX)."""
     gen = torch.Generator().manual_seed(head_dim)
     query_lens, seq_lens, kv_heads, group, block_size = [20, 1, 33], [20, 40, 90], 2, 3, 16
     bf16 = torch.bfloat16
@@ -149,10 +148,12 @@ def test_amx_prefill_reads_fp8_pages(fp8, head_dim):
     scales = (1.3, 0.25)
     pages, read = as_fp8(pages16, fp8, *scales)
     starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
-    q = strided_q(int(starts[-1]), kv_heads * group, kv_heads, head_dim, bf16, gen)
+    q = strided_q(int(starts[-1]), kv_heads * group, kv_heads, head_dim, dtype, gen)
     lens, reqs, scale = torch.tensor(seq_lens, dtype=torch.int32), torch.arange(3), head_dim**-0.5
     out = torch.zeros_like(q)
-    assert module.paged_prefill(out, q, pages, table, lens, starts, reqs, scale, 0, *scales)
+    if not kernels.paged_prefill(out, q, pages, table, lens, starts, reqs, scale, 0, *scales):
+        assert not KernelSet(isa=kernels.__name__.removeprefix("splitserve_cpu_attn_")).has("avx2")
+        return
     expected = attention_reference(q, read, table, lens, starts, reqs, scale)
     torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2e-2)
     sixteen = attention_reference(q, pages16, table, lens, starts, reqs, scale)
