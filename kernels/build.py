@@ -14,7 +14,10 @@ Every kernel file includes torch_ext.h first, and parsing it (ATen, pybind11) to
 half of each file's compile time. It is precompiled once per ISA and torch version
 (`_precompiled_header`) into a folder that comes first on every build's include path; gcc
 takes the .gch there in place of parsing the header, and a compiler or flags it does not
-fit (checked once as it is made) fall back to parsing.
+fit (checked once as it is made) fall back to parsing. `build_all` makes the header beside
+its first builds rather than before them: a build that starts while the header is being
+made parses the copy in that folder (the same command line, so nothing rebuilds later),
+and a 2-core CPU's second core compiles a kernel in the ~25 s the header takes.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import threading
 import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -80,11 +84,23 @@ def declared_extensions() -> list[CppExtension]:
 
 
 def build_all(extensions: Sequence[CppExtension], isa: str) -> None:
-    """Build (or load) `extensions` for `isa`, as many at once as the CPU has cores."""
-    workers = min(len(extensions), os.cpu_count() or 1)
-    if workers:
+    """Build (or load) `extensions` for `isa`, as many at once as the CPU has cores, the
+    precompiled header first and the largest sources next."""
+    flags = tuple(CFLAGS + compiler_flags(isa))
+    tasks = [lambda: _precompiled_header(isa, flags)]
+    for e in sorted(extensions, key=_source_bytes, reverse=True):
+        tasks.append(lambda e=e: load_cpp_extension(e.name, e.sources, isa))
+    workers = min(len(tasks), os.cpu_count() or 1)
+    if extensions:
         with ThreadPoolExecutor(workers, thread_name_prefix="cpp-build") as pool:
-            list(pool.map(lambda e: load_cpp_extension(e.name, e.sources, isa), extensions))
+            list(pool.map(lambda task: task(), tasks))
+
+
+def _source_bytes(extension: CppExtension) -> int:
+    """The size of an extension's sources and the headers beside them: its compile time,
+    roughly."""
+    files = {h for s in extension.sources for h in Path(s).parent.glob("*.h")}
+    return sum(p.stat().st_size for p in (*extension.sources, *files) if p.exists())
 
 
 def load_cpp_extension(name: str, sources: Sequence[Path], isa: str) -> ModuleType | None:
@@ -121,40 +137,64 @@ def _torch_cflags(include: Path) -> list[str]:
     ]
 
 
-@cache
-def _precompiled_header(isa: str, flags: tuple[str, ...]) -> Path | None:
-    """The folder holding torch_ext.h and torch_ext.h.gch for these flags, made once
-    (processes that ask at once wait for one), or None where gcc cannot make one that
-    the builds would use: they then parse the header."""
+def _header_folder(isa: str, flags: tuple[str, ...]) -> Path:
+    """The folder, first on every build's include path, that holds a copy of torch_ext.h
+    and, once made, its precompiled form for these flags."""
     header = HEADERS / "torch_ext.h"
     key = hashlib.sha1(" ".join(flags).encode() + header.read_bytes()).hexdigest()[:12]
     folder = build_root(isa) / "precompiled" / key
-    gch = folder / "torch_ext.h.gch"
-    cxx = os.environ.get("CXX", "c++")
-    folder.mkdir(parents=True, exist_ok=True)
+    if not (folder / "torch_ext.h").exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        copy = folder / f"torch_ext.h.{os.getpid()}.{threading.get_ident()}"
+        shutil.copy2(header, copy)
+        copy.replace(folder / "torch_ext.h")
+    return folder
+
+
+@cache
+def _precompiled_header(isa: str, flags: tuple[str, ...]) -> Path | None:
+    """The header folder with torch_ext.h.gch made there, by this call where no process
+    is making it; None where another is (builds then parse the header, without waiting)
+    or gcc could not make one the builds would use (made once, checked in a folder of
+    its own, moved in whole: a build never sees half a .gch)."""
+    folder = _header_folder(isa, flags)
+    gch, failed = folder / "torch_ext.h.gch", folder / "failed"
     with open(folder / "lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if (folder / "usable").exists():
-            return folder
-        if gch.exists():  # made, but gcc would not use it: a failed check
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
             return None
-        shutil.copy2(header, folder / "torch_ext.h")
-        cflags = [*_torch_cflags(folder), *flags]
+        if gch.exists() or failed.exists():
+            return folder if gch.exists() else None
+        making = folder / "making"
+        shutil.rmtree(making, ignore_errors=True)
+        making.mkdir()
+        shutil.copy2(folder / "torch_ext.h", making / "torch_ext.h")
+        cxx = os.environ.get("CXX", "c++")
+        cflags = [*_torch_cflags(making), *flags]
         logger.warning("precompiling torch's headers for the C++ kernels into %s", folder)
         made = subprocess.run(
-            [cxx, *cflags, "-x", "c++-header", str(header), "-o", str(gch)],
+            [
+                cxx,
+                *cflags,
+                "-x",
+                "c++-header",
+                str(making / "torch_ext.h"),
+                "-o",
+                str(making / "torch_ext.h.gch"),
+            ],
             capture_output=True,
         )
-        probe = folder / "probe.cpp"
+        probe = making / "probe.cpp"
         probe.write_text('#include "torch_ext.h"\n')
         check = ["-DTORCH_EXTENSION_NAME=probe", "-Winvalid-pch", "-Werror", "-fsyntax-only"]
         probed = subprocess.run([cxx, *cflags, *check, str(probe)], capture_output=True)
-        used = made.returncode == 0 and probed.returncode == 0
-        if not used:
-            gch.write_bytes(b"")  # marks the failed check: not made again
-            return None
-        (folder / "usable").touch()
-        return folder
+        if made.returncode == 0 and probed.returncode == 0:
+            (making / "torch_ext.h.gch").replace(gch)
+        else:
+            failed.touch()  # not made again
+        shutil.rmtree(making, ignore_errors=True)
+        return folder if gch.exists() else None
 
 
 @cache
@@ -174,8 +214,8 @@ def _load(name: str, sources: tuple[Path, ...], isa: str) -> ModuleType | None:
         return None
     if not any(build_dir.glob(f"{module_name}*.so")):
         logger.warning("building C++ kernels %s into %s (once; about a minute)", name, build_dir)
-    precompiled = _precompiled_header(isa, tuple(flags))
-    includes = [str(HEADERS)] if precompiled is None else [str(precompiled), str(HEADERS)]
+    _precompiled_header(isa, tuple(flags))  # made now, made already, or being made
+    includes = [str(_header_folder(isa, tuple(flags))), str(HEADERS)]
     try:
         return cpp_extension.load(
             name=module_name,

@@ -135,11 +135,14 @@ def test_build_declared_builds_what_the_isa_uses_two_at_once(monkeypatch):
         CppExtension("generic_only", (), only_on="generic"),
         CppExtension("amx_only", (), only_on="amx"),
     ]
+    headers = []
     monkeypatch.setattr(kernels.build, "_DECLARED", declared)
     monkeypatch.setattr(kernels.build, "load_cpp_extension", load)
+    monkeypatch.setattr(kernels.build, "_precompiled_header", lambda *a: headers.append(a))
     monkeypatch.setattr(kernels.build.os, "cpu_count", lambda: 2)
     KernelSet(cpu=True, isa="generic").build_declared()
     assert sorted(built) == [("a", "generic"), ("b", "generic"), ("generic_only", "generic")]
+    assert [isa for isa, _ in headers] == ["generic"], "the header is made beside the builds"
     built.clear()
     KernelSet(cpu=False, isa="generic").build_declared()
     assert built == []

@@ -2,10 +2,12 @@
 torch_ext.h first (gcc uses a precompiled header only there), and the header made for this
 machine's ISA is one gcc takes."""
 
+import fcntl
 import subprocess
+import time
 from pathlib import Path
 
-from kernels.build import CFLAGS, _precompiled_header
+from kernels.build import CFLAGS, _header_folder, _precompiled_header
 from kernels.isa import compiler_flags, probe_isa
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,3 +29,18 @@ def test_the_precompiled_header_is_usable_here():
     folder = _precompiled_header(isa, tuple(CFLAGS + compiler_flags(isa)))
     assert folder is not None
     assert (folder / "torch_ext.h.gch").stat().st_size > 0
+
+
+def test_a_build_does_not_wait_for_a_header_another_is_making(tmp_path, monkeypatch):
+    """While one process holds the header's lock (making it), another's call returns at
+    once, with no .gch: its builds parse the header copy, the same command line."""
+    monkeypatch.setenv("SPLITSERVE_CACHE", str(tmp_path))
+    flags = ("-O1", "-DSPLITSERVE_TEST_HEADER")
+    folder = _header_folder("generic", flags)
+    assert (folder / "torch_ext.h").read_bytes() == (ROOT / "kernels/torch_ext.h").read_bytes()
+    with open(folder / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        start = time.monotonic()
+        assert _precompiled_header("generic", flags) is None
+        assert time.monotonic() - start < 5
+    assert not (folder / "torch_ext.h.gch").exists()
