@@ -72,6 +72,59 @@ inline float exp_nonpositive(float y) {
   return y < -87.0f ? 0.0f : p * scale;
 }
 
+#if defined(SPLITSERVE_AVX2)
+// exp_nonpositive of 8 lanes (gcc leaves loops of the scalar one unvectorised where they
+// also reduce): the same polynomial, the power of two put into the exponent bits.
+inline __m256 exp_nonpositive8(__m256 y) {
+  const __m256 limit = _mm256_set1_ps(-87.0f);
+  const __m256 yc = _mm256_max_ps(y, limit);
+  const __m256 n = _mm256_floor_ps(
+      _mm256_fmadd_ps(yc, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), yc);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i bits = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 value = _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+  return _mm256_andnot_ps(_mm256_cmp_ps(y, limit, _CMP_LT_OQ), value);
+}
+
+// The largest of s[0..n), n >= 1.
+inline float max8(const float* s, int64_t n) {
+  __m256 lanes = _mm256_set1_ps(s[0]);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) lanes = _mm256_max_ps(lanes, _mm256_loadu_ps(s + i));
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(lanes), _mm256_extractf128_ps(lanes, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  float max = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+  for (; i < n; ++i) max = s[i] > max ? s[i] : max;
+  return max;
+}
+
+// s[0..n) becomes exp(s - max), unnormalised; returns its sum.
+inline float exp_sum8(float* s, int64_t n, float max) {
+  const __m256 m = _mm256_set1_ps(max);
+  __m256 sums = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(s + i), m));
+    _mm256_storeu_ps(s + i, e);
+    sums = _mm256_add_ps(sums, e);
+  }
+  __m128 t = _mm_add_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1));
+  t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+  float sum = _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+  for (; i < n; ++i) sum += (s[i] = exp_nonpositive(s[i] - max));
+  return sum;
+}
+#endif
+
 // g * sigmoid(g), with exp's argument kept <= 0 so that it cannot overflow.
 inline float silu(float g) {
   const float e = exp_nonpositive(-std::abs(g));

@@ -31,15 +31,18 @@ inline __m256 sum_lanes_8(const __m256* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
 }
 
-// One (request, KV head) item, as attend_item.
+// One (request, KV head) item, as attend_item. The pages' rows of `prefetch_heads` KV
+// heads from kv_head on are prefetched ahead of the scores (0: none, where an earlier
+// head's pass of the same request brought them).
 template <typename T, typename C, int D>
 void attend_item_avx2(const T* q, T* out, const C* cache, const int32_t* blocks, int64_t first,
                       int64_t seq_len, int64_t kv_head, float scale, const Layout& L,
-                      std::vector<float>& work) {
+                      std::vector<float>& work, int64_t prefetch_heads) {
   const int64_t G = L.group, n = seq_len - first, row_stride = L.kv_heads * D;
-  work.resize(G * D + G * (n + 8));
+  work.resize(G * D + G * (n + 8) + G);
   float* qf = work.data();
   float* scores = qf + G * D;
+  float* inv = scores + G * (n + 8);  // 1 / each query head's softmax sum
   for (int64_t g = 0; g < G; ++g)
     for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float(q[(kv_head * G + g) * D + d]) * scale;
   auto row = [&](int64_t pos) {  // offset of (pos, kv_head) in kv_cache[0]
@@ -48,7 +51,9 @@ void attend_item_avx2(const T* q, T* out, const C* cache, const int32_t* blocks,
   };
   for (int64_t pos = first; pos < seq_len;) {
     const int64_t end = std::min(seq_len, (pos / L.block_size + 1) * L.block_size);
-    prefetch_block(cache, blocks, pos / L.block_size + kPrefetchBlocks, seq_len, kv_head, D, L);
+    if (prefetch_heads)
+      prefetch_block(cache, blocks, pos / L.block_size + kPrefetchBlocks, seq_len, kv_head, D, L,
+                     prefetch_heads);
     for (const C* k = cache + row(pos); pos < end;) {
       const int count = static_cast<int>(std::min<int64_t>(8, end - pos));
       for (int64_t g = 0; g < G; ++g) {
@@ -68,7 +73,10 @@ void attend_item_avx2(const T* q, T* out, const C* cache, const int32_t* blocks,
       k += count * row_stride;
     }
   }
-  for (int64_t g = 0; g < G; ++g) softmax_rows(scores + g * (n + 8), 1, n);
+  for (int64_t g = 0; g < G; ++g) {
+    float* row = scores + g * (n + 8);
+    inv[g] = 1.0f / splitserve::exp_sum8(row, n, splitserve::max8(row, n));
+  }
   const C* values = cache + L.cache_half;
   for (int64_t g = 0; g < G; ++g) {
     const float* p = scores + g * (n + 8);
@@ -85,7 +93,7 @@ void attend_item_avx2(const T* q, T* out, const C* cache, const int32_t* blocks,
       }
       alignas(32) float sums[64];
       for (int c = 0; c < 8; ++c) _mm256_store_ps(sums + 8 * c, acc[c]);
-      for (int d = 0; d < 64; ++d) orow[64 * half + d] = static_cast<T>(sums[d]);
+      for (int d = 0; d < 64; ++d) orow[64 * half + d] = static_cast<T>(sums[d] * inv[g]);
     }
   }
 }

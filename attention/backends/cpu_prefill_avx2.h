@@ -135,18 +135,7 @@ void prefill_tile_avx2(const T* q, T* out, int64_t n, int64_t first_pos, int64_t
     const int64_t lo = (window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0) - from;
     const int64_t hi = pos + 1 - from;
     float* row = s + r * width;
-    __m256 lanes = _mm256_set1_ps(row[lo]);
-    int64_t k = lo;
-    for (; k + 8 <= hi; k += 8) lanes = _mm256_max_ps(lanes, _mm256_loadu_ps(row + k));
-    alignas(32) float maxima[8];
-    _mm256_store_ps(maxima, lanes);
-    float max = *std::max_element(maxima, maxima + 8), sum = 0.0f;
-    for (; k < hi; ++k) max = std::max(max, row[k]);
-#pragma omp simd reduction(+ : sum)
-    for (int64_t j = lo; j < hi; ++j) {
-      row[j] = exp_nonpositive(row[j] - max);
-      sum += row[j];
-    }
+    const float sum = splitserve::exp_sum8(row + lo, hi - lo, splitserve::max8(row + lo, hi - lo));
     std::fill(row, row + lo, 0.0f);
     std::fill(row + hi, row + (to - from), 0.0f);
     inv[r] = out_scale / sum;
