@@ -193,6 +193,8 @@ bool takes_amx_path(const Layout& L) {
 #endif
 }
 
+constexpr int64_t kWholeRequestsPerThread = 8;  // from here on an item is a whole request
+
 template <typename T, typename C, int D>
 void decode_all(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
                 const at::Tensor& block_table, const at::Tensor& seq_lens,

@@ -10,7 +10,6 @@ constexpr bool kHaveBf16Path = true;
 #else
 constexpr bool kHaveBf16Path = false;
 #endif
-constexpr int64_t kWholeRequestsPerThread = 8;
 
 #if defined(SPLITSERVE_AVX512_BF16)
 // bf16 with AVX512-BF16: q.k by VDPBF16PS straight from the bf16 rows (products of two
