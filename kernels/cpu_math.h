@@ -95,6 +95,13 @@ inline __m256 exp_nonpositive8(__m256 y) {
   return _mm256_andnot_ps(_mm256_cmp_ps(y, limit, _CMP_LT_OQ), value);
 }
 
+// The sum of v's 8 lanes.
+inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
 // The largest of s[0..n), n >= 1.
 inline float max8(const float* s, int64_t n) {
   __m256 lanes = _mm256_set1_ps(s[0]);
@@ -117,9 +124,7 @@ inline float exp_sum8(float* s, int64_t n, float max) {
     _mm256_storeu_ps(s + i, e);
     sums = _mm256_add_ps(sums, e);
   }
-  __m128 t = _mm_add_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1));
-  t = _mm_add_ps(t, _mm_movehl_ps(t, t));
-  float sum = _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+  float sum = sum8(sums);
   for (; i < n; ++i) sum += (s[i] = exp_nonpositive(s[i] - max));
   return sum;
 }

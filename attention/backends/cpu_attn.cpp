@@ -6,7 +6,7 @@
 // (decode request, KV head) pair, or a whole request when there are enough requests to
 // keep every thread busy: the G query heads that share a KV head are handled together,
 // so each K and V row of the request's context is read once per step. Items are spread
-// over the OpenMP threads dynamically, since contexts differ in length. Three paths:
+// over the OpenMP threads dynamically, since contexts differ in length. Four paths:
 //   - AMX (cpu_attn_amx.h): bf16 on CPUs with AMX-BF16, one pass with an online softmax;
 //   - AVX512-BF16 (cpu_attn_bf16.h): bf16 elsewhere, two passes;
 //   - AVX2 (cpu_attn_avx2.h): float32, bf16 and fp16 pages of head sizes that are multiples

@@ -1,6 +1,6 @@
 // The AVX2 decode path of cpu_attn.cpp (included there, inside its namespace), for float32,
-// bf16 and fp16 pages of head sizes that are multiples of 64 (fp8 and float64 pages keep
-// the generic path): the generic path's two passes, vectorised by hand. Scores 8 positions at a time,
+// bf16 and fp16 pages of head sizes that are multiples of 64 (fp8 pages keep the generic
+// path): the generic path's two passes, vectorised by hand. Scores 8 positions at a time,
 // their 8 partial-sum vectors reduced together (no lane sum per position); the weighted
 // sum of V rows of one query head, 64 features at a time, in 8 accumulators that stay in
 // registers across the context. Pages are widened to float32 as they are loaded.

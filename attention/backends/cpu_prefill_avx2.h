@@ -34,7 +34,8 @@ constexpr int64_t kWidenedBytes = 64 << 20;  // widened contexts held at once (o
 inline int64_t widened_stride(int64_t seq_len) { return (seq_len + 63) / 64 * 64 + 16; }
 
 // K^T [D][stride] and V [stride][D] of one request's context for one KV head, float32 in
-// page units (fp8: page_value), zero from seq_len to stride.
+// page units (fp8: page_value); K^T zero from seq_len to stride (pass 1 scores whole blocks
+// of 16 keys, pass 3 reads no V row past the context).
 template <int D, typename C>
 void widen_for_prefill(const C* cache, const int32_t* blocks, int64_t seq_len, int64_t kv_head,
                        int64_t stride, const Layout& L, float* kt, float* v) {
@@ -50,7 +51,6 @@ void widen_for_prefill(const C* cache, const int32_t* blocks, int64_t seq_len, i
     }
   }
   for (int d = 0; d < D; ++d) std::fill(kt + d * stride + seq_len, kt + (d + 1) * stride, 0.0f);
-  std::fill(v + seq_len * D, v + stride * D, 0.0f);
 }
 
 // s[r * ld + j] = q[r] . key j, for ROWS rows and the 16 keys whose kt columns start at kt.

@@ -63,11 +63,7 @@ struct Vec {
   void store(float* p) const { _mm256_storeu_ps(p, v); }
   static Vec load(const uint16_t* p) { return {splitserve::bf16x8_to_float(p)}; }
   void fma(const Vec& a, const Vec& b) { v = _mm256_fmadd_ps(a.v, b.v, v); }
-  float sum() const {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-  }
+  float sum() const { return splitserve::sum8(v); }
 };
 #else
 struct Vec {
