@@ -36,6 +36,7 @@ using splitserve::moe::Ahead;
 using splitserve::moe::dot_block;
 using splitserve::moe::kStep;
 using splitserve::moe::pack_row;
+using splitserve::moe::Packed;
 using splitserve::moe::Routing;
 using splitserve::moe::route;
 
@@ -65,17 +66,18 @@ void run_items(int64_t items, const F& work) {
 // Where feature n of a row of k lands in its packed row (pack_row's order).
 template <typename W>
 inline int64_t packed_index(int64_t n, int64_t k) {
-  if (sizeof(W) == 4 || n >= k / kStep * kStep) return n;
+  if (sizeof(Packed<W>) == 2 || sizeof(W) == 4 || n >= k / kStep * kStep) return n;
   const int64_t i = n % kStep;
   return n - i + (i % 2) * (kStep / 2) + i / 2;
 }
 
 // One chunk: the pairs of `r`, over x rows xp (the chunk's tokens), into acc [tokens, H]
 // float32, zeroed. W: the element type of x and the weights as stored (float, or uint16_t
-// holding bf16); X: torch's type for it, which rounds float to nearest even.
-template <typename W>
+// holding bf16); X: torch's type for it, which rounds float to nearest even; P: what the
+// packed rows px (x) and ph (h) hold.
+template <typename W, typename P = Packed<W>>
 void fused_chunk(const W* xp, const W* w13p, const W* w2p, int64_t hidden, int64_t inter,
-                 const Routing& r, float* px, float* ph, float* acc) {
+                 const Routing& r, P* px, P* ph, float* acc) {
   using X = std::conditional_t<sizeof(W) == 4, float, at::BFloat16>;
   const int64_t pairs = r.start.back();
   at::parallel_for(0, pairs, std::max<int64_t>(1, 16384 / hidden), [&](int64_t b, int64_t e) {
@@ -105,10 +107,15 @@ void fused_chunk(const W* xp, const W* w13p, const W* w2p, int64_t hidden, int64
       dot_block<W>(px + p0 * hidden, hidden, rows, up, hidden, cols, hidden, u, kUpTile,
                    first ? next_gate : Ahead());
       for (int64_t row = 0; row < rows; ++row) {
-        float* h = ph + (p0 + row) * inter;
+        P* h = ph + (p0 + row) * inter;
         for (int64_t c = 0; c < cols; ++c) {
-          const float v = splitserve::silu(g[row * kUpTile + c]) * u[row * kUpTile + c];
-          h[packed_index<W>(n0 + c, inter)] = float(X(v));  // rounded as torch's matmul input
+          // Rounded as torch's matmul input is.
+          const X v = splitserve::silu(g[row * kUpTile + c]) * u[row * kUpTile + c];
+          if constexpr (sizeof(P) == 2) {
+            h[n0 + c] = v.x;
+          } else {
+            h[packed_index<W>(n0 + c, inter)] = float(v);
+          }
         }
       }
     }
@@ -166,10 +173,11 @@ at::Tensor fused(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w
     const Routing r = route(ids.data_ptr<int64_t>() + t0 * top_k,
                             weights.data_ptr<float>() + t0 * top_k, n * top_k, top_k, experts);
     const int64_t pairs = r.start.back();
-    float* px = workspace.data();
-    float* ph = px + pairs * hidden;
+    auto* px = reinterpret_cast<Packed<W>*>(workspace.data());
+    auto* ph = px + pairs * hidden;
     X* op = out.data_ptr<X>() + t0 * hidden;
-    float* acc = sizeof(W) == 4 ? reinterpret_cast<float*>(op) : ph + pairs * inter;
+    const int64_t packed_floats = (pairs * (hidden + inter) * sizeof(*px) + 3) / 4;
+    float* acc = sizeof(W) == 4 ? reinterpret_cast<float*>(op) : workspace.data() + packed_floats;
     if (sizeof(W) == 2) std::fill(acc, acc + n * hidden, 0.0f);
     fused_chunk<W>(xp + t0 * hidden, w13p, w2p, hidden, inter, r, px, ph, acc);
     if (sizeof(W) == 2) {

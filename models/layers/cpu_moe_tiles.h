@@ -5,21 +5,35 @@
 // block (`dot_block`) streams its weight rows from memory once, for its first 4 activation
 // rows, and from the cache for each further 4. Decode, a row or two per expert, thus reads
 // every active weight once at memory speed; the first pass prefetches each tile's
-// successor, and `Ahead` the next block's rows, spread over this one. The activations are packed per call instead (`pack_row`, a
-// float32 copy): k runs in steps of 16, two vectors of 8 floats; a bf16 weight's step is
-// one 32-byte load whose even elements widen to floats by a shift and odd ones by a mask,
-// so a packed row holds each step's even k, then its odd k (`deinterleave`). The k past the
-// last whole step stay in order and are summed one by one.
+// successor, and `Ahead` the next block's rows, spread over this one. The activations are
+// packed per call instead (`pack_row`, a float32 copy): k runs in steps of 16, two vectors
+// of 8 floats; a bf16 weight's step is one 32-byte load whose even elements widen to floats
+// by a shift and odd ones by a mask, so a packed row holds each step's even k, then its odd
+// k (`deinterleave`). The k past the last whole step stay in order and are summed one by
+// one. On CPUs with AVX-512 BF16, bf16 activations and weights take the tiles of
+// cpu_moe_tiles_bf16.h instead, on rows packed as they are (`Packed`).
 #pragma once
 
 #include "cpu_math.h"
+#include "cpu_moe_tiles_bf16.h"
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 namespace splitserve::moe {
 
 constexpr int64_t kStep = 16;
+
+#if defined(SPLITSERVE_AVX512_BF16)
+constexpr bool kBf16Tiles = true;
+#else
+constexpr bool kBf16Tiles = false;
+#endif
+// What a packed activation row holds against weights of type W: bf16 bits where the bf16
+// tiles run (cpu_moe_tiles_bf16.h), else float32.
+template <typename W>
+using Packed = std::conditional_t<kBf16Tiles && sizeof(W) == 2, uint16_t, float>;
 
 template <typename T>
 inline float to_float(T v);
@@ -29,19 +43,24 @@ template <>
 inline float to_float(uint16_t v) { return bf16_to_float(v); }
 
 // A row of k activations as the tiles read it against weights of type W (float or uint16_t
-// bf16): float32, each whole step of a bf16 weight split into even then odd k.
+// bf16): float32, each whole step of a bf16 weight split into even then odd k; for the
+// bf16 tiles, the row as it is.
 template <typename W, typename X>
-inline void pack_row(const X* x, int64_t k, float* out) {
-  const int64_t whole = k / kStep * kStep;
-  for (int64_t s = 0; s < whole; s += kStep) {
-    for (int64_t i = 0; i < kStep / 2; ++i) {
-      const bool deinterleave = sizeof(W) == 2;
-      out[s + i] = to_float(x[s + (deinterleave ? 2 * i : i)]);
-      out[s + kStep / 2 + i] = to_float(x[s + (deinterleave ? 2 * i + 1 : kStep / 2 + i)]);
+inline void pack_row(const X* x, int64_t k, Packed<W>* out) {
+  if constexpr (std::is_same_v<Packed<W>, uint16_t>) {
+    std::copy(x, x + k, out);
+  } else {
+    const int64_t whole = k / kStep * kStep;
+    for (int64_t s = 0; s < whole; s += kStep) {
+      for (int64_t i = 0; i < kStep / 2; ++i) {
+        const bool deinterleave = sizeof(W) == 2;
+        out[s + i] = to_float(x[s + (deinterleave ? 2 * i : i)]);
+        out[s + kStep / 2 + i] = to_float(x[s + (deinterleave ? 2 * i + 1 : kStep / 2 + i)]);
+      }
     }
-  }
-  for (int64_t i = whole; i < k; ++i) {
-    out[i] = to_float(x[i]);
+    for (int64_t i = whole; i < k; ++i) {
+      out[i] = to_float(x[i]);
+    }
   }
 }
 
@@ -152,11 +171,18 @@ struct Ahead {
   }
 };
 
+// The weight rows of a tile of R activation rows (holding P): the most the registers hold.
+template <typename P>
+constexpr int tile_cols(int R) {
+  if (std::is_same_v<P, uint16_t>) return bf16_tile_cols(R);
+  return R <= 2 ? 4 : R == 3 ? 3 : 2;
+}
+
 // R rows by `cols` weight rows, in the widest tiles the registers hold.
 template <int R, bool Prefetch, typename W>
 inline void dot_cols(const float* a, int64_t lda, const W* w, int64_t ldw, int64_t k,
                      int64_t cols, float* out, int64_t ldo, Ahead& ahead) {
-  constexpr int C = R <= 2 ? 4 : R == 3 ? 3 : 2;
+  constexpr int C = tile_cols<float>(R);
   int64_t c = 0;
   for (; c + C <= cols; c += C) {
     ahead.step();
@@ -182,11 +208,13 @@ inline void dot_rows(const float* a, int64_t lda, int64_t rows, const W* w, int6
 
 // out[r * ldo + c] = a[r] . w[c] for r < rows, c < cols, 4 activation rows at a time: the
 // first 4 read the weight rows from memory (prefetching each tile's successor), the others
-// from the cache. `ahead` spreads its prefetches over the block.
-template <typename W>
-inline void dot_block(const float* a, int64_t lda, int64_t rows, const W* w, int64_t ldw,
+// from the cache. `ahead` spreads its prefetches over the block. P: float32 rows, or bf16
+// rows for the bf16 tiles (their dot_rows overload).
+template <typename W, typename P>
+inline void dot_block(const P* a, int64_t lda, int64_t rows, const W* w, int64_t ldw,
                       int64_t cols, int64_t k, float* out, int64_t ldo, Ahead ahead = {}) {
-  const int64_t calls = (rows + 3) / 4 * (cols + 1) / 2;
+  const int64_t tile = tile_cols<P>(int(std::min<int64_t>(rows, 4)));
+  const int64_t calls = (rows + 3) / 4 * ((cols + tile - 1) / tile);
   ahead.per_call = ((ahead.end - ahead.at) / 64 + calls - 1) / calls;
   dot_rows<true>(a, lda, std::min<int64_t>(rows, 4), w, ldw, cols, k, out, ldo, ahead);
   for (int64_t r = 4; r < rows; r += 4) {

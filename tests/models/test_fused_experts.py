@@ -3,8 +3,9 @@ kernel (cpu_moe.cpp) against a float64 reference that loops over each token and 
 experts, over random routings (experts without tokens, ids of -1 for experts on other
 ranks). Sizes that are no multiple of the kernel's 16-wide steps or of its feature tiles
 take its tails. The kernel is built for the baseline ISA (the generic path), AVX2 (the
-vector path, which AVX-512 and AMX builds run too) and this CPU's own, where it has them;
-a lower ISA is forced with KernelSet(isa=...), as SPLITSERVE_CPU_ISA forces it in a worker."""
+float32-math vector path, which AVX-512F builds run too), AVX-512 BF16 (bf16 tiles for
+bf16 weights, which AMX builds run too) and this CPU's own, where it has them; a lower ISA
+is forced with KernelSet(isa=...), as SPLITSERVE_CPU_ISA forces it in a worker."""
 
 import pytest
 import torch
@@ -62,9 +63,10 @@ CASES += [(150, 2, 2)]
 
 
 def kernel_isas():
-    """generic, avx2 and this CPU's own ISA, those of them it has."""
+    """generic, avx2, avx512_bf16 and this CPU's own ISA, those of them it has."""
     rungs, own = ladder(), probe_isa()
-    return [r for r in rungs[: rungs.index(own) + 1] if r in ("generic", "avx2", own)]
+    paths = ("generic", "avx2", "avx512_bf16", own)
+    return [r for r in rungs[: rungs.index(own) + 1] if r in paths]
 
 
 @pytest.fixture(scope="module", params=kernel_isas())
