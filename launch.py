@@ -5,7 +5,9 @@ r"""Start and supervise a splitserve cluster.
 starts one EngineCore process, N worker processes and the OpenAI-compatible HTTP
 server, prints "splitserve ready: ..." once the engine has every worker's READY, and
 shuts everything down on SIGINT/SIGTERM or when any child dies (exiting non-zero with
-the name of the child). Multi-node: start the engine side with `--role engine` and each
+the name of the child). With `--data-parallel-size D` (`-dp D`) it starts D EngineCores,
+each with its own N workers, behind the HTTP server; one of them that dies is started
+again while the others serve. Multi-node: start the engine side with `--role engine` and each
 worker on its own with
 
     python launch.py --role worker --engine-address tcp://H:P --rank R \
@@ -34,7 +36,7 @@ import sys
 from server.args import add_server_args, check_server_args
 from splitserve.cluster import CREDENTIALS_ENV, cluster_credentials
 from splitserve.engine_args import add_engine_args, engine_config
-from splitserve.roles import engine_address, run_role
+from splitserve.roles import engine_addresses, run_role
 from splitserve.supervisor import Supervisor
 
 
@@ -114,9 +116,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.role != "all":
         return run_role(args)
     config = engine_config(args)
-    address = engine_address(args)
-    with cluster_credentials(args, address):
-        return Supervisor(args, config, address).run()
+    if args.engine_address:
+        addresses = args.engine_address.split(",")
+        if config.data_parallel_size not in (1, len(addresses)):
+            raise SystemExit(
+                f"--engine-address names {len(addresses)} engines but --data-parallel-size "
+                f"is {config.data_parallel_size}"
+            )
+    else:
+        addresses = engine_addresses(args, config.data_parallel_size)
+    with cluster_credentials(args, addresses[0]):
+        return Supervisor(args, config, addresses).run()
 
 
 if __name__ == "__main__":

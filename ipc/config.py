@@ -171,6 +171,18 @@ class EngineConfig:
             metavar="N",
         ),
     )
+    data_parallel_size: int = field(
+        default=1,
+        metadata=option(
+            "EngineCores, each with its own tensor-parallel workers, behind the API server(s), "
+            "which send each request to the one with the least load (launch.py)",
+            flags=("--data-parallel-size", "-dp"),
+            metavar="N",
+        ),
+    )
+    # This engine's index among them (set by the launcher): its workers' share of the
+    # CPU cores or GPUs.
+    data_parallel_rank: int = 0
     enable_expert_parallel: bool = field(
         default=False,
         metadata=option(
@@ -372,6 +384,12 @@ class EngineConfig:
         if self.max_num_batched_tokens is not None:
             _check_at_least("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _check_at_least("tensor_parallel_size", self.tensor_parallel_size, 1)
+        _check_at_least("data_parallel_size", self.data_parallel_size, 1)
+        if not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ValueError(
+                f"data_parallel_rank ({self.data_parallel_rank}) must be in "
+                f"[0, data_parallel_size={self.data_parallel_size})"
+            )
         if self.kv_cache_memory is not None:
             _check_at_least("kv_cache_memory", self.kv_cache_memory, 1)
         _check_at_least("kv_offload_memory", self.kv_offload_memory, 0)

@@ -16,7 +16,6 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from ipc.client import EngineDeadError
 from ipc.sampling_params import SamplingParams
 from ipc.tokenizer import TokenizerLike
 from server.auth import BearerAuth, authenticated_key, tenant_cache_salt
@@ -67,8 +66,9 @@ def build_app(
     enable_auto_tool_choice: bool = False,
     tool_call_parser: str | None = None,
 ) -> FastAPI:
-    """`client` is a connected AsyncEngineClient (or anything with its generate/stream/abort/
-    stats/health methods); the app never connects or closes it. `sampling_defaults` (the
+    """`client` is a connected AsyncEngineClient or DataParallelClient (or anything with
+    their generate/stream/abort/engine_stats/engine_index/health methods); the app never
+    connects or closes it. `sampling_defaults` (the
     model's generation config) apply under what each request sets. `api_keys` (one or
     several) guard /v1; with `salt_cache_by_api_key` each key's requests share prefix-cache
     blocks only among themselves. `vocab_size` bounds the token ids a request may send.
@@ -253,10 +253,7 @@ def build_app(
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        try:
-            stats = await client.stats(timeout=5.0)
-        except EngineDeadError:
-            stats = None
+        stats = await client.engine_stats(timeout=5.0)
         return Response(metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -14,7 +14,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from ipc.auth import Credentials
-from ipc.client import AsyncEngineClient
+from ipc.client import AsyncEngineClient, DataParallelClient
 from ipc.defaults import generation_defaults
 from ipc.tokenizer import Tokenizer
 from server.app import build_app
@@ -33,12 +33,16 @@ def run_server(
     chat_template: str | None = None,
     **app_options: Any,
 ) -> None:
-    """Serve the API until SIGINT/SIGTERM. The model name defaults to the tokenizer
+    """Serve the API until SIGINT/SIGTERM. `engine_address`: one engine's, or several
+    data-parallel engines' separated by commas. The model name defaults to the tokenizer
     folder's name, the sampling defaults to its generation_config.json's; `credentials`
     (a file or Credentials) are needed on a tcp engine; `chat_template` replaces the
     tokenizer's; `app_options` are build_app's."""
     tokenizer = Tokenizer.from_pretrained(tokenizer_path, chat_template)
-    client = AsyncEngineClient(engine_address, tokenizer=tokenizer, credentials=credentials)
+    if "," in engine_address:
+        client = DataParallelClient(engine_address, tokenizer=tokenizer, credentials=credentials)
+    else:
+        client = AsyncEngineClient(engine_address, tokenizer=tokenizer, credentials=credentials)
     if app_options.get("sampling_defaults") is None:
         app_options["sampling_defaults"] = generation_defaults(tokenizer_path)
     name = served_model_name or Path(tokenizer_path).name
@@ -46,7 +50,9 @@ def run_server(
     asyncio.run(_serve(app, client, host, port))
 
 
-async def _serve(app: FastAPI, client: AsyncEngineClient, host: str, port: int) -> None:
+async def _serve(
+    app: FastAPI, client: AsyncEngineClient | DataParallelClient, host: str, port: int
+) -> None:
     """Connect first (the port opens once the engine answers), then serve."""
     while True:
         try:
@@ -64,7 +70,11 @@ async def _serve(app: FastAPI, client: AsyncEngineClient, host: str, port: int) 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m server", description=__doc__)
-    parser.add_argument("--engine-address", required=True, help="the EngineCore's client socket")
+    parser.add_argument(
+        "--engine-address",
+        required=True,
+        help="the EngineCore's client socket (several data-parallel engines: comma-separated)",
+    )
     parser.add_argument("--tokenizer", required=True, help="a Hugging Face model folder")
     parser.add_argument("--max-model-len", type=int, help="longest prompt + completion, in tokens")
     parser.add_argument(

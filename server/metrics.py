@@ -1,14 +1,16 @@
 """Prometheus metrics: latencies measured in the server, engine counters from SchedulerStats.
 
-Names are vLLM's after the prefix (`splitserve:` for `vllm:`), each with a `model_name`
-label, so a vLLM dashboard works once the prefix is swapped. Each app has its own
-registry, so several apps (tests) can live in one process.
+Names are vLLM's after the prefix (`splitserve:` for `vllm:`), each with vLLM's
+`model_name` and `engine` labels (the data-parallel engine, "0" with one), so a vLLM
+dashboard works once the prefix is swapped. Each app has its own registry, so several
+apps (tests) can live in one process.
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -25,6 +27,7 @@ E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
                50.0, 60.0, 120.0, 240.0, 480.0, 960.0)
 # fmt: on
 LABEL = "model_name"
+ENGINE = "engine"
 
 
 def token_buckets(max_value: int) -> tuple[int, ...]:
@@ -51,16 +54,27 @@ class FinishedRequest:
 
 
 class EngineStatsCollector:
-    """Exposes the latest SchedulerStats; nothing while the engine has not answered."""
+    """Exposes each engine's latest SchedulerStats, labelled with its index; nothing for
+    an engine that has not answered."""
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
-        self.stats: SchedulerStats | None = None
+        self.stats: list[SchedulerStats | None] = []
 
     def collect(self):
-        s = self.stats
-        if s is None:
+        answered = [(str(i), s) for i, s in enumerate(self.stats) if s is not None]
+        if not answered:
             return
+        families: dict[str, Any] = {}
+        for engine, s in answered:
+            for metric in self._engine_metrics(engine, s):
+                if metric.name in families:
+                    families[metric.name].samples.extend(metric.samples)
+                else:
+                    families[metric.name] = metric
+        yield from families.values()
+
+    def _engine_metrics(self, engine: str, s: SchedulerStats):
         hit_rate = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
         gauges = [
             ("num_requests_running", "Requests in the running batch.", s.num_running),
@@ -88,14 +102,14 @@ class EngineStatsCollector:
         ]  # fmt: skip
         for kinds, family in ((gauges, GaugeMetricFamily), (counters, CounterMetricFamily)):
             for name, doc, value in kinds:
-                metric = family(PREFIX + name, doc, labels=[LABEL])
-                metric.add_metric([self.model_name], value)
+                metric = family(PREFIX + name, doc, labels=[LABEL, ENGINE])
+                metric.add_metric([self.model_name, engine], value)
                 yield metric
-        yield self._iteration_tokens(s)
+        yield self._iteration_tokens(engine, s)
         if s.spec_decode_num_accepted_tokens_per_pos:  # speculative decoding is configured
-            yield from self._spec_decode(s)
+            yield from self._spec_decode(engine, s)
         if s.cache_config_info:
-            labels = {LABEL: self.model_name, **s.cache_config_info}
+            labels = {LABEL: self.model_name, ENGINE: engine, **s.cache_config_info}
             info = GaugeMetricFamily(
                 PREFIX + "cache_config_info", "Information of the KV cache's configuration.",
                 labels=list(labels),
@@ -103,7 +117,7 @@ class EngineStatsCollector:
             info.add_metric(list(labels.values()), 1)
             yield info
 
-    def _spec_decode(self, s: SchedulerStats):
+    def _spec_decode(self, engine: str, s: SchedulerStats):
         counters = [
             ("spec_decode_num_drafts", "Verifications: one request's drafts in one step.",
              s.spec_decode_num_drafts),
@@ -113,32 +127,35 @@ class EngineStatsCollector:
              s.spec_decode_num_accepted_tokens),
         ]  # fmt: skip
         for name, doc, value in counters:
-            metric = CounterMetricFamily(PREFIX + name, doc, labels=[LABEL])
-            metric.add_metric([self.model_name], value)
+            metric = CounterMetricFamily(PREFIX + name, doc, labels=[LABEL, ENGINE])
+            metric.add_metric([self.model_name, engine], value)
             yield metric
         per_pos = CounterMetricFamily(
             PREFIX + "spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted, by their position among a request's drafts (0: first).",
-            labels=[LABEL, "position"],
+            labels=[LABEL, ENGINE, "position"],
         )
         for position, value in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
-            per_pos.add_metric([self.model_name, str(position)], value)
+            per_pos.add_metric([self.model_name, engine, str(position)], value)
         yield per_pos
 
-    def _iteration_tokens(self, s: SchedulerStats) -> HistogramMetricFamily:
+    def _iteration_tokens(self, engine: str, s: SchedulerStats) -> HistogramMetricFamily:
         """Tokens per engine step, from the EngineCore's counts per bucket."""
         metric = HistogramMetricFamily(
-            PREFIX + "iteration_tokens_total", "Tokens scheduled per engine step.", labels=[LABEL]
+            PREFIX + "iteration_tokens_total",
+            "Tokens scheduled per engine step.",
+            labels=[LABEL, ENGINE],
         )
         counts = s.iteration_tokens or [0] * (len(ITERATION_TOKEN_BUCKETS) + 1)
         bounds = [str(float(b)) for b in ITERATION_TOKEN_BUCKETS] + ["+Inf"]
         buckets = list(zip(bounds, itertools.accumulate(counts), strict=True))
-        metric.add_metric([self.model_name], buckets, s.iteration_tokens_sum)
+        metric.add_metric([self.model_name, engine], buckets, s.iteration_tokens_sum)
         return metric
 
 
 class ServerMetrics:
-    """The server's own metrics, each already labelled with the model's name."""
+    """The server's own metrics, labelled with the model's name and the engine (the
+    data-parallel rank) that ran each request."""
 
     def __init__(self, model_name: str, max_model_len: int | None = None) -> None:
         self.registry = CollectorRegistry()
@@ -196,32 +213,44 @@ class ServerMetrics:
         }
         self._histograms = {
             name: Histogram(
-                PREFIX + name, doc, [LABEL], buckets=buckets, registry=self.registry
-            ).labels(model_name)
+                PREFIX + name, doc, [LABEL, ENGINE], buckets=buckets, registry=self.registry
+            )
             for name, (doc, buckets) in histograms.items()
         }
+        self._engine_histograms: dict[int, dict[str, Any]] = {}
         self._success = Counter(
             PREFIX + "request_success",
             "Finished requests, by finish reason.",
-            [LABEL, "finished_reason"],
+            [LABEL, ENGINE, "finished_reason"],
             registry=self.registry,
         )
         self._cached_tokens = Counter(
             PREFIX + "prompt_tokens_cached",
             "Prompt tokens of finished requests found in the prefix cache.",
-            [LABEL],
+            [LABEL, ENGINE],
             registry=self.registry,
-        ).labels(model_name)
+        )
 
-    def observe_first_token(self, seconds: float) -> None:
-        self._histograms["time_to_first_token_seconds"].observe(seconds)
+    def _h(self, engine: int) -> dict[str, Any]:
+        """The histograms of one engine's requests, by name."""
+        if engine not in self._engine_histograms:
+            self._engine_histograms[engine] = {
+                n: h.labels(self.model_name, str(engine)) for n, h in self._histograms.items()
+            }
+        return self._engine_histograms[engine]
 
-    def observe_inter_token(self, seconds: float) -> None:
-        self._histograms["inter_token_latency_seconds"].observe(seconds)
-        self._histograms["time_per_output_token_seconds"].observe(seconds)
+    def observe_first_token(self, seconds: float, engine: int = 0) -> None:
+        self._h(engine)["time_to_first_token_seconds"].observe(seconds)
 
-    def observe_finished(self, finish_reason: str, request: FinishedRequest) -> None:
-        h = self._histograms
+    def observe_inter_token(self, seconds: float, engine: int = 0) -> None:
+        h = self._h(engine)
+        h["inter_token_latency_seconds"].observe(seconds)
+        h["time_per_output_token_seconds"].observe(seconds)
+
+    def observe_finished(
+        self, finish_reason: str, request: FinishedRequest, engine: int = 0
+    ) -> None:
+        h = self._h(engine)
         h["e2e_request_latency_seconds"].observe(request.seconds)
         h["request_prompt_tokens"].observe(request.num_prompt_tokens)
         h["request_generation_tokens"].observe(sum(request.choice_tokens))
@@ -231,13 +260,13 @@ class ServerMetrics:
         h["request_params_n"].observe(request.n)
         if request.max_tokens is not None:
             h["request_params_max_tokens"].observe(request.max_tokens)
-        self._cached_tokens.inc(request.num_cached_tokens)
-        self._success.labels(self.model_name, finish_reason).inc()
+        self._cached_tokens.labels(self.model_name, str(engine)).inc(request.num_cached_tokens)
+        self._success.labels(self.model_name, str(engine), finish_reason).inc()
 
-    def observe_request_stats(self, stats: RequestStats, num_tokens: int) -> None:
+    def observe_request_stats(self, stats: RequestStats, num_tokens: int, engine: int = 0) -> None:
         """One engine request's phases, preemptions and `num_tokens` (each choice's, with
         n > 1, as vLLM counts them)."""
-        h = self._histograms
+        h = self._h(engine)
         h["request_queue_time_seconds"].observe(stats.queued)
         h["request_prefill_time_seconds"].observe(stats.prefill)
         h["request_decode_time_seconds"].observe(stats.decode)
@@ -246,6 +275,7 @@ class ServerMetrics:
         if num_tokens > 1:
             h["request_time_per_output_token_seconds"].observe(stats.decode / (num_tokens - 1))
 
-    def render(self, stats: SchedulerStats | None) -> bytes:
+    def render(self, stats: list[SchedulerStats | None]) -> bytes:
+        """The metrics, with each engine's stats (None: that engine did not answer)."""
         self.engine.stats = stats
         return generate_latest(self.registry)

@@ -57,6 +57,7 @@ async def engine_outputs(
     APIErrors. A request with best_of > n cannot stream: its one output is the answer."""
     s = submission
     last_token_time = None
+    engine = 0  # the data-parallel engine, known once the request runs
     finish_reason = "abort"
     started = False
     choice_tokens: dict[int, int] = defaultdict(int)
@@ -74,6 +75,7 @@ async def engine_outputs(
         )
         async with aclosing(stream):
             async for out in stream:
+                engine = client.engine_index(s.request_id)
                 now = time.perf_counter()
                 num_new = 0
                 for choice in out.outputs:
@@ -82,13 +84,13 @@ async def engine_outputs(
                 num_cached_tokens = out.num_cached_tokens
                 if num_new:
                     if last_token_time is None:
-                        metrics.observe_first_token(now - s.arrival)
+                        metrics.observe_first_token(now - s.arrival, engine)
                     else:
-                        metrics.observe_inter_token(now - last_token_time)
+                        metrics.observe_inter_token(now - last_token_time, engine)
                     last_token_time = now
                 if out.request_stats is not None:  # an engine request (a choice, with n > 1) ended
                     index = out.outputs[0].index if out.outputs else 0
-                    metrics.observe_request_stats(out.request_stats, choice_tokens[index])
+                    metrics.observe_request_stats(out.request_stats, choice_tokens[index], engine)
                 if out.finished:
                     finish_reason = next((c.finish_reason for c in out.outputs), None) or "abort"
                 started = True
@@ -109,7 +111,7 @@ async def engine_outputs(
                 s.params.n,
                 s.params.max_tokens,
             )
-            metrics.observe_finished(finish_reason, finished)
+            metrics.observe_finished(finish_reason, finished, engine)
 
 
 async def _whole(client, *args, **kwargs) -> AsyncIterator[RequestOutput]:

@@ -29,6 +29,12 @@ class LLM:
 
             model = default_model_path()
         self.config = make_engine_config(model=model, **engine_args)
+        if self.config.data_parallel_size > 1:
+            raise ValueError(
+                "LLM drives one EngineCore: for data_parallel_size > 1 start a cluster "
+                "(launch.py --data-parallel-size N) and use its HTTP server or a "
+                "DataParallelClient"
+            )
         self.tokenizer = load_tokenizer(self.config.tokenizer)
         self.input_processor = InputProcessor(self.tokenizer)
         self.engine = EngineCore(self.config, _make_executor(self.config))

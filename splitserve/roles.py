@@ -26,10 +26,17 @@ def engine_address(args: argparse.Namespace) -> str:
     a fresh ipc address."""
     if args.engine_address:
         return args.engine_address
+    return engine_addresses(args, 1)[0]
+
+
+def engine_addresses(args: argparse.Namespace, count: int) -> list[str]:
+    """The addresses of `count` data-parallel engines: on tcp, engine i takes the 3 ports
+    from --engine-port + 3i (from a free port if none); else fresh ipc addresses."""
     if args.engine_host is None and args.engine_port is None:
-        return new_ipc_address()
+        return [new_ipc_address() for _ in range(count)]
     host = args.engine_host or "127.0.0.1"
-    return f"tcp://{host}:{args.engine_port or free_tcp_port(host)}"
+    first = args.engine_port or free_tcp_port(host, 3 * count)
+    return [f"tcp://{host}:{first + 3 * i}" for i in range(count)]
 
 
 def run_role(args: argparse.Namespace) -> int:

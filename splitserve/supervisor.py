@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import os
 import select
@@ -12,15 +13,17 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import BinaryIO
 
 from ipc.config import EngineConfig
-from ipc.sockets import remove_ipc_files, write_address_file
+from ipc.sockets import ipc_paths, remove_ipc_files, write_address_file
 from server.args import server_child_args
 from splitserve.cluster import spawn, start_workers
 
 ENGINE_REPORT_S = 5.0  # time the engine gets to report a dead worker to its clients
 SHUTDOWN_GRACE_S = 5.0
 API_RESTARTS = 3  # API server starts within a minute before its death is fatal
+ENGINE_RESTARTS = 3  # the same for each data-parallel engine (one engine: never restarted)
 
 
 class Stop(BaseException):
@@ -31,20 +34,49 @@ class ChildDied(Exception):
     pass
 
 
+@dataclasses.dataclass
+class Engine:
+    """One EngineCore of the cluster (data-parallel rank `config.data_parallel_rank`),
+    the pipe it reports on and the times it was started."""
+
+    config: EngineConfig
+    address: str
+    name: str
+    lines: BinaryIO | None = None
+    starts: list[float] = dataclasses.field(default_factory=list)
+
+    @property
+    def worker_prefix(self) -> str:
+        """Its workers' names, less the rank."""
+        return "worker rank " if self.name == "engine core" else f"{self.name} worker rank "
+
+
 class Supervisor:
     """The launcher's children by name; `run` returns the launcher's exit code.
 
-    The engine writes lines on a pipe: "ready" once every worker registered, then
+    Each engine writes lines on a pipe: "ready" once every worker registered, then
     "restart" whenever it wants fresh workers (it decides when a worker failed and
-    bounds the restarts); a worker that dies is left for the engine to notice. An API
+    bounds the restarts); a worker that dies is left for its engine to notice. An API
     server that dies is started again (at most API_RESTARTS times a minute): it holds
-    nothing but connections.
+    nothing but connections. With data parallelism, an engine that dies is started again
+    with fresh workers (at most ENGINE_RESTARTS times a minute) while the others serve;
+    the API servers reconnect to it. A lone engine's death ends the cluster.
     """
 
-    def __init__(self, args: argparse.Namespace, config: EngineConfig, address: str) -> None:
+    def __init__(
+        self, args: argparse.Namespace, config: EngineConfig, addresses: list[str]
+    ) -> None:
         self.args = args
         self.config = config
-        self.address = address
+        dp = len(addresses)
+        self.engines = [
+            Engine(
+                dataclasses.replace(config, data_parallel_size=dp, data_parallel_rank=i),
+                address,
+                "engine core" if dp == 1 else f"engine core {i}",
+            )
+            for i, address in enumerate(addresses)
+        ]
         self.children: dict[str, subprocess.Popen] = {}
         self._api_starts: list[float] = []
 
@@ -53,11 +85,12 @@ class Supervisor:
             signal.signal(sig, _raise_stop)
         dead = None
         try:
-            with self._start() as engine_lines:
-                while True:
-                    self._check_children()
-                    if select.select([engine_lines], [], [], 0.1)[0]:
-                        self._on_engine_line(engine_lines.readline())
+            self._start()
+            while True:
+                self._check_children()
+                pipes = {e.lines: e for e in self.engines if e.lines is not None}
+                for lines in select.select(list(pipes), [], [], 0.1)[0]:
+                    self._on_engine_line(pipes[lines], lines.readline())
         except Stop:
             pass
         except ChildDied as e:
@@ -69,20 +102,17 @@ class Supervisor:
             return 1
         return 0
 
-    def _start(self):
-        """Start the engine and the workers, wait for "ready", start the API server;
-        returns the engine's pipe (a file to read lines from)."""
-        ready_read, ready_write = os.pipe()
-        args = ["--engine-address", self.address, "--ready-fd", str(ready_write)]
-        self._add("engine core", spawn("engine", self.config, *args, pass_fds=(ready_write,)))
-        os.close(ready_write)
-        self._start_workers()
-        engine_lines = os.fdopen(ready_read, "rb", buffering=0)
-        while not select.select([engine_lines], [], [], 0.1)[0]:
-            self._check_children()
-        if engine_lines.readline() != b"ready\n":
-            self.children["engine core"].wait()
-            self._check_children()
+    def _start(self) -> None:
+        """Start the engines and their workers, wait for every engine's "ready", start the
+        API server."""
+        for engine in self.engines:
+            self._start_engine(engine)
+        for engine in self.engines:
+            while not select.select([engine.lines], [], [], 0.1)[0]:
+                self._check_children()
+            if engine.lines.readline() != b"ready\n":
+                self.children[engine.name].wait()
+                self._check_children()
         api = ""
         if not self.args.no_api and _server_importable():
             self._start_api()
@@ -90,33 +120,62 @@ class Supervisor:
             api = f" (api http://{self.args.api_host}:{self.args.api_port})"
         elif not self.args.no_api:
             print("splitserve: server/ is not importable; no HTTP API", file=sys.stderr)
-        print(f"splitserve ready: engine address {self.address}{api}", flush=True)
+        addresses = ",".join(e.address for e in self.engines)
+        label = "engine address" if len(self.engines) == 1 else "engine addresses"
+        print(f"splitserve ready: {label} {addresses}{api}", flush=True)
         if self.args.address_file:
-            write_address_file(self.args.address_file, self.address)
-        return engine_lines
+            write_address_file(self.args.address_file, addresses)
 
-    def _on_engine_line(self, line: bytes) -> None:
+    def _start_engine(self, engine: Engine) -> None:
+        """The engine and its workers; its pipe in engine.lines."""
+        ready_read, ready_write = os.pipe()
+        args = ["--engine-address", engine.address, "--ready-fd", str(ready_write)]
+        self._add(engine.name, spawn("engine", engine.config, *args, pass_fds=(ready_write,)))
+        os.close(ready_write)
+        engine.lines = os.fdopen(ready_read, "rb", buffering=0)
+        engine.starts = [t for t in engine.starts if time.monotonic() - t < 60.0]
+        engine.starts.append(time.monotonic())
+        self._start_workers(engine)
+
+    def _on_engine_line(self, engine: Engine, line: bytes) -> None:
         if line == b"restart\n":
-            print("splitserve: the engine asked for new workers; restarting them", flush=True)
-            self._stop_workers()
-            self._start_workers()
+            print(f"splitserve: {engine.name} asked for new workers; restarting them", flush=True)
+            self._stop_workers(engine)
+            self._start_workers(engine)
+        elif line == b"ready\n":
+            print(f"splitserve: {engine.name} ready again", flush=True)
         elif not line:  # the engine closed its end: it is exiting
-            self.children["engine core"].wait()
+            engine.lines.close()
+            engine.lines = None
+            self.children[engine.name].wait()
             self._check_children()
 
-    def _start_workers(self) -> None:
-        for rank, process in enumerate(start_workers(self.config, self.address)):
-            self._add(f"worker rank {rank}", process)
+    def _start_workers(self, engine: Engine) -> None:
+        for rank, process in enumerate(start_workers(engine.config, engine.address)):
+            self._add(f"{engine.worker_prefix}{rank}", process)
 
-    def _stop_workers(self) -> None:
-        for name in [n for n in self.children if n.startswith("worker")]:
+    def _stop_workers(self, engine: Engine) -> None:
+        for name in [n for n in self.children if n.startswith(engine.worker_prefix)]:
             process = self.children.pop(name)
             process.kill()
             process.wait()
 
+    def _restart_engine(self, engine: Engine, code: int | None) -> None:
+        print(
+            f"splitserve: {engine.name} died with exit code {code}; restarting it and its workers",
+            flush=True,
+        )
+        self._stop_workers(engine)
+        if engine.lines is not None:
+            engine.lines.close()
+        for path in ipc_paths(engine.address):  # not its folder: the workers meet there
+            path.unlink(missing_ok=True)
+        self._start_engine(engine)
+
     def _start_api(self) -> None:
         argv, env = server_child_args(self.args)
-        args = ["--engine-address", self.address, *argv]
+        addresses = ",".join(e.address for e in self.engines)
+        args = ["--engine-address", addresses, *argv]
         env = dict(os.environ, **env)
         self._api_starts = [t for t in self._api_starts if time.monotonic() - t < 60.0]
         self._api_starts.append(time.monotonic())
@@ -141,35 +200,47 @@ class Supervisor:
         """Raise ChildDied for the likeliest cause among the children that exited: one
         killed by a signal before one that exited with an error (say, a worker whose peer
         vanished mid-collective), a failure before a clean exit, a worker before the
-        engine it takes down. A dead worker is the engine's to replace while restarts
-        are allowed; a dead API server is started again."""
+        engine it takes down. A dead worker is its engine's to replace while restarts
+        are allowed; a dead API server is started again, and so is one of several
+        engines (with its workers)."""
+        if len(self.engines) > 1:
+            for engine in self.engines:
+                code = self.children[engine.name].poll()
+                if code is not None and len(engine.starts) < ENGINE_RESTARTS:
+                    self._restart_engine(engine, code)
         dead = [(n, p.returncode) for n, p in self.children.items() if p.poll() is not None]
-        engine_alive = self.children["engine core"].poll() is None
-        if engine_alive and self.config.max_worker_restarts > 0:
-            dead = [d for d in dead if not d[0].startswith("worker")]
+        alive = {e.name: self.children[e.name].poll() is None for e in self.engines}
+        if self.config.max_worker_restarts > 0:
+            dead = [d for d in dead if not self._engine_alive(d[0], alive)]
         api_only = [name for name, _ in dead] == ["api server"]
-        if api_only and engine_alive and len(self._api_starts) < API_RESTARTS:
+        if api_only and any(alive.values()) and len(self._api_starts) < API_RESTARTS:
             print(f"splitserve: api server died with exit code {dead[0][1]}; restarting it")
             self._start_api()
             return
         if dead:
-            name, code = min(
-                dead, key=lambda d: (d[1] >= 0, d[1] == 0, not d[0].startswith("worker"))
-            )
+            name, code = min(dead, key=lambda d: (d[1] >= 0, d[1] == 0, "worker" not in d[0]))
             raise ChildDied(f"{name} died with exit code {code}")
 
+    def _engine_alive(self, child: str, alive: dict[str, bool]) -> bool:
+        """Whether `child` is a worker whose engine is alive."""
+        for engine in self.engines:
+            if child.startswith(engine.worker_prefix):
+                return alive[engine.name]
+        return False
+
     def _stop(self, dead: str | None) -> None:
-        """The engine first: it drains (finishes what runs, for up to shutdown_timeout)
-        while the API server still streams, then tells the workers to stop; then the API
+        """The engines first: they drain (finish what runs, for up to shutdown_timeout)
+        while the API server still streams, then tell the workers to stop; then the API
         server. After a grace period terminate, then kill, whatever is left."""
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_IGN)
-        engine = self.children.get("engine core")
-        if engine is not None and dead is not None and dead.startswith("worker"):
-            _wait([engine], ENGINE_REPORT_S)
-        if engine is not None and engine.poll() is None:
-            engine.terminate()
-            _wait([engine], self.config.shutdown_timeout + SHUTDOWN_GRACE_S)
+        engines = [self.children[e.name] for e in self.engines if e.name in self.children]
+        if engines and dead is not None and "worker" in dead:
+            _wait(engines, ENGINE_REPORT_S)
+        running = [p for p in engines if p.poll() is None]
+        for process in running:
+            process.terminate()
+        _wait(running, self.config.shutdown_timeout + SHUTDOWN_GRACE_S)
         if "api server" in self.children:
             self.children["api server"].terminate()
         _wait(self.children.values(), SHUTDOWN_GRACE_S)
@@ -181,7 +252,8 @@ class Supervisor:
             if process.poll() is None:
                 process.kill()
                 process.wait()
-        remove_ipc_files(self.address)
+        for engine in self.engines:
+            remove_ipc_files(engine.address)
         if self.args.address_file:
             Path(self.args.address_file).unlink(missing_ok=True)
 

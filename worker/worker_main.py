@@ -75,7 +75,7 @@ def run_worker(
     monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | _HANDSHAKE_FAILED)
     step_id = None
     try:
-        _set_num_threads(world_size)
+        _share_cores(config, rank, world_size)
         device = _device(config, rank)
         init_distributed(rank, world_size, dist_init_address, device=device)
         runner = ModelRunner(config, device)
@@ -150,15 +150,25 @@ def run_worker(
         ctx.term()
 
 
-def _set_num_threads(world_size: int) -> None:
-    """Share this machine's cores among the ranks, unless OMP_NUM_THREADS says otherwise."""
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world_size))
+def _share_cores(config: EngineConfig, rank: int, world_size: int) -> None:
+    """Share this machine's cores among the ranks of every data-parallel engine, unless
+    OMP_NUM_THREADS says otherwise. With several engines each rank is pinned to its own
+    cores, so that one engine's busy steps do not slow the others'."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    ranks = world_size * config.data_parallel_size
+    share = max(1, len(cores) // ranks)
+    torch.set_num_threads(share)
+    if config.data_parallel_size > 1 and len(cores) >= ranks:
+        first = (config.data_parallel_rank * world_size + rank) * share
+        os.sched_setaffinity(0, cores[first : first + share])
 
 
 def _device(config: EngineConfig, rank: int) -> torch.device:
     cuda = config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available())
     if not cuda:
         return torch.device("cpu")
-    local_rank = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
+    index = config.data_parallel_rank * config.tensor_parallel_size + rank
+    local_rank = int(os.environ.get("LOCAL_RANK", index % torch.cuda.device_count()))
     return torch.device("cuda", local_rank)

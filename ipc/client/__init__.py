@@ -1,8 +1,10 @@
 """The client library of an EngineCore process: EngineClient (blocking, thread-safe)
-and AsyncEngineClient (asyncio). `python -m ipc.client --help` streams one answer."""
+and AsyncEngineClient (asyncio); DataParallelClient (asyncio), of several EngineCores.
+`python -m ipc.client --help` streams one answer."""
 
 from ipc.auth import Credentials, CredentialsError
 from ipc.client.async_client import AsyncEngineClient
+from ipc.client.dp_client import DataParallelClient
 from ipc.client.errors import EngineDeadError, RequestError
 from ipc.client.sync_client import EngineClient
 
@@ -10,6 +12,7 @@ __all__ = [
     "AsyncEngineClient",
     "Credentials",
     "CredentialsError",
+    "DataParallelClient",
     "EngineClient",
     "EngineDeadError",
     "RequestError",

@@ -19,6 +19,7 @@ import zmq.asyncio
 
 import ipc.client.steps as steps
 from ipc.client.base import ClientBase
+from ipc.client.errors import EngineDeadError
 from ipc.client.input_processor import Prompt
 from ipc.client.output_processor import Handle
 from ipc.client.parallel_sampling import check_streamable
@@ -104,6 +105,18 @@ class AsyncEngineClient(ClientBase):
 
     async def stats(self, timeout: float = 30.0) -> SchedulerStats:
         return await self._call(steps.call(self._core, "stats", timeout))
+
+    async def engine_stats(self, timeout: float = 30.0) -> list[SchedulerStats | None]:
+        """[stats], or [None] when the engine does not answer (DataParallelClient's
+        engine_stats has one per engine)."""
+        try:
+            return [await self.stats(timeout)]
+        except EngineDeadError:
+            return [None]
+
+    def engine_index(self, request_id: str) -> int:
+        """The data-parallel engine a request runs on: this client has one, 0."""
+        return 0
 
     async def reset_prefix_cache(self, timeout: float = 30.0) -> bool:
         return await self._call(steps.call(self._core, "reset_prefix_cache", timeout))

@@ -45,6 +45,11 @@ class ClientBase:
         credentials: Credentials | str | os.PathLike | None = None,
     ) -> None:
         self.address = read_address(address)
+        if "," in self.address:
+            raise ValueError(
+                f"{address} names several data-parallel engines ({self.address}): connect to "
+                "them with DataParallelClient, or to one of them"
+            )
         self._credentials = client_credentials(address, self.address, credentials)
         self.connect_timeout = connect_timeout
         self.health_interval = health_interval
@@ -55,6 +60,11 @@ class ClientBase:
     @property
     def tokenizer(self) -> TokenizerLike | None:
         return self._core.tokenizer
+
+    @property
+    def connected(self) -> bool:
+        """Whether the engine answered and has not been lost since."""
+        return self._core.connected
 
     def _start(self) -> None:
         """The client's own setup, last in __init__ (EngineClient connects here)."""

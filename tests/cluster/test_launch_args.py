@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 
 from ipc.config import DTYPES, EngineConfig, parse_bytes
-from launch import build_parser, parse_args
+from launch import build_parser, main, parse_args
+from splitserve import LLM
 from splitserve.engine_args import engine_config, engine_options
-from splitserve.roles import engine_address
+from splitserve.roles import engine_address, engine_addresses
 from tests.models.tiny import make_tiny_checkpoint
 
 
@@ -115,3 +116,26 @@ def test_vllm_serve_style_flags_name_the_model_and_the_http_port(tmp_path):
     assert parse_args(["--api-port", "9001", model, "--model", model]).api_port == 9001
     with pytest.raises(SystemExit):
         parse_args([model, "--model", str(tmp_path)])
+
+
+def test_data_parallel_flags_give_each_engine_its_own_address(tmp_path):
+    """-dp N (vLLM's short flag): on tcp engine i takes the 3 ports from PORT + 3i; else
+    each has its own ipc folder. A rank outside the size is refused."""
+    model = make_tiny_checkpoint(tmp_path, "llama", tokenizer=False)
+    args = parse_args([model, "-dp", "3", "--engine-host", "127.0.0.1", "--engine-port", "7000"])
+    assert engine_config(args).data_parallel_size == 3
+    assert engine_addresses(args, 3) == [f"tcp://127.0.0.1:{p}" for p in (7000, 7003, 7006)]
+    ipc = engine_addresses(parse_args([model, "--data-parallel-size", "2"]), 2)
+    assert len({Path(a[len("ipc://") :]).parent for a in ipc}) == 2
+    with pytest.raises(ValueError, match="data_parallel_rank"):
+        EngineConfig(model=model, data_parallel_size=2, data_parallel_rank=2)
+    with pytest.raises(ValueError, match="data_parallel_size must be an integer >= 1"):
+        EngineConfig(model=model, data_parallel_size=0)
+
+
+def test_data_parallel_needs_as_many_addresses_and_a_cluster(tmp_path):
+    model = make_tiny_checkpoint(tmp_path, "llama", tokenizer=False)
+    with pytest.raises(SystemExit, match="names 1 engines but --data-parallel-size is 2"):
+        main([model, "-dp", "2", "--engine-address", "ipc:///tmp/x", "--no-api"])
+    with pytest.raises(ValueError, match="LLM drives one EngineCore"):
+        LLM(model, data_parallel_size=2, max_model_len=64)

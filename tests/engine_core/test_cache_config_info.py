@@ -27,9 +27,9 @@ def test_cache_config_info_labels_and_metric():
         "num_gpu_blocks_override": "None",
     }
     metrics = ServerMetrics("tiny")
-    text = metrics.render(SchedulerStats(cache_config_info=info)).decode()
+    text = metrics.render([SchedulerStats(cache_config_info=info)]).decode()
     families = {f.name: f for f in text_string_to_metric_families(text)}
     (sample,) = families["splitserve:cache_config_info"].samples
-    assert sample.value == 1.0 and sample.labels == {"model_name": "tiny", **info}
-    text = metrics.render(SchedulerStats()).decode()
+    assert sample.value == 1.0 and sample.labels == {"model_name": "tiny", "engine": "0", **info}
+    text = metrics.render([SchedulerStats()]).decode()
     assert "cache_config_info" not in text

@@ -108,6 +108,12 @@ class FakeEngineClient:
         self._check_alive()
         return self._stats
 
+    async def engine_stats(self, timeout: float = 30.0) -> list[SchedulerStats | None]:
+        return [self._stats if self.alive else None]
+
+    def engine_index(self, request_id: str) -> int:
+        return 0
+
     async def abort(self, request_id: str) -> None:
         self.aborted.append(request_id)
 

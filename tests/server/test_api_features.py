@@ -202,10 +202,13 @@ def test_metrics_have_vllm_names_with_the_model_name(oai, http, engine):
         model=engine.model_name, prompt=[5, 6], max_tokens=3, extra_body={"ignore_eos": True}
     )
     metrics = read_metrics(http)
-    label = (("model_name", engine.model_name),)
+    label = (("engine", "0"), ("model_name", engine.model_name))
     for name in VLLM_METRICS:
         assert (f"splitserve:{name}", label) in metrics, name
-    success = ("splitserve:request_success_total", (("finished_reason", "length"), *label))
+    success = (
+        "splitserve:request_success_total",
+        (label[0], ("finished_reason", "length"), label[1]),
+    )
     assert metrics[success] >= 1
 
 

@@ -332,7 +332,7 @@ def test_metrics_parse_and_move_after_a_request(oai, http, engine):
     after = read_metrics(http)
 
     def moved(name: str, **labels) -> float:
-        labels["model_name"] = engine.model_name
+        labels.update(model_name=engine.model_name, engine="0")
         key = (f"splitserve:{name}", tuple(sorted(labels.items())))
         return after[key] - before.get(key, 0.0)
 
@@ -349,7 +349,8 @@ def test_metrics_parse_and_move_after_a_request(oai, http, engine):
         "prefix_cache_hit_rate",
         "num_preemptions_total",
     ):
-        assert (f"splitserve:{gauge}", (("model_name", engine.model_name),)) in after
+        labels = (("engine", "0"), ("model_name", engine.model_name))
+        assert (f"splitserve:{gauge}", labels) in after
 
 
 @pytest.mark.engines("fake", "zmq")

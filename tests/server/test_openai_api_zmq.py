@@ -41,5 +41,6 @@ def test_a_batch_the_engine_refuses_in_part_is_400_and_leaves_nothing_running(ht
 
 
 def test_metrics_carry_the_engine_stats(http, engine):
-    key = ("splitserve:num_requests_running", (("model_name", engine.model_name),))
+    labels = (("engine", "0"), ("model_name", engine.model_name))
+    key = ("splitserve:num_requests_running", labels)
     assert read_metrics(http)[key] == 0

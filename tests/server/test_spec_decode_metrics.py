@@ -19,7 +19,7 @@ def spec_stats(drafts: int, draft_tokens: int, accepted: int, per_pos: list[int]
 
 def test_spec_decode_counters_have_vllm_names_and_positions():
     stats = spec_stats(10, 30, 12, [7, 4, 1])
-    text = ServerMetrics("m").render(stats).decode()
+    text = ServerMetrics("m").render([stats]).decode()
     samples = {
         (s.name, s.labels.get("position")): s.value
         for family in text_string_to_metric_families(text)
@@ -35,7 +35,7 @@ def test_spec_decode_counters_have_vllm_names_and_positions():
         (prefix + "accepted_tokens_per_pos_total", "1"): 4,
         (prefix + "accepted_tokens_per_pos_total", "2"): 1,
     }
-    assert "spec_decode" not in ServerMetrics("m").render(SchedulerStats()).decode()
+    assert "spec_decode" not in ServerMetrics("m").render([SchedulerStats()]).decode()
 
 
 def test_the_stats_line_gives_acceptance_over_the_interval():
@@ -46,3 +46,24 @@ def test_the_stats_line_gives_acceptance_over_the_interval():
         "6 accepted; per position 1.00, 0.25, 0.25"
     )
     assert spec_decode_summary(now, now) == "no drafts"
+
+
+def test_every_engine_has_its_own_samples():
+    """With data parallelism each engine's stats carry its index as the engine label; an
+    engine that did not answer has none."""
+    text = ServerMetrics("m").render(
+        [spec_stats(1, 2, 1, [1]), None, SchedulerStats(num_running=3)]
+    )
+    running = {
+        s.labels["engine"]: s.value
+        for family in text_string_to_metric_families(text.decode())
+        for s in family.samples
+        if s.name == "splitserve:num_requests_running"
+    }
+    drafts = [
+        s.labels["engine"]
+        for family in text_string_to_metric_families(text.decode())
+        for s in family.samples
+        if s.name == "splitserve:spec_decode_num_drafts_total"
+    ]
+    assert running == {"0": 0.0, "2": 3.0} and drafts == ["0"]
