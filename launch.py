@@ -7,7 +7,8 @@ server, prints "splitserve ready: ..." once the engine has every worker's READY,
 shuts everything down on SIGINT/SIGTERM or when any child dies (exiting non-zero with
 the name of the child). With `--data-parallel-size D` (`-dp D`) it starts D EngineCores,
 each with its own N workers, behind the HTTP server; one of them that dies is started
-again while the others serve. Multi-node: start the engine side with `--role engine` and each
+again while the others serve. `--api-server-count K` starts K HTTP server processes on
+the one port. Multi-node: start the engine side with `--role engine` and each
 worker on its own with
 
     python launch.py --role worker --engine-address tcp://H:P --rank R \
@@ -78,6 +79,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_engine_args(p)
     p.add_argument("--no-api", action="store_true", help="start no HTTP server (default: off)")
+    p.add_argument(
+        "--api-server-count",
+        "-asc",
+        type=int,
+        default=1,
+        metavar="K",
+        help="HTTP server processes, all on the one port (SO_REUSEPORT), each a client of "
+        "every engine, their metrics summed (default: %(default)s)",
+    )
+    p.add_argument("--api-reuse-port", action="store_true", help=argparse.SUPPRESS)
     add_server_args(p)
     single = p.add_argument_group("one process (--role engine|worker|api)")
     single.add_argument(
@@ -108,6 +119,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"the model is given twice: {args.model_tag} and --model {args.model}")
         args.model = args.model_tag
     check_server_args(parser, args)
+    if args.api_server_count < 1:
+        parser.error(f"--api-server-count must be >= 1, got {args.api_server_count}")
     return args
 
 

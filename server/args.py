@@ -16,6 +16,9 @@ from ipc.chat_template import environment
 from server.tool_parsers import TOOL_PARSERS
 
 API_KEY_ENV = "SPLITSERVE_API_KEY"
+# Where several API server processes keep their metrics (prometheus_client's multiprocess
+# mode, read when the client is imported): set for them by launch.py --api-server-count.
+METRICS_FOLDER_ENV = "PROMETHEUS_MULTIPROC_DIR"
 DEFAULT_MAX_REQUEST_BODY_BYTES = 8 * 1024 * 1024
 
 

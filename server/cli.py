@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -31,13 +32,16 @@ def run_server(
     served_model_name: str | None = None,
     credentials: Credentials | str | os.PathLike | None = None,
     chat_template: str | None = None,
+    reuse_port: bool = False,
     **app_options: Any,
 ) -> None:
     """Serve the API until SIGINT/SIGTERM. `engine_address`: one engine's, or several
     data-parallel engines' separated by commas. The model name defaults to the tokenizer
     folder's name, the sampling defaults to its generation_config.json's; `credentials`
     (a file or Credentials) are needed on a tcp engine; `chat_template` replaces the
-    tokenizer's; `app_options` are build_app's."""
+    tokenizer's; with `reuse_port` the port is shared with the other servers that bind
+    it so (SO_REUSEPORT: the kernel spreads the connections); `app_options` are
+    build_app's."""
     tokenizer = Tokenizer.from_pretrained(tokenizer_path, chat_template)
     if "," in engine_address:
         client = DataParallelClient(engine_address, tokenizer=tokenizer, credentials=credentials)
@@ -47,11 +51,15 @@ def run_server(
         app_options["sampling_defaults"] = generation_defaults(tokenizer_path)
     name = served_model_name or Path(tokenizer_path).name
     app = build_app(client, tokenizer, name, **app_options)
-    asyncio.run(_serve(app, client, host, port))
+    asyncio.run(_serve(app, client, host, port, reuse_port))
 
 
 async def _serve(
-    app: FastAPI, client: AsyncEngineClient | DataParallelClient, host: str, port: int
+    app: FastAPI,
+    client: AsyncEngineClient | DataParallelClient,
+    host: str,
+    port: int,
+    reuse_port: bool,
 ) -> None:
     """Connect first (the port opens once the engine answers), then serve."""
     while True:
@@ -63,9 +71,19 @@ async def _serve(
     try:
         # On SIGINT/SIGTERM, streams still open after 5 s are cut (which aborts them).
         config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=5)
-        await uvicorn.Server(config).serve()
+        sockets = [_shared_socket(host, port)] if reuse_port else None
+        await uvicorn.Server(config).serve(sockets)
     finally:
         await client.close()
+
+
+def _shared_socket(host: str, port: int) -> socket.socket:
+    """A listening socket on (host, port) that other processes may bind too."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    return sock
 
 
 def main(argv: list[str] | None = None) -> None:

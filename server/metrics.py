@@ -9,13 +9,16 @@ apps (tests) can live in one process.
 from __future__ import annotations
 
 import itertools
+import os
 from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from ipc.messages import ITERATION_TOKEN_BUCKETS, RequestStats, SchedulerStats
+from server.args import METRICS_FOLDER_ENV
 
 PREFIX = "splitserve:"
 # fmt: off
@@ -276,6 +279,14 @@ class ServerMetrics:
             h["request_time_per_output_token_seconds"].observe(stats.decode / (num_tokens - 1))
 
     def render(self, stats: list[SchedulerStats | None]) -> bytes:
-        """The metrics, with each engine's stats (None: that engine did not answer)."""
+        """The metrics, with each engine's stats (None: that engine did not answer). Under
+        prometheus_client's multiprocess mode (several API servers: $PROMETHEUS_MULTIPROC_DIR)
+        the server's own are those of every API server process, summed."""
         self.engine.stats = stats
-        return generate_latest(self.registry)
+        folder = os.environ.get(METRICS_FOLDER_ENV)
+        if folder is None:
+            return generate_latest(self.registry)
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, folder)
+        registry.register(self.engine)
+        return generate_latest(registry)

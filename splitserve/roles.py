@@ -105,6 +105,7 @@ def _run_api(args: argparse.Namespace, config: EngineConfig) -> int:
         sampling_defaults=config.sampling_defaults,
         scheduling_policy=config.scheduling_policy.value,
         credentials=_role_credentials(args, CLIENT),
+        reuse_port=args.api_reuse_port,
         **server_options(args),
     )
     return 0

@@ -7,17 +7,19 @@ import dataclasses
 import importlib.util
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import BinaryIO
 
 from ipc.config import EngineConfig
 from ipc.sockets import ipc_paths, remove_ipc_files, write_address_file
-from server.args import server_child_args
+from server.args import METRICS_FOLDER_ENV, server_child_args
 from splitserve.cluster import spawn, start_workers
 
 ENGINE_REPORT_S = 5.0  # time the engine gets to report a dead worker to its clients
@@ -58,7 +60,8 @@ class Supervisor:
     "restart" whenever it wants fresh workers (it decides when a worker failed and
     bounds the restarts); a worker that dies is left for its engine to notice. An API
     server that dies is started again (at most API_RESTARTS times a minute): it holds
-    nothing but connections. With data parallelism, an engine that dies is started again
+    nothing but connections; with --api-server-count K, each of the K. With data
+    parallelism, an engine that dies is started again
     with fresh workers (at most ENGINE_RESTARTS times a minute) while the others serve;
     the API servers reconnect to it. A lone engine's death ends the cluster.
     """
@@ -78,7 +81,16 @@ class Supervisor:
             for i, address in enumerate(addresses)
         ]
         self.children: dict[str, subprocess.Popen] = {}
-        self._api_starts: list[float] = []
+        count = args.api_server_count
+        self.api_servers = (
+            ["api server"] if count == 1 else [f"api server {i}" for i in range(count)]
+        )
+        self._api_starts: dict[str, list[float]] = {name: [] for name in self.api_servers}
+        # Several API servers share a port and sum their metrics (prometheus_client's
+        # multiprocess mode) in a private folder.
+        self._metrics_folder = None
+        if count > 1:
+            self._metrics_folder = tempfile.mkdtemp(prefix="splitserve-metrics-")
 
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -115,7 +127,8 @@ class Supervisor:
                 self._check_children()
         api = ""
         if not self.args.no_api and _server_importable():
-            self._start_api()
+            for name in self.api_servers:
+                self._start_api(name)
             self._wait_api_port()
             api = f" (api http://{self.args.api_host}:{self.args.api_port})"
         elif not self.args.no_api:
@@ -172,14 +185,17 @@ class Supervisor:
             path.unlink(missing_ok=True)
         self._start_engine(engine)
 
-    def _start_api(self) -> None:
+    def _start_api(self, name: str) -> None:
         argv, env = server_child_args(self.args)
         addresses = ",".join(e.address for e in self.engines)
         args = ["--engine-address", addresses, *argv]
         env = dict(os.environ, **env)
-        self._api_starts = [t for t in self._api_starts if time.monotonic() - t < 60.0]
-        self._api_starts.append(time.monotonic())
-        self._add("api server", spawn("api", self.config, *args, env=env))
+        if self._metrics_folder is not None:
+            args.append("--api-reuse-port")
+            env[METRICS_FOLDER_ENV] = self._metrics_folder
+        starts = self._api_starts[name]
+        starts[:] = [t for t in starts if time.monotonic() - t < 60.0] + [time.monotonic()]
+        self._add(name, spawn("api", self.config, *args, env=env))
 
     def _wait_api_port(self) -> None:
         """Block until the API server accepts connections, so "ready" means ready."""
@@ -212,10 +228,12 @@ class Supervisor:
         alive = {e.name: self.children[e.name].poll() is None for e in self.engines}
         if self.config.max_worker_restarts > 0:
             dead = [d for d in dead if not self._engine_alive(d[0], alive)]
-        api_only = [name for name, _ in dead] == ["api server"]
-        if api_only and any(alive.values()) and len(self._api_starts) < API_RESTARTS:
-            print(f"splitserve: api server died with exit code {dead[0][1]}; restarting it")
-            self._start_api()
+        api = [(name, code) for name, code in dead if name in self._api_starts]
+        restart = all(len(self._api_starts[name]) < API_RESTARTS for name, _ in api)
+        if api and len(api) == len(dead) and any(alive.values()) and restart:
+            for name, code in api:
+                print(f"splitserve: {name} died with exit code {code}; restarting it")
+                self._start_api(name)
             return
         if dead:
             name, code = min(dead, key=lambda d: (d[1] >= 0, d[1] == 0, "worker" not in d[0]))
@@ -241,8 +259,9 @@ class Supervisor:
         for process in running:
             process.terminate()
         _wait(running, self.config.shutdown_timeout + SHUTDOWN_GRACE_S)
-        if "api server" in self.children:
-            self.children["api server"].terminate()
+        for name in self.api_servers:
+            if name in self.children:
+                self.children[name].terminate()
         _wait(self.children.values(), SHUTDOWN_GRACE_S)
         for process in self.children.values():
             if process.poll() is None:
@@ -254,6 +273,8 @@ class Supervisor:
                 process.wait()
         for engine in self.engines:
             remove_ipc_files(engine.address)
+        if self._metrics_folder is not None:
+            shutil.rmtree(self._metrics_folder, ignore_errors=True)
         if self.args.address_file:
             Path(self.args.address_file).unlink(missing_ok=True)
 

@@ -2,7 +2,8 @@
 own worker, behind one HTTP server. Both serve (the metrics say which engine ran what),
 their answers are transformers' greedy ones, and an engine that dies is started again
 alone: its streams end with an error event, the other engine's go on, and the cluster
-serves throughout."""
+serves throughout. With `--api-server-count 2`, two HTTP servers share the port, both
+answer, and every scrape gives the sum of their metrics."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import signal
 import socket
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -29,14 +31,14 @@ PROMPTS = [[_rng.randrange(256) for _ in range(n)] for n in (5, 12, 30, 7, 19, 4
 
 
 @contextlib.contextmanager
-def dp_cluster(tmp_path, model: str):
+def dp_cluster(tmp_path, model: str, *more: str):
     """launch.py -dp 2 with the HTTP server; yields (process, log, base url)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     args = ("--model", model, "--dtype", "float32", "--kv-cache-memory", "64MiB", "-dp", "2")
     process, log, address_file = start_launch(
-        tmp_path, *args, "--api-host", "127.0.0.1", "--api-port", str(port)
+        tmp_path, *args, *more, "--api-host", "127.0.0.1", "--api-port", str(port)
     )
     try:
         addresses = wait_ready(process, log, address_file)
@@ -134,3 +136,35 @@ def test_a_dead_engine_is_restarted_alone(tmp_path, llama_path):
                 break
         else:
             pytest.fail("the restarted engine got no request")
+
+
+def _metrics_folder(pid: int) -> Path:
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    (entry,) = [e for e in environ if e.startswith(b"PROMETHEUS_MULTIPROC_DIR=")]
+    return Path(entry.split(b"=", 1)[1].decode())
+
+
+def test_two_api_servers_share_the_port_and_sum_their_metrics(tmp_path, llama_path):
+    with dp_cluster(tmp_path, llama_path, "--api-server-count", "2") as (process, log, base_url):
+        pids = child_pids(log.read_text())
+        servers = [pids["api server 0"], pids["api server 1"]]
+        folder = _metrics_folder(servers[0])
+        assert folder == _metrics_folder(servers[1])
+        body = {"prompt": PROMPTS[0], "max_tokens": 2}
+        for _ in range(24):  # a connection each: the kernel picks the server
+            with httpx.Client(base_url=base_url, timeout=60) as http:
+                assert http.post("/v1/completions", json=body).status_code == 200
+        answered = {int(p.stem.rsplit("_", 1)[1]) for p in folder.glob("histogram_*.db")}
+        assert answered == set(servers)
+        for _ in range(6):  # whichever server answers the scrape counts both
+            assert sum(engine_counts(base_url).values()) == 24
+        os.kill(servers[0], signal.SIGKILL)
+        time.sleep(0.5)
+        for _ in range(6):  # the other one takes every connection meanwhile
+            with httpx.Client(base_url=base_url, timeout=60) as http:
+                assert http.post("/v1/completions", json=body).status_code == 200
+        deadline = time.monotonic() + 60
+        while "api server 0 died with exit code -9; restarting it" not in log.read_text():
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+    assert not folder.exists()
