@@ -1,5 +1,6 @@
 """Dense linear layers in float32 math (models/layers/cpu_dense_linear.cpp) for CPUs without
-bf16 instructions: the kernel against a float64 reference for every ISA built here (bf16
+bf16 instructions: the kernel against a float64 reference at generic and at the highest rung
+without bf16 instructions this CPU runs (forced on a CPU that has them; bf16
 weights: the dot tiles of few rows, the panels of more, the widened GEMM of many over
 several widened panels, strided weight rows, bf16 x; float32 weights below 384 rows), what
 it declines; `--dtype auto` holding a
@@ -15,21 +16,30 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kernels import KernelSet
+from kernels import KernelSet, probe_isa
+from kernels.isa import ladder
 from models.layers.cpu_linear import PackedWeight, dense_linear_kernel, linear
 from models.loader import dense_weight_dtype, load_model
 from splitserve import LLM
 from tests.integration.greedy import generate_greedy, greedy_reference, random_prompts
 from tests.models.tiny import make_tiny_checkpoint
-from tests.quantization.isas import kernel_isas
 
 OWN = KernelSet(cpu=True)
-pytestmark = pytest.mark.skipif(
+# The engine takes the kernel only on CPUs without bf16 instructions; the kernel itself is
+# tested on any CPU, at the highest rung below bf16 it runs (forced on bf16 CPUs).
+needs_no_bf16 = pytest.mark.skipif(
     dense_linear_kernel(OWN) is None, reason="the CPU computes in bf16 natively (or no compiler)"
 )
 
 
-@pytest.fixture(params=kernel_isas())
+def dense_isas() -> list[str]:
+    """generic and the highest rung without bf16 instructions this CPU runs."""
+    rungs = ladder()[: ladder().index(probe_isa()) + 1]
+    plain = [r for r in rungs if r not in ("avx512_bf16", "amx")]
+    return sorted({"generic", plain[-1]}, key=rungs.index)
+
+
+@pytest.fixture(params=dense_isas())
 def ops(request):
     module = dense_linear_kernel(KernelSet(cpu=True, isa=request.param))
     assert module is not None, f"the {request.param} build failed"
@@ -101,6 +111,7 @@ def test_no_rows_and_what_it_declines(ops):
     assert ops.dense_linear(torch.randn(2, 16), w.t().contiguous().t(), None) is None
 
 
+@needs_no_bf16
 def test_the_layer_falls_back_to_a_widened_f_linear():
     x, w = torch.randn(3, 16), torch.randn(8, 16).bfloat16()
     torch.testing.assert_close(linear(x, w), x @ w.float().t())
@@ -112,6 +123,7 @@ def test_the_layer_falls_back_to_a_widened_f_linear():
     torch.testing.assert_close(linear(many, w32, packed=taken), many @ w32.t())
 
 
+@needs_no_bf16
 def test_auto_holds_dense_weights_in_bf16_only_where_it_may():
     off = KernelSet()
     assert dense_weight_dtype("auto", torch.float32, "cpu", OWN) == torch.bfloat16
@@ -134,6 +146,7 @@ def bf16_representable(path: str) -> str:
     return path
 
 
+@needs_no_bf16
 @pytest.mark.parametrize("tied", [False, True])
 def test_auto_model_holds_bf16_and_matches_transformers(tmp_path, tied):
     path = bf16_representable(make_tiny_checkpoint(tmp_path, tie_word_embeddings=tied))
@@ -154,6 +167,7 @@ def test_auto_model_holds_bf16_and_matches_transformers(tmp_path, tied):
         llm.shutdown()
 
 
+@needs_no_bf16
 def test_decode_loop_on_bf16_weights_is_the_layers(tmp_path, monkeypatch):
     path = make_tiny_checkpoint(tmp_path, "qwen2")  # qkv bias
     outs = {}
