@@ -137,6 +137,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"is {config.data_parallel_size}"
             )
     else:
+        if config.distributed_executor_backend == "ray" and args.engine_host is None:
+            raise SystemExit(
+                "Ray workers join the engine over tcp: give --engine-host, the address the "
+                "Ray nodes reach this host at"
+            )
         addresses = engine_addresses(args, config.data_parallel_size)
     with cluster_credentials(args, addresses[0]):
         return Supervisor(args, config, addresses).run()

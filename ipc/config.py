@@ -183,6 +183,15 @@ class EngineConfig:
     # This engine's index among them (set by the launcher): its workers' share of the
     # CPU cores or GPUs.
     data_parallel_rank: int = 0
+    distributed_executor_backend: str = field(
+        default="mp",
+        metadata=option(
+            "how launch.py starts the workers: mp, processes on this host; ray, actors "
+            "of the Ray cluster of $RAY_ADDRESS (else a local one; needs --engine-host and "
+            "`pip install ray`)",
+            choices=("mp", "ray"),
+        ),
+    )
     enable_expert_parallel: bool = field(
         default=False,
         metadata=option(
@@ -385,6 +394,11 @@ class EngineConfig:
             _check_at_least("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _check_at_least("tensor_parallel_size", self.tensor_parallel_size, 1)
         _check_at_least("data_parallel_size", self.data_parallel_size, 1)
+        if self.distributed_executor_backend not in ("mp", "ray"):
+            raise ValueError(
+                "distributed_executor_backend must be mp or ray, got "
+                f"{self.distributed_executor_backend!r}"
+            )
         if not 0 <= self.data_parallel_rank < self.data_parallel_size:
             raise ValueError(
                 f"data_parallel_rank ({self.data_parallel_rank}) must be in "

@@ -18,7 +18,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from ipc.auth import CLIENT, credentials_beside, ensure_credentials
+from ipc.auth import CLIENT, Credentials, credentials_beside, ensure_credentials
 from ipc.config import EngineConfig
 from ipc.sockets import private_folder
 
@@ -44,7 +44,13 @@ def start_workers(
 ) -> list[subprocess.Popen]:
     """Start config.tensor_parallel_size worker processes on this machine. Unless told
     otherwise they meet through a file in a private folder (no listening store) and gloo
-    binds loopback only."""
+    binds loopback only. With the ray backend, Ray actors instead
+    (splitserve.ray_workers), with the credentials of $SPLITSERVE_CREDENTIALS."""
+    if config.distributed_executor_backend == "ray":
+        from splitserve.ray_workers import start_ray_workers
+
+        path = credentials or os.environ.get(CREDENTIALS_ENV)
+        return start_ray_workers(config, engine_address, path and Credentials.load(path))
     dist_init = dist_init_address or _private_rendezvous(engine_address)
     args = ["--engine-address", engine_address, "--dist-init-address", dist_init]
     if credentials is not None:

@@ -29,6 +29,11 @@ class LLM:
 
             model = default_model_path()
         self.config = make_engine_config(model=model, **engine_args)
+        if self.config.distributed_executor_backend == "ray":
+            raise ValueError(
+                "LLM starts its workers as processes: for Ray workers start a cluster with "
+                "launch.py --distributed-executor-backend ray"
+            )
         if self.config.data_parallel_size > 1:
             raise ValueError(
                 "LLM drives one EngineCore: for data_parallel_size > 1 start a cluster "
