@@ -33,7 +33,8 @@ using PagedDecode = void (*)(at::Tensor out, at::Tensor q, at::Tensor kv_cache,
                              int64_t window, double k_scale, double v_scale);
 
 // models/layers/cpu_dense_linear.cpp: x W^T (+ bias) in float32 math for a bf16 W [N, K],
-// or a float32 one and few rows; nullopt for tensors it does not take
+// or a float32 one and few rows; models/layers/cpu_bf16_linear.cpp (AVX-512 BF16 CPUs):
+// bf16 x of few rows and a bf16 W; nullopt for tensors they do not take
 using DenseLinear = std::optional<at::Tensor> (*)(const at::Tensor& x, const at::Tensor& weight,
                                                   const std::optional<at::Tensor>& bias);
 

@@ -7,8 +7,9 @@ layers'. It takes a step when:
 - the model: tensor parallel size 1, C++ kernels on, a neox rotary table, every layer a
   LlamaDecoderLayer with RMSNorm, SiLU-and-mul, no q/k norm, every linear layer computed
   by int8-activation kernels (a quantized weight: `LinearMethodBase.decode_weight`),
-  dense in the model's dtype without an AMX copy or on the dense kernel (cpu_dense_linear.cpp:
-  a bf16 weight of a float32 model too), all layers in one KV cache group;
+  dense in the model's dtype without an AMX copy or on a dense kernel (cpu_dense_linear.cpp:
+  a bf16 weight of a float32 model too; cpu_bf16_linear.cpp), all layers in one KV cache
+  group;
 - the step: on the CPU attention backend, every row a decode or a short row (at most
   cpu_backend.SHORT_QUERY_LEN query tokens, as a speculative step's verification), which
   the backend attends as one decode entry per query token; no padding, no more tokens
@@ -32,7 +33,7 @@ from attention.forward_context import get_forward_context
 from kernels import KernelSet
 from kernels.build import cpp_extension
 from models.layers.activation import SiluAndMul
-from models.layers.cpu_linear import PackedWeight, dense_linear_kernel
+from models.layers.cpu_linear import PackedWeight, bf16_linear_kernel, dense_linear_kernel
 from models.layers.fused_ops import fused_ops
 from models.layers.linear import LinearBase
 from models.layers.norm import RMSNorm
@@ -87,7 +88,7 @@ class CPUDecodeLoop:
         linears = [_linears(layer, dtype) for layer in layers]
         if any(args is None for args in linears):
             return None
-        lent = [quant_kernel(kernels), dense_linear_kernel(kernels)]
+        lent = [quant_kernel(kernels), dense_linear_kernel(kernels), bf16_linear_kernel(kernels)]
         spec = first.attn.spec
         loop = module.DecodeLoop(
             ops.c_api(),

@@ -18,6 +18,11 @@ is, no copy. That is what lets a float32 model keep its dense weights in bf16
 (loader.dense_weight_dtype): half the bytes a decode step reads, float32 math. The same
 kernel takes a float32 weight below 384 rows (decode steps and short prefills, where it
 beats torch's GEMM), F.linear beyond.
+
+With AVX-512 BF16 but no AMX (Zen 4, Cooper Lake), bf16 layers run batches of up to 64
+rows through cpu_bf16_linear.cpp (`vdpbf16ps` on the weight as it is, no copy; 2.2x
+F.linear at one row on 2 Zen 4 cores), F.linear beyond: the same `dense_linear` function
+and PackedWeight as the float32-math kernel, which those CPUs do not build.
 """
 
 from __future__ import annotations
@@ -43,6 +48,12 @@ _DENSE_EXTENSION = cpp_extension(
     Path(__file__).with_name("cpu_dense_linear.cpp"),
     not_on="avx512_bf16",
 )
+_BF16_EXTENSION = cpp_extension(
+    "splitserve_cpu_bf16_linear",
+    Path(__file__).with_name("cpu_bf16_linear.cpp"),
+    only_on="avx512_bf16",
+    not_on="amx",
+)
 
 
 def linear_kernel(kernels: KernelSet) -> ModuleType | None:
@@ -51,6 +62,12 @@ def linear_kernel(kernels: KernelSet) -> ModuleType | None:
         return None
     ops = kernels.cpp(_EXTENSION)
     return ops if ops is not None and ops.amx_usable() else None
+
+
+def bf16_linear_kernel(kernels: KernelSet) -> ModuleType | None:
+    """The bf16 kernel of few rows, where the set's ISA has AVX-512 BF16 but not AMX: the
+    same `dense_linear` as the float32-math kernel's, for bf16 x and W."""
+    return kernels.cpp(_BF16_EXTENSION) if kernels.uses(_BF16_EXTENSION) else None
 
 
 def dense_linear_kernel(kernels: KernelSet) -> ModuleType | None:
@@ -84,6 +101,9 @@ def pack_weight(weight: torch.Tensor, kernels: KernelSet) -> PackedWeight | None
         return None if data is None else PackedWeight(kernel, data)
     if weight.dtype not in (torch.bfloat16, torch.float32) or weight.device.type != "cpu":
         return None
+    bf16 = bf16_linear_kernel(kernels) if weight.dtype == torch.bfloat16 else None
+    if bf16 is not None:
+        return PackedWeight(bf16, weight.detach(), amx=False)
     dense = dense_linear_kernel(kernels)
     return None if dense is None else PackedWeight(dense, weight.detach(), amx=False)
 

@@ -5,7 +5,7 @@
 // with e = ids[t, j]; an id < 0 (an expert on another rank) adds nothing. In four steps,
 // over chunks of tokens whose buffers fit the workspace a calling thread keeps:
 //   1. route: a counting sort of the chunk's (token, slot) pairs by expert (serial);
-//   2. pack: each pair's token row, as float32 in the tiles' order (cpu_moe_tiles.h);
+//   2. pack: each pair's token row, as float32 in the tiles' order (dot_tiles.h);
 //   3. gate/up: work items of (expert, tile of kUpTile intermediate features): the
 //      expert's pairs times its gate and up rows of the tile, h = silu(gate) * up in
 //      float32, rounded to x's dtype where the torch path (a matmul in x's dtype) rounds it;
@@ -21,7 +21,7 @@
 // returns None and the caller runs the torch path.
 
 #include "torch_ext.h"
-#include "cpu_moe_tiles.h"
+#include "dot_tiles.h"
 #include "moe_routing.h"
 
 #include <algorithm>
@@ -32,11 +32,11 @@
 
 namespace {
 
-using splitserve::moe::Ahead;
-using splitserve::moe::dot_block;
-using splitserve::moe::kStep;
-using splitserve::moe::pack_row;
-using splitserve::moe::Packed;
+using splitserve::dot::Ahead;
+using splitserve::dot::dot_block;
+using splitserve::dot::kStep;
+using splitserve::dot::pack_row;
+using splitserve::dot::Packed;
 using splitserve::moe::Routing;
 using splitserve::moe::route;
 

@@ -1,9 +1,10 @@
-// The dot-product tiles of the fused-experts kernel (cpu_moe.cpp): out[r][c] = a[r] . w[c]
-// for R rows of activations by C rows of one expert's weight, both contiguous along k.
+// Dot-product tiles for weights read where they lie (the fused-experts kernel cpu_moe.cpp,
+// the bf16 linear kernel cpu_bf16_linear.cpp): out[r][c] = a[r] . w[c] for R rows of
+// activations by C rows of a weight [N, K], both contiguous along k.
 //
 // The weight is read where it lies (float32 or bf16 rows [N, K], no packing per call): a
 // block (`dot_block`) streams its weight rows from memory once, for its first 4 activation
-// rows, and from the cache for each further 4. Decode, a row or two per expert, thus reads
+// rows, and from the cache for each further 4. Decode, a row or two (per expert), thus reads
 // every active weight once at memory speed; the first pass prefetches each tile's
 // successor, and `Ahead` the next block's rows, spread over this one. The activations are
 // packed per call instead (`pack_row`, a float32 copy): k runs in steps of 16, two vectors
@@ -11,17 +12,17 @@
 // by a shift and odd ones by a mask, so a packed row holds each step's even k, then its odd
 // k (`deinterleave`). The k past the last whole step stay in order and are summed one by
 // one. On CPUs with AVX-512 BF16, bf16 activations and weights take the tiles of
-// cpu_moe_tiles_bf16.h instead, on rows packed as they are (`Packed`).
+// dot_tiles_bf16.h instead, on rows packed as they are (`Packed`).
 #pragma once
 
 #include "cpu_math.h"
-#include "cpu_moe_tiles_bf16.h"
+#include "dot_tiles_bf16.h"
 
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
-namespace splitserve::moe {
+namespace splitserve::dot {
 
 constexpr int64_t kStep = 16;
 
@@ -31,7 +32,7 @@ constexpr bool kBf16Tiles = true;
 constexpr bool kBf16Tiles = false;
 #endif
 // What a packed activation row holds against weights of type W: bf16 bits where the bf16
-// tiles run (cpu_moe_tiles_bf16.h), else float32.
+// tiles run (dot_tiles_bf16.h), else float32.
 template <typename W>
 using Packed = std::conditional_t<kBf16Tiles && sizeof(W) == 2, uint16_t, float>;
 
@@ -223,4 +224,4 @@ inline void dot_block(const P* a, int64_t lda, int64_t rows, const W* w, int64_t
   }
 }
 
-}  // namespace splitserve::moe
+}  // namespace splitserve::dot

@@ -1,5 +1,5 @@
-// The fused-experts dot-product tiles for bf16 activations and weights on CPUs with
-// AVX-512 BF16 (cpu_moe_tiles.h has the float32-math tiles the other ISAs run).
+// The dot-product tiles (dot_tiles.h) for bf16 activations and weights on CPUs with
+// AVX-512 BF16 (dot_tiles.h has the float32-math tiles the other ISAs run).
 //
 // `vdpbf16ps` multiplies 32 bf16 pairs into 16 float32 sums: a step of 32 k is one 64-byte
 // load of a weight row and one of a packed activation row, both as they are stored (the
@@ -7,23 +7,23 @@
 // is exact in float32, as in the float32-math tiles; only the order of the additions
 // differs. The k past the last whole step load under a mask (zeros beyond k), and each
 // tile ends with 4-at-a-time lane sums. The weight is read once per block of
-// 4 activation rows (decode: once), as in cpu_moe_tiles.h.
+// 4 activation rows (decode: once), as in dot_tiles.h.
 #pragma once
 
 #include "cpu_math.h"
 
-namespace splitserve::moe {
+namespace splitserve::dot {
 
 // The weight rows of a tile of R activation rows: the most the 32 registers hold.
 constexpr int bf16_tile_cols(int R) { return R <= 2 ? 8 : R == 3 ? 6 : 4; }
 
-}  // namespace splitserve::moe
+}  // namespace splitserve::dot
 
 #if defined(SPLITSERVE_AVX512_BF16)
 
 #include <cstdint>
 
-namespace splitserve::moe {
+namespace splitserve::dot {
 
 constexpr int64_t kBf16Step = 32;
 
@@ -100,7 +100,7 @@ inline void dot_cols_bf16(const uint16_t* a, int64_t lda, const uint16_t* w, int
   }
 }
 
-// cpu_moe_tiles.h's dot_rows for bf16 activation rows.
+// dot_tiles.h's dot_rows for bf16 activation rows.
 template <bool Prefetch, typename Ahead>
 inline void dot_rows(const uint16_t* a, int64_t lda, int64_t rows, const uint16_t* w,
                           int64_t ldw, int64_t cols, int64_t k, float* out, int64_t ldo,
@@ -114,6 +114,6 @@ inline void dot_rows(const uint16_t* a, int64_t lda, int64_t rows, const uint16_
   }
 }
 
-}  // namespace splitserve::moe
+}  // namespace splitserve::dot
 
 #endif
