@@ -98,6 +98,7 @@ def _stream(base_url: str, events: list, failures: list) -> None:
         failures.append(e)
 
 
+@pytest.mark.slow  # 13 s on 2 Zen 4 cores
 def test_a_dead_engine_is_restarted_alone(tmp_path, llama_path):
     with dp_cluster(tmp_path, llama_path) as (process, log, base_url):
         streams = [([], []) for _ in range(4)]
@@ -144,6 +145,7 @@ def _metrics_folder(pid: int) -> Path:
     return Path(entry.split(b"=", 1)[1].decode())
 
 
+@pytest.mark.slow  # 12 s on 2 Zen 4 cores
 def test_two_api_servers_share_the_port_and_sum_their_metrics(tmp_path, llama_path):
     with dp_cluster(tmp_path, llama_path, "--api-server-count", "2") as (process, log, base_url):
         pids = child_pids(log.read_text())
