@@ -196,7 +196,8 @@ def _linear_args(layer: LinearBase, dtype: torch.dtype) -> tuple[tuple, int] | N
     if isinstance(weight, PackedWeight):
         if weight.amx:
             return None
-        return ("dense_linear", weight.data, None, None, 0, 0, bias), _UNBOUNDED
+        (name,) = weight.kernel.c_api()  # dense_linear, or bf16_linear
+        return (name, weight.data, None, None, 0, 0, bias), _UNBOUNDED
     if not isinstance(weight, PreparedQuantWeight) or weight.kernel is None:
         return None
     if weight.exact_float32 and dtype == torch.float32:

@@ -88,7 +88,8 @@ def dense_weight_dtype(
     that of the checkpoint's weights rounded to bf16, as on CPUs that compute in bf16."""
     auto = isinstance(option, str) and option.strip().lower() == "auto"
     cpu = torch.device(device).type == "cpu" and kernels.cpu
-    if auto and cpu and dtype == torch.float32 and dense_linear_kernel(kernels) is not None:
+    bf16_cpu = kernels.has("avx512_bf16")
+    if auto and cpu and dtype == torch.float32 and not bf16_cpu and dense_linear_kernel(kernels):
         return torch.bfloat16
     return dtype
 

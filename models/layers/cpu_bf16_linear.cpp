@@ -8,8 +8,8 @@
 // `vdpbf16ps` tiles of dot_tiles_bf16.h (W streamed from memory once, for the first 4
 // rows, prefetching the next item's rows meanwhile), adds the bias in float32 and rounds
 // once to bf16, as F.linear does. The function has the DenseLinear signature
-// (kernels/cpu_api.h) and lends itself under that name, so the decode loop calls it as it
-// calls the float32-math dense kernel of CPUs without bf16 instructions; it returns None
+// (kernels/cpu_api.h) and lends itself as "bf16_linear", so the decode loop calls it as it
+// calls the float32-math dense kernel; it returns None
 // (F.linear runs) for what it does not take, and beyond kMaxRows rows, where oneDNN's
 // blocking is as fast (measured: 2.2x F.linear at 1 row, 1.9x at 16, 1.2x at 64, 0.9x at
 // 128).
@@ -73,8 +73,8 @@ std::optional<at::Tensor> dense_linear(const at::Tensor& x, const at::Tensor& we
 
 py::dict c_api() {
   py::dict api;
-  api["dense_linear"] = splitserve::api::lend<splitserve::api::DenseLinear>(
-      &dense_linear, "splitserve.dense_linear");
+  api["bf16_linear"] = splitserve::api::lend<splitserve::api::DenseLinear>(
+      &dense_linear, "splitserve.bf16_linear");
   return api;
 }
 

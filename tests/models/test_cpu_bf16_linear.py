@@ -11,7 +11,12 @@ import torch.nn.functional as F
 
 from kernels import KernelSet, probe_isa
 from kernels.isa import ladder
-from models.layers.cpu_linear import bf16_linear_kernel, linear, pack_weight
+from models.layers.cpu_linear import (
+    bf16_linear_kernel,
+    dense_linear_kernel,
+    linear,
+    pack_weight,
+)
 
 HAS_BF16 = "avx512_bf16" in ladder() and ladder().index(probe_isa()) >= ladder().index(
     "avx512_bf16"
@@ -63,10 +68,12 @@ def test_strided_rows_and_what_it_declines(ops):
 
 
 def test_layers_take_it_for_bf16_weights_and_fall_back_beyond_64_rows(ops):
+    """bf16 weights: this kernel up to 64 rows, F.linear beyond; float32 weights: the
+    float32-math kernel (cpu_dense_linear.cpp), as on every CPU."""
     w = torch.randn(64, 128).bfloat16()
     packed = pack_weight(w, SET)
     assert packed is not None and packed.kernel is ops and not packed.amx
-    assert pack_weight(w.float(), SET) is None  # float32 weights: F.linear
+    assert pack_weight(w.float(), SET).kernel is dense_linear_kernel(SET)  # float32 math
     for rows in (2, 64, 65, 300):
         x = torch.randn(rows, 128).bfloat16()
         out = linear(x, w, None, packed)
