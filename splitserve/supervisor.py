@@ -61,9 +61,9 @@ class Supervisor:
     bounds the restarts); a worker that dies is left for its engine to notice. An API
     server that dies is started again (at most API_RESTARTS times a minute): it holds
     nothing but connections; with --api-server-count K, each of the K. With data
-    parallelism, an engine that dies is started again
-    with fresh workers (at most ENGINE_RESTARTS times a minute) while the others serve;
-    the API servers reconnect to it. A lone engine's death ends the cluster.
+    parallelism, an engine that dies is started again with fresh workers (at most
+    ENGINE_RESTARTS times a minute) while the others serve; the API servers reconnect to
+    it. A lone engine's death ends the cluster.
     """
 
     def __init__(
