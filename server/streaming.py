@@ -75,7 +75,8 @@ async def engine_outputs(
         )
         async with aclosing(stream):
             async for out in stream:
-                engine = client.engine_index(s.request_id)
+                if not started:  # the engine is chosen by now, for the request's life
+                    engine = client.engine_index(s.request_id)
                 now = time.perf_counter()
                 num_new = 0
                 for choice in out.outputs:

@@ -52,6 +52,10 @@ class Engine:
         """Its workers' names, less the rank."""
         return "worker rank " if self.name == "engine core" else f"{self.name} worker rank "
 
+    def owns(self, child: str) -> bool:
+        """Whether `child` names one of its workers."""
+        return child.startswith(self.worker_prefix)
+
 
 class Supervisor:
     """The launcher's children by name; `run` returns the launcher's exit code.
@@ -146,8 +150,7 @@ class Supervisor:
         self._add(engine.name, spawn("engine", engine.config, *args, pass_fds=(ready_write,)))
         os.close(ready_write)
         engine.lines = os.fdopen(ready_read, "rb", buffering=0)
-        engine.starts = [t for t in engine.starts if time.monotonic() - t < 60.0]
-        engine.starts.append(time.monotonic())
+        _note_start(engine.starts)
         self._start_workers(engine)
 
     def _on_engine_line(self, engine: Engine, line: bytes) -> None:
@@ -168,7 +171,7 @@ class Supervisor:
             self._add(f"{engine.worker_prefix}{rank}", process)
 
     def _stop_workers(self, engine: Engine) -> None:
-        for name in [n for n in self.children if n.startswith(engine.worker_prefix)]:
+        for name in [n for n in self.children if engine.owns(n)]:
             process = self.children.pop(name)
             process.kill()
             process.wait()
@@ -193,8 +196,7 @@ class Supervisor:
         if self._metrics_folder is not None:
             args.append("--api-reuse-port")
             env[METRICS_FOLDER_ENV] = self._metrics_folder
-        starts = self._api_starts[name]
-        starts[:] = [t for t in starts if time.monotonic() - t < 60.0] + [time.monotonic()]
+        _note_start(self._api_starts[name])
         self._add(name, spawn("api", self.config, *args, env=env))
 
     def _wait_api_port(self) -> None:
@@ -242,7 +244,7 @@ class Supervisor:
     def _engine_alive(self, child: str, alive: dict[str, bool]) -> bool:
         """Whether `child` is a worker whose engine is alive."""
         for engine in self.engines:
-            if child.startswith(engine.worker_prefix):
+            if engine.owns(child):
                 return alive[engine.name]
         return False
 
@@ -277,6 +279,12 @@ class Supervisor:
             shutil.rmtree(self._metrics_folder, ignore_errors=True)
         if self.args.address_file:
             Path(self.args.address_file).unlink(missing_ok=True)
+
+
+def _note_start(starts: list[float]) -> None:
+    """Add a start now to `starts`, the start times of one child within the last minute."""
+    now = time.monotonic()
+    starts[:] = [t for t in starts if now - t < 60.0] + [now]
 
 
 def _wait(processes, timeout: float) -> None:

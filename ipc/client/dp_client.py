@@ -59,7 +59,7 @@ class DataParallelClient:
         self._poller: asyncio.Task | None = None
 
     @classmethod
-    async def create(cls, addresses: Sequence[str], **kwargs: Any) -> DataParallelClient:
+    async def create(cls, addresses: str | Sequence[str], **kwargs: Any) -> DataParallelClient:
         client = cls(addresses, **kwargs)
         await client.connect()
         return client
