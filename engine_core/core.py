@@ -158,6 +158,7 @@ class EngineCore:
 
 
 def _runs(scheduler_output: SchedulerOutput) -> bool:
-    """Whether the workers have anything to do: tokens, or blocks to swap out (a step whose
-    requests were all preempted still copies theirs)."""
-    return bool(scheduler_output.total_num_scheduled_tokens or scheduler_output.blocks_to_swap_out)
+    """Whether the workers have anything to do: tokens, blocks to swap out (a step whose
+    requests were all preempted still copies theirs), or KV transfers to start or report."""
+    so = scheduler_output
+    return bool(so.total_num_scheduled_tokens or so.blocks_to_swap_out or so.kv_connector_metadata)

@@ -19,12 +19,13 @@ from kv_cache import extend_block_hashes
 
 class RequestStatus(enum.IntEnum):
     WAITING = 0
-    RUNNING = 1
-    PREEMPTED = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH_CAPPED = 4
-    FINISHED_ABORTED = 5
-    FINISHED_ERROR = 6
+    WAITING_FOR_REMOTE_KVS = 1  # its prompt's KV is being pulled from a producer
+    RUNNING = 2
+    PREEMPTED = 3
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH_CAPPED = 5
+    FINISHED_ABORTED = 6
+    FINISHED_ERROR = 7
 
     @property
     def is_finished(self) -> bool:
@@ -91,6 +92,8 @@ class Request:
         self.num_prompt_logprobs_sent = 0
         # False until the workers have the request's state (again, after they were replaced).
         self.on_workers = False
+        # A consumer pulls a remote prefill's KV once (kv_connector.py).
+        self.remote_prefill_tried = False
         self.block_hashes: list[bytes] = []
         self._hash_block_size: int | None = None
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
+from engine_core.kv_connector import check_kv_transfer, make_kv_connector
 from engine_core.preemption import PreemptionPolicy
+from engine_core.remote_kv import RemoteKV
 from engine_core.request import Request, RequestStatus
 from engine_core.request_checks import check_kv_cache_size, check_lengths, check_token_ids
 from engine_core.request_queue import make_request_queue
@@ -21,6 +23,7 @@ from engine_core.spec_decode import SpecDecoding
 from engine_core.step_update import update_requests
 from engine_core.structured_output import StructuredOutputManager
 from ipc.config import EngineConfig
+from ipc.kv_transfer import KVTransferParams
 from ipc.messages import (
     CachedRequestData,
     EngineCoreOutput,
@@ -72,6 +75,8 @@ class Scheduler:
         self._lookahead = 0 if self.spec is None else self.spec.num_lookahead_tokens
         self.step_id = 0
         self.counters = SchedulerCounters(cache_config_info(config, kv_cache_manager))
+        connector = make_kv_connector(config)  # prefill/decode disaggregation
+        self.remote_kv = None if connector is None else RemoteKV(connector, kv_cache_manager)
 
     @property
     def needs_lockstep(self) -> bool:
@@ -99,10 +104,13 @@ class Scheduler:
         self.waiting.add(request)
 
     def _check_request(self, request: Request) -> str | None:
-        if request.request_id in self.requests:
-            return f"request id {request.request_id!r} is already in use"
-        error = check_lengths(request, self.max_model_len) or check_token_ids(
-            request.prompt_token_ids, request.sampling_params, self.config
+        request_id = request.request_id
+        if request_id in self.requests or (self.remote_kv and self.remote_kv.owns(request_id)):
+            return f"request id {request_id!r} is already in use"
+        error = (
+            check_lengths(request, self.max_model_len)
+            or check_token_ids(request.prompt_token_ids, request.sampling_params, self.config)
+            or check_kv_transfer(request, self.remote_kv)
         )
         structured = request.sampling_params.structured_outputs
         if error is None and structured is not None:
@@ -153,13 +161,15 @@ class Scheduler:
             swap_in,
             scheduled_spec_decode_tokens=spec_tokens,
         )
+        if self.remote_kv is not None:
+            scheduler_output.kv_connector_metadata = self.remote_kv.connector.build_connector_meta()
         if self.spec is not None and total:
             self.spec.gate.step_scheduled(self.step_id, len(self.running), speculates)
             # A draft model drafts now for the next step, if the gate lets that one speculate.
             scheduler_output.propose_drafts = bool(self._lookahead) and self._speculates()
         self.step_id += 1
         # Finished ids reach the workers with the next step that runs; keep them until then.
-        if num_scheduled_tokens or swap_out:
+        if num_scheduled_tokens or swap_out or scheduler_output.kv_connector_metadata:
             self.finished_req_ids = []
         # Advance optimistically: the next schedule() sees these tokens as computed, and a
         # request computed to its end samples a token the next schedule() may already feed.
@@ -263,18 +273,33 @@ class Scheduler:
         resumed: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
-            if kv.is_swapped(request.request_id):
+            # Only a request whose remote KV landed comes back with computed tokens (in
+            # blocks it holds already).
+            num_computed = request.num_computed_tokens
+            if num_computed:
+                hit_blocks, num_hit_tokens = None, 0
+            elif kv.is_swapped(request.request_id):
                 hit_blocks, num_hit_tokens = kv.get_swapped_blocks(request)
             elif request.wants_prompt_logprobs:  # cached positions give no logits
                 hit_blocks, num_hit_tokens = KVCacheBlocks.empty(kv.num_groups), 0
             else:
                 hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+            if self.remote_kv is not None and not num_computed:
+                loads = self.remote_kv.start_load(request, hit_blocks, num_hit_tokens)
+                if loads is not None:
+                    if not loads:
+                        break
+                    self.waiting.pop()  # until its KV lands
+                    continue
+            num_hit_tokens += num_computed
             num_new = request.num_tokens - num_hit_tokens
             if num_new > budget and not self.config.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
             lookahead = self._lookahead_slots(num_hit_tokens + num_new)
-            new_blocks = kv.allocate_slots(request, num_new, num_hit_tokens, hit_blocks, lookahead)
+            new_blocks = kv.allocate_slots(
+                request, num_new, num_hit_tokens - num_computed, hit_blocks, lookahead
+            )
             if new_blocks is None:
                 break
             self.waiting.pop()
@@ -328,6 +353,9 @@ class Scheduler:
         running, self.running = self.running, []
         for request in reversed(running):
             self._preempt(request, allow_swap=False)
+        if self.remote_kv is not None:  # the transfers died with the workers
+            for request in self.remote_kv.reset():
+                self.waiting.prepend(request)
         if kv.has_host_tier:  # the host tier's contents went with the old workers
             for request in self.waiting:
                 if kv.is_swapped(request.request_id):
@@ -350,6 +378,9 @@ class Scheduler:
         requests. Outputs go to requests that got a token or finished since the last call."""
         outputs = self.take_pending_outputs()
         requests = self.requests
+        if model_runner_output.kv_connector_output is not None and self.remote_kv is not None:
+            for request in self.remote_kv.update(model_runner_output.kv_connector_output):
+                self.waiting.prepend(request)
         finished = False
         for request_id, error in model_runner_output.failed_requests.items():
             request = requests.get(request_id)
@@ -364,23 +395,34 @@ class Scheduler:
         )
         outputs += updated
         for request, status in stopped:
-            self._free_request(request, status)
+            kv_transfer_params = self._free_request(request, status)
+            if kv_transfer_params is not None:  # onto the request's last output
+                output = next(o for o in reversed(updated) if o.request_id == request.request_id)
+                output.kv_transfer_params = kv_transfer_params
         if finished or stopped:
             self.running = [r for r in self.running if not r.is_finished]
         return EngineCoreOutputs(outputs)
 
-    def _free_request(self, request: Request, status: RequestStatus) -> None:
+    def _free_request(self, request: Request, status: RequestStatus) -> KVTransferParams | None:
         """A preempted request can finish from the output of a step that was in flight when
-        it was preempted (async scheduling): it leaves the waiting queue too."""
+        it was preempted (async scheduling): it leaves the waiting queue too. One whose KV
+        is being pulled keeps its blocks until the pull ends; a KV producer's keeps them
+        for a consumer: then the kv_transfer_params for its answer are returned."""
         if request.status == RequestStatus.PREEMPTED:
             self.waiting.remove_requests({request.request_id})
+        was_loading = request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
         request.status = status
-        self.kv_cache_manager.free(request)
+        kv_transfer_params = None
+        if self.remote_kv is not None:
+            kv_transfer_params = self.remote_kv.finish(request, was_loading)
+        else:
+            self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self.finished_req_ids.append(request.request_id)
         self.structured_output.free(request.request_id)
         if self.spec is not None:
             self.spec.free(request.request_id)
+        return kv_transfer_params
 
     def take_pending_outputs(self) -> list[EngineCoreOutput]:
         outputs, self.pending_outputs = self.pending_outputs, []
@@ -404,7 +446,8 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         """True while a request is queued or running, or a final output is not yet taken."""
-        return bool(self.requests) or bool(self.pending_outputs)
+        remote = self.remote_kv is not None and self.remote_kv.has_requests
+        return bool(self.requests or self.pending_outputs or remote)
 
     def get_stats(self) -> SchedulerStats:
         """Cumulative counters since start, and the current queue sizes and KV usage."""

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ipc.defaults import defaults_from_generation_config
+from ipc.kv_transfer import KVTransferConfig, parse_kv_transfer_config
 from ipc.spec_config import SpeculativeConfig, parse_speculative_config
 
 # A step's token budget with chunked prefill when none is given, by the workers' device.
@@ -275,6 +276,18 @@ class EngineConfig:
             metavar="JSON",
         ),
     )
+    kv_transfer_config: KVTransferConfig | None = field(
+        default=None,
+        metadata=option(
+            'prefill/decode disaggregation, as vLLM\'s JSON: {"kv_connector": "ZmqConnector", '
+            '"kv_role": "kv_producer" | "kv_consumer" | "kv_both"}; also engine_id, kv_ip, '
+            "kv_port and kv_connector_extra_config (credentials, send_timeout_s, "
+            "pull_timeout_s; ipc/kv_transfer.py)",
+            "off",
+            parse=parse_kv_transfer_config,
+            metavar="JSON",
+        ),
+    )
     enforce_eager: bool = field(
         default=False, metadata=option("run every step eagerly: no CUDA graphs")
     )
@@ -329,6 +342,8 @@ class EngineConfig:
             self.sampling_defaults = {}
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.from_value(self.speculative_config)
+        if self.kv_transfer_config is not None:
+            self.kv_transfer_config = KVTransferConfig.from_value(self.kv_transfer_config)
         if self.max_num_batched_tokens is None and not self.enable_chunked_prefill:
             self.max_num_batched_tokens = self.max_model_len
         self._validate()

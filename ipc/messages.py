@@ -11,6 +11,7 @@ import enum
 
 import msgspec
 
+from ipc.kv_transfer import KVTransferParams
 from ipc.sampling_params import SamplingParams
 
 
@@ -109,6 +110,9 @@ class EngineCoreOutput(_Wire):
     # The prompt logprobs not sent before, in prompt order from prompt token 1.
     prompt_logprobs: list[TokenLogprobs] | None = None
     request_stats: RequestStats | None = None  # on the last output of one that generated
+    # A KV producer's last output of a request that asked do_remote_decode: where a
+    # consumer pulls its KV (ipc/kv_transfer.py).
+    kv_transfer_params: KVTransferParams | None = None
 
 
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -200,6 +204,47 @@ class CachedRequestData(_Wire):
     num_computed_tokens: list[int] = []
 
 
+class KVSend(_Wire):
+    """A finished request's blocks a producer's workers serve, once, to whoever names
+    `transfer_id` with `key`; until then (or until a timeout) the EngineCore keeps them."""
+
+    request_id: str
+    transfer_id: str
+    key: str
+    block_ids: list[list[int]]
+
+
+class KVRecv(_Wire):
+    """Pages a consumer's workers pull into `block_ids` (per group): the producer's blocks
+    from position `first_block` on, as many per group, from host:port + rank."""
+
+    request_id: str
+    block_ids: list[list[int]]
+    first_block: int
+    host: str
+    port: int
+    transfer_id: str
+    key: str
+
+
+class KVConnectorMetadata(_Wire):
+    """The KV connector's news for the workers this step. Sent (with `pending`) on every
+    step while transfers are unfinished, so that the workers can report them."""
+
+    sends: list[KVSend] = []
+    recvs: list[KVRecv] = []
+    pending: bool = False
+
+
+class KVConnectorOutput(_Wire):
+    """Transfers every rank has finished: request ids whose blocks were served (or whose
+    time ran out), whose pulls landed, and whose pulls failed (-> why)."""
+
+    finished_sending: list[str] = []
+    finished_recving: list[str] = []
+    failed_recving: dict[str, str] = {}
+
+
 class SchedulerOutput(_Tagged):
     step_id: int
     scheduled_new_reqs: list[NewRequestData]
@@ -227,6 +272,7 @@ class SchedulerOutput(_Tagged):
     # A draft model runs in the workers: after this step, draft the next tokens of every
     # request that sampled (their slots were allocated as lookahead), for the next step.
     propose_drafts: bool = False
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
 
 # Worker -> EngineCore
@@ -250,6 +296,7 @@ class ModelRunnerOutput(_Tagged):
     # A draft model's proposals (SchedulerOutput.propose_drafts): request id -> the tokens
     # it drafts after that request's last sampled token.
     draft_token_ids: dict[str, list[int]] = {}
+    kv_connector_output: KVConnectorOutput | None = None
 
 
 class WorkerError(_Tagged):

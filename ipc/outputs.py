@@ -68,3 +68,6 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt: str | None = None  # the prompt's text, when it was given as text
     request_stats: RequestStats | None = None
+    # A KV producer's answer to do_remote_decode: where a consumer pulls the prompt's KV
+    # (on the last delta; ipc/kv_transfer.py).
+    kv_transfer_params: dict | None = None

@@ -7,6 +7,8 @@ import json as _json
 
 import msgspec
 
+from ipc.kv_transfer import KVTransferParams
+
 # The most choices (`n`) or candidates (`best_of`) one request may ask for.
 MAX_N = 128
 
@@ -84,12 +86,16 @@ class SamplingParams(_Wire):
     # Sample this many and return the n with the highest cumulative logprob (None: n).
     # New fields go last: the wire is array-like, so earlier positions stay put.
     best_of: int | None = None
+    # Prefill/decode disaggregation (ipc/kv_transfer.py).
+    kv_transfer_params: KVTransferParams | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}")
         if self.best_of is not None and not self.n <= self.best_of <= MAX_N:
             raise ValueError(f"best_of must be in [n, {MAX_N}] (n is {self.n}), got {self.best_of}")
+        if self.kv_transfer_params is not None and (self.n > 1 or (self.best_of or 1) > 1):
+            raise ValueError("kv_transfer_params takes one sequence: n and best_of must be 1")
         if not self.temperature >= 0.0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

@@ -167,10 +167,12 @@ class KVCacheManager:
         num_new_computed_tokens: int = 0,
         new_computed_blocks: KVCacheBlocks | None = None,
         num_lookahead_tokens: int = 0,
+        delay_cache_blocks: bool = False,
     ) -> KVCacheBlocks | None:
         """Make room in every group for `num_new_tokens` more tokens, after the request's
         computed tokens and the cache hits from get_computed_blocks (plus lookahead slots
-        for draft tokens).
+        for draft tokens). With `delay_cache_blocks` the blocks those tokens fill are not
+        cached now (their KV arrives later, from a KV connector): cache_blocks does it.
 
         Returns only the newly allocated blocks. Returns None when the free blocks do not
         suffice for all groups together; then nothing has been allocated or touched. (Before
@@ -218,11 +220,16 @@ class KVCacheManager:
         new_blocks = tuple(
             [manager.allocate_new_blocks(request_id, num_needed) for manager in managers]
         )
-        if self.enable_caching:
-            num_cacheable = min(num_computed + num_new_tokens, request.num_tokens)
-            for manager in managers:
-                manager.cache_blocks(request, num_cacheable)
+        if self.enable_caching and not delay_cache_blocks:
+            self.cache_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
         return KVCacheBlocks(new_blocks)
+
+    def cache_blocks(self, request: KVCacheRequest, num_tokens: int) -> None:
+        """Cache the request's full blocks among its first `num_tokens` tokens, in every
+        group (blocks cached already stay as they are)."""
+        if self.enable_caching:
+            for manager in self.single_type_managers:
+                manager.cache_blocks(request, num_tokens)
 
     def _allocate_in_place(
         self, request: KVCacheRequest, num_new_tokens: int

@@ -147,6 +147,8 @@ def build_app(
     ) -> Response:
         """Runs each (builder, prompt token ids, params) as its own engine request (a
         batch's as `<id>-<i>`) and answers them as one response."""
+        if request.kv_transfer_params is not None and len(prompts) > 1:
+            raise APIError(400, "kv_transfer_params takes a single prompt", "kv_transfer_params")
         streams = []
         for i, (builder, prompt_token_ids, params) in enumerate(prompts):
             builder.num_choices = params.n

@@ -11,9 +11,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from ipc.kv_transfer import KVTransferParams
 from ipc.sampling_params import SamplingParams
 from ipc.tokenizer import Message, TokenizerLike
-from server.protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest
+from server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    SamplingFields,
+)
 from server.structured_output import structured_outputs_params
 from server.tools import ToolChoice, template_inputs
 
@@ -246,6 +253,7 @@ def sampling_params(
         "prompt_logprobs": _prompt_logprobs(request, logprobs),
         "include_stop_str_in_output": request.include_stop_str_in_output,
         "structured_outputs": structured_outputs_params(request),
+        "kv_transfer_params": _kv_transfer_params(request),
     }
     kwargs = {**(defaults or {}), **{k: v for k, v in given.items() if v is not None}}
     if request.stream and (request.best_of or 1) > (request.n or 1):
@@ -266,6 +274,16 @@ def sampling_params(
         if param == "logprobs" and isinstance(request, ChatCompletionRequest):
             param = "top_logprobs"  # chat's count of logprobs
         raise APIError(400, str(e), param) from None
+
+
+def _kv_transfer_params(request: SamplingFields) -> KVTransferParams | None:
+    if request.kv_transfer_params is None:
+        return None
+    try:
+        json.dumps(request.kv_transfer_params, ensure_ascii=False).encode()
+        return KVTransferParams.from_dict(request.kv_transfer_params)
+    except (ValueError, UnicodeEncodeError) as e:
+        raise APIError(400, f"kv_transfer_params: {e}", "kv_transfer_params") from None
 
 
 def _prompt_logprobs(request: CompletionRequest | ChatCompletionRequest, logprobs: int | None):

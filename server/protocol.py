@@ -10,6 +10,7 @@ number belongs is a 400, not a coercion). vLLM's extra fields are honoured: `ign
 in vLLM), `return_token_ids`, `return_tokens_as_token_ids`; a completions `prompt` may be a
 batch (a list of texts or of token id lists), its choices numbered prompt by prompt; chat's
 `continue_final_message` (not with `add_generation_prompt`) and `echo`;
+`kv_transfer_params` (vLLM's prefill/decode disaggregation; with one prompt and n = 1);
 structured output: OpenAI's `response_format` (json_object, json_schema) and vLLM's
 `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` and `structured_outputs`
 (one of them per request; server/structured_output.py); `cache_salt` keeps a request's
@@ -23,7 +24,7 @@ Refused unless given the value that asks for nothing (null always does; see NO_O
 both endpoints: beam search (`use_beam_search`, `length_penalty`), `structural_tag`, the
 choice of a structured output backend or whitespace (`guided_decoding_backend`,
 `guided_whitespace_pattern`: llguidance is the one backend), `logits_processors`,
-`spaces_between_special_tokens: false`, `kv_transfer_params`, `vllm_xargs`; completions:
+`spaces_between_special_tokens: false`, `vllm_xargs`; completions:
 `suffix`, `prompt_embeds`; chat: the deprecated `functions` and `function_call` (tools
 are honoured, see server/tools.py), `add_special_tokens`, `chat_template`,
 `chat_template_kwargs`, `documents`, multimodal input (`modalities` other than text,
@@ -162,7 +163,6 @@ class SamplingFields(RequestBody):
         "guided_whitespace_pattern": (),
         "logits_processors": ([],),
         "spaces_between_special_tokens": (True,),
-        "kv_transfer_params": (),
         "vllm_xargs": (),
     }
     model: Text | None = None
@@ -202,6 +202,8 @@ class SamplingFields(RequestBody):
     structured_outputs: StructuredOutputs | None = None
     return_token_ids: bool | None = False  # the prompt's and each choice's token ids
     return_tokens_as_token_ids: bool | None = False  # logprobs name tokens "token_id:<id>"
+    # Prefill/decode disaggregation (ipc/kv_transfer.py; checked by inputs.py).
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def include_usage(self) -> bool:

@@ -157,8 +157,10 @@ async def _complete(prompt: PromptStream, want_logprobs: bool) -> dict:
     token_ids: dict[int, list[int]] = defaultdict(list)
     logprobs: dict[int, list[dict[int, Logprob]]] = defaultdict(list)
     ends: dict[int, CompletionOutput] = {}  # each choice's last delta
+    kv_transfer_params = None
     async with aclosing(prompt.outputs):
         async for out in prompt.outputs:
+            kv_transfer_params = out.kv_transfer_params or kv_transfer_params
             prompt.builder.add_prompt_logprobs(out.prompt_logprobs)
             prompt.count(out)
             for delta in out.outputs:
@@ -177,7 +179,10 @@ async def _complete(prompt: PromptStream, want_logprobs: bool) -> dict:
         )
         for index in sorted(ends)
     ]
-    return prompt.builder.response(choices, prompt.usage())
+    response = prompt.builder.response(choices, prompt.usage())
+    if kv_transfer_params is not None:  # a KV producer's, as vLLM answers it
+        response["kv_transfer_params"] = kv_transfer_params
+    return response
 
 
 async def first_outputs(prompts: list[PromptStream]) -> list[RequestOutput | None]:

@@ -111,7 +111,11 @@ class _Proxy:
         if "kv_transfer_params" in body:
             message = "kv_transfer_params is the proxy's to set; a request must not carry it"
             return _error(400, message, "BadRequestError", "kv_transfer_params")
-        headers = {"X-Request-Id": request_id, "Accept-Encoding": "identity"}
+        headers = {
+            "X-Request-Id": request_id,
+            "Accept-Encoding": "identity",
+            "Content-Type": "application/json",
+        }
         if "authorization" in request.headers:
             headers["Authorization"] = request.headers["authorization"]
         if _shares_kv(body):

@@ -108,6 +108,11 @@ class LLM:
                 if processed.reqs_to_abort:
                     self.engine.abort_requests(processed.reqs_to_abort)
                 bar.update(len(processed.finished))
+                if all(handle.result.finished for handle in handles):
+                    # A KV producer's blocks wait for consumers: one more step hands them
+                    # to the workers, which serve them; later calls step them to their end.
+                    self.engine.step()
+                    break
         return [handle.result for handle in handles]
 
 

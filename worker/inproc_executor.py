@@ -67,6 +67,8 @@ class InProcessExecutor(Executor):
             self._steps = None
         if self.runner is None:
             return
+        if self.runner.kv_connector is not None:
+            self.runner.kv_connector.shutdown()
         on_cuda = self.runner.device.type == "cuda"
         self.runner = None
         if on_cuda:

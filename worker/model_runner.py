@@ -21,6 +21,7 @@ from worker.draft_model import DraftModel
 from worker.grammar_bitmask import apply_grammar_bitmask
 from worker.input_batch import CachedRequestState, InputBatch
 from worker.kv_cache_groups import group_layers, group_size
+from worker.kv_connector import KVConnectorWorker, make_kv_connector
 from worker.kv_offload import HostKVCache, measure_block_copy_seconds
 from worker.prompt_logprobs import compute_prompt_logprobs, plan_prompt_logprobs
 from worker.sampler import Sampler
@@ -145,6 +146,7 @@ class ModelRunner:
         ]
         self._num_launched = 0
         self.host_kv_cache: HostKVCache | None = None
+        self.kv_connector: KVConnectorWorker | None = None
         # Measured by determine_num_blocks when the host tier is on (else 0): seconds to
         # copy one block one way between the tiers, and to prefill one token.
         self.block_copy_seconds = 0.0
@@ -268,6 +270,10 @@ class ModelRunner:
             draft_tensors = [zeros(draft_shape) for _ in range(self.drafter.num_layers)]
             self.drafter.bind_kv_cache(draft_tensors)
             tensors = tensors + draft_tensors
+        if self.kv_connector is None:
+            self.kv_connector = make_kv_connector(self.config, self.device)
+            if self.kv_connector is not None:
+                self.kv_connector.register_kv_caches(tensors)
         self.host_kv_cache = None
         if num_host_blocks > 0:
             self.host_kv_cache = HostKVCache(tensors, num_host_blocks)
@@ -326,6 +332,9 @@ class ModelRunner:
         self.inputs.wait_for_copies()
         so = scheduler_output
         self._copy_blocks(so)
+        connector = self.kv_connector
+        if connector is not None:
+            connector.start_load_kv(so.kv_connector_metadata)
         failed = update_batch(self.input_batch, self.requests, so, self.device)
         batch = self.input_batch
         pending = None
@@ -342,6 +351,8 @@ class ModelRunner:
             launched = LaunchedStep.launch(
                 so.step_id, batch, _NO_ROWS, _NO_SAMPLES, None, {}, failed
             )
+            if connector is not None:  # a step only for transfers: give them a moment
+                launched.kv_connector_output = connector.get_finished(_TRANSFER_WAIT_S)
             self._unfinished.append(launched)
             return launched
         step = prepare_inputs(
@@ -398,6 +409,9 @@ class ModelRunner:
             step.logits_rows,
         )
         launched.propose_drafts = so.propose_drafts and self.drafter is not None
+        if connector is not None:
+            connector.wait_for_save()
+            launched.kv_connector_output = connector.get_finished()
         self._unfinished.append(launched)
         return launched
 
@@ -423,6 +437,7 @@ class ModelRunner:
         while step.output is None:
             oldest = self._unfinished.popleft()
             oldest.output = finish_step(self.input_batch, self.requests, oldest)
+            oldest.output.kv_connector_output = oldest.kv_connector_output
             # Drafts follow the batch as this step left it: no later step may have launched.
             if oldest.propose_drafts and not self._unfinished:
                 sampled = oldest.output.sampled_token_ids
@@ -473,6 +488,8 @@ class ModelRunner:
         return sampled, logprobs
 
 
+# A step with no tokens runs only to report transfers: it waits this long for one to end.
+_TRANSFER_WAIT_S = 0.01
 _NO_ROWS = np.zeros(0, dtype=np.int64)
 _NO_SAMPLES = torch.zeros(0, dtype=torch.long)
 

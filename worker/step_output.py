@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ipc.messages import ModelRunnerOutput, TokenLogprobs
+from ipc.messages import KVConnectorOutput, ModelRunnerOutput, TokenLogprobs
 from worker.input_batch import CachedRequestState, InputBatch
 from worker.sampler import LogprobsTensors, skip_sample_draws
 
@@ -71,6 +71,7 @@ class LaunchedStep:
     propose_drafts: bool = False  # the draft model drafts once the step is answered
     output: ModelRunnerOutput | None = None
     idle_before: float = 0.0  # seconds the device sat idle waiting for this step
+    kv_connector_output: KVConnectorOutput | None = None
 
     @classmethod
     def launch(

@@ -99,6 +99,8 @@ class RequestState:
             completion.stop_reason = stop_reason
             result.error = out.error
             result.request_stats = out.request_stats
+            if out.kv_transfer_params is not None:
+                result.kv_transfer_params = out.kv_transfer_params.to_dict()
             result.finished = True
         delta = CompletionOutput(
             self.index, text, list(out.new_token_ids), finish_reason, logprobs, stop_reason
@@ -113,6 +115,7 @@ class RequestState:
             prompt_logprobs,
             result.prompt,
             out.request_stats,
+            result.kv_transfer_params,
         )
 
     def abort(self) -> RequestOutput:

@@ -17,7 +17,10 @@ caught as a stale read. With `draft` it stands in for a draft model too: after a
 whose SchedulerOutput says propose_drafts, each request that produced tokens gets the
 first k of `draft(request_id, token_ids)`, cut where its blocks end; its last token and
 the drafts but the last are written into the slots after it, as a draft model's decode
-rounds do (so a step that reads them before rewriting them is a stale read).
+rounds do (so a step that reads them before rewriting them is a stale read). It stands in
+for a KV connector's workers too: a pull lands one step after it starts, writing
+`remote_kv[request_id]` (the producer's prompt) into its blocks, or fails if its request is
+in `fail_recvs`; a send finishes once its request is in `pulled`.
 """
 
 import zlib
@@ -30,6 +33,10 @@ from ipc.messages import (
     Decoder,
     EngineCoreOutputs,
     EngineCoreRequest,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVRecv,
+    KVSend,
     ModelRunnerOutput,
     SchedulerOutput,
     encode,
@@ -78,6 +85,13 @@ class StandInExecutor(Executor):
     worker_processes: bool = False
     # The engine schedules a step before the previous one ran (async scheduling).
     schedules_ahead: bool = False
+    # KV connector: the producer's prompt per pulled request, pulls to fail, sends pulled;
+    # sends served and not yet pulled, pulls started last step.
+    remote_kv: dict[str, list[int]] = field(default_factory=dict)
+    fail_recvs: set[str] = field(default_factory=set)
+    pulled: set[str] = field(default_factory=set)
+    sends: dict[str, KVSend] = field(default_factory=dict)
+    recvs: list[KVRecv] = field(default_factory=list)
 
     def initialize_workers(self) -> WorkerGroupSpec:
         return WorkerGroupSpec(
@@ -94,6 +108,8 @@ class StandInExecutor(Executor):
         self.states.clear()
         self.kv.clear()
         self.host_kv.clear()
+        self.sends.clear()
+        self.recvs.clear()
         self.num_replacements += 1
 
     def shutdown(self) -> None:
@@ -114,6 +130,7 @@ class StandInExecutor(Executor):
             raise WorkerFailure(f"worker rank 0 died at step {so.step_id}")
         self.outputs.append(so)
         self._copy_blocks(so)
+        kv_output = self._kv_transfers(so.kv_connector_metadata)
         self._update_states(so)
         scheduled = [r.req_id for r in so.scheduled_new_reqs] + so.scheduled_cached_reqs.req_ids
         assert sorted(scheduled) == sorted(so.num_scheduled_tokens)
@@ -158,7 +175,43 @@ class StandInExecutor(Executor):
             for request_id, tokens in zip(scheduled, sampled, strict=True):
                 if tokens:
                     proposed[request_id] = self._propose(request_id, self.states[request_id])
-        return ModelRunnerOutput(so.step_id, scheduled, sampled, draft_token_ids=proposed)
+        return ModelRunnerOutput(
+            so.step_id,
+            scheduled,
+            sampled,
+            draft_token_ids=proposed,
+            kv_connector_output=kv_output,
+        )
+
+    def _kv_transfers(self, metadata: KVConnectorMetadata | None) -> KVConnectorOutput | None:
+        if metadata is None:
+            return None
+        out = KVConnectorOutput([], [], {})
+        for recv in self.recvs:
+            if recv.request_id in self.fail_recvs:
+                out.failed_recving[recv.request_id] = "stand-in pull failed"
+            else:
+                self._land(recv)
+                out.finished_recving.append(recv.request_id)
+        self.recvs = list(metadata.recvs)
+        for send in metadata.sends:
+            assert send.request_id not in self.sends
+            self.sends[send.request_id] = send
+        for request_id in [r for r in self.sends if r in self.pulled]:
+            del self.sends[request_id]
+            out.finished_sending.append(request_id)
+        return out
+
+    def _land(self, recv: KVRecv) -> None:
+        prompt = self.remote_kv[recv.request_id]
+        block_size = self.kv_cache_manager.block_size
+        for group, ids in enumerate(recv.block_ids):
+            for i, block in enumerate(ids):
+                assert block != 0, "a pull into the null block"
+                for offset in range(block_size):
+                    position = (recv.first_block + i) * block_size + offset
+                    if position < len(prompt):
+                        self.kv[block, offset] = (group, prompt[position])
 
     def _propose(self, request_id: str, state: WorkerRequestState) -> list[int]:
         """The lookahead slots must cover the drafts, up to max_model_len."""

@@ -95,8 +95,9 @@ def test_finish_reasons_are_ints_on_the_wire_and_names_at_the_edge():
 
 
 def test_request_status_finish_reasons():
-    assert [s.is_finished for s in RequestStatus] == [False] * 3 + [True] * 4
+    assert [s.is_finished for s in RequestStatus] == [False] * 4 + [True] * 4
     assert [s.finish_reason for s in RequestStatus] == [
+        None,
         None,
         None,
         None,

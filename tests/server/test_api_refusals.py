@@ -22,7 +22,6 @@ REFUSED_BOTH = [
     ("guided_whitespace_pattern", " "),
     ("logits_processors", ["p"]),
     ("spaces_between_special_tokens", False),
-    ("kv_transfer_params", {"a": 1}),
     ("vllm_xargs", {"a": 1}),
 ]
 REFUSED_COMPLETIONS = [("suffix", "end"), ("prompt_embeds", "AAAA")]

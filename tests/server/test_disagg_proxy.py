@@ -335,6 +335,7 @@ def test_authorization_and_one_request_id_reach_both_instances(proxy, p1, d1):
     for call in (*p1.calls, *d1.calls):
         assert call.headers["authorization"] == "Bearer sk-1"
         assert call.headers["x-request-id"] == "req-7"
+        assert call.headers["content-type"] == "application/json"  # FastAPI parses only that
 
 
 def test_a_request_id_is_made_when_the_client_sends_none(proxy, p1, d1):

@@ -1,0 +1,121 @@
+"""RemoteKV: the scheduler's bookkeeping around a KV connector (kv_connector.py).
+
+Two kinds of requests hold KV blocks outside the running and waiting lists:
+
+* `loading`: a consumer's requests whose prompt KV is being pulled into blocks allocated
+  for it (uncached until it lands). When it lands the request goes back to the front of
+  the queue with all but its last prompt token computed; when the pull fails, with its
+  blocks freed, to be computed from scratch. An aborted one keeps its blocks until its
+  pull ends: the workers may still be writing them.
+* `held`: a producer's finished requests whose blocks wait until the workers report them
+  pulled (or withdrawn after their time).
+
+Their ids stay in use meanwhile: the KV cache manager keys blocks by request id.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from engine_core.kv_connector import KVConnectorScheduler
+from engine_core.request import Request, RequestStatus
+from ipc.kv_transfer import KVTransferParams
+from ipc.messages import KVConnectorOutput
+from kv_cache import KVCacheBlocks, KVCacheManager
+
+logger = logging.getLogger(__name__)
+
+
+class RemoteKV:
+    def __init__(self, connector: KVConnectorScheduler, kv_cache_manager: KVCacheManager) -> None:
+        self.connector = connector
+        self.kv = kv_cache_manager
+        self.loading: dict[str, Request] = {}
+        self.held: dict[str, Request] = {}
+
+    def owns(self, request_id: str) -> bool:
+        return request_id in self.loading or request_id in self.held
+
+    @property
+    def has_requests(self) -> bool:
+        return bool(self.loading or self.held)
+
+    def start_load(
+        self, request: Request, hit_blocks: KVCacheBlocks | None, num_hit_tokens: int
+    ) -> bool | None:
+        """If the connector loads tokens after the request's `num_hit_tokens` prefix hits,
+        give them blocks and let the request wait for them (True), or report that they do
+        not fit (False). None: nothing to load."""
+        num_external, _ = self.connector.get_num_new_matched_tokens(request, num_hit_tokens)
+        if not num_external:
+            return None
+        new_blocks = self.kv.allocate_slots(
+            request, num_external, num_hit_tokens, hit_blocks, delay_cache_blocks=True
+        )
+        if new_blocks is None:
+            return False
+        request.num_computed_tokens = num_hit_tokens
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.loading[request.request_id] = request
+        block_ids = self.kv.get_block_ids(request.request_id)
+        self.connector.update_state_after_alloc(request, block_ids, num_external)
+        return True
+
+    def update(self, output: KVConnectorOutput) -> list[Request]:
+        """Free the blocks that were pulled; the requests whose pull ended, to requeue."""
+        self.connector.update_connector_output(output)
+        for request_id in output.finished_sending:
+            request = self.held.pop(request_id, None)
+            if request is not None:
+                self.kv.free(request)
+        failed = output.failed_recving
+        requeue = []
+        for request_id in [*output.finished_recving, *failed]:
+            request = self.loading.pop(request_id, None)
+            if request is None:
+                continue
+            if request.is_finished or request_id in failed:
+                self.kv.free(request)
+                request.num_computed_tokens = 0
+                if request.is_finished:
+                    continue
+                logger.warning(
+                    "request %s: pulling its KV failed (%s); computing its prompt",
+                    request_id,
+                    failed[request_id],
+                )
+            else:
+                request.num_computed_tokens = request.num_prompt_tokens - 1
+                self.kv.cache_blocks(request, request.num_computed_tokens)
+            request.status = RequestStatus.WAITING
+            requeue.append(request)
+        return requeue
+
+    def finish(self, request: Request, was_loading: bool) -> KVTransferParams | None:
+        """Free a finished request's blocks, unless its pull still runs or a consumer is
+        to pull them; then the kv_transfer_params for its answer are returned."""
+        if was_loading:
+            return None
+        keep, params = self.connector.request_finished(
+            request, self.kv.get_block_ids(request.request_id)
+        )
+        if keep:
+            self.held[request.request_id] = request
+        else:
+            self.kv.free(request)
+        return params
+
+    def reset(self) -> list[Request]:
+        """The workers were replaced, and every transfer with them: free every block; the
+        unfinished requests that were loading, to requeue (computed from scratch)."""
+        requeue = []
+        for request in [*self.held.values(), *self.loading.values()]:
+            self.kv.free(request)
+            request.num_computed_tokens = 0
+            if not request.is_finished and request.request_id in self.loading:
+                request.status = RequestStatus.WAITING
+                requeue.append(request)
+        self.held.clear()
+        self.loading.clear()
+        self.connector.reset()
+        return requeue
