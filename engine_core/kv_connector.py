@@ -10,21 +10,31 @@ reports, in each step's answer, the transfers every rank has finished
 (`update_connector_output`).
 
 ZmqConnector: a producer keeps a finished request's blocks and answers with
-kv_transfer_params naming a fresh transfer id and secret key; its workers serve the pages
-once to whoever names both. A consumer pulls all but the last prompt token's KV into
-blocks it allocated for them (not yet cached: nothing may hit them before they land),
-then computes that last token itself: its logits give the first output token.
+kv_transfer_params naming a fresh transfer id, the blocks, an end time and a key (an HMAC
+of them, ipc/kv_transfer.py); its workers serve the pages once to whoever presents them,
+and stop when the time runs out: then the blocks are freed and the transfer revoked in the
+next step's metadata, before any step may reuse them. A consumer pulls all but the last
+prompt token's KV into blocks it allocated for them (not yet cached: nothing may hit them
+before they land), then computes that last token itself: its logits give the first output
+token.
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
+import time
 from abc import ABC, abstractmethod
 
 from engine_core.request import Request, RequestStatus
 from ipc.config import EngineConfig
-from ipc.kv_transfer import KVTransferParams, prompt_hash
+from ipc.kv_transfer import (
+    KVTransferParams,
+    prompt_hash,
+    shared_credentials,
+    transfer_key,
+    transfer_secret,
+)
 from ipc.messages import KVConnectorMetadata, KVConnectorOutput, KVRecv, KVSend
 
 logger = logging.getLogger(__name__)
@@ -68,6 +78,11 @@ class KVConnectorScheduler(ABC):
         """Transfers the workers finished."""
 
     @abstractmethod
+    def take_expired(self) -> list[str]:
+        """Requests whose kept blocks nobody pulled in time: free them now (the workers
+        hear of it before any step may reuse them)."""
+
+    @abstractmethod
     def reset(self) -> None:
         """The workers were replaced: every transfer in flight is gone."""
 
@@ -79,9 +94,16 @@ class ZmqConnectorScheduler(KVConnectorScheduler):
         self.block_size = config.block_size
         self.tp_size = config.tensor_parallel_size
         self.port = transfer.kv_port + config.data_parallel_rank * config.tensor_parallel_size
+        self.send_timeout = float(transfer.extra("send_timeout_s"))
+        self.secret = (
+            transfer_secret(shared_credentials(transfer.credentials_path))
+            if transfer.is_producer
+            else b""
+        )
         self._new_sends: list[KVSend] = []
         self._new_recvs: list[KVRecv] = []
-        self._sending: set[str] = set()
+        self._revoked: list[str] = []
+        self._sending: dict[str, tuple[str, float]] = {}  # request id -> (transfer id, end)
         self._recving: set[str] = set()
 
     def check_request(self, request: Request) -> str | None:
@@ -120,6 +142,8 @@ class ZmqConnectorScheduler(KVConnectorScheduler):
             problem = "another prompt"
         elif any(len(ids) < num_positions for ids in params.remote_block_ids):
             problem = "too few blocks"
+        elif params.expires < time.time():
+            problem = "its time ran out"
         if problem is not None:
             logger.warning(
                 "request %s: the producer's KV does not fit (%s); computing its prompt",
@@ -144,16 +168,18 @@ class ZmqConnectorScheduler(KVConnectorScheduler):
                 params.remote_port,
                 params.transfer_id,
                 params.transfer_key,
+                params.remote_block_ids,
+                params.expires,
             )
         )
         self._recving.add(request.request_id)
 
     def build_connector_meta(self) -> KVConnectorMetadata | None:
         pending = bool(self._sending or self._recving)
-        if not (pending or self._new_sends or self._new_recvs):
+        if not (pending or self._new_sends or self._new_recvs or self._revoked):
             return None
-        metadata = KVConnectorMetadata(self._new_sends, self._new_recvs, pending)
-        self._new_sends, self._new_recvs = [], []
+        metadata = KVConnectorMetadata(self._new_sends, self._new_recvs, self._revoked, pending)
+        self._new_sends, self._new_recvs, self._revoked = [], [], []
         return metadata
 
     def request_finished(
@@ -162,9 +188,12 @@ class ZmqConnectorScheduler(KVConnectorScheduler):
         params = request.sampling_params.kv_transfer_params
         if params is None or not params.do_remote_decode or request.status not in _HANDED_OVER:
             return False, None
-        transfer_id, key = secrets.token_urlsafe(12), secrets.token_urlsafe(24)
-        self._new_sends.append(KVSend(request.request_id, transfer_id, key, block_ids))
-        self._sending.add(request.request_id)
+        transfer_id = secrets.token_urlsafe(12)
+        expires = round(time.time() + self.send_timeout, 3)
+        engine_id = self.config.engine_id
+        key = transfer_key(self.secret, engine_id, self.port, transfer_id, block_ids, expires)
+        self._new_sends.append(KVSend(request.request_id, transfer_id))
+        self._sending[request.request_id] = (transfer_id, expires)
         return True, KVTransferParams(
             do_remote_prefill=True,
             remote_engine_id=self.config.engine_id,
@@ -175,15 +204,26 @@ class ZmqConnectorScheduler(KVConnectorScheduler):
             transfer_id=transfer_id,
             transfer_key=key,
             prompt_hash=prompt_hash(request.prompt_token_ids),
+            expires=expires,
         )
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        self._sending.difference_update(output.finished_sending)
+        for request_id in output.finished_sending:
+            self._sending.pop(request_id, None)
         self._recving.difference_update(output.finished_recving)
         self._recving.difference_update(output.failed_recving)
 
+    def take_expired(self) -> list[str]:
+        now = time.time()
+        expired = [r for r, (_, expires) in self._sending.items() if expires < now]
+        for request_id in expired:
+            transfer_id, _ = self._sending.pop(request_id)
+            self._revoked.append(transfer_id)
+            logger.warning("request %s: nobody pulled its KV in time", request_id)
+        return expired
+
     def reset(self) -> None:
-        self._new_sends, self._new_recvs = [], []
+        self._new_sends, self._new_recvs, self._revoked = [], [], []
         self._sending.clear()
         self._recving.clear()
 

@@ -20,10 +20,18 @@ import logging
 from engine_core.kv_connector import KVConnectorScheduler
 from engine_core.request import Request, RequestStatus
 from ipc.kv_transfer import KVTransferParams
-from ipc.messages import KVConnectorOutput
+from ipc.messages import KVConnectorMetadata, KVConnectorOutput, SchedulerStats
 from kv_cache import KVCacheBlocks, KVCacheManager
 
 logger = logging.getLogger(__name__)
+
+_COUNTERS = (
+    "kv_transfer_pulls",
+    "kv_transfer_failed_pulls",
+    "kv_transfer_pulled_bytes",
+    "kv_transfer_pull_seconds",
+    "kv_transfer_sends",
+)
 
 
 class RemoteKV:
@@ -32,6 +40,7 @@ class RemoteKV:
         self.kv = kv_cache_manager
         self.loading: dict[str, Request] = {}
         self.held: dict[str, Request] = {}
+        self.counts = SchedulerStats()  # only its kv_transfer_* counters
 
     def owns(self, request_id: str) -> bool:
         return request_id in self.loading or request_id in self.held
@@ -61,9 +70,25 @@ class RemoteKV:
         self.connector.update_state_after_alloc(request, block_ids, num_external)
         return True
 
+    def build_connector_meta(self) -> KVConnectorMetadata | None:
+        """This step's metadata; blocks kept past their time are freed first (the
+        metadata revokes their transfers before this step may reuse them)."""
+        for request_id in self.connector.take_expired():
+            request = self.held.pop(request_id, None)
+            if request is not None:
+                self.kv.free(request)
+                self.counts.kv_transfer_sends += 1
+        return self.connector.build_connector_meta()
+
     def update(self, output: KVConnectorOutput) -> list[Request]:
         """Free the blocks that were pulled; the requests whose pull ended, to requeue."""
         self.connector.update_connector_output(output)
+        counts = self.counts
+        counts.kv_transfer_pulls += len(output.finished_recving)
+        counts.kv_transfer_failed_pulls += len(output.failed_recving)
+        counts.kv_transfer_pulled_bytes += output.pulled_bytes
+        counts.kv_transfer_pull_seconds += output.pull_seconds
+        counts.kv_transfer_sends += len(output.finished_sending)
         for request_id in output.finished_sending:
             request = self.held.pop(request_id, None)
             if request is not None:
@@ -104,6 +129,10 @@ class RemoteKV:
         else:
             self.kv.free(request)
         return params
+
+    def fill(self, stats: SchedulerStats) -> None:
+        for name in _COUNTERS:
+            setattr(stats, name, getattr(self.counts, name))
 
     def reset(self) -> list[Request]:
         """The workers were replaced, and every transfer with them: free every block; the

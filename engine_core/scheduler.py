@@ -162,7 +162,7 @@ class Scheduler:
             scheduled_spec_decode_tokens=spec_tokens,
         )
         if self.remote_kv is not None:
-            scheduler_output.kv_connector_metadata = self.remote_kv.connector.build_connector_meta()
+            scheduler_output.kv_connector_metadata = self.remote_kv.build_connector_meta()
         if self.spec is not None and total:
             self.spec.gate.step_scheduled(self.step_id, len(self.running), speculates)
             # A draft model drafts now for the next step, if the gate lets that one speculate.
@@ -456,4 +456,6 @@ class Scheduler:
         )
         if self.spec is not None:
             self.spec.counters.fill(stats)
+        if self.remote_kv is not None:
+            self.remote_kv.fill(stats)
         return stats

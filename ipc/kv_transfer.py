@@ -4,24 +4,31 @@
 A producer (`kv_role` kv_producer or kv_both) keeps the KV blocks of a request that asks
 `{"do_remote_decode": true}` after it finishes, and answers with the params a consumer
 needs to pull them: where (`remote_host`, `remote_port`: its rank 0's port, rank r at
-port + r), what (`transfer_id`, and `transfer_key`, the secret without which the producer
-serves nothing), and for which prompt (`prompt_hash`). A consumer (kv_consumer or
-kv_both) given those params with `do_remote_prefill` pulls the blocks rank to rank before
-it schedules the request, and computes the prompt itself when the pull fails.
+port + r), what (`remote_block_ids`, `transfer_id`), until when (`expires`, Unix time),
+for which prompt (`prompt_hash`), and `transfer_key`: an HMAC of all of that (and the
+producer's engine id and port) under a secret only the deployment's hosts hold, so the
+producer's workers serve a pull at once without having heard of it, and nobody can name
+other blocks. A consumer (kv_consumer or kv_both) given those params with
+`do_remote_prefill` pulls the blocks rank to rank before it schedules the request, and
+computes the prompt itself when the pull fails.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import hmac
 import json
 import os
+import threading
 import uuid
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import msgspec
+
+from ipc.auth import Credentials
 
 KV_CONNECTORS = ("ZmqConnector",)
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -31,7 +38,7 @@ EXTRA_DEFAULTS: dict[str, Any] = {
     # The CURVE keys every producer and consumer of a deployment share (made on first use;
     # copy the file to the other hosts).
     "credentials": "~/.config/splitserve/kv_transfer.credentials",
-    # A producer frees blocks nobody pulled after this many seconds.
+    # A producer frees blocks nobody pulled after this many seconds (vLLM's default is 480).
     "send_timeout_s": 120.0,
     # A consumer gives up a pull (and computes the prompt) after this many seconds.
     "pull_timeout_s": 30.0,
@@ -143,6 +150,7 @@ class KVTransferParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields
     transfer_id: str | None = None
     transfer_key: str | None = None
     prompt_hash: str | None = None
+    expires: float | None = None
 
     def __post_init__(self) -> None:
         if self.do_remote_decode and self.do_remote_prefill:
@@ -174,6 +182,7 @@ _PULL_FIELDS = (
     "transfer_id",
     "transfer_key",
     "prompt_hash",
+    "expires",
 )
 
 
@@ -181,3 +190,39 @@ def prompt_hash(token_ids: list[int]) -> str:
     """What a consumer checks its prompt against the producer's by."""
     data = b"".join(t.to_bytes(8, "little", signed=True) for t in token_ids)
     return hashlib.sha256(data).hexdigest()[:32]
+
+
+def shared_credentials(path: Path) -> Credentials:
+    """The credentials in `path`; made first if missing, by exactly one process when
+    several start at once (the file is linked into place, which fails if it exists)."""
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
+        Credentials.generate().save(tmp)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink()
+    return Credentials.load(path)
+
+
+def transfer_secret(credentials: Credentials) -> bytes:
+    """The key transfer keys are made with: from the deployment's credentials, which only
+    its producers and consumers hold."""
+    return hashlib.sha256(b"splitserve kv transfer\0" + credentials.server_secret).digest()
+
+
+def transfer_key(
+    secret: bytes,
+    engine_id: str,
+    port: int,
+    transfer_id: str,
+    block_ids: list[list[int]],
+    expires: float,
+) -> str:
+    """What a producer's workers check a pull by: an HMAC binding the transfer to its
+    engine, its blocks and its end."""
+    message = json.dumps([engine_id, port, transfer_id, block_ids, repr(expires)])
+    return hmac.new(secret, message.encode(), hashlib.sha256).hexdigest()

@@ -159,6 +159,13 @@ class SchedulerStats(_Wire):
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_num_accepted_tokens_per_pos: list[int] = []
+    # Prefill/decode disaggregation, cumulative: a consumer's pulls that landed and failed,
+    # their bytes and seconds; a producer's requests whose KV was served (or expired).
+    kv_transfer_pulls: int = 0
+    kv_transfer_failed_pulls: int = 0
+    kv_transfer_pulled_bytes: int = 0
+    kv_transfer_pull_seconds: float = 0.0
+    kv_transfer_sends: int = 0
 
 
 class EngineCoreOutputs(_Tagged):
@@ -205,18 +212,17 @@ class CachedRequestData(_Wire):
 
 
 class KVSend(_Wire):
-    """A finished request's blocks a producer's workers serve, once, to whoever names
-    `transfer_id` with `key`; until then (or until a timeout) the EngineCore keeps them."""
+    """A finished request whose blocks the EngineCore keeps until the workers report its
+    transfer served (its key lets them serve it before they hear of it here)."""
 
     request_id: str
     transfer_id: str
-    key: str
-    block_ids: list[list[int]]
 
 
 class KVRecv(_Wire):
-    """Pages a consumer's workers pull into `block_ids` (per group): the producer's blocks
-    from position `first_block` on, as many per group, from host:port + rank."""
+    """Pages a consumer's workers pull into `block_ids` (per group): the producer's
+    `remote_block_ids` from position `first_block` on, as many per group, from
+    host:port + rank, naming the transfer by its id, key and end."""
 
     request_id: str
     block_ids: list[list[int]]
@@ -225,24 +231,32 @@ class KVRecv(_Wire):
     port: int
     transfer_id: str
     key: str
+    remote_block_ids: list[list[int]]
+    expires: float
 
 
 class KVConnectorMetadata(_Wire):
-    """The KV connector's news for the workers this step. Sent (with `pending`) on every
-    step while transfers are unfinished, so that the workers can report them."""
+    """The KV connector's news for the workers this step: new sends and pulls, and the
+    transfers whose time ran out (their blocks may be reused from this step on: serve them
+    no more). Sent (with `pending`) on every step while transfers are unfinished, so that
+    the workers can report them."""
 
     sends: list[KVSend] = []
     recvs: list[KVRecv] = []
+    revoked: list[str] = []
     pending: bool = False
 
 
 class KVConnectorOutput(_Wire):
     """Transfers every rank has finished: request ids whose blocks were served (or whose
-    time ran out), whose pulls landed, and whose pulls failed (-> why)."""
+    time ran out), whose pulls landed, and whose pulls failed (-> why); the landed pulls'
+    bytes (every rank's) and seconds (rank 0's, from start to landing, summed)."""
 
     finished_sending: list[str] = []
     finished_recving: list[str] = []
     failed_recving: dict[str, str] = {}
+    pulled_bytes: int = 0
+    pull_seconds: float = 0.0
 
 
 class SchedulerOutput(_Tagged):

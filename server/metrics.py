@@ -102,6 +102,16 @@ class EngineStatsCollector:
              "from the device prefix cache.", s.num_spilled_blocks),
             ("kv_offload_prefix_cache_hits", "Prompt tokens found in the host tier (also in "
              "prefix_cache_hits).", s.host_cache_hits),
+            ("kv_transfer_pulls", "Prompts whose KV a consumer pulled from a producer.",
+             s.kv_transfer_pulls),
+            ("kv_transfer_failed_pulls", "Pulls that failed (their prompts were computed).",
+             s.kv_transfer_failed_pulls),
+            ("kv_transfer_pulled_bytes", "Bytes of KV pages pulled, every rank's.",
+             s.kv_transfer_pulled_bytes),
+            ("kv_transfer_pull_seconds", "Seconds the landed pulls took (rank 0's, summed).",
+             s.kv_transfer_pull_seconds),
+            ("kv_transfer_sends", "Requests whose KV a producer served (or stopped keeping "
+             "after send_timeout_s).", s.kv_transfer_sends),
         ]  # fmt: skip
         for kinds, family in ((gauges, GaugeMetricFamily), (counters, CounterMetricFamily)):
             for name, doc, value in kinds:

@@ -26,16 +26,10 @@ import torch
 import zmq
 
 from ipc.config import EngineConfig
+from ipc.kv_transfer import shared_credentials, transfer_secret
 from ipc.messages import KVConnectorMetadata, KVConnectorOutput, KVRecv
 from models.parallel_state import get_tp_rank, get_tp_size, tp_all_reduce
-from worker.kv_transport import (
-    PagePull,
-    PageServer,
-    ServedTransfer,
-    pull_pages,
-    scatter_pages,
-    shared_credentials,
-)
+from worker.kv_transport import PagePull, PageServer, pull_pages, scatter_pages
 
 logger = logging.getLogger(__name__)
 
@@ -69,8 +63,11 @@ class KVConnectorWorker(ABC):
 class _Recv:
     recv: KVRecv
     future: Future
+    start: float
     state: int = _PENDING
     error: str = ""
+    num_bytes: int = 0
+    seconds: float = 0.0
 
 
 class ZmqConnectorWorker(KVConnectorWorker):
@@ -79,11 +76,11 @@ class ZmqConnectorWorker(KVConnectorWorker):
         self.config = transfer
         self.device = device
         self.rank = get_tp_rank()
-        self.send_timeout = float(transfer.extra("send_timeout_s"))
         self.pull_timeout = float(transfer.extra("pull_timeout_s"))
         self.credentials = shared_credentials(transfer.credentials_path)
-        index = config.data_parallel_rank * config.tensor_parallel_size + self.rank
-        self.address = f"tcp://{transfer.kv_ip}:{transfer.kv_port + index}"
+        base_port = transfer.kv_port + config.data_parallel_rank * config.tensor_parallel_size
+        self.engine = (transfer.engine_id, base_port)
+        self.address = f"tcp://{transfer.kv_ip}:{base_port + self.rank}"
         self.tensors: list[torch.Tensor] = []
         self.server: PageServer | None = None
         self._ctx: zmq.Context | None = None
@@ -91,12 +88,14 @@ class ZmqConnectorWorker(KVConnectorWorker):
         self._progress = threading.Event()
         # Request id -> transfer id (a send) or _Recv, in the order every rank added them.
         self.pending: dict[str, str | _Recv] = {}
-        self.num_pulled_pages = 0
 
     def register_kv_caches(self, tensors: list[torch.Tensor]) -> None:
         self.tensors = list(tensors)
         if self.config.is_producer:
-            self.server = PageServer(self.address, self.tensors, self.credentials, self._progress)
+            secret = transfer_secret(self.credentials)
+            self.server = PageServer(
+                self.address, self.tensors, self.credentials, secret, self.engine, self._progress
+            )
             logger.info("rank %d serves KV pages on %s", self.rank, self.address)
         if self.config.is_consumer:
             self._ctx = zmq.Context()
@@ -104,21 +103,32 @@ class ZmqConnectorWorker(KVConnectorWorker):
 
     def start_load_kv(self, metadata: KVConnectorMetadata | None) -> None:
         if metadata is not None:
-            deadline = time.monotonic() + self.send_timeout
+            for transfer_id in metadata.revoked:  # before this step may reuse the blocks
+                self.server.revoke(transfer_id)
+            revoked = set(metadata.revoked)
+            sends = [(r, e) for r, e in self.pending.items() if isinstance(e, str)]
+            for request_id in [r for r, transfer_id in sends if transfer_id in revoked]:
+                del self.pending[request_id]
             for send in metadata.sends:
-                self.server.add(
-                    send.transfer_id, ServedTransfer(send.key, send.block_ids, deadline)
-                )
                 self.pending[send.request_id] = send.transfer_id
             for recv in metadata.recvs:
-                self.pending[recv.request_id] = _Recv(recv, self._start_pull(recv))
+                self.pending[recv.request_id] = _Recv(
+                    recv, self._start_pull(recv), time.monotonic()
+                )
         for entry in self.pending.values():
             if isinstance(entry, _Recv) and entry.state == _PENDING and entry.future.done():
                 self._land(entry)
 
     def _start_pull(self, recv: KVRecv) -> Future:
         num_blocks = len(recv.block_ids[0]) if recv.block_ids else 0
-        pull = PagePull(recv.transfer_id, recv.key, recv.first_block, num_blocks)
+        pull = PagePull(
+            recv.transfer_id,
+            recv.key,
+            recv.remote_block_ids,
+            recv.expires,
+            recv.first_block,
+            num_blocks,
+        )
         address = f"tcp://{recv.host}:{recv.port + self.rank}"
         future = self._pulls.submit(
             pull_pages, self._ctx, address, self.credentials, pull, self.pull_timeout
@@ -130,9 +140,11 @@ class ZmqConnectorWorker(KVConnectorWorker):
         """Write a finished pull's pages into the request's blocks (or note its failure)."""
         try:
             block_ids = [i for ids in entry.recv.block_ids for i in ids]
-            scatter_pages(self.tensors, block_ids, entry.future.result())
+            frames = entry.future.result()
+            scatter_pages(self.tensors, block_ids, frames)
             entry.state = _DONE
-            self.num_pulled_pages += len(block_ids)
+            entry.num_bytes = sum(len(frame) for frame in frames)
+            entry.seconds = time.monotonic() - entry.start
         except Exception as e:
             entry.state, entry.error = _FAILED, f"rank {self.rank}: {e}"
 
@@ -162,25 +174,17 @@ class ZmqConnectorWorker(KVConnectorWorker):
                 output.failed_recving[request_id] = entry.error or "another rank's pull failed"
             else:
                 output.finished_recving.append(request_id)
+                output.pulled_bytes += entry.num_bytes * get_tp_size()
+                output.pull_seconds += entry.seconds
         return output
 
     def _local_states(self) -> list[int]:
-        return [self._local_state(k, e) for k, e in self.pending.items()]
+        return [self._local_state(entry) for entry in self.pending.values()]
 
-    def _local_state(self, request_id: str, entry: str | _Recv) -> int:
-        """A send is done once served or out of time (then it is withdrawn)."""
+    def _local_state(self, entry: str | _Recv) -> int:
         if isinstance(entry, _Recv):
             return entry.state
-        with self.server.lock:
-            transfer = self.server.transfers.get(entry)
-            if transfer is None:
-                return _DONE
-            if transfer.served or time.monotonic() > transfer.deadline:
-                if not transfer.served:
-                    logger.warning("request %s: nobody pulled its KV in time", request_id)
-                del self.server.transfers[entry]
-                return _DONE
-        return _PENDING
+        return _DONE if self.server.was_served(entry) else _PENDING
 
     def shutdown(self) -> None:
         if self.server is not None:

@@ -1,46 +1,49 @@
 """KV pages between a producer's and a consumer's workers, rank to rank, over ZeroMQ with
 CURVE: a PageServer thread on each producer rank, and `pull_pages` on a consumer rank.
 
-A consumer asks for a transfer by id and key (PagePull); the server answers with a header
-and one frame per KV cache tensor holding the named pages, as bytes. A transfer is served
-once. An id the server does not know (yet: the producer's workers learn of a transfer a
-step after its answer left) is answered "not yet", and the consumer asks again until its
-time runs out; a wrong key gets the same answer, so keys cannot be probed.
+A consumer asks for a transfer (PagePull): its id, blocks, end time and key, and the
+positions it wants. The server checks the key (an HMAC of the rest, ipc/kv_transfer.py)
+and answers with a header and one frame per KV cache tensor holding the pages, as bytes;
+so it serves a transfer the moment its answer reached the client, before the EngineCore's
+next step tells the workers of it. A transfer is served once, and never after its end or
+once the EngineCore revoked it (it may reuse the blocks from then on). Every refusal reads
+the same, so nothing can be learnt by probing.
 
 The keys come from one credentials file (ipc/auth.py's format) that every producer and
 consumer of a deployment shares: producers are the CURVE servers, consumers connect with
-the client key pair. The file is made on first use, race-free between processes.
+the client key pair.
 """
 
 from __future__ import annotations
 
 import hmac
-import os
 import threading
 import time
 import warnings
-from dataclasses import dataclass
-from pathlib import Path
 
 import msgspec
 import torch
 import zmq
 
 from ipc.auth import CLIENT, AuthContext, Credentials, secure_socket
+from ipc.kv_transfer import transfer_key
 
 _POLL_MS = 100
-_RETRY_S = 0.005
+_REVOKED_KEPT_S = 3600.0  # longer than the hosts' clocks ever differ
+REFUSED = "refused: unknown, expired or already served transfer, or a wrong key"
 
 
 class PagePull(msgspec.Struct, array_like=True):
     transfer_id: str
     key: str
+    block_ids: list[list[int]]  # the transfer's, per group
+    expires: float
     first_block: int
     num_blocks: int  # per group
 
 
 class PageHeader(msgspec.Struct, array_like=True, omit_defaults=True):
-    """`status`: "ok" (a frame per tensor follows), "unknown" (ask again) or "error"."""
+    """`status` "ok": a frame per tensor follows; else `error` says why not."""
 
     status: str
     error: str = ""
@@ -49,30 +52,6 @@ class PageHeader(msgspec.Struct, array_like=True, omit_defaults=True):
 
 class PullFailed(RuntimeError):
     pass
-
-
-@dataclass
-class ServedTransfer:
-    key: str
-    block_ids: list[list[int]]
-    deadline: float
-    served: bool = False
-
-
-def shared_credentials(path: Path) -> Credentials:
-    """The credentials in `path`; made first if missing, by exactly one process when
-    several start at once (the file is linked into place, which fails if it exists)."""
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
-        Credentials.generate().save(tmp)
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            pass
-        finally:
-            tmp.unlink()
-    return Credentials.load(path)
 
 
 def gather_pages(tensors: list[torch.Tensor], block_ids: list[int]) -> list[memoryview]:
@@ -106,20 +85,26 @@ def scatter_pages(tensors: list[torch.Tensor], block_ids: list[int], frames: lis
 
 
 class PageServer:
-    """Serves registered transfers from its own thread; `lock` is held while pages are
-    read, so a transfer removed under it is never read again."""
+    """Serves pulls from its own thread. `lock` is held while pages are read and while a
+    transfer is revoked, so a revoked transfer's blocks are never read again. `served`
+    (transfer id -> end) and `revoked` forget a transfer once its end has passed."""
 
     def __init__(
         self,
         address: str,
         tensors: list[torch.Tensor],
         credentials: Credentials,
-        served: threading.Event,
+        secret: bytes,
+        engine: tuple[str, int],
+        on_served: threading.Event,
     ) -> None:
         self.tensors = tensors
+        self.secret = secret
+        self.engine = engine  # (engine id, base port): what the keys are bound to
         self.lock = threading.Lock()
-        self.transfers: dict[str, ServedTransfer] = {}
-        self.served = served  # set whenever a transfer was served
+        self.served: dict[str, float] = {}
+        self.revoked: dict[str, float] = {}
+        self.on_served = on_served
         self._ctx = AuthContext(credentials)
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.linger = 0
@@ -135,13 +120,14 @@ class PageServer:
         self._thread = threading.Thread(target=self._serve, name="kv-page-server", daemon=True)
         self._thread.start()
 
-    def add(self, transfer_id: str, transfer: ServedTransfer) -> None:
+    def revoke(self, transfer_id: str) -> None:
         with self.lock:
-            self.transfers[transfer_id] = transfer
+            self.revoked[transfer_id] = time.time() + _REVOKED_KEPT_S
+            self._forget_ended()
 
-    def remove(self, transfer_id: str) -> ServedTransfer | None:
+    def was_served(self, transfer_id: str) -> bool:
         with self.lock:
-            return self.transfers.pop(transfer_id, None)
+            return transfer_id in self.served
 
     def _serve(self) -> None:
         while not self._stop.is_set():
@@ -151,28 +137,39 @@ class PageServer:
             header, pages = self._answer(frames)
             self._sock.send_multipart([identity, msgspec.msgpack.encode(header), *pages])
             if pages:
-                self.served.set()
+                self.on_served.set()
 
     def _answer(self, frames: list[bytes]) -> tuple[PageHeader, list[memoryview]]:
         try:
             pull = self._decoder.decode(frames[-1])
         except (msgspec.DecodeError, msgspec.ValidationError, IndexError):
             return PageHeader("error", "not a page request"), []
+        expected = transfer_key(
+            self.secret, *self.engine, pull.transfer_id, pull.block_ids, pull.expires
+        )
         with self.lock:
-            transfer = self.transfers.get(pull.transfer_id)
             if (
-                transfer is None
-                or transfer.served
-                or not hmac.compare_digest(transfer.key.encode(), pull.key.encode())
+                not hmac.compare_digest(expected, pull.key)
+                or pull.expires < time.time()
+                or pull.transfer_id in self.served
+                or pull.transfer_id in self.revoked
             ):
-                return PageHeader("unknown"), []
+                return PageHeader("error", REFUSED), []
             end = pull.first_block + pull.num_blocks
-            if pull.first_block < 0 or any(end > len(ids) for ids in transfer.block_ids):
+            if pull.first_block < 0 or any(end > len(ids) for ids in pull.block_ids):
                 return PageHeader("error", "the pages asked for are not in the transfer"), []
-            block_ids = [i for ids in transfer.block_ids for i in ids[pull.first_block : end]]
+            block_ids = [i for ids in pull.block_ids for i in ids[pull.first_block : end]]
             pages = gather_pages(self.tensors, block_ids)
-            transfer.served = True
+            self.served[pull.transfer_id] = pull.expires
+            self._forget_ended()
         return PageHeader("ok", num_pages=len(block_ids)), pages
+
+    def _forget_ended(self) -> None:
+        """A transfer past its end is refused by its key's end anyway."""
+        now = time.time()
+        for ended in (self.served, self.revoked):
+            for transfer_id in [t for t, end in ended.items() if end < now]:
+                del ended[transfer_id]
 
     def close(self) -> None:
         self._stop.set()
@@ -185,26 +182,19 @@ def pull_pages(
     ctx: zmq.Context, address: str, credentials: Credentials, pull: PagePull, timeout: float
 ) -> list:
     """The pages of `pull` from the PageServer at `address`, one frame per tensor. Raises
-    PullFailed on an error answer or when no pages came within `timeout` seconds."""
+    PullFailed on a refusal or when no answer came within `timeout` seconds."""
     sock = ctx.socket(zmq.DEALER)
     sock.linger = 0
     secure_socket(sock, credentials, CLIENT, server=False)
-    deadline = time.monotonic() + timeout
-    request = msgspec.msgpack.encode(pull)
-    decoder = msgspec.msgpack.Decoder(PageHeader)
     try:
         sock.connect(address)
-        while True:
-            sock.send(request)
-            left = deadline - time.monotonic()
-            if left <= 0 or not sock.poll(round(1e3 * left)):
-                raise PullFailed(f"no pages from {address} within {timeout:g} s")
-            header, *frames = sock.recv_multipart(copy=False)
-            answer = decoder.decode(header.buffer)
-            if answer.status == "ok":
-                return [frame.buffer for frame in frames]
-            if answer.status != "unknown":
-                raise PullFailed(f"{address} answered: {answer.error}")
-            time.sleep(_RETRY_S)
+        sock.send(msgspec.msgpack.encode(pull))
+        if not sock.poll(round(1e3 * timeout)):
+            raise PullFailed(f"no pages from {address} within {timeout:g} s")
+        header, *frames = sock.recv_multipart(copy=False)
+        answer = msgspec.msgpack.decode(header.buffer, type=PageHeader)
+        if answer.status != "ok":
+            raise PullFailed(f"{address} answered: {answer.error}")
+        return [frame.buffer for frame in frames]
     finally:
         sock.close()

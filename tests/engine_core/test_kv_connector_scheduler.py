@@ -5,14 +5,31 @@ The stand-in executor writes a pull's pages into the consumer's blocks (so a ste
 reads a block the pull did not fill is a stale read) and reports transfers as workers do.
 """
 
+import time
+
 import pytest
 from stand_in_executor import make_engine, make_request, run_to_completion
 
 from engine_core import RequestStatus
-from ipc.kv_transfer import KVTransferParams, prompt_hash
+from ipc.kv_transfer import (
+    EXTRA_DEFAULTS,
+    KVTransferParams,
+    prompt_hash,
+    shared_credentials,
+    transfer_key,
+    transfer_secret,
+)
 
 CONSUMER = {"kv_role": "kv_consumer"}
 PRODUCER = {"kv_role": "kv_producer", "kv_ip": "10.0.0.7", "kv_port": 20000}
+
+
+@pytest.fixture(autouse=True)
+def credentials(tmp_path, monkeypatch):
+    """Producers make their keys in a file of this test's."""
+    monkeypatch.setitem(EXTRA_DEFAULTS, "credentials", str(tmp_path / "kv.credentials"))
+
+
 PROMPT = list(range(500, 518))  # 18 tokens: 17 pulled, in 5 blocks of 4
 
 
@@ -27,6 +44,7 @@ def pull_params(prompt=PROMPT, **overrides) -> KVTransferParams:
         transfer_id="t1",
         transfer_key="secret",
         prompt_hash=prompt_hash(prompt),
+        expires=time.time() + 60,
     )
     return KVTransferParams(**{**fields, **overrides})
 
@@ -51,6 +69,7 @@ def test_consumer_pulls_all_but_the_last_prompt_token_then_computes_that_one():
     (recv,) = first.kv_connector_metadata.recvs
     assert (recv.request_id, recv.block_ids, recv.first_block) == ("A", [[1, 2, 3, 4, 5]], 0)
     assert (recv.host, recv.port, recv.transfer_id, recv.key) == ("10.0.0.7", 20000, "t1", "secret")
+    assert recv.remote_block_ids == [[11, 12, 13, 14, 15]]
     assert engine.scheduler.requests["A"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
     assert num_free(engine) == free - 5
     # Nothing may hit blocks whose pages have not landed.
@@ -62,6 +81,8 @@ def test_consumer_pulls_all_but_the_last_prompt_token_then_computes_that_one():
     assert (new.num_computed_tokens, new.block_ids) == (17, [[1, 2, 3, 4, 5]])
     assert scheduled[0].num_scheduled_tokens == {"A": 1}
     assert num_free(engine) == free
+    stats = engine.scheduler.get_stats()
+    assert (stats.kv_transfer_pulls, stats.kv_transfer_failed_pulls) == (1, 0)
 
 
 def test_pulled_blocks_are_cached_once_they_land():
@@ -101,6 +122,8 @@ def test_a_failed_pull_computes_the_prompt():
     assert scheduled[0] == {"A": 18}
     metadata = [so.kv_connector_metadata for so in executor.outputs if so.kv_connector_metadata]
     assert sum(len(m.recvs) for m in metadata) == 1
+    stats = engine.scheduler.get_stats()
+    assert (stats.kv_transfer_pulls, stats.kv_transfer_failed_pulls) == (0, 1)
     assert num_free(engine) == free
 
 
@@ -110,8 +133,9 @@ def test_a_failed_pull_computes_the_prompt():
         {"prompt_hash": prompt_hash([1, 2, 3])},
         {"remote_tp_size": 2},
         {"remote_block_ids": [[11, 12, 13, 14]]},
+        {"expires": time.time() - 1},
     ],
-    ids=["other prompt", "other tp size", "too few blocks"],
+    ids=["other prompt", "other tp size", "too few blocks", "ended"],
 )
 def test_params_that_do_not_fit_compute_the_prompt(overrides):
     engine, executor = consumer()
@@ -152,17 +176,24 @@ def test_producer_keeps_the_blocks_until_they_are_pulled():
     assert (answer.remote_host, answer.remote_port, answer.remote_tp_size) == ("10.0.0.7", 20000, 1)
     assert answer.prompt_hash == prompt_hash(PROMPT)
     assert answer.remote_engine_id == engine.config.kv_transfer_config.engine_id
+    assert 119 < answer.expires - time.time() <= 120  # send_timeout_s
+    transfer = engine.config.kv_transfer_config
+    secret = transfer_secret(shared_credentials(transfer.credentials_path))
+    key = transfer_key(
+        secret, transfer.engine_id, 20000, answer.transfer_id, [[1, 2, 3, 4, 5]], answer.expires
+    )
+    assert answer.transfer_key == key
     assert engine.has_unfinished_requests() and num_free(engine) == free - 5
     engine.step()
     (send,) = executor.outputs[-1].kv_connector_metadata.sends
-    assert (send.request_id, send.block_ids) == ("P", [[1, 2, 3, 4, 5]])
-    assert (send.transfer_id, send.key) == (answer.transfer_id, answer.transfer_key)
+    assert (send.request_id, send.transfer_id) == ("P", answer.transfer_id)
     for _ in range(3):
         engine.step()
     assert engine.has_unfinished_requests() and num_free(engine) == free - 5
     executor.pulled.add("P")
     run_to_completion(engine)
     assert num_free(engine) == free
+    assert engine.scheduler.get_stats().kv_transfer_sends == 1
 
 
 def test_producer_hands_over_only_requests_that_finished_normally():
@@ -213,3 +244,20 @@ def test_replaced_workers_lose_every_transfer():
         "A": 18
     }
     assert num_free(engine) == free
+
+
+def test_blocks_nobody_pulls_are_freed_and_their_transfer_revoked():
+    producer = {**PRODUCER, "kv_connector_extra_config": {"send_timeout_s": 0.05}}
+    engine, executor = make_engine(kv_transfer_config=producer)
+    free = num_free(engine)
+    params = KVTransferParams(do_remote_decode=True)
+    engine.add_request(make_request("P", PROMPT, max_tokens=1, kv_transfer_params=params))
+    (out,) = engine.step().outputs
+    assert num_free(engine) == free - 5
+    time.sleep(0.1)
+    run_to_completion(engine)
+    assert num_free(engine) == free
+    metadata = [so.kv_connector_metadata for so in executor.outputs if so.kv_connector_metadata]
+    revoked = [transfer_id for m in metadata for transfer_id in m.revoked]
+    assert revoked == [out.kv_transfer_params.transfer_id]
+    assert engine.scheduler.get_stats().kv_transfer_sends == 1

@@ -58,6 +58,12 @@ def test_decode_instance_continues_from_the_pulled_kv(engines):
         assert out.outputs[0].token_ids == greedy(prompt)
         assert out.outputs[0].token_ids[0] == first.outputs[0].token_ids[0]
         assert out.num_cached_tokens == len(prompt) - 1
+    stats = consumer.engine.get_stats()
+    block_size = consumer.config.block_size
+    num_blocks = sum(-(-(len(p) - 1) // block_size) for p in prompts)
+    bytes_per_block = consumer.engine.executor.runner.kv_cache_bytes_per_block()
+    assert stats.kv_transfer_pulls >= len(prompts)
+    assert stats.kv_transfer_pulled_bytes >= num_blocks * bytes_per_block
     assert producer.engine.scheduler.remote_kv.held  # until the producer steps again
     for _ in range(50):
         producer.engine.step()

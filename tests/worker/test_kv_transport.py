@@ -10,24 +10,24 @@ import threading
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 import zmq
 
 from ipc.auth import Credentials
 from ipc.config import EngineConfig
-from ipc.messages import KVConnectorMetadata, KVRecv, KVSend
+from ipc.kv_transfer import shared_credentials, transfer_key, transfer_secret
+from ipc.messages import KVConnectorMetadata, KVConnectorOutput, KVRecv, KVSend
 from ipc.sockets import free_tcp_port
 from worker.kv_connector import ZmqConnectorWorker
 from worker.kv_transport import (
     PagePull,
     PageServer,
     PullFailed,
-    ServedTransfer,
     gather_pages,
     pull_pages,
     scatter_pages,
-    shared_credentials,
 )
 
 PAGE = (4, 2, 8)  # block_size, kv heads, head dim
@@ -64,71 +64,100 @@ def test_pages_of_another_layout_are_refused():
         scatter_pages(caches(3, 4, torch.float32, 0), [1, 2], frames)
 
 
+ENGINE = ("producer-engine", 20000)
+
+
 @pytest.fixture
 def credentials(tmp_path) -> Credentials:
     return shared_credentials(tmp_path / "kv.credentials")
+
+
+def make_pull(credentials, block_ids, first, num, transfer_id="t", expires=None, engine=ENGINE):
+    """A pull of positions first..first+num-1, with the key a producer of `engine` made."""
+    expires = time.time() + 60 if expires is None else expires
+    secret = transfer_secret(credentials)
+    key = transfer_key(secret, *engine, transfer_id, block_ids, expires)
+    return PagePull(transfer_id, key, block_ids, expires, first, num)
 
 
 @pytest.fixture
 def server(credentials):
     address = f"tcp://127.0.0.1:{free_tcp_port(count=1)}"
     tensors = caches(2, 8, torch.bfloat16, 3)
-    server = PageServer(address, tensors, credentials, served=threading.Event())
-    server.add("t", ServedTransfer("key", [[1, 2, 3], [4, 5, 6]], time.monotonic() + 60))
+    served = threading.Event()
+    secret = transfer_secret(credentials)
+    server = PageServer(address, tensors, credentials, secret, ENGINE, served)
     yield address, tensors, server
     server.close()
 
 
-def pull(address, credentials, transfer_id="t", key="key", first=1, num=2, timeout=5.0):
+def pull(address, credentials, request: PagePull, timeout=5.0):
     with zmq.Context() as ctx:
-        return pull_pages(
-            ctx, address, credentials, PagePull(transfer_id, key, first, num), timeout
-        )
+        return pull_pages(ctx, address, credentials, request, timeout)
 
 
-def test_a_transfer_is_served_once_to_its_key(server, credentials):
+BLOCKS = [[1, 2, 3], [4, 5, 6]]
+
+
+def test_a_transfer_is_served_at_once_and_only_once(server, credentials):
     address, tensors, served = server
-    start = time.monotonic()
-    with pytest.raises(PullFailed, match="within 0.3 s"):
-        pull(address, credentials, key="guess", timeout=0.3)
-    assert time.monotonic() - start < 3
-    frames = pull(address, credentials)
-    assert served.served.is_set()
+    frames = pull(address, credentials, make_pull(credentials, BLOCKS, 1, 2))
+    assert served.on_served.is_set() and served.was_served("t")
     target = caches(2, 8, torch.bfloat16, 4)
     scatter_pages(target, [7, 6, 5, 4], frames)
     for src, dst in zip(tensors, target, strict=True):
         assert same(dst[:, [7, 6, 5, 4]], src[:, [2, 3, 5, 6]])  # positions 1..2 of each group
-    with pytest.raises(PullFailed):
-        pull(address, credentials, timeout=0.3)  # served already
+    with pytest.raises(PullFailed, match="refused"):
+        pull(address, credentials, make_pull(credentials, BLOCKS, 1, 2))
+
+
+@pytest.mark.parametrize(
+    "forge",
+    [
+        lambda p: msgspec.structs.replace(p, key="0" * 64),
+        lambda p: msgspec.structs.replace(p, block_ids=[[1, 2, 7], [4, 5, 6]]),
+        lambda p: msgspec.structs.replace(p, expires=p.expires + 100),
+        lambda p: msgspec.structs.replace(p, transfer_id="other"),
+    ],
+    ids=["key", "block ids", "end", "transfer id"],
+)
+def test_a_forged_pull_is_refused_at_once(server, credentials, forge):
+    address, _, served = server
+    start = time.monotonic()
+    with pytest.raises(PullFailed, match="refused"):
+        pull(address, credentials, forge(make_pull(credentials, BLOCKS, 0, 3)))
+    assert time.monotonic() - start < 2
+    assert not served.on_served.is_set()
+
+
+def test_keys_are_bound_to_their_producer(server, credentials):
+    address, _, _ = server
+    other = ("another-engine", 20000)
+    with pytest.raises(PullFailed, match="refused"):
+        pull(address, credentials, make_pull(credentials, BLOCKS, 0, 1, engine=other))
+
+
+def test_ended_and_revoked_transfers_are_refused(server, credentials):
+    address, _, served = server
+    with pytest.raises(PullFailed, match="refused"):
+        pull(address, credentials, make_pull(credentials, BLOCKS, 0, 1, expires=time.time() - 1))
+    served.revoke("r")
+    with pytest.raises(PullFailed, match="refused"):
+        pull(address, credentials, make_pull(credentials, BLOCKS, 0, 1, transfer_id="r"))
 
 
 def test_pages_outside_the_transfer_are_refused(server, credentials):
     address, _, _ = server
     with pytest.raises(PullFailed, match="not in the transfer"):
-        pull(address, credentials, first=2, num=2)
+        pull(address, credentials, make_pull(credentials, BLOCKS, 2, 2))
 
 
-def test_a_pull_without_the_shared_keys_gets_nothing(server, tmp_path):
+def test_a_pull_without_the_shared_keys_gets_nothing(server, credentials):
     address, _, served = server
     strangers = Credentials.generate()
     with pytest.raises(PullFailed, match="within 0.5 s"):
-        pull(address, strangers, timeout=0.5)
-    assert not served.served.is_set()
-
-
-def test_a_transfer_registered_late_is_still_pulled(credentials):
-    """The answer naming a transfer leaves before the producer's workers hear of it."""
-    address = f"tcp://127.0.0.1:{free_tcp_port(count=1)}"
-    server = PageServer(address, caches(1, 4, torch.float32, 0), credentials, threading.Event())
-    try:
-        timer = threading.Timer(
-            0.2, server.add, ("late", ServedTransfer("k", [[1, 2]], time.monotonic() + 60))
-        )
-        timer.start()
-        (frame,) = pull(address, credentials, "late", "k", 0, 2)
-        assert len(frame) == 2 * 2 * 4 * 2 * 8 * 4
-    finally:
-        server.close()
+        pull(address, strangers, make_pull(credentials, BLOCKS, 0, 1), timeout=0.5)
+    assert not served.on_served.is_set()
 
 
 def _make_credentials(path: str, queue) -> None:
@@ -153,6 +182,7 @@ def connector(role: str, port: int, credentials_path, **extra) -> ZmqConnectorWo
     config = EngineConfig(
         max_model_len=64,
         kv_transfer_config={
+            "engine_id": "producer-engine",
             "kv_role": role,
             "kv_port": port,
             "kv_connector_extra_config": {"credentials": str(credentials_path), **extra},
@@ -177,6 +207,20 @@ def finish(*connectors, steps: int = 500):
     raise AssertionError(f"transfers did not finish: {outputs}")
 
 
+def recv_of(pull: PagePull, port: int, block_ids: list[list[int]]) -> KVRecv:
+    return KVRecv(
+        "D",
+        block_ids,
+        pull.first_block,
+        "127.0.0.1",
+        port,
+        pull.transfer_id,
+        pull.key,
+        pull.block_ids,
+        pull.expires,
+    )
+
+
 def test_a_connector_pair_moves_a_requests_pages(tmp_path):
     port = free_tcp_port(count=1)
     producer = connector("kv_producer", port, tmp_path / "c")
@@ -185,11 +229,14 @@ def test_a_connector_pair_moves_a_requests_pages(tmp_path):
     producer.register_kv_caches(source)
     consumer.register_kv_caches(target)
     try:
-        producer.start_load_kv(KVConnectorMetadata([KVSend("P", "t", "k", [[3, 4, 5, 6]])]))
-        recv = KVRecv("D", [[9, 10, 11]], 1, "127.0.0.1", port, "t", "k")
-        consumer.start_load_kv(KVConnectorMetadata(recvs=[recv]))
+        request = make_pull(
+            producer.credentials, [[3, 4, 5, 6]], 1, 3, engine=("producer-engine", port)
+        )
+        consumer.start_load_kv(KVConnectorMetadata(recvs=[recv_of(request, port, [[9, 10, 11]])]))
+        producer.start_load_kv(KVConnectorMetadata([KVSend("P", "t")]))
         sent, landed = finish(producer, consumer)
         assert sent.finished_sending == ["P"] and landed.finished_recving == ["D"]
+        assert landed.pulled_bytes == 2 * 3 * 2 * 4 * 2 * 8 * 2  # tensors x pages x bytes
         for src, dst in zip(source, target, strict=True):
             assert same(dst[:, [9, 10, 11]], src[:, [4, 5, 6]])
         assert producer.get_finished() is None and consumer.get_finished() is None
@@ -198,21 +245,29 @@ def test_a_connector_pair_moves_a_requests_pages(tmp_path):
         consumer.shutdown()
 
 
-def test_unpulled_pages_are_withdrawn_after_their_time(tmp_path):
+def test_a_revoked_send_leaves_the_pending_transfers(tmp_path):
     port = free_tcp_port(count=1)
-    producer = connector("kv_producer", port, tmp_path / "c", send_timeout_s=0.2)
-    consumer = connector("kv_consumer", port, tmp_path / "c", pull_timeout_s=0.5)
+    producer = connector("kv_producer", port, tmp_path / "c")
     producer.register_kv_caches(caches(1, 8, torch.float32, 0))
-    consumer.register_kv_caches(caches(1, 8, torch.float32, 1))
     try:
-        producer.start_load_kv(KVConnectorMetadata([KVSend("P", "t", "k", [[1, 2]])]))
-        (sent,) = finish(producer)
-        assert sent.finished_sending == ["P"]
-        recv = KVRecv("D", [[3, 4]], 0, "127.0.0.1", port, "t", "k")
-        consumer.start_load_kv(KVConnectorMetadata(recvs=[recv]))
-        (failed,) = finish(consumer)
-        assert list(failed.failed_recving) == ["D"]
-        assert "within 0.5 s" in failed.failed_recving["D"]
+        producer.start_load_kv(KVConnectorMetadata([KVSend("P", "t")]))
+        assert producer.get_finished() == KVConnectorOutput([], [], {})
+        producer.start_load_kv(KVConnectorMetadata(revoked=["t"]))
+        assert producer.get_finished() is None
+        assert "t" in producer.server.revoked
     finally:
         producer.shutdown()
+
+
+def test_a_failed_pull_is_reported_with_its_reason(tmp_path):
+    port = free_tcp_port(count=1)
+    consumer = connector("kv_consumer", port, tmp_path / "c", pull_timeout_s=0.3)
+    consumer.register_kv_caches(caches(1, 8, torch.float32, 1))
+    try:
+        request = make_pull(consumer.credentials, [[1, 2]], 0, 2)
+        consumer.start_load_kv(KVConnectorMetadata(recvs=[recv_of(request, port, [[3, 4]])]))
+        (failed,) = finish(consumer)
+        assert list(failed.failed_recving) == ["D"]
+        assert "within 0.3 s" in failed.failed_recving["D"]
+    finally:
         consumer.shutdown()
