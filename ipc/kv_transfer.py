@@ -15,20 +15,20 @@ computes the prompt itself when the pull fails.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import hmac
 import json
 import os
 import threading
 import uuid
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from ipc.auth import Credentials
+from ipc.json_config import from_json_value, json_option_parser
 
 KV_CONNECTORS = ("ZmqConnector",)
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -108,31 +108,10 @@ class KVTransferConfig:
     @classmethod
     def from_value(cls, value: KVTransferConfig | dict[str, Any] | str) -> KVTransferConfig:
         """From a config, a dict or its JSON text; unknown keys are refused by name."""
-        if isinstance(value, KVTransferConfig):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_transfer_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_transfer_config must be a JSON object, got {value!r}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(
-                f"kv_transfer_config: unknown key(s) {', '.join(unknown)}; "
-                f"known: {', '.join(sorted(known))}"
-            )
-        return cls(**value)
+        return from_json_value(cls, value, "kv_transfer_config")
 
 
-def parse_kv_transfer_config(text: str) -> dict[str, Any]:
-    """The command line's `--kv-transfer-config '{"kv_connector": ...}'`, checked now."""
-    try:
-        return vars(KVTransferConfig.from_value(text))
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+parse_kv_transfer_config = json_option_parser(KVTransferConfig.from_value)
 
 
 class KVTransferParams(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):

@@ -10,10 +10,10 @@ not available yet rather than run without speculation.
 
 from __future__ import annotations
 
-import argparse
-import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
+
+from ipc.json_config import from_json_value, json_object, json_option_parser
 
 SPEC_METHODS = ("ngram", "draft_model")
 _PLANNED_METHODS = ("eagle", "eagle3", "medusa", "mtp")
@@ -83,33 +83,14 @@ class SpeculativeConfig:
     @classmethod
     def from_value(cls, value: SpeculativeConfig | dict[str, Any] | str) -> SpeculativeConfig:
         """From a config, a dict or its JSON text; unknown keys are refused by name."""
-        if isinstance(value, SpeculativeConfig):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
-        if value.get("method") in _PLANNED_METHODS:
-            return cls(method=value["method"])  # refused with its reason
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(
-                f"speculative_config: unknown key(s) {', '.join(unknown)}; "
-                f"known: {', '.join(sorted(known))}"
-            )
-        return cls(**value)
+        if not isinstance(value, SpeculativeConfig):
+            value = json_object(value, "speculative_config")
+            if value.get("method") in _PLANNED_METHODS:
+                return cls(method=value["method"])  # refused with its reason
+        return from_json_value(cls, value, "speculative_config")
 
 
-def parse_speculative_config(text: str) -> dict[str, Any]:
-    """The command line's `--speculative-config '{"method": "ngram", ...}'`, checked now."""
-    try:
-        return vars(SpeculativeConfig.from_value(text))
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+parse_speculative_config = json_option_parser(SpeculativeConfig.from_value)
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:
