@@ -3,10 +3,13 @@
 Two kinds of requests hold KV blocks outside the running and waiting lists:
 
 * `loading`: a consumer's requests whose prompt KV is being pulled into blocks allocated
-  for it (uncached until it lands). When it lands the request goes back to the front of
-  the queue with all but its last prompt token computed; when the pull fails, with its
-  blocks freed, to be computed from scratch. An aborted one keeps its blocks until its
-  pull ends: the workers may still be writing them.
+  for it (uncached until it lands). When it lands the request is `ready`: all but its
+  last prompt token computed, admitted before the queue; when the pull fails, it goes
+  back to the front of the queue with its blocks freed, to be computed from scratch. An
+  aborted one keeps its blocks until its pull ends: the workers may still be writing
+  them. A ready request that does not fit gives its blocks back (`release_ready`), as a
+  running request gives way before any other is preempted: blocks held by requests that
+  do not run must never starve those that could.
 * `held`: a producer's finished requests whose blocks wait until the workers report them
   pulled (or withdrawn after their time).
 
@@ -16,6 +19,7 @@ Their ids stay in use meanwhile: the KV cache manager keys blocks by request id.
 from __future__ import annotations
 
 import logging
+from collections import deque
 
 from engine_core.kv_connector import KVConnectorScheduler
 from engine_core.request import Request, RequestStatus
@@ -39,6 +43,7 @@ class RemoteKV:
         self.connector = connector
         self.kv = kv_cache_manager
         self.loading: dict[str, Request] = {}
+        self.ready: deque[Request] = deque()
         self.held: dict[str, Request] = {}
         self.counts = SchedulerStats()  # only its kv_transfer_* counters
 
@@ -47,7 +52,7 @@ class RemoteKV:
 
     @property
     def has_requests(self) -> bool:
-        return bool(self.loading or self.held)
+        return bool(self.loading or self.ready or self.held)
 
     def start_load(
         self, request: Request, hit_blocks: KVCacheBlocks | None, num_hit_tokens: int
@@ -81,7 +86,8 @@ class RemoteKV:
         return self.connector.build_connector_meta()
 
     def update(self, output: KVConnectorOutput) -> list[Request]:
-        """Free the blocks that were pulled; the requests whose pull ended, to requeue."""
+        """Free the blocks that were pulled; make the requests whose pull landed ready;
+        the requests whose pull failed, to requeue."""
         self.connector.update_connector_output(output)
         counts = self.counts
         counts.kv_transfer_pulls += len(output.finished_recving)
@@ -109,18 +115,29 @@ class RemoteKV:
                     request_id,
                     failed[request_id],
                 )
+                request.status = RequestStatus.WAITING
+                requeue.append(request)
             else:
                 request.num_computed_tokens = request.num_prompt_tokens - 1
                 self.kv.cache_blocks(request, request.num_computed_tokens)
-            request.status = RequestStatus.WAITING
-            requeue.append(request)
+                request.status = RequestStatus.WAITING
+                self.ready.append(request)
         return requeue
+
+    def release_ready(self) -> Request:
+        """The latest ready request, its blocks freed: to queue, to be computed."""
+        request = self.ready.pop()
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        return request
 
     def finish(self, request: Request, was_loading: bool) -> KVTransferParams | None:
         """Free a finished request's blocks, unless its pull still runs or a consumer is
         to pull them; then the kv_transfer_params for its answer are returned."""
         if was_loading:
             return None
+        if request in self.ready:
+            self.ready.remove(request)
         keep, params = self.connector.request_finished(
             request, self.kv.get_block_ids(request.request_id)
         )
@@ -138,13 +155,14 @@ class RemoteKV:
         """The workers were replaced, and every transfer with them: free every block; the
         unfinished requests that were loading, to requeue (computed from scratch)."""
         requeue = []
-        for request in [*self.held.values(), *self.loading.values()]:
+        for request in [*self.held.values(), *self.loading.values(), *self.ready]:
             self.kv.free(request)
             request.num_computed_tokens = 0
-            if not request.is_finished and request.request_id in self.loading:
+            if not request.is_finished and request.request_id not in self.held:
                 request.status = RequestStatus.WAITING
                 requeue.append(request)
         self.held.clear()
         self.loading.clear()
+        self.ready.clear()
         self.connector.reset()
         return requeue

@@ -223,6 +223,9 @@ class Scheduler:
                 new_blocks = kv.allocate_slots(request, num_new, num_lookahead_tokens=lookahead)
                 if new_blocks is not None:
                     break
+                if self.remote_kv is not None and self.remote_kv.ready:
+                    self.waiting.prepend(self.remote_kv.release_ready())
+                    continue
                 victim = self.preemption.victim(self.running)
                 victim_index = self.running.index(victim)
                 del self.running[victim_index]
@@ -265,17 +268,18 @@ class Scheduler:
         self, num_scheduled_tokens: dict[str, int]
     ) -> tuple[list[NewRequestData], list[Request]]:
         """Admit waiting requests in queue order after a prefix-cache lookup, until the
-        budget, max_num_seqs or the KV cache runs out. Returns the new requests' data and
-        the requests resumed from preemption."""
+        budget, max_num_seqs or the KV cache runs out; requests whose pulled KV landed (in
+        blocks they hold) come first, and one that does not fit gives its blocks back and
+        joins the queue. Returns the new requests' data and the requests resumed from
+        preemption."""
         kv = self.kv_cache_manager
         budget = self.max_num_batched_tokens - sum(num_scheduled_tokens.values())
         new_reqs: list[NewRequestData] = []
         resumed: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting.peek()
-            # Only a request whose remote KV landed comes back with computed tokens (in
-            # blocks it holds already).
-            num_computed = request.num_computed_tokens
+        ready = [] if self.remote_kv is None else self.remote_kv.ready
+        while (ready or self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = ready[0] if ready else self.waiting.peek()
+            num_computed = request.num_computed_tokens  # > 0 only for a ready one
             if num_computed:
                 hit_blocks, num_hit_tokens = None, 0
             elif kv.is_swapped(request.request_id):
@@ -300,9 +304,15 @@ class Scheduler:
             new_blocks = kv.allocate_slots(
                 request, num_new, num_hit_tokens - num_computed, hit_blocks, lookahead
             )
+            if new_blocks is None and num_computed:
+                self.waiting.prepend(self.remote_kv.release_ready())
+                continue
             if new_blocks is None:
                 break
-            self.waiting.pop()
+            if num_computed:
+                ready.popleft()
+            else:
+                self.waiting.pop()
             self.running.append(request)
             request.num_computed_tokens = num_hit_tokens
             num_scheduled_tokens[request.request_id] = num_new
@@ -380,7 +390,7 @@ class Scheduler:
         requests = self.requests
         if model_runner_output.kv_connector_output is not None and self.remote_kv is not None:
             for request in self.remote_kv.update(model_runner_output.kv_connector_output):
-                self.waiting.prepend(request)
+                self.waiting.prepend(request)  # its pull failed
         finished = False
         for request_id, error in model_runner_output.failed_requests.items():
             request = requests.get(request_id)

@@ -3,16 +3,21 @@ preemption, random aborts, workers that fail and are replaced, with and without 
 tier (swap preemption, spills and host hits, under the stand-in's content model), with
 and without async scheduling (the stand-in runs a step when it is collected), with and
 without speculative decoding (ngram drafts, or a stand-in draft model that is right but
-now and then, verified against the token stream). Every
+now and then, verified against the token stream), with and without prefill/decode
+disaggregation (requests whose prompt KV is pulled, or whose pull fails, and requests whose
+blocks are kept for a consumer). Every
 request must finish exactly once with exactly the tokens and finish reason its token stream
 implies, and both tiers of the KV cache must end empty."""
 
+import time
 import zlib
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from stand_in_executor import collect, make_engine
 
+from ipc.kv_transfer import KVTransferParams, prompt_hash
 from ipc.messages import EngineCoreRequest
 from ipc.sampling_params import SamplingParams
 
@@ -56,8 +61,33 @@ request_strategy = st.fixed_dictionaries(
         "ignore_eos": st.booleans(),
         "priority": st.integers(0, 2),
         "abort_step": st.one_of(st.none(), st.integers(0, 30)),
+        "remote": st.sampled_from([None, "pull", "failed pull", "keep"]),
     }
 )
+
+
+@pytest.fixture(scope="module")
+def kv_transfer_config(tmp_path_factory) -> dict:
+    path = str(tmp_path_factory.mktemp("kv") / "kv.credentials")
+    return {"kv_role": "kv_both", "kv_connector_extra_config": {"credentials": path}}
+
+
+def kv_transfer_params(remote: str | None, prompt: list[int]) -> KVTransferParams | None:
+    if remote == "keep":
+        return KVTransferParams(do_remote_decode=True)
+    if remote is None:
+        return None
+    return KVTransferParams(
+        do_remote_prefill=True,
+        remote_block_ids=[list(range(1, MAX_MODEL_LEN + 1))],
+        remote_host="127.0.0.1",
+        remote_port=1,
+        remote_tp_size=1,
+        transfer_id="t",
+        transfer_key="k",
+        prompt_hash=prompt_hash(prompt),
+        expires=time.time() + 3600,
+    )
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -86,8 +116,10 @@ request_strategy = st.fixed_dictionaries(
             {"method": "draft_model", "model": "-", "num_speculative_tokens": 2},
         ]
     ),
+    disaggregation=st.booleans(),
 )
 def test_random_workloads_finish_every_request_once_and_free_every_block(
+    kv_transfer_config,
     block_size,
     extra_blocks,
     chunked,
@@ -103,6 +135,7 @@ def test_random_workloads_finish_every_request_once_and_free_every_block(
     costs,
     async_scheduling,
     speculation,
+    disaggregation,
 ):
     num_blocks = MAX_MODEL_LEN // block_size + 1 + extra_blocks
     engine, executor = make_engine(
@@ -122,18 +155,25 @@ def test_random_workloads_finish_every_request_once_and_free_every_block(
         eos_token_ids=[EOS],
         max_worker_restarts=len(fail_steps),
         speculative_config=speculation,
+        kv_transfer_config=kv_transfer_config if disaggregation else None,
     )
     executor.fail_steps = fail_steps
     executor.draft = draft
     requests = {}
     for i, spec in enumerate(specs):
+        prompt = prefixes[spec["prefix"]] + spec["suffix"]
+        remote = spec["remote"] if disaggregation else None
         sp = SamplingParams(
             max_tokens=spec["max_tokens"],
             min_tokens=min(spec["min_tokens"], spec["max_tokens"] or 3),
             stop_token_ids=spec["stop_token_ids"],
             ignore_eos=spec["ignore_eos"],
+            kv_transfer_params=kv_transfer_params(remote, prompt),
         )
-        prompt = prefixes[spec["prefix"]] + spec["suffix"]
+        executor.remote_kv[f"r{i}"] = prompt
+        executor.pulled.add(f"r{i}")  # a kept request's blocks are pulled a step later
+        if remote == "failed pull":
+            executor.fail_recvs.add(f"r{i}")
         requests[f"r{i}"] = EngineCoreRequest(
             f"r{i}", prompt, sp, float(spec["arrival_step"]), spec["priority"]
         )
@@ -180,3 +220,5 @@ def test_random_workloads_finish_every_request_once_and_free_every_block(
         assert pool.get_num_free_blocks() == pool.num_blocks - 1
         assert all(block.ref_cnt == 0 for block in pool.blocks)
     assert not engine.scheduler.running and not engine.scheduler.waiting
+    if disaggregation:
+        assert not engine.scheduler.remote_kv.has_requests
