@@ -39,6 +39,20 @@ def wait_http(url: str, process: subprocess.Popen, log: Path, timeout: float = 1
         time.sleep(0.2)
 
 
+def stop(processes: list[tuple[subprocess.Popen, Path]]) -> list[int]:
+    """SIGTERM every process, then their exit codes (killed after 30 s)."""
+    for process, _ in processes:
+        process.terminate()
+    codes = []
+    for process, _ in processes:
+        try:
+            codes.append(process.wait(30))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            codes.append(process.wait())
+    return codes
+
+
 @pytest.fixture(scope="module")
 def pd(tiny_checkpoint, tmp_path_factory):
     model = tiny_checkpoint()
@@ -47,41 +61,43 @@ def pd(tiny_checkpoint, tmp_path_factory):
     # Short times: a transfer nobody pulls holds the producer's shutdown until it expires.
     extra = {"credentials": str(folder / "kv.credentials"), "pull_timeout_s": 3}
     extra["send_timeout_s"] = 5
-    processes = []
+    clusters: list[tuple[subprocess.Popen, Path]] = []
+    proxy: list[tuple[subprocess.Popen, Path]] = []
     urls = {}
-    for role in ("kv_producer", "kv_consumer"):
-        (folder / role).mkdir()
-        port = free_tcp_port(count=1)
-        config = {"kv_role": role, "kv_port": kv_port, "kv_connector_extra_config": extra}
-        process, log, address_file = start_launch(
-            folder / role,
-            *("--model", model, *ARGS, "--port", str(port)),
-            *("--kv-transfer-config", json.dumps(config)),
-        )
-        processes.append((process, log))
-        wait_ready(process, log, address_file)
-        urls[role] = f"http://127.0.0.1:{port}"
-    for (process, log), url in zip(processes, urls.values(), strict=True):
-        wait_http(url, process, log)
-    proxy_port = free_tcp_port(count=1)
-    proxy_log = folder / "proxy.log"
-    with proxy_log.open("wb") as out:
-        proxy = subprocess.Popen(
-            [sys.executable, "-m", "splitserve.disagg_proxy", "--port", str(proxy_port)]
-            + ["--prefill", urls["kv_producer"], "--decode", urls["kv_consumer"]],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=cluster_env(),
-            cwd=ROOT,
-        )
-    proxy_url = f"http://127.0.0.1:{proxy_port}"
-    wait_http(proxy_url, proxy, proxy_log)
-    yield proxy_url, urls, model
-    proxy.terminate()
-    proxy.wait(10)
-    for process, log in processes:
-        process.terminate()
-        assert process.wait(30) == 0, log.read_text()
+    try:
+        for role in ("kv_producer", "kv_consumer"):
+            (folder / role).mkdir()
+            port = free_tcp_port(count=1)
+            config = {"kv_role": role, "kv_port": kv_port, "kv_connector_extra_config": extra}
+            process, log, address_file = start_launch(
+                folder / role,
+                *("--model", model, *ARGS, "--port", str(port)),
+                *("--kv-transfer-config", json.dumps(config)),
+            )
+            clusters.append((process, log))
+            wait_ready(process, log, address_file)
+            urls[role] = f"http://127.0.0.1:{port}"
+        for (process, log), url in zip(clusters, urls.values(), strict=True):
+            wait_http(url, process, log)
+        proxy_port = free_tcp_port(count=1)
+        proxy_log = folder / "proxy.log"
+        with proxy_log.open("wb") as out:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "splitserve.disagg_proxy", "--port", str(proxy_port)]
+                + ["--prefill", urls["kv_producer"], "--decode", urls["kv_consumer"]],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=cluster_env(),
+                cwd=ROOT,
+            )
+        proxy.append((process, proxy_log))
+        proxy_url = f"http://127.0.0.1:{proxy_port}"
+        wait_http(proxy_url, process, proxy_log)
+        yield proxy_url, urls, model
+    finally:
+        stop(proxy)
+        for code, (_, log) in zip(stop(clusters), clusters, strict=True):
+            assert code == 0, log.read_text()
 
 
 def histogram(url: str, name: str) -> tuple[float, float]:
