@@ -39,6 +39,7 @@ from ipc.messages import KVConnectorMetadata, KVConnectorOutput, KVRecv, KVSend
 
 logger = logging.getLogger(__name__)
 
+_NULL_BLOCK_ID = 0  # the BlockPool's first block stands in for blocks not held
 # Finished this way, a producer's request keeps its KV for a consumer.
 _HANDED_OVER = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 
@@ -142,6 +143,10 @@ class ZmqConnectorScheduler(KVConnectorScheduler):
             problem = "another prompt"
         elif any(len(ids) < num_positions for ids in params.remote_block_ids):
             problem = "too few blocks"
+        elif any(_NULL_BLOCK_ID in ids[:num_positions] for ids in params.remote_block_ids):
+            # A sliding-window group dropped blocks before its window; pulled, their pages
+            # would be cached here as if they held the prompt.
+            problem = "blocks dropped outside a sliding window"
         elif params.expires < time.time():
             problem = "its time ran out"
         if problem is not None:
@@ -178,7 +183,7 @@ class ZmqConnectorScheduler(KVConnectorScheduler):
         pending = bool(self._sending or self._recving)
         if not (pending or self._new_sends or self._new_recvs or self._revoked):
             return None
-        metadata = KVConnectorMetadata(self._new_sends, self._new_recvs, self._revoked, pending)
+        metadata = KVConnectorMetadata(self._new_sends, self._new_recvs, self._revoked)
         self._new_sends, self._new_recvs, self._revoked = [], [], []
         return metadata
 

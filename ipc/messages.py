@@ -238,13 +238,12 @@ class KVRecv(_Wire):
 class KVConnectorMetadata(_Wire):
     """The KV connector's news for the workers this step: new sends and pulls, and the
     transfers whose time ran out (their blocks may be reused from this step on: serve them
-    no more). Sent (with `pending`) on every step while transfers are unfinished, so that
-    the workers can report them."""
+    no more). Sent, empty if need be, with every step while transfers are unfinished (a
+    step with no tokens runs for it), so that the workers can report them."""
 
     sends: list[KVSend] = []
     recvs: list[KVRecv] = []
     revoked: list[str] = []
-    pending: bool = False
 
 
 class KVConnectorOutput(_Wire):

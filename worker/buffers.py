@@ -207,7 +207,10 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     serving path, where first writes to fresh blocks would otherwise pay it."""
     numel = math.prod(shape)
     nbytes = max(1, numel * dtype.itemsize)
-    memory = mmap.mmap(-1, nbytes)  # anonymous: zero-filled as pages are first touched
+    # Private and anonymous: zero-filled as pages are first touched. (A shared mapping, the
+    # default of mmap.mmap(-1, n), is shmem, which gets huge pages only where
+    # transparent_hugepage/shmem_enabled allows them: "never" by default.)
+    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         memory.madvise(mmap.MADV_HUGEPAGE)
     tensor = torch.frombuffer(memory, dtype=dtype, count=numel).view(shape)

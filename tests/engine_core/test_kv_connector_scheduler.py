@@ -134,8 +134,9 @@ def test_a_failed_pull_computes_the_prompt():
         {"remote_tp_size": 2},
         {"remote_block_ids": [[11, 12, 13, 14]]},
         {"expires": time.time() - 1},
+        {"remote_block_ids": [[0, 0, 13, 14, 15]]},
     ],
-    ids=["other prompt", "other tp size", "too few blocks", "ended"],
+    ids=["other prompt", "other tp size", "too few blocks", "ended", "outside a window"],
 )
 def test_params_that_do_not_fit_compute_the_prompt(overrides):
     engine, executor = consumer()

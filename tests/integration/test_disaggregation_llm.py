@@ -125,3 +125,36 @@ def test_tensor_parallel_ranks_pull_their_own_shards(tiny_checkpoint, tmp_path):
     finally:
         for engine in engines:
             engine.shutdown()
+
+
+@pytest.mark.parametrize("producer_budget", [None, 6], ids=["whole prompts", "chunked"])
+def test_sliding_window_groups(tiny_checkpoint, tmp_path, producer_budget):
+    """Window groups travel as any other; a producer that prefilled in chunks dropped the
+    blocks before its window, so the consumer computes those prompts itself."""
+    path = tiny_checkpoint("qwen2-hybrid")  # a full and a window-8 group
+    config = {
+        "kv_port": free_tcp_port(count=1),
+        "kv_connector_extra_config": {"credentials": str(tmp_path / "kv.credentials")},
+    }
+    common = {"block_size": 4, "kv_cache_memory": 4 << 20}
+    producer = float32_engine(
+        path,
+        max_num_batched_tokens=producer_budget,
+        kv_transfer_config={**config, "kv_role": "kv_producer"},
+        **common,
+    )
+    consumer = float32_engine(
+        path, kv_transfer_config={**config, "kv_role": "kv_consumer"}, **common
+    )
+    try:
+        greedy = greedy_reference(path)
+        prompts = random_prompts(3, 20, 40, seed=5)
+        prefilled = producer.generate(prompts, PREFILL, use_tqdm=False)
+        decoded = consumer.generate(prompts, decode_params(prefilled), use_tqdm=False)
+        pulled = producer_budget is None
+        for prompt, out in zip(prompts, decoded, strict=True):
+            assert out.outputs[0].token_ids == greedy(prompt)
+            assert (out.num_cached_tokens == len(prompt) - 1) == pulled
+    finally:
+        producer.shutdown()
+        consumer.shutdown()

@@ -124,6 +124,23 @@ def test_zeros_on_huge_pages_are_faulted_in_at_allocation(monkeypatch, populate)
     assert cache.eq(0).all()
 
 
+def _anon_huge_page_bytes() -> int:
+    smaps = Path("/proc/self/smaps").read_text().splitlines()
+    return 1024 * sum(int(line.split()[1]) for line in smaps if line.startswith("AnonHugePages:"))
+
+
+def test_zeros_on_huge_pages_are_on_huge_pages_where_the_kernel_allows_them():
+    """A private mapping: a shared anonymous one (mmap.mmap's default) is shmem, which gets
+    no huge pages under the default shmem_enabled "never", whatever madvise says."""
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not thp.exists() or "[never]" in thp.read_text():
+        pytest.skip("this kernel gives no transparent huge pages")
+    before = _anon_huge_page_bytes()
+    cache = zeros_on_huge_pages((64, 1 << 20), torch.uint8)
+    assert _anon_huge_page_bytes() - before >= 32 << 20
+    del cache
+
+
 def test_the_runner_sizes_its_token_buffers_by_its_device_budget(runner):
     """Without --max-num-batched-tokens the runner's step inputs hold its device's default
     budget, the one the EngineCore's scheduler resolves from the same device."""
