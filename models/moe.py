@@ -3,7 +3,8 @@ family's decoder with a sparse MLP block (models/layers/fused_moe.py) in some or
 layers; attention, norms and the KV cache are the dense model's.
 
 Checkpoints name each expert's projections (`...experts.{e}.gate_proj.weight`, Mixtral's
-`w1`/`w3`/`w2`), as transformers writes them, or hold them stacked
+`w1`/`w3`/`w2`; an fp8 checkpoint's `weight_scale` and `input_scale` beside them), as
+transformers and llm-compressor write them, or hold them stacked
 (`...experts.gate_up_proj` [E, 2 I, H], `...experts.down_proj` [E, H, I]; a GGUF file's
 `...experts.gate_proj` / `up_proj` / `down_proj`); all load.
 """
@@ -22,7 +23,10 @@ from models.mistral import MistralForCausalLM
 from models.qwen2 import Qwen2ForCausalLM
 from models.qwen3 import Qwen3ForCausalLM
 
-_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_EXPERT = re.compile(
+    r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)"
+    r"\.(weight|weight_scale|input_scale)$"
+)
 _STACKED = re.compile(r"^(.*\.experts)\.(gate_up_proj|gate_proj|up_proj|down_proj)(?:\.weight)?$")
 _PROJECTION = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up"}
 _PROJECTION |= {"down_proj": "down", "w2": "down"}
@@ -41,9 +45,9 @@ class MoEWeightsMixin:
                 for old, new in self.checkpoint_renames:
                     name = name.replace(old, new)
                 if match := _EXPERT.match(name):
-                    module, expert, projection = match.groups()
+                    module, expert, projection, kind = match.groups()
                     moe = experts.setdefault(module, self.get_submodule(module))
-                    moe.load_expert(int(expert), _PROJECTION[projection], weight)
+                    moe.load_expert(int(expert), _PROJECTION[projection], weight, kind)
                 elif match := _STACKED.match(name):
                     module, projection = match.groups()
                     moe = experts.setdefault(module, self.get_submodule(module))

@@ -91,14 +91,22 @@ class FusedMoE(ShardedModule):
     def bind_kernels(self, kernels: KernelSet) -> None:
         self.quant_method.bind_kernels(self, kernels)
 
-    def load_expert(self, expert: int, projection: str, loaded: Any) -> None:
+    def load_expert(self, expert: int, projection: str, loaded: Any, kind: str = "weight") -> None:
         """One expert's gate [I, H], up [I, H] or down [H, I] checkpoint tensor (or lazy
-        slice): this rank's part of it, if the expert is on this rank."""
+        slice): this rank's part of it, if the expert is on this rank. `kind` "weight", or an
+        fp8 checkpoint's "weight_scale" (per tensor, or per output row: sliced as the rows)
+        or "input_scale"."""
         local = expert - self.first_expert
         if not 0 <= local < self.num_local_experts:
             return
         i = self.intermediate_size
         start = 0 if self.expert_parallel else self.tp_rank * i
+        if kind != "weight":
+            scale = full_weight(loaded).float().reshape(-1)
+            if kind == "weight_scale" and scale.numel() > 1 and projection != "down":
+                scale = scale[start : start + i]
+            self.quant_method.load_scale(self, local, projection, kind, scale)
+            return
         part = _narrow(loaded, 1 if projection == "down" else 0, start, i)
         self.quant_method.load_weight(self, local, projection, part)
         self._loaded.add((expert, projection))

@@ -81,6 +81,16 @@ class FusedMoEMethodBase(QuantizeMethodBase):
         """Local expert `expert`'s `projection` ("gate", "up": [I, H]; "down": [H, I]), already
         sliced to this rank: a tensor, or a GGUFWeight for the GGUF method."""
 
+    def load_scale(
+        self, layer: nn.Module, expert: int, projection: str, kind: str, scale: torch.Tensor
+    ) -> None:
+        """An fp8 checkpoint's `kind` ("weight_scale", "input_scale") of a local expert's
+        projection, float32, flat, this rank's rows. Only fp8 checkpoints have them."""
+        raise ValueError(
+            f"{layer.prefix}: expert {projection} has a {kind}, which only an fp8 checkpoint's "
+            f"experts have (this layer's are {type(self).__name__})"
+        )
+
     @abstractmethod
     def apply(  # type: ignore[override]
         self,

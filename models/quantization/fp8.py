@@ -12,7 +12,8 @@ On a CPU the weights stay fp8 (weight-only: the C++ kernel, or the torch path); 
 input_scale is only used on CUDA, where a GPU with fp8 (compute capability 8.9 or more)
 runs torch._scaled_mm on fp8 activations, and any other GPU computes weight-only.
 A mixture of experts' experts are quantized at load too (Fp8MoEMethod, weight-only); an fp8
-checkpoint's experts are not supported.
+checkpoint's experts load as stored (Fp8CheckpointMoEMethod: fp8 weights with their scales,
+per tensor or per channel) and compute weight-only, their input_scale unused.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from models.layers.linear import LinearBase, UnquantizedLinearMethod
 from models.layers.moe_experts import ExpertWeights
 from models.layers.utils import full_weight, set_shard_axes, set_weight_attrs, weight_shape
 from models.quantization.base_config import (
+    EXPERT_PROJECTIONS,
     LinearMethodBase,
     QuantizationConfig,
     QuantizeMethodBase,
@@ -175,6 +177,52 @@ class Fp8MoEMethod(QuantMoEMethodBase):
         return self.w13, self.w2
 
 
+class Fp8CheckpointMoEMethod(Fp8MoEMethod):
+    """An fp8 checkpoint's experts as stored: each projection's float8_e4m3fn weight and its
+    weight_scale (per tensor: one value for its rows; per channel: one per row), stacked as
+    Fp8MoEMethod's. Weight-only: an input_scale is accepted and not used (activations stay
+    in the model's dtype, as for every fp8 expert here)."""
+
+    def create_weights(self, layer: nn.Module) -> None:
+        super().create_weights(layer)
+        self.scales: dict[str, dict[int, torch.Tensor]] = {p: {} for p in EXPERT_PROJECTIONS}
+
+    def to_part(self, layer: nn.Module, projection: str, loaded: Any) -> torch.Tensor:
+        weight = full_weight(loaded)
+        if weight.dtype != FP8_DTYPE:
+            raise ValueError(
+                f"fp8 checkpoint: {layer.prefix} expert {projection} weight is {weight.dtype}, "
+                "not float8_e4m3fn"
+            )
+        return weight
+
+    def load_scale(
+        self, layer: nn.Module, expert: int, projection: str, kind: str, scale: torch.Tensor
+    ) -> None:
+        if kind == "weight_scale":
+            self.scales[projection][expert] = scale
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        parts = {}
+        for projection in EXPERT_PROJECTIONS:
+            parts[projection] = []
+            for expert in range(layer.num_local_experts):
+                weight = self.parts[projection][expert]
+                scale = self.scales[projection].get(expert)
+                name = f"{layer.prefix} expert {expert + layer.first_expert} {projection}"
+                if scale is None:
+                    raise ValueError(f"fp8 checkpoint: {name} has no weight_scale")
+                if scale.numel() not in (1, weight.shape[0]):
+                    raise ValueError(
+                        f"fp8 checkpoint: {name} weight_scale has {scale.numel()} values for "
+                        f"{weight.shape[0]} rows"
+                    )
+                rows = scale.expand(weight.shape[0]).contiguous()
+                parts[projection].append(Fp8Weight(weight, rows))
+        self.stack(layer, *(parts[p] for p in EXPERT_PROJECTIONS))
+        self.parts, self.scales = {}, {}
+
+
 class Fp8Config(QuantizationConfig):
     """`checkpoint`: the weights are stored fp8 (else quantized at load)."""
 
@@ -209,8 +257,8 @@ class Fp8Config(QuantizationConfig):
         return cls(True, scheme == "static", ignored)
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
-        if isinstance(layer, FusedMoE):  # fp8 checkpoints' experts: not supported (None)
-            return None if self.checkpoint else Fp8MoEMethod()
+        if isinstance(layer, FusedMoE):
+            return Fp8CheckpointMoEMethod() if self.checkpoint else Fp8MoEMethod()
         if not isinstance(layer, LinearBase) or self._ignored(prefix):
             return None
         if self.checkpoint:

@@ -1,13 +1,8 @@
 """--quantization fp8: fp8 checkpoints (per-tensor and per-channel scales) and a 16-bit
 checkpoint quantized at load; their parameters shard like the dense weight."""
 
-import json
-import shutil
-from pathlib import Path
-
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from models.layers.linear import (
     ColumnParallelLinear,
@@ -20,26 +15,14 @@ from models.loader import load_model
 from models.quantization import building_with
 from models.quantization.cpu_fp8_linear import (
     FP8_DTYPE,
-    FP8_MAX,
     Fp8Weight,
     quantize_fp8_per_channel,
 )
 from models.quantization.fp8 import Fp8Config, Fp8LinearMethod, Fp8OnlineLinearMethod
 from splitserve import LLM
 from tests.integration.greedy import random_prompts
-from tests.quantization.reference import LINEARS, check_greedy, dequantized_reference
-
-
-def to_fp8(w: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weight, weight_scale) as an fp8 checkpoint stores them: a 0-d scale, or [N, 1]."""
-    amax = w.abs().amax(dim=1, keepdim=True) if per_channel else w.abs().amax()
-    scale = amax.float() / FP8_MAX
-    return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
-
-
-def from_fp8(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return weight.float() * scale
-
+from tests.quantization.fp8_checkpoint import from_fp8, to_fp8, write_fp8_checkpoint
+from tests.quantization.reference import check_greedy, dequantized_reference
 
 LAYERS = {
     "column": (lambda: ColumnParallelLinear(32, 16, bias=False), [(None, 16)]),
@@ -141,34 +124,6 @@ def test_ignored_layers_stay_unquantized():
         build(
             lambda: QKVParallelLinear(32, 8, 4, 2, bias=False, prefix=f"{attn}.qkv_proj"), partial
         )
-
-
-def write_fp8_checkpoint(
-    src: str, dst: Path, per_channel: bool, static: bool, ignored: tuple[str, ...] = ()
-) -> dict[str, torch.Tensor]:
-    """Copy checkpoint `src` to `dst` with its linear weights (but `ignored`) stored fp8;
-    returns each fp8 layer's dequantized weight by module name."""
-    shutil.copytree(src, dst)
-    tensors = load_file(dst / "model.safetensors")
-    dequantized = {}
-    for name in list(tensors):
-        module, _, kind = name.rpartition(".")
-        if kind != "weight" or module.rsplit(".", 1)[-1] not in LINEARS or module in ignored:
-            continue
-        weight, scale = to_fp8(tensors[name].float(), per_channel)
-        tensors[name], tensors[f"{module}.weight_scale"] = weight, scale
-        if static:
-            tensors[f"{module}.input_scale"] = torch.tensor([0.05])
-        dequantized[module] = from_fp8(weight, scale)
-    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((dst / "config.json").read_text())
-    config["quantization_config"] = {
-        "quant_method": "fp8",
-        "activation_scheme": "static" if static else "dynamic",
-        "ignored_layers": list(ignored),
-    }
-    (dst / "config.json").write_text(json.dumps(config))
-    return dequantized
 
 
 @pytest.mark.parametrize(

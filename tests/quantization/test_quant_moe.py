@@ -3,8 +3,13 @@ against a float64 reference on the dequantized weights over random routings, for
 format pair (and fp8) and ISA built here; --quantization int8 / fp8 on MoE models and GGUF
 MoE files against transformers on the dequantized weights."""
 
+import json
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from kernels import KernelSet
 from models.gguf_file import gguf_config
@@ -15,9 +20,11 @@ from models.quantization.int8 import quantize_per_channel_int8
 from models.quantization.quant_moe import quant_moe_kernel
 from splitserve import LLM
 from tests.integration.greedy import random_prompts
+from tests.models.tiny import load_reference
 from tests.models.tiny_gguf import DEFAULT_TYPES, EXPERT_FFN, write_tiny_gguf
 from tests.models.tiny_gguf import EXPERTS as EXPERTS_GGUF
 from tests.models.tiny_gguf import TOP_K as TOP_K_GGUF
+from tests.quantization.fp8_checkpoint import write_fp8_checkpoint
 from tests.quantization.reference import check_greedy, dequantized_reference
 
 HIDDEN, INTER, EXPERTS, TOP_K = 96, 64, 6, 2
@@ -236,4 +243,50 @@ def test_unquantized_gguf_experts_are_refused(tmp_path):
     types = {f"blk.{i}.ffn_down_exps.weight": "F16" for i in range(2)}
     path, _ = write_tiny_gguf(tmp_path, "qwen3moe", types=types)
     with pytest.raises(Exception, match="experts' down weights are unquantized"):
+        LLM(str(path), dtype="float32", kv_cache_memory=2**24)
+
+
+def _dequantized_folder(src: Path, dst: Path, dequantized: dict[str, torch.Tensor]) -> str:
+    """A float32 copy of fp8 checkpoint `src`: each fp8 module's weight its dequantized
+    value, no scales, no quantization_config (what transformers computes on)."""
+    shutil.copytree(src, dst)
+    tensors = {
+        name: tensor
+        for name, tensor in load_file(dst / "model.safetensors").items()
+        if not name.endswith(("weight_scale", "input_scale"))
+    }
+    for module, weight in dequantized.items():
+        tensors[f"{module}.weight"] = weight
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    del config["quantization_config"]
+    (dst / "config.json").write_text(json.dumps(config))
+    return str(dst)
+
+
+@pytest.mark.parametrize("checkpoint", ["qwen3-moe", "qwen2-moe"], indirect=True)
+@pytest.mark.parametrize("per_channel", [True, False], ids=["per-channel", "per-tensor"])
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_fp8_checkpoint_experts_greedy_matches_transformers(
+    tmp_path, checkpoint, per_channel, static
+):
+    """Experts stored fp8 with their scales load as stored (a static input_scale is
+    accepted: experts compute weight-only)."""
+    path = tmp_path / "fp8"
+    dequantized = write_fp8_checkpoint(checkpoint, path, per_channel, static)
+    assert any(".experts." in module for module in dequantized)
+    reference = load_reference(_dequantized_folder(path, tmp_path / "float", dequantized))
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=2**24)
+    assert llm.config.quantization == "fp8"
+    check_greedy(llm, reference, random_prompts(4, 3, 20))
+    llm.shutdown()
+
+
+def test_fp8_checkpoint_experts_without_scales_are_a_clear_error(tmp_path, tiny_checkpoint):
+    path = tmp_path / "fp8"
+    write_fp8_checkpoint(tiny_checkpoint("qwen3-moe"), path, True, False)
+    tensors = load_file(path / "model.safetensors")
+    del tensors["model.layers.0.mlp.experts.1.up_proj.weight_scale"]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"experts expert 1 up has no weight_scale"):
         LLM(str(path), dtype="float32", kv_cache_memory=2**24)
