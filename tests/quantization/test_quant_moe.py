@@ -290,3 +290,22 @@ def test_fp8_checkpoint_experts_without_scales_are_a_clear_error(tmp_path, tiny_
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"experts expert 1 up has no weight_scale"):
         LLM(str(path), dtype="float32", kv_cache_memory=2**24)
+
+
+@pytest.mark.gpus(2)
+@pytest.mark.parametrize("expert_parallel", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_fp8_checkpoint_experts_on_two_ranks(tmp_path, tiny_checkpoint, expert_parallel):
+    """Per-channel scales are sliced with the rows they scale (tensor parallel), or kept
+    whole with whole experts (expert parallel)."""
+    path = tmp_path / "fp8"
+    dequantized = write_fp8_checkpoint(tiny_checkpoint("qwen3-moe"), path, True, False)
+    reference = load_reference(_dequantized_folder(path, tmp_path / "float", dequantized))
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        kv_cache_memory=2**24,
+        tensor_parallel_size=2,
+        enable_expert_parallel=expert_parallel,
+    )
+    check_greedy(llm, reference, random_prompts(4, 3, 20))
+    llm.shutdown()
