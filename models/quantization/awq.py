@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from models.layers.fused_moe import FusedMoE
 from models.layers.linear import LinearBase
 from models.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from models.quantization.int_checkpoint import (
@@ -26,6 +27,7 @@ from models.quantization.int_checkpoint import (
     scale_dtype_for,
     unpack_int32,
 )
+from models.quantization.int_moe import IntCheckpointMoEMethod
 
 AWQ_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # the nibble of each of a word's 8 codes
 
@@ -54,12 +56,20 @@ class AWQLinearMethod(IntCheckpointLinearMethod):
         self.scale_dtype = scale_dtype_for(params_dtype)
 
     def checkpoint_param_names(self) -> tuple[str, ...]:
-        return ("qweight", "qzeros", "scales")
+        return AWQ_TENSORS
 
     def int_weight(self, layer: nn.Module) -> IntWeight:
-        q = unpack_int32(layer.qweight.data, 4, dim=1, order=AWQ_ORDER).t()
-        zeros = unpack_int32(layer.qzeros.data, 4, dim=1, order=AWQ_ORDER).t()
-        return IntWeight(4, q.contiguous(), layer.scales.data.t().contiguous(), zeros)
+        return awq_int_weight({name: getattr(layer, name).data for name in AWQ_TENSORS})
+
+
+AWQ_TENSORS = ("qweight", "qzeros", "scales")
+
+
+def awq_int_weight(tensors: dict[str, torch.Tensor]) -> IntWeight:
+    """The logical weight of one projection's qweight, qzeros and scales."""
+    q = unpack_int32(tensors["qweight"], 4, dim=1, order=AWQ_ORDER).t()
+    zeros = unpack_int32(tensors["qzeros"], 4, dim=1, order=AWQ_ORDER).t()
+    return IntWeight(4, q.contiguous(), tensors["scales"].float().t().contiguous(), zeros)
 
 
 class AWQConfig(QuantizationConfig):
@@ -83,6 +93,8 @@ class AWQConfig(QuantizationConfig):
         return cls(group_size, list(config.get("modules_to_not_convert") or []))
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        if isinstance(layer, FusedMoE):
+            return IntCheckpointMoEMethod(AWQ_TENSORS, awq_int_weight)
         if not isinstance(layer, LinearBase):
             return None
         skipped = [

@@ -91,6 +91,16 @@ class FusedMoEMethodBase(QuantizeMethodBase):
             f"experts have (this layer's are {type(self).__name__})"
         )
 
+    def load_packed(
+        self, layer: nn.Module, expert: int, projection: str, kind: str, tensor: torch.Tensor
+    ) -> None:
+        """An integer checkpoint's packed tensor `kind` (qweight, qzeros, scales, g_idx) of
+        a local expert's projection, whole (the method cuts this rank's part)."""
+        raise ValueError(
+            f"{layer.prefix}: expert {projection} has a {kind}, which this layer's experts "
+            f"({type(self).__name__}) do not take"
+        )
+
     @abstractmethod
     def apply(  # type: ignore[override]
         self,

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from models.layers.fused_moe import FusedMoE
 from models.layers.linear import LinearBase
 from models.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from models.quantization.int_checkpoint import (
@@ -31,8 +32,10 @@ from models.quantization.int_checkpoint import (
     scale_dtype_for,
     unpack_int32,
 )
+from models.quantization.int_moe import IntCheckpointMoEMethod
 
 ZERO_OFFSET = {"gptq": 1, "gptq_v2": 0}  # checkpoint format -> stored zero + offset
+GPTQ_TENSORS = ("qweight", "qzeros", "scales", "g_idx")
 
 
 class GPTQLinearMethod(IntCheckpointLinearMethod):
@@ -65,15 +68,13 @@ class GPTQLinearMethod(IntCheckpointLinearMethod):
         self.scale_dtype = scale_dtype_for(params_dtype)
 
     def checkpoint_param_names(self) -> tuple[str, ...]:
-        return ("qweight", "qzeros", "scales", "g_idx")
+        return GPTQ_TENSORS
 
     def int_weight(self, layer: nn.Module) -> IntWeight:
-        bits = self.config.bits
-        q = unpack_int32(layer.qweight.data, bits, dim=0).t().contiguous()
-        zeros = unpack_int32(layer.qzeros.data, bits, dim=1).to(torch.int16)
-        zeros = (zeros + ZERO_OFFSET[self.config.checkpoint_format]).t().contiguous()
-        scales = layer.scales.data.t().contiguous()
-        return IntWeight(bits, q, scales, zeros, self._group_ids(layer, scales.shape[1]))
+        tensors = {name: getattr(layer, name).data for name in GPTQ_TENSORS}
+        weight = self.config.int_weight(tensors)
+        weight.group_ids = self._group_ids(layer, weight.scales.shape[1])
+        return weight
 
     def _group_ids(self, layer: nn.Module, num_groups: int) -> torch.Tensor | None:
         if not self.config.desc_act:
@@ -111,5 +112,21 @@ class GPTQConfig(QuantizationConfig):
         desc_act = bool(config.get("desc_act", False))
         return cls(bits, int(config.get("group_size", 128)), desc_act, fmt)
 
+    def int_weight(self, tensors: dict[str, torch.Tensor]) -> IntWeight:
+        """The logical weight of one projection's qweight, qzeros and scales, its input
+        features in checkpoint order (g_idx is left to the caller)."""
+        bits = self.bits
+        q = unpack_int32(tensors["qweight"], bits, dim=0).t().contiguous()
+        zeros = unpack_int32(tensors["qzeros"], bits, dim=1).to(torch.int16)
+        zeros = (zeros + ZERO_OFFSET[self.checkpoint_format]).t().contiguous()
+        return IntWeight(bits, q, tensors["scales"].float().t().contiguous(), zeros)
+
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        if isinstance(layer, FusedMoE):
+            if self.desc_act:
+                raise ValueError(
+                    f"{prefix}: gptq experts with desc_act (act-order) are not supported"
+                )
+            # g_idx (when stored) names contiguous groups without act-order: not needed.
+            return IntCheckpointMoEMethod(GPTQ_TENSORS[:3], self.int_weight, ("g_idx",))
         return GPTQLinearMethod(self) if isinstance(layer, LinearBase) else None

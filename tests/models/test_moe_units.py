@@ -69,10 +69,14 @@ def test_stacked_experts_load_as_per_expert_ones(tmp_path):
 def test_a_method_without_a_moe_method_is_refused_naming_the_layer():
     from models.layers.fused_moe import FusedMoE
     from models.quantization import building_with
-    from models.quantization.fp8 import Fp8Config
+    from models.quantization.compressed_tensors import CompressedTensorsConfig
+    from tests.quantization.int_formats import IntFormat
 
+    config = CompressedTensorsConfig.from_config(IntFormat("compressed-tensors").config())
     with (
-        building_with(Fp8Config(checkpoint=True)),
-        pytest.raises(ValueError, match=r"layers\.0\.mlp\.experts: experts quantized with 'fp8'"),
+        building_with(config),
+        pytest.raises(
+            ValueError, match=r"layers\.0\.mlp\.experts: experts quantized with 'compressed-"
+        ),
     ):
         FusedMoE(8, 2, 64, 32, renormalize=True, prefix="layers.0.mlp.experts")

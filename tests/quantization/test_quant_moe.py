@@ -25,6 +25,8 @@ from tests.models.tiny_gguf import DEFAULT_TYPES, EXPERT_FFN, write_tiny_gguf
 from tests.models.tiny_gguf import EXPERTS as EXPERTS_GGUF
 from tests.models.tiny_gguf import TOP_K as TOP_K_GGUF
 from tests.quantization.fp8_checkpoint import write_fp8_checkpoint
+from tests.quantization.int_formats import IntFormat
+from tests.quantization.int_packers import write_quantized
 from tests.quantization.reference import check_greedy, dequantized_reference
 
 HIDDEN, INTER, EXPERTS, TOP_K = 96, 64, 6, 2
@@ -246,14 +248,19 @@ def test_unquantized_gguf_experts_are_refused(tmp_path):
         LLM(str(path), dtype="float32", kv_cache_memory=2**24)
 
 
+# A quantized module's tensors (its bias stays).
+_QUANTIZED = ("weight", "weight_scale", "input_scale", "qweight", "qzeros", "scales", "g_idx")
+
+
 def _dequantized_folder(src: Path, dst: Path, dequantized: dict[str, torch.Tensor]) -> str:
-    """A float32 copy of fp8 checkpoint `src`: each fp8 module's weight its dequantized
-    value, no scales, no quantization_config (what transformers computes on)."""
+    """A float32 copy of quantized checkpoint `src`: each quantized module's tensors
+    replaced by its dequantized weight, no quantization_config (what transformers computes
+    on)."""
     shutil.copytree(src, dst)
     tensors = {
         name: tensor
         for name, tensor in load_file(dst / "model.safetensors").items()
-        if not name.endswith(("weight_scale", "input_scale"))
+        if name.rpartition(".")[0] not in dequantized or name.rpartition(".")[2] not in _QUANTIZED
     }
     for module, weight in dequantized.items():
         tensors[f"{module}.weight"] = weight
@@ -309,3 +316,56 @@ def test_fp8_checkpoint_experts_on_two_ranks(tmp_path, tiny_checkpoint, expert_p
     )
     check_greedy(llm, reference, random_prompts(4, 3, 20))
     llm.shutdown()
+
+
+# The experts' intermediate size: whole groups of 32 and 64, and runs of 32, on two ranks.
+INT_MOE_SIZES = {"moe_intermediate_size": 64}
+INT_MOE_CASES = [
+    IntFormat("awq", group=32),
+    IntFormat("gptq", bits=4, group=32, sym=True),
+    IntFormat("gptq", bits=8, group=64, sym=True),
+]
+
+
+@pytest.mark.usefixtures("exact_float32")
+@pytest.mark.parametrize("fmt", INT_MOE_CASES, ids=str)
+def test_int_checkpoint_experts_greedy_matches_transformers(tmp_path, tiny_checkpoint, fmt):
+    source = tiny_checkpoint("qwen3-moe", **INT_MOE_SIZES)
+    path = tmp_path / "model"
+    dequantized = write_quantized(source, path, fmt.quantize, fmt.config())
+    assert any(".experts." in module for module in dequantized)
+    reference = load_reference(_dequantized_folder(path, tmp_path / "float", dequantized))
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=2**24)
+    assert llm.config.quantization == fmt.method
+    check_greedy(llm, reference, random_prompts(4, 3, 20))
+    llm.shutdown()
+
+
+@pytest.mark.usefixtures("exact_float32")
+@pytest.mark.gpus(2)
+@pytest.mark.parametrize("expert_parallel", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_int_checkpoint_experts_on_two_ranks(tmp_path, tiny_checkpoint, expert_parallel):
+    """Each rank's part is cut from the unpacked weight: gate/up rows, down's input
+    features with their groups (tensor parallel), or whole experts (expert parallel)."""
+    fmt = IntFormat("awq", group=32)
+    path = tmp_path / "model"
+    source = tiny_checkpoint("qwen3-moe", **INT_MOE_SIZES)
+    dequantized = write_quantized(source, path, fmt.quantize, fmt.config())
+    reference = load_reference(_dequantized_folder(path, tmp_path / "float", dequantized))
+    llm = LLM(
+        str(path),
+        dtype="float32",
+        kv_cache_memory=2**24,
+        tensor_parallel_size=2,
+        enable_expert_parallel=expert_parallel,
+    )
+    check_greedy(llm, reference, random_prompts(4, 3, 20))
+    llm.shutdown()
+
+
+def test_act_order_experts_are_refused(tmp_path, tiny_checkpoint):
+    fmt = IntFormat("gptq", bits=4, group=32, desc_act=True)
+    path = tmp_path / "model"
+    write_quantized(tiny_checkpoint("qwen3-moe", **INT_MOE_SIZES), path, fmt.quantize, fmt.config())
+    with pytest.raises(ValueError, match=r"mlp.experts: gptq experts with desc_act"):
+        LLM(str(path), dtype="float32", kv_cache_memory=2**24)

@@ -1,0 +1,90 @@
+"""AWQ and GPTQ checkpoints' experts (`IntCheckpointMoEMethod`): each expert projection's
+packed tensors (qweight, qzeros, scales) are unpacked whole to their logical weight
+(int_checkpoint.IntWeight, by the format's own unpacking), cut there to this rank's part
+(gate and up: their output rows; down: its input features and their groups), repacked as a
+BlockQuantWeight and run as any block-quantized experts (quant_moe.BlockQuantMoEMethod).
+Cutting the logical weight rather than the packed words keeps every format's packing
+order out of the slicing. act-order (GPTQ desc_act) experts are refused: the experts
+kernel has no per-expert input gather.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from models.quantization.base_config import EXPERT_PROJECTIONS
+from models.quantization.int_checkpoint import IntWeight, scale_dtype_for, to_block_quant
+from models.quantization.quant_moe import BlockQuantMoEMethod
+
+
+class IntCheckpointMoEMethod(BlockQuantMoEMethod):
+    """`names`: the tensors each projection needs; `int_weight` turns them into the logical
+    weight; `ignored`: tensors the format may store that carry nothing here."""
+
+    def __init__(
+        self,
+        names: tuple[str, ...],
+        int_weight: Callable[[dict[str, torch.Tensor]], IntWeight],
+        ignored: tuple[str, ...] = (),
+    ) -> None:
+        self.names, self.int_weight, self.ignored = names, int_weight, ignored
+
+    def create_weights(self, layer: nn.Module) -> None:
+        super().create_weights(layer)
+        self.scale_dtype = scale_dtype_for(torch.get_default_dtype())
+        self.tensors: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+
+    def to_part(self, layer: nn.Module, projection: str, loaded: object) -> None:
+        raise ValueError(
+            f"{layer.prefix}: expert {projection} is stored unquantized in a "
+            f"{type(self).__name__} checkpoint"
+        )
+
+    def load_packed(
+        self, layer: nn.Module, expert: int, projection: str, kind: str, tensor: torch.Tensor
+    ) -> None:
+        if kind in self.names:
+            self.tensors.setdefault((projection, expert), {})[kind] = tensor
+        elif kind not in self.ignored:
+            super().load_packed(layer, expert, projection, kind, tensor)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        parts: dict[str, list] = {p: [] for p in EXPERT_PROJECTIONS}
+        for projection in EXPERT_PROJECTIONS:
+            for expert in range(layer.num_local_experts):
+                tensors = self.tensors.get((projection, expert), {})
+                name = f"{layer.prefix} expert {expert + layer.first_expert} {projection}"
+                missing = [n for n in self.names if n not in tensors]
+                if missing:
+                    raise ValueError(f"{name}: the checkpoint has no {', '.join(missing)}")
+                weight = _this_rank(layer, projection, self.int_weight(tensors), name)
+                parts[projection].append(to_block_quant(weight, self.scale_dtype)[0])
+        self.stack(layer, *(parts[p] for p in EXPERT_PROJECTIONS))
+        self.tensors = {}
+
+
+def _this_rank(layer: nn.Module, projection: str, w: IntWeight, name: str) -> IntWeight:
+    """Gate and up: the rank's output rows; down: its input features with their groups."""
+    i = layer.intermediate_size
+    start = 0 if layer.expert_parallel else layer.tp_rank * i
+    if projection != "down":
+        rows = slice(start, start + i)
+        return IntWeight(w.bits, w.q[rows], w.scales[rows], _cut(w.zeros, rows))
+    group = w.q.shape[1] // w.scales.shape[1]
+    if i % group or i % 32:
+        raise ValueError(
+            f"{name}: {i} input features per rank do not hold whole groups of {group} "
+            "(and runs of 32)"
+        )
+    groups = slice(start // group, (start + i) // group)
+    q = w.q[:, start : start + i].contiguous()
+    return IntWeight(w.bits, q, w.scales[:, groups].contiguous(), _cut(w.zeros, groups, 1))
+
+
+def _cut(t: torch.Tensor | None, part: slice, dim: int = 0) -> torch.Tensor | None:
+    if t is None:
+        return None
+    return (t[part] if dim == 0 else t[:, part]).contiguous()
