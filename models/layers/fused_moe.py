@@ -93,24 +93,18 @@ class FusedMoE(ShardedModule):
 
     def load_expert(self, expert: int, projection: str, loaded: Any, kind: str = "weight") -> None:
         """One expert's gate [I, H], up [I, H] or down [H, I] checkpoint tensor (or lazy
-        slice): this rank's part of it, if the expert is on this rank. `kind` "weight", an
-        fp8 checkpoint's "weight_scale" (per tensor, or per output row: sliced as the rows)
-        or "input_scale", or an AWQ/GPTQ checkpoint's packed tensor (given whole)."""
+        slice): this rank's part of it, if the expert is on this rank. `kind` "weight", or a
+        quantized checkpoint's tensor beside it (fp8 scales, AWQ/GPTQ/compressed-tensors
+        packed codes, scales, zero points), given whole: the method cuts this rank's part."""
         local = expert - self.first_expert
         if not 0 <= local < self.num_local_experts:
             return
         i = self.intermediate_size
         start = 0 if self.expert_parallel else self.tp_rank * i
-        if kind in _PACKED:
-            self.quant_method.load_packed(self, local, projection, kind, full_weight(loaded))
-            if kind == "qweight":
-                self._loaded.add((expert, projection))
-            return
         if kind != "weight":
-            scale = full_weight(loaded).float().reshape(-1)
-            if kind == "weight_scale" and scale.numel() > 1 and projection != "down":
-                scale = scale[start : start + i]
-            self.quant_method.load_scale(self, local, projection, kind, scale)
+            self.quant_method.load_packed(self, local, projection, kind, full_weight(loaded))
+            if kind in ("qweight", "weight_packed"):
+                self._loaded.add((expert, projection))
             return
         part = _narrow(loaded, 1 if projection == "down" else 0, start, i)
         self.quant_method.load_weight(self, local, projection, part)
@@ -181,9 +175,6 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
         return fused_experts(x, layer.w13, layer.w2, topk_weights, topk_ids, self.kernels)
 
 
-_PACKED = ("qweight", "qzeros", "scales", "g_idx")
-
-
 def _moe_method(config: QuantizationConfig | None, layer: FusedMoE) -> FusedMoEMethodBase:
     """The config's method for the experts; a config that quantizes other layers but has
     none for experts is an error naming it."""
@@ -193,7 +184,8 @@ def _moe_method(config: QuantizationConfig | None, layer: FusedMoE) -> FusedMoEM
     if not isinstance(method, FusedMoEMethodBase):
         raise ValueError(
             f"{layer.prefix}: experts quantized with {config.name!r} are not supported "
-            "(quantized experts: int8, fp8, gguf, awq, gptq); run this model unquantized"
+            "(quantized experts: int8, fp8, gguf, awq, gptq, compressed-tensors); run this "
+            "model unquantized"
         )
     return method
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.layers.fused_moe import FusedMoE
+from models.layers.fused_moe import FusedMoE, UnquantizedFusedMoEMethod
 from models.layers.linear import LinearBase
 from models.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from models.quantization.int_checkpoint import (
@@ -94,6 +94,10 @@ class AWQConfig(QuantizationConfig):
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
         if isinstance(layer, FusedMoE):
+            projections = [f"{prefix}.0.{p}_proj" for p in ("gate", "up", "down")]
+            skipped = [any(m in name for m in self.modules_to_not_convert) for name in projections]
+            if same_for_all(prefix, skipped):
+                return UnquantizedFusedMoEMethod()
             return IntCheckpointMoEMethod(AWQ_TENSORS, awq_int_weight)
         if not isinstance(layer, LinearBase):
             return None

@@ -81,21 +81,11 @@ class FusedMoEMethodBase(QuantizeMethodBase):
         """Local expert `expert`'s `projection` ("gate", "up": [I, H]; "down": [H, I]), already
         sliced to this rank: a tensor, or a GGUFWeight for the GGUF method."""
 
-    def load_scale(
-        self, layer: nn.Module, expert: int, projection: str, kind: str, scale: torch.Tensor
-    ) -> None:
-        """An fp8 checkpoint's `kind` ("weight_scale", "input_scale") of a local expert's
-        projection, float32, flat, this rank's rows. Only fp8 checkpoints have them."""
-        raise ValueError(
-            f"{layer.prefix}: expert {projection} has a {kind}, which only an fp8 checkpoint's "
-            f"experts have (this layer's are {type(self).__name__})"
-        )
-
     def load_packed(
         self, layer: nn.Module, expert: int, projection: str, kind: str, tensor: torch.Tensor
     ) -> None:
-        """An integer checkpoint's packed tensor `kind` (qweight, qzeros, scales, g_idx) of
-        a local expert's projection, whole (the method cuts this rank's part)."""
+        """A quantized checkpoint's tensor `kind` beside a local expert's projection weight
+        (fp8's weight_scale, AWQ's qweight, ...), whole: the method cuts this rank's part."""
         raise ValueError(
             f"{layer.prefix}: expert {projection} has a {kind}, which this layer's experts "
             f"({type(self).__name__}) do not take"

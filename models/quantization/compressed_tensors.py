@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from models.layers.fused_moe import FusedMoE, UnquantizedFusedMoEMethod
 from models.layers.linear import LinearBase
 from models.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 from models.quantization.int_checkpoint import (
@@ -32,6 +33,7 @@ from models.quantization.int_checkpoint import (
     scale_dtype_for,
     unpack_int32,
 )
+from models.quantization.int_moe import IntCheckpointMoEMethod
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,23 @@ class WeightScheme:
     bits: int
     group_size: int | None  # None: one scale per output channel
     symmetric: bool
+
+    @property
+    def tensor_names(self) -> tuple[str, ...]:
+        zero = () if self.symmetric else ("weight_zero_point",)
+        return ("weight_packed", "weight_scale", *zero, "weight_shape")
+
+    def int_weight(self, tensors: dict[str, torch.Tensor]) -> IntWeight:
+        """The logical weight of one projection's tensors. Codes and zero points are both
+        stored + 2^(bits-1): as stored they are the unsigned codes and their zero points."""
+        q = unpack_int32(tensors["weight_packed"], self.bits, dim=1)
+        if "weight_shape" in tensors and tuple(tensors["weight_shape"].tolist()) != tuple(q.shape):
+            shape = tuple(tensors["weight_shape"].tolist())
+            raise ValueError(f"checkpoint weight_shape {shape} != the codes' {tuple(q.shape)}")
+        zeros = None
+        if not self.symmetric:
+            zeros = unpack_int32(tensors["weight_zero_point"], self.bits, dim=0).to(torch.int16)
+        return IntWeight(self.bits, q, tensors["weight_scale"].float(), zeros)
 
 
 class CompressedTensorsWNA16(IntCheckpointLinearMethod):
@@ -70,8 +89,7 @@ class CompressedTensorsWNA16(IntCheckpointLinearMethod):
         self.expected_shapes = _projection_shapes(layer, input_size)
 
     def checkpoint_param_names(self) -> tuple[str, ...]:
-        names = ("weight_packed", "weight_scale", "weight_shape")
-        return names if self.scheme.symmetric else (*names, "weight_zero_point")
+        return self.scheme.tensor_names
 
     def int_weight(self, layer: nn.Module) -> IntWeight:
         shapes = [tuple(s) for s in layer.weight_shape.tolist()]
@@ -79,14 +97,8 @@ class CompressedTensorsWNA16(IntCheckpointLinearMethod):
             raise ValueError(
                 f"{layer.prefix}: checkpoint weight_shape {shapes} != {self.expected_shapes}"
             )
-        # Codes and zero points are both stored + 2^(bits-1): as stored they are the
-        # unsigned codes and their zero points.
-        bits = self.scheme.bits
-        q = unpack_int32(layer.weight_packed.data, bits, dim=1)
-        zeros = None
-        if not self.scheme.symmetric:
-            zeros = unpack_int32(layer.weight_zero_point.data, bits, dim=0).to(torch.int16)
-        return IntWeight(bits, q, layer.weight_scale.data, zeros)
+        names = self.scheme.tensor_names[:-1]  # weight_shape: checked above, per shard
+        return self.scheme.int_weight({name: getattr(layer, name).data for name in names})
 
 
 def _projection_shapes(layer: nn.Module, input_size: int) -> list[tuple[int, int]]:
@@ -149,6 +161,12 @@ class CompressedTensorsConfig(QuantizationConfig):
         return cls(groups, list(config.get("ignore") or []))
 
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        if isinstance(layer, FusedMoE):  # its experts' projections, as the checkpoint names them
+            schemes = [self._scheme_of(f"{prefix}.0.{p}_proj") for p in ("gate", "up", "down")]
+            scheme = same_for_all(prefix, schemes)
+            if scheme is None:
+                return UnquantizedFusedMoEMethod()
+            return IntCheckpointMoEMethod(scheme.tensor_names, scheme.int_weight)
         if not isinstance(layer, LinearBase):
             return None
         scheme = same_for_all(prefix, [self._scheme_of(n) for n in checkpoint_names(prefix)])

@@ -196,11 +196,20 @@ class Fp8CheckpointMoEMethod(Fp8MoEMethod):
             )
         return weight
 
-    def load_scale(
-        self, layer: nn.Module, expert: int, projection: str, kind: str, scale: torch.Tensor
+    def load_packed(
+        self, layer: nn.Module, expert: int, projection: str, kind: str, tensor: torch.Tensor
     ) -> None:
-        if kind == "weight_scale":
-            self.scales[projection][expert] = scale
+        """A weight_scale per tensor, or per output row (gate and up: this rank's rows)."""
+        if kind == "input_scale":
+            return
+        if kind != "weight_scale":
+            super().load_packed(layer, expert, projection, kind, tensor)
+        scale = tensor.float().reshape(-1)
+        if scale.numel() > 1 and projection != "down":
+            i = layer.intermediate_size
+            start = 0 if layer.expert_parallel else layer.tp_rank * i
+            scale = scale[start : start + i]
+        self.scales[projection][expert] = scale
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         parts = {}

@@ -73,6 +73,9 @@ def _this_rank(layer: nn.Module, projection: str, w: IntWeight, name: str) -> In
     if projection != "down":
         rows = slice(start, start + i)
         return IntWeight(w.bits, w.q[rows], w.scales[rows], _cut(w.zeros, rows))
+    if w.scales.shape[1] == 1:  # one scale per output channel: it holds for any cut
+        q = w.q[:, start : start + i].contiguous()
+        return IntWeight(w.bits, q, w.scales, w.zeros)
     group = w.q.shape[1] // w.scales.shape[1]
     if i % group or i % 32:
         raise ValueError(

@@ -69,14 +69,22 @@ def test_stacked_experts_load_as_per_expert_ones(tmp_path):
 def test_a_method_without_a_moe_method_is_refused_naming_the_layer():
     from models.layers.fused_moe import FusedMoE
     from models.quantization import building_with
-    from models.quantization.compressed_tensors import CompressedTensorsConfig
-    from tests.quantization.int_formats import IntFormat
+    from models.quantization.base_config import QuantizationConfig
 
-    config = CompressedTensorsConfig.from_config(IntFormat("compressed-tensors").config())
+    class LinearsOnly(QuantizationConfig):
+        name = "linears-only"
+
+        @classmethod
+        def from_config(cls, config):
+            return cls()
+
+        def get_quant_method(self, layer, prefix):
+            return None
+
     with (
-        building_with(config),
+        building_with(LinearsOnly()),
         pytest.raises(
-            ValueError, match=r"layers\.0\.mlp\.experts: experts quantized with 'compressed-"
+            ValueError, match=r"layers\.0\.mlp\.experts: experts quantized with 'linears-only'"
         ),
     ):
         FusedMoE(8, 2, 64, 32, renormalize=True, prefix="layers.0.mlp.experts")

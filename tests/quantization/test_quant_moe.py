@@ -324,6 +324,8 @@ INT_MOE_CASES = [
     IntFormat("awq", group=32),
     IntFormat("gptq", bits=4, group=32, sym=True),
     IntFormat("gptq", bits=8, group=64, sym=True),
+    IntFormat("compressed-tensors", bits=4, group=32, sym=True),
+    IntFormat("compressed-tensors", bits=8, group=-1),
 ]
 
 
@@ -343,11 +345,19 @@ def test_int_checkpoint_experts_greedy_matches_transformers(tmp_path, tiny_check
 
 @pytest.mark.usefixtures("exact_float32")
 @pytest.mark.gpus(2)
-@pytest.mark.parametrize("expert_parallel", [False, pytest.param(True, marks=pytest.mark.slow)])
-def test_int_checkpoint_experts_on_two_ranks(tmp_path, tiny_checkpoint, expert_parallel):
+@pytest.mark.parametrize(
+    ("fmt", "expert_parallel"),
+    [
+        (IntFormat("awq", group=32), False),
+        (IntFormat("compressed-tensors", bits=8, group=-1), False),
+        pytest.param(IntFormat("awq", group=32), True, marks=pytest.mark.slow),
+    ],
+    ids=["awq-tp", "channel-tp", "awq-ep"],
+)
+def test_int_checkpoint_experts_on_two_ranks(tmp_path, tiny_checkpoint, fmt, expert_parallel):
     """Each rank's part is cut from the unpacked weight: gate/up rows, down's input
-    features with their groups (tensor parallel), or whole experts (expert parallel)."""
-    fmt = IntFormat("awq", group=32)
+    features with their groups or its one scale per channel (tensor parallel), or whole
+    experts (expert parallel)."""
     path = tmp_path / "model"
     source = tiny_checkpoint("qwen3-moe", **INT_MOE_SIZES)
     dequantized = write_quantized(source, path, fmt.quantize, fmt.config())
