@@ -17,6 +17,7 @@ from ipc.kv_transfer import (
     transfer_key,
     transfer_secret,
 )
+from splitserve.disagg_proxy import PREFILL_KV_PARAMS
 
 
 def test_config_from_json_with_vllms_keys():
@@ -85,15 +86,9 @@ def test_params_mistakes_are_named(value, message):
 
 
 def test_vllms_prefill_request_params_are_accepted():
-    vllm_shape = {
-        "do_remote_decode": True,
-        "do_remote_prefill": False,
-        "remote_engine_id": None,
-        "remote_block_ids": None,
-        "remote_host": None,
-        "remote_port": None,
-    }
-    assert KVTransferParams.from_dict(vllm_shape).to_dict() == {"do_remote_decode": True}
+    """What the proxy sends a prefill instance: vLLM's shape, nulls included."""
+    params = KVTransferParams.from_dict(PREFILL_KV_PARAMS)
+    assert params.to_dict() == {"do_remote_decode": True}
 
 
 def test_the_key_binds_every_field_it_covers():

@@ -271,6 +271,18 @@ def _dequantized_folder(src: Path, dst: Path, dequantized: dict[str, torch.Tenso
     return str(dst)
 
 
+def _check_checkpoint(
+    path: Path, dequantized: dict, tmp_path: Path, method: str, **engine_args
+) -> None:
+    """The engine on `method` checkpoint `path` generates transformers' greedy tokens on
+    its dequantized weights."""
+    reference = load_reference(_dequantized_folder(path, tmp_path / "float", dequantized))
+    llm = LLM(str(path), dtype="float32", kv_cache_memory=2**24, **engine_args)
+    assert llm.config.quantization == method
+    check_greedy(llm, reference, random_prompts(4, 3, 20))
+    llm.shutdown()
+
+
 @pytest.mark.parametrize("checkpoint", ["qwen3-moe", "qwen2-moe"], indirect=True)
 @pytest.mark.parametrize("per_channel", [True, False], ids=["per-channel", "per-tensor"])
 @pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
@@ -282,11 +294,7 @@ def test_fp8_checkpoint_experts_greedy_matches_transformers(
     path = tmp_path / "fp8"
     dequantized = write_fp8_checkpoint(checkpoint, path, per_channel, static)
     assert any(".experts." in module for module in dequantized)
-    reference = load_reference(_dequantized_folder(path, tmp_path / "float", dequantized))
-    llm = LLM(str(path), dtype="float32", kv_cache_memory=2**24)
-    assert llm.config.quantization == "fp8"
-    check_greedy(llm, reference, random_prompts(4, 3, 20))
-    llm.shutdown()
+    _check_checkpoint(path, dequantized, tmp_path, "fp8")
 
 
 def test_fp8_checkpoint_experts_without_scales_are_a_clear_error(tmp_path, tiny_checkpoint):
@@ -306,16 +314,8 @@ def test_fp8_checkpoint_experts_on_two_ranks(tmp_path, tiny_checkpoint, expert_p
     whole with whole experts (expert parallel)."""
     path = tmp_path / "fp8"
     dequantized = write_fp8_checkpoint(tiny_checkpoint("qwen3-moe"), path, True, False)
-    reference = load_reference(_dequantized_folder(path, tmp_path / "float", dequantized))
-    llm = LLM(
-        str(path),
-        dtype="float32",
-        kv_cache_memory=2**24,
-        tensor_parallel_size=2,
-        enable_expert_parallel=expert_parallel,
-    )
-    check_greedy(llm, reference, random_prompts(4, 3, 20))
-    llm.shutdown()
+    parallel = {"tensor_parallel_size": 2, "enable_expert_parallel": expert_parallel}
+    _check_checkpoint(path, dequantized, tmp_path, "fp8", **parallel)
 
 
 # The experts' intermediate size: whole groups of 32 and 64, and runs of 32, on two ranks.
@@ -336,11 +336,7 @@ def test_int_checkpoint_experts_greedy_matches_transformers(tmp_path, tiny_check
     path = tmp_path / "model"
     dequantized = write_quantized(source, path, fmt.quantize, fmt.config())
     assert any(".experts." in module for module in dequantized)
-    reference = load_reference(_dequantized_folder(path, tmp_path / "float", dequantized))
-    llm = LLM(str(path), dtype="float32", kv_cache_memory=2**24)
-    assert llm.config.quantization == fmt.method
-    check_greedy(llm, reference, random_prompts(4, 3, 20))
-    llm.shutdown()
+    _check_checkpoint(path, dequantized, tmp_path, fmt.method)
 
 
 @pytest.mark.usefixtures("exact_float32")
@@ -361,16 +357,8 @@ def test_int_checkpoint_experts_on_two_ranks(tmp_path, tiny_checkpoint, fmt, exp
     path = tmp_path / "model"
     source = tiny_checkpoint("qwen3-moe", **INT_MOE_SIZES)
     dequantized = write_quantized(source, path, fmt.quantize, fmt.config())
-    reference = load_reference(_dequantized_folder(path, tmp_path / "float", dequantized))
-    llm = LLM(
-        str(path),
-        dtype="float32",
-        kv_cache_memory=2**24,
-        tensor_parallel_size=2,
-        enable_expert_parallel=expert_parallel,
-    )
-    check_greedy(llm, reference, random_prompts(4, 3, 20))
-    llm.shutdown()
+    parallel = {"tensor_parallel_size": 2, "enable_expert_parallel": expert_parallel}
+    _check_checkpoint(path, dequantized, tmp_path, fmt.method, **parallel)
 
 
 def test_act_order_experts_are_refused(tmp_path, tiny_checkpoint):
