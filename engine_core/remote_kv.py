@@ -1,15 +1,15 @@
 """RemoteKV: the scheduler's bookkeeping around a KV connector (kv_connector.py).
 
-Two kinds of requests hold KV blocks outside the running and waiting lists:
+Three kinds of requests hold KV blocks outside the running and waiting lists:
 
 * `loading`: a consumer's requests whose prompt KV is being pulled into blocks allocated
-  for it (uncached until it lands). When it lands the request is `ready`: all but its
-  last prompt token computed, admitted before the queue; when the pull fails, it goes
-  back to the front of the queue with its blocks freed, to be computed from scratch. An
-  aborted one keeps its blocks until its pull ends: the workers may still be writing
-  them. A ready request that does not fit gives its blocks back (`release_ready`), as a
-  running request gives way before any other is preempted: blocks held by requests that
-  do not run must never starve those that could.
+  for it (uncached until it lands). When the pull fails, the request goes back to the
+  front of the queue with its blocks freed, to be computed from scratch. An aborted one
+  keeps its blocks until its pull ends: the workers may still be writing them.
+* `ready`: those whose pull landed: all but the last prompt token computed, admitted
+  before the queue. One that does not fit, and any of them when a running request needs
+  blocks, gives its blocks back (`release_ready`) and is computed like any other: blocks
+  held by requests that do not run must never starve those that could.
 * `held`: a producer's finished requests whose blocks wait until the workers report them
   pulled (or withdrawn after their time).
 

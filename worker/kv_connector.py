@@ -2,8 +2,9 @@
 and ZmqConnector's (the EngineCore's half: engine_core/kv_connector.py).
 
 Each step the runner hands the connector the step's KVConnectorMetadata before the
-forward (`start_load_kv`: serve new sends, start new pulls, write landed pulls into the
-KV cache), then asks it which transfers every rank has finished (`get_finished`).
+forward (`start_load_kv`: note new sends and stop serving revoked ones, start new pulls,
+write landed pulls into the KV cache), then asks it which transfers every rank has finished
+(`get_finished`). The page server answers pulls from its own thread meanwhile.
 
 Ranks agree on what is finished: every rank holds the same pending transfers in the same
 order (they come from the same metadata and leave by the same agreement), so each step
