@@ -123,10 +123,9 @@ def test_a_transfer_is_served_at_once_and_only_once(server, credentials):
 )
 def test_a_forged_pull_is_refused_at_once(server, credentials, forge):
     address, _, served = server
-    start = time.monotonic()
-    with pytest.raises(PullFailed, match="refused"):
-        pull(address, credentials, forge(make_pull(credentials, BLOCKS, 0, 3)))
-    assert time.monotonic() - start < 2
+    # The server's answer, not the pull's timeout: "refused" is the server's word.
+    with pytest.raises(PullFailed, match="answered: refused"):
+        pull(address, credentials, forge(make_pull(credentials, BLOCKS, 0, 3)), timeout=60)
     assert not served.on_served.is_set()
 
 
