@@ -460,10 +460,13 @@ class Scheduler:
         return bool(self.requests or self.pending_outputs or remote)
 
     def get_stats(self) -> SchedulerStats:
-        """Cumulative counters since start, and the current queue sizes and KV usage."""
-        stats = self.counters.make_stats(
-            self.kv_cache_manager, len(self.running), len(self.waiting)
-        )
+        """Cumulative counters since start, and the current queue sizes and KV usage
+        (requests whose pulled KV is on its way or landed count as waiting, as in vLLM)."""
+        num_waiting = len(self.waiting)
+        if self.remote_kv is not None:
+            loading = self.remote_kv.loading.values()
+            num_waiting += sum(not r.is_finished for r in loading) + len(self.remote_kv.ready)
+        stats = self.counters.make_stats(self.kv_cache_manager, len(self.running), num_waiting)
         if self.spec is not None:
             self.spec.counters.fill(stats)
         if self.remote_kv is not None:

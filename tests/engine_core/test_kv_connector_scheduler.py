@@ -71,6 +71,7 @@ def test_consumer_pulls_all_but_the_last_prompt_token_then_computes_that_one():
     assert (recv.host, recv.port, recv.transfer_id, recv.key) == ("10.0.0.7", 20000, "t1", "secret")
     assert recv.remote_block_ids == [[11, 12, 13, 14, 15]]
     assert engine.scheduler.requests["A"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert engine.scheduler.get_stats().num_waiting == 1
     assert num_free(engine) == free - 5
     # Nothing may hit blocks whose pages have not landed.
     assert not engine.kv_cache_manager.block_pool.cached_block_hash_to_block
