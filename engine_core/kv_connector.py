@@ -36,10 +36,10 @@ from ipc.kv_transfer import (
     transfer_secret,
 )
 from ipc.messages import KVConnectorMetadata, KVConnectorOutput, KVRecv, KVSend
+from kv_cache import NULL_BLOCK_ID
 
 logger = logging.getLogger(__name__)
 
-_NULL_BLOCK_ID = 0  # the BlockPool's first block stands in for blocks not held
 # Finished this way, a producer's request keeps its KV for a consumer.
 _HANDED_OVER = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 
@@ -143,7 +143,7 @@ class ZmqConnectorScheduler(KVConnectorScheduler):
             problem = "another prompt"
         elif any(len(ids) < num_positions for ids in params.remote_block_ids):
             problem = "too few blocks"
-        elif any(_NULL_BLOCK_ID in ids[:num_positions] for ids in params.remote_block_ids):
+        elif any(NULL_BLOCK_ID in ids[:num_positions] for ids in params.remote_block_ids):
             # A sliding-window group dropped blocks before its window; pulled, their pages
             # would be cached here as if they held the prompt.
             problem = "blocks dropped outside a sliding window"
@@ -237,13 +237,3 @@ def make_kv_connector(config: EngineConfig) -> KVConnectorScheduler | None:
     if config.kv_transfer_config is None:
         return None
     return ZmqConnectorScheduler(config)
-
-
-def check_kv_transfer(request: Request, remote_kv) -> str | None:
-    """Why the request's kv_transfer_params cannot be honoured (`remote_kv`: the
-    scheduler's RemoteKV, None without a connector), or None."""
-    if request.sampling_params.kv_transfer_params is None:
-        return None
-    if remote_kv is None:
-        return "kv_transfer_params needs an instance started with --kv-transfer-config"
-    return remote_kv.connector.check_request(request)

@@ -38,6 +38,15 @@ _COUNTERS = (
 )
 
 
+def kv_transfer_error(request: Request, remote_kv: RemoteKV | None) -> str | None:
+    """Why the request's kv_transfer_params cannot be honoured here, or None."""
+    if request.sampling_params.kv_transfer_params is None:
+        return None
+    if remote_kv is None:
+        return "kv_transfer_params needs an instance started with --kv-transfer-config"
+    return remote_kv.connector.check_request(request)
+
+
 class RemoteKV:
     def __init__(self, connector: KVConnectorScheduler, kv_cache_manager: KVCacheManager) -> None:
         self.connector = connector

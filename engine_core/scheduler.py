@@ -12,9 +12,9 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from engine_core.kv_connector import check_kv_transfer, make_kv_connector
+from engine_core.kv_connector import make_kv_connector
 from engine_core.preemption import PreemptionPolicy
-from engine_core.remote_kv import RemoteKV
+from engine_core.remote_kv import RemoteKV, kv_transfer_error
 from engine_core.request import Request, RequestStatus
 from engine_core.request_checks import check_kv_cache_size, check_lengths, check_token_ids
 from engine_core.request_queue import make_request_queue
@@ -110,7 +110,7 @@ class Scheduler:
         error = (
             check_lengths(request, self.max_model_len)
             or check_token_ids(request.prompt_token_ids, request.sampling_params, self.config)
-            or check_kv_transfer(request, self.remote_kv)
+            or kv_transfer_error(request, self.remote_kv)
         )
         structured = request.sampling_params.structured_outputs
         if error is None and structured is not None:

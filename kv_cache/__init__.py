@@ -1,7 +1,7 @@
 """Paged KV cache management for the EngineCore: blocks, prefix caching, allocation."""
 
 from kv_cache.block import BlockHashWithGroupId, KVCacheBlock
-from kv_cache.block_pool import BlockPool
+from kv_cache.block_pool import NULL_BLOCK_ID, BlockPool
 from kv_cache.free_queue import FreeKVCacheBlockQueue
 from kv_cache.hashing import NONE_HASH, block_hashes, extend_block_hashes, hash_block_tokens
 from kv_cache.host_tier import BlockCopy, HostTier, SwappedRequest
@@ -16,6 +16,7 @@ from kv_cache.single_type_manager import (
 
 __all__ = [
     "NONE_HASH",
+    "NULL_BLOCK_ID",
     "BlockCopy",
     "BlockHashWithGroupId",
     "BlockPool",

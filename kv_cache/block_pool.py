@@ -6,6 +6,8 @@ from kv_cache.block import BlockHashWithGroupId, KVCacheBlock
 from kv_cache.free_queue import FreeKVCacheBlockQueue
 from kv_cache.request import KVCacheRequest
 
+NULL_BLOCK_ID = 0  # the null block: the pool's first, standing in for blocks not held
+
 
 class BlockPool:
     """Owns every block. Block 0 is the null block, a placeholder that is never allocated.
@@ -33,7 +35,7 @@ class BlockPool:
         self.is_host = is_host
         self.blocks = [KVCacheBlock(i, is_host=is_host) for i in range(num_blocks)]
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
-        self.null_block = self.free_block_queue.popleft()
+        self.null_block = self.free_block_queue.popleft()  # block NULL_BLOCK_ID
         self.null_block.is_null = True
         # One key may name several blocks (no deduplication): {key: {block_id: block}}.
         self.cached_block_hash_to_block: dict[BlockHashWithGroupId, dict[int, KVCacheBlock]] = {}

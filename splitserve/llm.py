@@ -109,9 +109,10 @@ class LLM:
                     self.engine.abort_requests(processed.reqs_to_abort)
                 bar.update(len(processed.finished))
                 if all(handle.result.finished for handle in handles):
-                    # A KV producer's blocks wait for consumers: one more step hands them
-                    # to the workers, which serve them; later calls step them to their end.
-                    self.engine.step()
+                    # Left: a KV producer's blocks, kept for consumers. One more step tells
+                    # the workers of them; later calls step them to their end.
+                    if self.engine.has_unfinished_requests():
+                        self.engine.step()
                     break
         return [handle.result for handle in handles]
 

@@ -73,7 +73,7 @@ class FusedMoE(ShardedModule):
                 )
             self.num_local_experts = num_experts // self.tp_size
             self.first_expert = self.tp_rank * self.num_local_experts
-            self.intermediate_size = intermediate_size
+            self.intermediate_size, self.intermediate_start = intermediate_size, 0
         else:
             if intermediate_size % self.tp_size:
                 raise ValueError(
@@ -82,6 +82,7 @@ class FusedMoE(ShardedModule):
                 )
             self.num_local_experts, self.first_expert = num_experts, 0
             self.intermediate_size = intermediate_size // self.tp_size
+            self.intermediate_start = self.tp_rank * self.intermediate_size  # this rank's first
         self.hidden_size = hidden_size
         self.full_intermediate_size = intermediate_size
         self.quant_method = _moe_method(current_quant_config(), self)
@@ -99,8 +100,7 @@ class FusedMoE(ShardedModule):
         local = expert - self.first_expert
         if not 0 <= local < self.num_local_experts:
             return
-        i = self.intermediate_size
-        start = 0 if self.expert_parallel else self.tp_rank * i
+        start, i = self.intermediate_start, self.intermediate_size
         if kind != "weight":
             self.quant_method.load_packed(self, local, projection, kind, full_weight(loaded))
             if kind in ("qweight", "weight_packed"):

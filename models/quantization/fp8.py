@@ -47,7 +47,7 @@ from models.quantization.cpu_fp8_linear import (
     quantize_fp8_per_channel,
     torch_fp8_linear,
 )
-from models.quantization.quant_moe import QuantMoEMethodBase
+from models.quantization.quant_moe import QuantMoEMethodBase, expert_name
 
 # A fused layer's name -> the checkpoint projections it holds (for ignored_layers).
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -206,30 +206,22 @@ class Fp8CheckpointMoEMethod(Fp8MoEMethod):
             super().load_packed(layer, expert, projection, kind, tensor)
         scale = tensor.float().reshape(-1)
         if scale.numel() > 1 and projection != "down":
-            i = layer.intermediate_size
-            start = 0 if layer.expert_parallel else layer.tp_rank * i
-            scale = scale[start : start + i]
+            start = layer.intermediate_start
+            scale = scale[start : start + layer.intermediate_size]
         self.scales[projection][expert] = scale
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
-        parts = {}
-        for projection in EXPERT_PROJECTIONS:
-            parts[projection] = []
-            for expert in range(layer.num_local_experts):
-                weight = self.parts[projection][expert]
-                scale = self.scales[projection].get(expert)
-                name = f"{layer.prefix} expert {expert + layer.first_expert} {projection}"
-                if scale is None:
-                    raise ValueError(f"fp8 checkpoint: {name} has no weight_scale")
-                if scale.numel() not in (1, weight.shape[0]):
-                    raise ValueError(
-                        f"fp8 checkpoint: {name} weight_scale has {scale.numel()} values for "
-                        f"{weight.shape[0]} rows"
-                    )
-                rows = scale.expand(weight.shape[0]).contiguous()
-                parts[projection].append(Fp8Weight(weight, rows))
-        self.stack(layer, *(parts[p] for p in EXPERT_PROJECTIONS))
-        self.parts, self.scales = {}, {}
+    def expert_part(self, layer: nn.Module, projection: str, expert: int) -> Fp8Weight:
+        weight = self.parts[projection][expert]
+        scale = self.scales[projection].pop(expert, None)
+        name = expert_name(layer, projection, expert)
+        if scale is None:
+            raise ValueError(f"fp8 checkpoint: {name} has no weight_scale")
+        if scale.numel() not in (1, weight.shape[0]):
+            raise ValueError(
+                f"fp8 checkpoint: {name} weight_scale has {scale.numel()} values for "
+                f"{weight.shape[0]} rows"
+            )
+        return Fp8Weight(weight, scale.expand(weight.shape[0]).contiguous())
 
 
 class Fp8Config(QuantizationConfig):

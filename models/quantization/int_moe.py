@@ -15,9 +15,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from models.quantization.base_config import EXPERT_PROJECTIONS
+from models.quantization.block_quant import BlockQuantWeight
 from models.quantization.int_checkpoint import IntWeight, scale_dtype_for, to_block_quant
-from models.quantization.quant_moe import BlockQuantMoEMethod
+from models.quantization.quant_moe import BlockQuantMoEMethod, expert_name
 
 
 class IntCheckpointMoEMethod(BlockQuantMoEMethod):
@@ -35,7 +35,6 @@ class IntCheckpointMoEMethod(BlockQuantMoEMethod):
     def create_weights(self, layer: nn.Module) -> None:
         super().create_weights(layer)
         self.scale_dtype = scale_dtype_for(torch.get_default_dtype())
-        self.tensors: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
 
     def to_part(self, layer: nn.Module, projection: str, loaded: object) -> None:
         raise ValueError(
@@ -47,29 +46,23 @@ class IntCheckpointMoEMethod(BlockQuantMoEMethod):
         self, layer: nn.Module, expert: int, projection: str, kind: str, tensor: torch.Tensor
     ) -> None:
         if kind in self.names:
-            self.tensors.setdefault((projection, expert), {})[kind] = tensor
+            self.parts[projection].setdefault(expert, {})[kind] = tensor
         elif kind not in self.ignored:
             super().load_packed(layer, expert, projection, kind, tensor)
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
-        parts: dict[str, list] = {p: [] for p in EXPERT_PROJECTIONS}
-        for projection in EXPERT_PROJECTIONS:
-            for expert in range(layer.num_local_experts):
-                tensors = self.tensors.get((projection, expert), {})
-                name = f"{layer.prefix} expert {expert + layer.first_expert} {projection}"
-                missing = [n for n in self.names if n not in tensors]
-                if missing:
-                    raise ValueError(f"{name}: the checkpoint has no {', '.join(missing)}")
-                weight = _this_rank(layer, projection, self.int_weight(tensors), name)
-                parts[projection].append(to_block_quant(weight, self.scale_dtype)[0])
-        self.stack(layer, *(parts[p] for p in EXPERT_PROJECTIONS))
-        self.tensors = {}
+    def expert_part(self, layer: nn.Module, projection: str, expert: int) -> BlockQuantWeight:
+        tensors = self.parts[projection].get(expert, {})
+        name = expert_name(layer, projection, expert)
+        missing = [n for n in self.names if n not in tensors]
+        if missing:
+            raise ValueError(f"{name}: the checkpoint has no {', '.join(missing)}")
+        weight = _this_rank(layer, projection, self.int_weight(tensors), name)
+        return to_block_quant(weight, self.scale_dtype)[0]
 
 
 def _this_rank(layer: nn.Module, projection: str, w: IntWeight, name: str) -> IntWeight:
     """Gate and up: the rank's output rows; down: its input features with their groups."""
-    i = layer.intermediate_size
-    start = 0 if layer.expert_parallel else layer.tp_rank * i
+    start, i = layer.intermediate_start, layer.intermediate_size
     if projection != "down":
         rows = slice(start, start + i)
         return IntWeight(w.bits, w.q[rows], w.scales[rows], _cut(w.zeros, rows))

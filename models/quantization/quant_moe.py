@@ -95,6 +95,11 @@ def _stack_gate_up(
     return [StackedQuantWeight.stack(joined)]
 
 
+def expert_name(layer: nn.Module, projection: str, expert: int) -> str:
+    """Local expert `expert`'s projection, as an error names it."""
+    return f"{layer.prefix} expert {expert + layer.first_expert} {projection}"
+
+
 def quant_moe_kernel(kernels: KernelSet) -> ModuleType | None:
     return kernels.cpp(_EXTENSION)
 
@@ -131,9 +136,15 @@ class QuantMoEMethodBase(FusedMoEMethodBase):
         self.parts[projection][expert] = self.to_part(layer, projection, loaded)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        n = layer.num_local_experts
-        self.stack(layer, *([self.parts[p][e] for e in range(n)] for p in EXPERT_PROJECTIONS))
+        experts = range(layer.num_local_experts)
+        self.stack(
+            layer, *([self.expert_part(layer, p, e) for e in experts] for p in EXPERT_PROJECTIONS)
+        )
         self.parts = {}
+
+    def expert_part(self, layer: nn.Module, projection: str, expert: int) -> Any:
+        """A local expert's projection as `stack` takes it: what `to_part` gave."""
+        return self.parts[projection][expert]
 
     def bind_kernels(self, layer: nn.Module, kernels: KernelSet) -> None:
         self.triton = kernels.triton
