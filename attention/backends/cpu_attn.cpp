@@ -10,7 +10,7 @@
 //   - AMX (cpu_attn_amx.h): bf16 on CPUs with AMX-BF16, one pass with an online softmax;
 //   - AVX512-BF16 (cpu_attn_bf16.h): bf16 elsewhere, two passes;
 //   - AVX2 (cpu_attn_avx2.h): float32, bf16 and fp16 pages of head sizes that are multiples
-//     of 64 elsewhere, the generic path's two passes vectorised by hand;
+//     of 64 elsewhere, one pass with an online softmax, prefetching as it goes;
 //   - generic (here): every dtype and head size, two passes (scores q.k for every visible
 //     position and an exact softmax over them, then the weighted sum of V rows).
 // fp8 pages (cpu_attn_fp8.h), read times the layer's k/v scales: with bf16 queries where
@@ -25,9 +25,11 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -263,9 +265,8 @@ void decode_all(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache
 #endif
 #if defined(SPLITSERVE_AVX2)
       if constexpr (kAvx2Path<C, D>) {
-        for (int64_t h = kv_head; h < kv_head + heads; ++h)
-          attend_item_avx2<T, C, D>(q_row, out_row, cache, blocks, first, seq_len, h,
-                                    static_cast<float>(scale), L, work, h == kv_head ? heads : 0);
+        attend_item_avx2<T, C, D>(q_row, out_row, cache, blocks, first, seq_len, kv_head, heads,
+                                  static_cast<float>(scale), L, work);
         continue;
       }
 #endif

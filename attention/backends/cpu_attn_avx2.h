@@ -1,9 +1,17 @@
 // The AVX2 decode path of cpu_attn.cpp (included there, inside its namespace), for float32,
 // bf16 and fp16 pages of head sizes that are multiples of 64 (fp8 pages keep the generic
-// path): the generic path's two passes, vectorised by hand. Scores 8 positions at a time,
-// their 8 partial-sum vectors reduced together (no lane sum per position); the weighted
-// sum of V rows of one query head, 64 features at a time, in 8 accumulators that stay in
-// registers across the context. Pages are widened to float32 as they are loaded.
+// path). One pass over an item's pages with an online softmax, so that each page line is
+// read from memory once and in address order: an item is `heads` KV heads of a request
+// (all of them for whole-request items, whose position rows are then read whole), and per
+// chunk of 8 positions
+//   1. the scores of every query head of the item, the 8 partial-sum vectors of a head
+//      reduced together (no lane sum per position);
+//   2. each query head's running max and sum: where the chunk raises the max, the head's
+//      sum and V accumulator are scaled down by exp(old - new) first;
+//   3. the chunk's V rows, weighted by exp(score - max), added into the query heads'
+//      accumulators (64 features at a time in 8 registers; the rows stay in L1 across the
+//      G query heads that share them).
+// Pages are widened to float32 as they are loaded.
 #pragma once
 
 namespace {
@@ -31,70 +39,126 @@ inline __m256 sum_lanes_8(const __m256* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
 }
 
-// One (request, KV head) item, as attend_item. The pages' rows of `prefetch_heads` KV
-// heads from kv_head on are prefetched ahead of the scores (0: none, where an earlier
-// head's pass of the same request brought them).
+inline float max_lanes(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+// Rows this many positions ahead are prefetched while a chunk is computed: one prefetch
+// per line loaded, spread through the arithmetic (bursts of prefetches at block starts
+// stall the loads queued behind them and gained nothing).
+constexpr int64_t kAheadPositions = 32;
+
+// Prefetches the line of each of the 8 rows at `ahead[t] + offset` when the c-th group of 8
+// values of a row starts a line.
+template <typename C, int c>
+inline void prefetch_rows(const C* const* ahead, int64_t offset) {
+  if constexpr (8 * c * sizeof(C) % 64 == 0)
+    for (int t = 0; t < 8; ++t) prefetch_line(reinterpret_cast<const char*>(ahead[t] + offset));
+}
+
+// The scores of query row qf (times the softmax scale) against rows[t] + offset for
+// t < count (<= 8; rows from count on repeat the last); lanes from count on are -inf. The
+// 8 sums are independent chains, so the FMAs overlap instead of waiting on each other.
+// ahead: rows to prefetch (at the same offset), or null.
+template <typename C, int D>
+inline __m256 scores8(const float* qf, const C* const* rows, int64_t offset, int count,
+                      const C* const* ahead) {
+  __m256 acc[8];
+  for (int t = 0; t < 8; ++t) acc[t] = _mm256_setzero_ps();
+  [&]<int... c>(std::integer_sequence<int, c...>) {
+    ([&] {
+      if (ahead) prefetch_rows<C, c>(ahead, offset + 8 * c);
+      const __m256 qv = _mm256_loadu_ps(qf + 8 * c);
+      for (int t = 0; t < 8; ++t)
+        acc[t] = _mm256_fmadd_ps(load8(rows[t] + offset + 8 * c), qv, acc[t]);
+    }(), ...);
+  }(std::make_integer_sequence<int, D / 8>{});
+  const __m256 valid = _mm256_cmp_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7),
+                                     _mm256_set1_ps(float(count)), _CMP_LT_OQ);
+  return _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), sum_lanes_8(acc), valid);
+}
+
+// acc[0..D) += sum over t < count of p[t] * (rows[t] + offset)[0..D); ahead as scores8.
+template <typename C, int D>
+inline void add_values8(float* acc, const float* p, const C* const* rows, int64_t offset,
+                        int count, const C* const* ahead) {
+  for (int part = 0; part < D / 64; ++part) {
+    const int64_t at = offset + 64 * part;
+    __m256 a[8];
+    for (int c = 0; c < 8; ++c) a[c] = _mm256_loadu_ps(acc + 64 * part + 8 * c);
+    if (ahead)
+      [&]<int... c>(std::integer_sequence<int, c...>) {
+        (prefetch_rows<C, c>(ahead, at + 8 * c), ...);
+      }(std::make_integer_sequence<int, 8>{});
+    for (int t = 0; t < count; ++t) {
+      const __m256 w = _mm256_broadcast_ss(p + t);
+      for (int c = 0; c < 8; ++c) a[c] = _mm256_fmadd_ps(w, load8(rows[t] + at + 8 * c), a[c]);
+    }
+    for (int c = 0; c < 8; ++c) _mm256_storeu_ps(acc + 64 * part + 8 * c, a[c]);
+  }
+}
+
+// KV heads [kv_head, kv_head + heads) of one request: out rows of their query heads.
 template <typename T, typename C, int D>
 void attend_item_avx2(const T* q, T* out, const C* cache, const int32_t* blocks, int64_t first,
-                      int64_t seq_len, int64_t kv_head, float scale, const Layout& L,
-                      std::vector<float>& work, int64_t prefetch_heads) {
-  const int64_t G = L.group, n = seq_len - first, row_stride = L.kv_heads * D;
-  work.resize(G * D + G * (n + 8) + G);
-  float* qf = work.data();
-  float* scores = qf + G * D;
-  float* inv = scores + G * (n + 8);  // 1 / each query head's softmax sum
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_float(q[(kv_head * G + g) * D + d]) * scale;
-  auto row = [&](int64_t pos) {  // offset of (pos, kv_head) in kv_cache[0]
-    return (blocks[pos / L.block_size] * L.block_size + pos % L.block_size) * row_stride +
-           kv_head * D;
-  };
+                      int64_t seq_len, int64_t kv_head, int64_t heads, float scale,
+                      const Layout& L, std::vector<float>& work) {
+  const int64_t G = L.group, rows = heads * G, row_stride = L.kv_heads * D, bs = L.block_size;
+  work.resize(rows * (2 * D + 10));
+  float* qf = work.data();      // [rows][D] queries times scale
+  float* acc = qf + rows * D;   // [rows][D] weighted sums of V rows
+  float* p = acc + rows * D;    // [rows][8] the chunk's exp(score - max)
+  float* max = p + rows * 8;    // [rows] running max score
+  float* sum = max + rows;      // [rows] running sum of exp(score - max)
+  const T* q0 = q + kv_head * G * D;
+  for (int64_t i = 0; i < rows * D; ++i) qf[i] = to_float(q0[i]) * scale;
+  std::fill(acc, acc + rows * D, 0.0f);
+  std::fill(max, max + rows, -INFINITY);
+  std::fill(sum, sum + rows, 0.0f);
+  const C* base = cache + kv_head * D;  // (block b, offset o): base + (b * bs + o) * row_stride
+  const C* k[8];
+  const C* ahead[8];
   for (int64_t pos = first; pos < seq_len;) {
-    const int64_t end = std::min(seq_len, (pos / L.block_size + 1) * L.block_size);
-    if (prefetch_heads)
-      prefetch_block(cache, blocks, pos / L.block_size + kPrefetchBlocks, seq_len, kv_head, D, L,
-                     prefetch_heads);
-    for (const C* k = cache + row(pos); pos < end;) {
+    const int64_t end = std::min(seq_len, (pos / bs + 1) * bs);
+    const C* block_k = base + (blocks[pos / bs] * bs + pos % bs) * row_stride;
+    for (; pos < end;) {
       const int count = static_cast<int>(std::min<int64_t>(8, end - pos));
-      for (int64_t g = 0; g < G; ++g) {
-        __m256 acc[8];
-        for (int t = 0; t < 8; ++t) {
-          acc[t] = _mm256_setzero_ps();
-          if (t >= count) continue;
-          for (int c = 0; c < D / 8; ++c)
-            acc[t] = _mm256_fmadd_ps(load8(k + t * row_stride + 8 * c),
-                                     _mm256_loadu_ps(qf + g * D + 8 * c), acc[t]);
+      for (int t = 0; t < 8; ++t) k[t] = block_k + std::min(t, count - 1) * row_stride;
+      const int64_t next = pos + kAheadPositions;
+      const bool prefetch = next < seq_len;
+      if (prefetch)
+        for (int64_t t = 0, b = next / bs, o = next % bs; t < 8; ++t) {
+          ahead[t] = base + (blocks[b] * bs + o) * row_stride;
+          if (next + t + 1 < seq_len && ++o == bs) ++b, o = 0;
         }
-        // Scores are padded by 8: a short group writes past its last position, into the
-        // next group's (or the padding), which the next store or nothing reads.
-        _mm256_storeu_ps(scores + g * (n + 8) + pos - first, sum_lanes_8(acc));
+      for (int64_t r = 0; r < rows; ++r) {
+        const bool first_of_head = r % G == 0;
+        const __m256 s = scores8<C, D>(qf + r * D, k, (r / G) * D, count,
+                                       prefetch && first_of_head ? ahead : nullptr);
+        const float top = std::max(max[r], max_lanes(s));
+        if (top > max[r]) {
+          const float shrink = splitserve::exp_nonpositive(max[r] - top);
+          sum[r] *= shrink;
+          for (int64_t d = 0; d < D; ++d) acc[r * D + d] *= shrink;
+          max[r] = top;
+        }
+        const __m256 e = splitserve::exp_nonpositive8(_mm256_sub_ps(s, _mm256_set1_ps(top)));
+        _mm256_storeu_ps(p + r * 8, e);
+        sum[r] += splitserve::sum8(e);
       }
+      for (int64_t r = 0; r < rows; ++r)
+        add_values8<C, D>(acc + r * D, p + r * 8, k, L.cache_half + (r / G) * D, count,
+                          prefetch && r % G == 0 ? ahead : nullptr);
       pos += count;
-      k += count * row_stride;
+      block_k += count * row_stride;
     }
   }
-  for (int64_t g = 0; g < G; ++g) {
-    float* row = scores + g * (n + 8);
-    inv[g] = 1.0f / splitserve::exp_sum8(row, n, splitserve::max8(row, n));
-  }
-  const C* values = cache + L.cache_half;
-  for (int64_t g = 0; g < G; ++g) {
-    const float* p = scores + g * (n + 8);
-    T* orow = out + (kv_head * G + g) * D;
-    for (int half = 0; half < D / 64; ++half) {
-      __m256 acc[8];
-      for (auto& a : acc) a = _mm256_setzero_ps();
-      for (int64_t pos = first; pos < seq_len;) {
-        const int64_t end = std::min(seq_len, (pos / L.block_size + 1) * L.block_size);
-        for (const C* v = values + row(pos) + 64 * half; pos < end; ++pos, v += row_stride) {
-          const __m256 w = _mm256_broadcast_ss(p + pos - first);
-          for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(w, load8(v + 8 * c), acc[c]);
-        }
-      }
-      alignas(32) float sums[64];
-      for (int c = 0; c < 8; ++c) _mm256_store_ps(sums + 8 * c, acc[c]);
-      for (int d = 0; d < 64; ++d) orow[64 * half + d] = static_cast<T>(sums[d] * inv[g]);
-    }
+  T* o = out + kv_head * G * D;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float inv = 1.0f / sum[r];
+    for (int64_t d = 0; d < D; ++d) o[r * D + d] = static_cast<T>(acc[r * D + d] * inv);
   }
 }
 

@@ -122,6 +122,16 @@ def test_many_query_heads_per_request(kernels, kv_heads, group):
     check(kernels, [1, 17, 40, 130] * 5, kv_heads, group, 64, 16, torch.bfloat16)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size, window", [(8, None), (16, None), (16, 37), (32, 100)])
+def test_whole_request_items(kernels, dtype, head_dim, block_size, window):
+    """At least 8 decodes per thread: an item is a whole request, every KV head in one pass
+    (contexts that end inside a chunk of 8, on a block's last position, and long ones)."""
+    seq_lens = [1, 7, 8, 9, block_size, block_size + 1, 63, 64, 65, 300, 517, 1000] * 2
+    check(kernels, seq_lens, 3, 3, head_dim, block_size, dtype, window=window, seed=head_dim)
+
+
 def test_amx_path_is_built_for_amx_only(kernels):
     """has_amx_path: built for AMX (and the kernel granted the tiles)."""
     assert kernels.has_amx_path() == kernels.__name__.endswith("_amx")
