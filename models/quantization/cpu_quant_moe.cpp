@@ -39,22 +39,25 @@ struct QuantExperts {
 };
 
 // Block-quantized: q [E, ...], scales [E, ...] (mins the same), in the rows or the strips
-// layout, computed by the lent kernel named `kernel`.
+// layout, computed by the lent kernel named `kernel`; with input_index [E, K] (GPTQ
+// act-order), expert e's input feature j is x's feature input_index[e, j].
 struct BlockQuantExperts : QuantExperts {
   at::Tensor q, scales;
-  std::optional<at::Tensor> mins;
+  std::optional<at::Tensor> mins, input_index;
   int64_t bits, block_size;
   api::QuantLinear linear;
 
   BlockQuantExperts(at::Tensor q, at::Tensor scales, std::optional<at::Tensor> mins,
                     int64_t bits, int64_t block_size, const py::dict& lent,
-                    const std::string& kernel)
-      : q(std::move(q)), scales(std::move(scales)), mins(std::move(mins)), bits(bits),
-        block_size(block_size), linear(api::borrow<api::QuantLinear>(lent, kernel.c_str())) {}
+                    const std::string& kernel, std::optional<at::Tensor> input_index)
+      : q(std::move(q)), scales(std::move(scales)), mins(std::move(mins)),
+        input_index(std::move(input_index)), bits(bits), block_size(block_size),
+        linear(api::borrow<api::QuantLinear>(lent, kernel.c_str())) {}
 
   std::optional<at::Tensor> apply(const at::Tensor& x, int64_t e) const override {
     const auto m = mins ? std::optional<at::Tensor>(mins->select(0, e)) : std::nullopt;
-    return linear(x, q.select(0, e), scales.select(0, e), m, bits, block_size, std::nullopt);
+    const at::Tensor xe = input_index ? x.index_select(1, input_index->select(0, e)) : x;
+    return linear(xe, q.select(0, e), scales.select(0, e), m, bits, block_size, std::nullopt);
   }
 };
 
@@ -190,9 +193,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<QuantExperts>(m, "QuantExperts");
   py::class_<BlockQuantExperts, QuantExperts>(m, "BlockQuantExperts")
       .def(py::init<at::Tensor, at::Tensor, std::optional<at::Tensor>, int64_t, int64_t,
-                    const py::dict&, const std::string&>(),
+                    const py::dict&, const std::string&, std::optional<at::Tensor>>(),
            py::arg("q"), py::arg("scales"), py::arg("mins"), py::arg("bits"),
-           py::arg("block_size"), py::arg("lent"), py::arg("kernel"));
+           py::arg("block_size"), py::arg("lent"), py::arg("kernel"),
+           py::arg("input_index") = py::none());
   py::class_<Fp8Experts, QuantExperts>(m, "Fp8Experts")
       .def(py::init<at::Tensor, at::Tensor, int64_t, const py::dict&>(), py::arg("weight"),
            py::arg("scale"), py::arg("small_rows"), py::arg("lent"));

@@ -124,9 +124,7 @@ class GPTQConfig(QuantizationConfig):
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
         if isinstance(layer, FusedMoE):
             if self.desc_act:
-                raise ValueError(
-                    f"{prefix}: gptq experts with desc_act (act-order) are not supported"
-                )
+                return IntCheckpointMoEMethod(GPTQ_TENSORS, self.int_weight, act_order=True)
             # g_idx (when stored) names contiguous groups without act-order: not needed.
             return IntCheckpointMoEMethod(GPTQ_TENSORS[:3], self.int_weight, ("g_idx",))
         return GPTQLinearMethod(self) if isinstance(layer, LinearBase) else None

@@ -70,12 +70,11 @@ def to_block_quant(
         block, index, block_groups = k // w.scales.shape[1], None, None
     else:
         block, index, block_groups = _contiguous_groups(w.group_ids.long())
-    q = w.q
+    q, scales = w.q, w.scales
     if index is not None:
         q = F.pad(q, (0, 1)).index_select(1, index)
+    if block_groups is not None:  # the groups present, block after block
         scales, zeros = w.scales[:, block_groups], zeros[:, block_groups]
-    else:
-        scales = w.scales
     offset = 0 if w.bits == 4 else 128
     zeros = zeros.float() - offset
     qweight = pack_int4(q) if w.bits == 4 else (q.to(torch.int16) - offset).to(torch.int8)

@@ -4,8 +4,15 @@ packed tensors (qweight, qzeros, scales) are unpacked whole to their logical wei
 (gate and up: their output rows; down: its input features and their groups), repacked as a
 BlockQuantWeight and run as any block-quantized experts (quant_moe.BlockQuantMoEMethod).
 Cutting the logical weight rather than the packed words keeps every format's packing
-order out of the slicing. act-order (GPTQ desc_act) experts are refused: the experts
-kernel has no per-expert input gather.
+order out of the slicing.
+
+GPTQ act-order (desc_act): g_idx puts each input feature in a group in no particular
+order. Down's input features are the expert's intermediate features, which any split
+across ranks sums to the same output: a rank takes down's features in group order
+(`_rank_features`: runs of whole groups, or of parts of groups with their group's scales)
+and gate and up take the same rows, so nothing moves at run time. Gate and up read the
+hidden state every expert shares: their features are reordered group after group and
+each expert gathers its rows of x by that index (quant_moe.GatheredWeight).
 """
 
 from __future__ import annotations
@@ -17,20 +24,23 @@ from torch import nn
 
 from models.quantization.block_quant import BlockQuantWeight
 from models.quantization.int_checkpoint import IntWeight, scale_dtype_for, to_block_quant
-from models.quantization.quant_moe import BlockQuantMoEMethod, expert_name
+from models.quantization.quant_moe import BlockQuantMoEMethod, GatheredWeight, expert_name
 
 
 class IntCheckpointMoEMethod(BlockQuantMoEMethod):
     """`names`: the tensors each projection needs; `int_weight` turns them into the logical
-    weight; `ignored`: tensors the format may store that carry nothing here."""
+    weight; `ignored`: tensors the format may store that carry nothing here; `act_order`:
+    names holds g_idx, whose groups are in no particular order."""
 
     def __init__(
         self,
         names: tuple[str, ...],
         int_weight: Callable[[dict[str, torch.Tensor]], IntWeight],
         ignored: tuple[str, ...] = (),
+        act_order: bool = False,
     ) -> None:
         self.names, self.int_weight, self.ignored = names, int_weight, ignored
+        self.act_order = act_order
 
     def create_weights(self, layer: nn.Module) -> None:
         super().create_weights(layer)
@@ -50,14 +60,54 @@ class IntCheckpointMoEMethod(BlockQuantMoEMethod):
         elif kind not in self.ignored:
             super().load_packed(layer, expert, projection, kind, tensor)
 
-    def expert_part(self, layer: nn.Module, projection: str, expert: int) -> BlockQuantWeight:
-        tensors = self.parts[projection].get(expert, {})
+    def expert_part(
+        self, layer: nn.Module, projection: str, expert: int
+    ) -> BlockQuantWeight | GatheredWeight:
         name = expert_name(layer, projection, expert)
+        w = self.int_weight(self._tensors(layer, projection, expert))
+        if not self.act_order:
+            return to_block_quant(_this_rank(layer, projection, w, name), self.scale_dtype)[0]
+        features = self._rank_features(layer, expert)
+        g_idx = _group_ids(self.parts[projection][expert]["g_idx"], w, name)
+        if projection == "down":
+            w = IntWeight(w.bits, w.q[:, features], w.scales, w.zeros, g_idx[features])
+        else:
+            zeros = None if w.zeros is None else w.zeros[features]
+            w = IntWeight(w.bits, w.q[features], w.scales[features], zeros, g_idx)
+        weight, index = to_block_quant(w, self.scale_dtype)
+        if index is None:
+            return weight
+        if projection == "down":
+            raise ValueError(
+                f"{name}: {layer.intermediate_size} input features per rank split its "
+                "act-order groups into runs that are no multiple of 16"
+            )
+        if bool((index == w.q.shape[1]).any()):
+            raise ValueError(f"{name}: act-order groups of unequal sizes are not supported")
+        return GatheredWeight(weight, index)
+
+    def _tensors(self, layer: nn.Module, projection: str, expert: int) -> dict[str, torch.Tensor]:
+        tensors = self.parts[projection].get(expert, {})
         missing = [n for n in self.names if n not in tensors]
         if missing:
+            name = expert_name(layer, projection, expert)
             raise ValueError(f"{name}: the checkpoint has no {', '.join(missing)}")
-        weight = _this_rank(layer, projection, self.int_weight(tensors), name)
-        return to_block_quant(weight, self.scale_dtype)[0]
+        return tensors
+
+    def _rank_features(self, layer: nn.Module, expert: int) -> torch.Tensor:
+        """This rank's intermediate features of `expert`: its share of down's input
+        features taken in group order."""
+        g_idx = self._tensors(layer, "down", expert)["g_idx"]
+        order = torch.argsort(g_idx.long(), stable=True)
+        return order[layer.intermediate_start : layer.intermediate_start + layer.intermediate_size]
+
+
+def _group_ids(g_idx: torch.Tensor, w: IntWeight, name: str) -> torch.Tensor:
+    k, groups = w.q.shape[1], w.scales.shape[1]
+    g_idx = g_idx.long()
+    if g_idx.shape != (k,) or g_idx.min() < 0 or g_idx.max() >= groups:
+        raise ValueError(f"{name}.g_idx: expected {k} group indices in [0, {groups})")
+    return g_idx
 
 
 def _this_rank(layer: nn.Module, projection: str, w: IntWeight, name: str) -> IntWeight:

@@ -38,9 +38,19 @@ _EXTENSION = cpp_extension(
 
 
 @dataclass(frozen=True)
+class GatheredWeight:
+    """An expert weight whose input feature j is x's feature index[j] (GPTQ act-order:
+    the features reordered so that each group is contiguous)."""
+
+    weight: BlockQuantWeight
+    index: torch.Tensor
+
+
+@dataclass(frozen=True)
 class StackedQuantWeight:
     """One projection of every local expert: expert e's BlockQuantWeight (or, with
-    `strips`, StripQuantWeight) is (q[e], scales[e], mins[e], bits, block_size)."""
+    `strips`, StripQuantWeight) is (q[e], scales[e], mins[e], bits, block_size), and its
+    input is x gathered by input_index[e] where there is one ([E, K] int64)."""
 
     bits: int
     q: torch.Tensor
@@ -48,19 +58,24 @@ class StackedQuantWeight:
     mins: torch.Tensor | None
     block_size: int
     strips: bool = False
+    input_index: torch.Tensor | None = None
 
     @classmethod
-    def stack(cls, weights: list[BlockQuantWeight]) -> StackedQuantWeight:
+    def stack(cls, parts: list[BlockQuantWeight | GatheredWeight]) -> StackedQuantWeight:
+        weights = [p.weight if isinstance(p, GatheredWeight) else p for p in parts]
         first = weights[0]
         mins = None if first.mins is None else torch.stack([w.mins for w in weights])
-        q = torch.stack([w.qweight for w in weights])
-        return cls(first.bits, q, torch.stack([w.scales for w in weights]), mins, first.block_size)
+        q, scales = (
+            torch.stack([w.qweight for w in weights]),
+            torch.stack([w.scales for w in weights]),
+        )
+        return cls(first.bits, q, scales, mins, first.block_size, input_index=_input_index(parts))
 
     def to(self, device: torch.device) -> StackedQuantWeight:
         mins = None if self.mins is None else self.mins.to(device)
-        return StackedQuantWeight(
-            self.bits, self.q.to(device), self.scales.to(device), mins, self.block_size, self.strips
-        )
+        index = None if self.input_index is None else self.input_index.to(device)
+        q, scales = self.q.to(device), self.scales.to(device)
+        return StackedQuantWeight(self.bits, q, scales, mins, self.block_size, self.strips, index)
 
     def expert(self, e: int) -> BlockQuantWeight:
         """Expert e's weight in the row layout (a copy when held in strips)."""
@@ -77,22 +92,44 @@ class StackedQuantWeight:
             return None
         mins = None if self.mins is None else torch.stack([s.mins for s in experts])
         q, scales = torch.stack([s.q for s in experts]), torch.stack([s.scales for s in experts])
-        return StackedQuantWeight(self.bits, q, scales, mins, self.block_size, strips=True)
+        return StackedQuantWeight(
+            self.bits, q, scales, mins, self.block_size, True, self.input_index
+        )
+
+    def gather_input(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        return x if self.input_index is None else x.index_select(-1, self.input_index[e])
+
+
+def _input_index(parts: list[BlockQuantWeight | GatheredWeight]) -> torch.Tensor | None:
+    """The experts' input indexes stacked ([E, K]); None where no expert gathers."""
+    if not any(isinstance(p, GatheredWeight) for p in parts):
+        return None
+    k = next(p.index.numel() for p in parts if isinstance(p, GatheredWeight))
+    return torch.stack(
+        [p.index if isinstance(p, GatheredWeight) else torch.arange(k) for p in parts]
+    )
 
 
 def _stack_gate_up(
-    gate: list[BlockQuantWeight], up: list[BlockQuantWeight]
+    gate: list[BlockQuantWeight | GatheredWeight], up: list[BlockQuantWeight | GatheredWeight]
 ) -> list[StackedQuantWeight]:
-    """gate and up as one [2 I, H] weight per expert where one format holds both."""
-    g, u = gate[0], up[0]
-    if g.format != u.format:
-        return [StackedQuantWeight.stack(gate), StackedQuantWeight.stack(up)]
-    joined = []
-    for a, b in zip(gate, up, strict=True):
-        mins = None if a.mins is None else torch.cat([a.mins, b.mins])
-        q, scales = torch.cat([a.qweight, b.qweight]), torch.cat([a.scales, b.scales])
-        joined.append(BlockQuantWeight(a.bits, q, scales, mins, a.block_size))
-    return [StackedQuantWeight.stack(joined)]
+    """gate and up as one [2 I, H] weight per expert where one format holds both and they
+    take the same input."""
+    stacked = [StackedQuantWeight.stack(gate), StackedQuantWeight.stack(up)]
+    g, u = stacked
+    same_input = (g.input_index is None) == (u.input_index is None) and (
+        g.input_index is None or torch.equal(g.input_index, u.input_index)
+    )
+    if not same_input or (g.bits, g.block_size, g.scales.dtype, g.mins is None) != (
+        u.bits,
+        u.block_size,
+        u.scales.dtype,
+        u.mins is None,
+    ):
+        return stacked
+    mins = None if g.mins is None else torch.cat([g.mins, u.mins], dim=1)
+    q, scales = torch.cat([g.q, u.q], dim=1), torch.cat([g.scales, u.scales], dim=1)
+    return [StackedQuantWeight(g.bits, q, scales, mins, g.block_size, input_index=g.input_index)]
 
 
 def expert_name(layer: nn.Module, projection: str, expert: int) -> str:
@@ -176,7 +213,10 @@ class _ExpertLinear(ExpertWeights):
 
     def linear(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         outs = [
-            quant_linear(x, PreparedQuantWeight(p.expert(expert), None, triton=self.triton))
+            quant_linear(
+                p.gather_input(x, expert),
+                PreparedQuantWeight(p.expert(expert), None, triton=self.triton),
+            )
             for p in self.parts
         ]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
@@ -190,7 +230,8 @@ class BlockQuantMoEMethod(QuantMoEMethodBase):
     down: StackedQuantWeight
 
     def stack(self, layer: nn.Module, gate: list, up: list, down: list) -> None:
-        for projection, weights in (("gate", gate), ("up", up), ("down", down)):
+        for projection, parts in (("gate", gate), ("up", up), ("down", down)):
+            weights = [p.weight if isinstance(p, GatheredWeight) else p for p in parts]
             if any(v.format != weights[0].format for v in weights):
                 raise ValueError(f"{layer.prefix}: its experts' {projection} formats differ")
         self.gate_up = [w.to(self.device) for w in _stack_gate_up(gate, up)]
@@ -209,7 +250,7 @@ class BlockQuantMoEMethod(QuantMoEMethodBase):
                 w = w.in_strips() or w
             kernel = ("strip_" if w.strips else "") + ("linear_f32" if exact else "linear_int8")
             return w, moe.BlockQuantExperts(
-                w.q, w.scales, w.mins, w.bits, w.block_size, lent, kernel
+                w.q, w.scales, w.mins, w.bits, w.block_size, lent, kernel, w.input_index
             )
 
         gate_up = [bound(w) for w in self.gate_up]

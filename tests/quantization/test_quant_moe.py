@@ -17,7 +17,7 @@ from models.quantization.block_quant import BlockQuantWeight, pack_int4
 from models.quantization.cpu_fp8_linear import Fp8Weight, quantize_fp8_per_channel
 from models.quantization.fp8 import Fp8MoEMethod
 from models.quantization.int8 import quantize_per_channel_int8
-from models.quantization.quant_moe import quant_moe_kernel
+from models.quantization.quant_moe import GatheredWeight, quant_moe_kernel
 from splitserve import LLM
 from tests.integration.greedy import random_prompts
 from tests.models.tiny import load_reference
@@ -114,6 +114,41 @@ def test_kernel_matches_the_dequantized_reference(isa, formats, tokens, exact):
     assert (out.double() - expected).abs().max().item() <= tol * scale + 1e-7
     torch_out = _method(weights, KernelSet()).apply(_Layer(), x, topk_weights, topk_ids)
     assert (torch_out.double() - expected).abs().max().item() <= 2e-6 * scale + 1e-7
+
+
+@pytest.mark.parametrize("same_index", [True, False], ids=["gate-up-fused", "gate-up-apart"])
+@pytest.mark.parametrize("tokens", [1, 40])
+def test_gathered_inputs_match_the_reference(isa, same_index, tokens):
+    """Gate and up whose input features are x's in a per-expert order (GPTQ act-order):
+    the kernel and the torch path gather x by each expert's index (gate and up fused into
+    one weight where their indexes agree)."""
+    gen = torch.Generator().manual_seed(tokens)
+    gate, up, down = _experts(FORMATS["q4_1"], gen)
+    index = [[torch.randperm(HIDDEN, generator=gen) for _ in range(EXPERTS)] for _ in "gu"]
+    if same_index:
+        index[1] = index[0]
+    gathered = [
+        [GatheredWeight(w, i) for w, i in zip(ws, idx, strict=True)]
+        for ws, idx in zip((gate, up), index, strict=True)
+    ]
+    dense = []
+    for ws, idx in zip((gate, up), index, strict=True):
+        full = torch.zeros(EXPERTS, INTER, HIDDEN, dtype=torch.float64)
+        for e, (w, i) in enumerate(zip(ws, idx, strict=True)):
+            full[e][:, i] = w.dequantize().double()
+        dense.append(full)
+    x = torch.randn(tokens, HIDDEN, generator=gen)
+    topk_ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOP_K] for _ in range(tokens)])
+    topk_weights = torch.rand(tokens, TOP_K, generator=gen)
+    down_dense = torch.stack([w.dequantize().double() for w in down])
+    expected = _reference_dense(x, *dense, down_dense, topk_weights, topk_ids)
+    scale = expected.abs().max().item()
+    for kernels in (KernelSet(cpu=True, isa=isa, int8_activations=False), KernelSet()):
+        method = _method([*gathered, down], kernels)
+        assert len(method.gate_up) == (1 if same_index else 2)
+        assert (method.kernel_experts is not None) == kernels.cpu
+        out = method.apply(_Layer(), x, topk_weights, topk_ids)
+        assert (out.double() - expected).abs().max().item() <= 2e-6 * scale + 1e-7
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -361,9 +396,43 @@ def test_int_checkpoint_experts_on_two_ranks(tmp_path, tiny_checkpoint, fmt, exp
     _check_checkpoint(path, dequantized, tmp_path, fmt.method, **parallel)
 
 
-def test_act_order_experts_are_refused(tmp_path, tiny_checkpoint):
-    fmt = IntFormat("gptq", bits=4, group=32, desc_act=True)
+ACT_ORDER_CASES = [
+    IntFormat("gptq", bits=4, group=32, desc_act=True),
+    IntFormat("gptq", bits=8, group=16, sym=True, desc_act=True),
+]
+
+
+@pytest.mark.usefixtures("exact_float32")
+@pytest.mark.parametrize("fmt", ACT_ORDER_CASES, ids=str)
+def test_act_order_experts_greedy_matches_transformers(tmp_path, tiny_checkpoint, fmt):
+    """GPTQ desc_act experts: down's groups taken in order as the rank's intermediate
+    features, gate and up gathering x per expert."""
+    source = tiny_checkpoint("qwen3-moe", **INT_MOE_SIZES)
     path = tmp_path / "model"
-    write_quantized(tiny_checkpoint("qwen3-moe", **INT_MOE_SIZES), path, fmt.quantize, fmt.config())
-    with pytest.raises(ValueError, match=r"mlp.experts: gptq experts with desc_act"):
-        LLM(str(path), dtype="float32", kv_cache_memory=2**24)
+    dequantized = write_quantized(source, path, fmt.quantize, fmt.config())
+    _check_checkpoint(path, dequantized, tmp_path, fmt.method)
+
+
+@pytest.mark.usefixtures("exact_float32")
+@pytest.mark.gpus(2)
+@pytest.mark.parametrize("group", [32, 64])
+def test_act_order_experts_on_two_ranks(tmp_path, tiny_checkpoint, group):
+    """Each rank takes down's input features in g_idx order, not checkpoint order (whole
+    groups of 32, or halves of groups of 64 with their group's scales), and the same rows
+    of gate and up."""
+    fmt = IntFormat("gptq", bits=4, group=group, desc_act=True)
+    path = tmp_path / "model"
+    source = tiny_checkpoint("qwen3-moe", **INT_MOE_SIZES)
+    dequantized = write_quantized(source, path, fmt.quantize, fmt.config())
+    _check_checkpoint(path, dequantized, tmp_path, fmt.method, tensor_parallel_size=2)
+
+
+@pytest.mark.gpus(2)
+def test_act_order_runs_the_kernels_cannot_take_are_refused(tmp_path, tiny_checkpoint):
+    """48 intermediate features in groups of 16 on two ranks: runs of 8 on each."""
+    fmt = IntFormat("gptq", bits=8, group=16, sym=True, desc_act=True)
+    path = tmp_path / "model"
+    source = tiny_checkpoint("qwen3-moe", moe_intermediate_size=48)
+    write_quantized(source, path, fmt.quantize, fmt.config())
+    with pytest.raises(Exception, match=r"down: 24 input features per rank split its act-order"):
+        LLM(str(path), dtype="float32", kv_cache_memory=2**24, tensor_parallel_size=2)
