@@ -29,7 +29,6 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
-#include <utility>
 #include <vector>
 
 namespace {
