@@ -6,16 +6,17 @@
 // (decode request, KV head) pair, or a whole request when there are enough requests to
 // keep every thread busy: the G query heads that share a KV head are handled together,
 // so each K and V row of the request's context is read once per step. Items are spread
-// over the OpenMP threads dynamically, since contexts differ in length. Four paths:
+// over the OpenMP threads dynamically, since contexts differ in length. Three paths:
 //   - AMX (cpu_attn_amx.h): bf16 on CPUs with AMX-BF16, one pass with an online softmax;
-//   - AVX512-BF16 (cpu_attn_bf16.h): bf16 elsewhere, two passes;
 //   - AVX2 (cpu_attn_avx2.h): float32, bf16 and fp16 pages of head sizes that are multiples
-//     of 64 elsewhere, one pass with an online softmax, prefetching as it goes;
+//     of 64 elsewhere, one pass with an online softmax, prefetching as it goes (it also
+//     beat a kernel of AVX512-BF16 dot products on bf16 pages: 1.6-1.75 against 1.8-2.2
+//     ms a layer at 64 decodes on a Zen 4, memory bound either way);
 //   - generic (here): every dtype and head size, two passes (scores q.k for every visible
 //     position and an exact softmax over them, then the weighted sum of V rows).
-// fp8 pages (cpu_attn_fp8.h), read times the layer's k/v scales: with bf16 queries where
-// the bf16 paths are built, those over a bf16 copy of the item's context; else generic,
-// widened in registers.
+// fp8 pages (cpu_attn_fp8.h), read times the layer's k/v scales: with bf16 queries on
+// AVX512-BF16 CPUs, the AMX or AVX2 path over a bf16 copy of the item's context; else
+// generic, widened in registers.
 // Storage stays in the cache's dtype; softmax and accumulation are fp32.
 #include "torch_ext.h"
 
@@ -163,7 +164,6 @@ void attend_item(const T* q, T* out, const C* cache, const int32_t* blocks, int6
 }  // namespace
 
 #include "cpu_attn_avx2.h"
-#include "cpu_attn_bf16.h"
 #include "cpu_attn_amx.h"
 #include "cpu_prefill_amx.h"
 #include "cpu_prefill_avx2.h"
@@ -171,6 +171,11 @@ void attend_item(const T* q, T* out, const C* cache, const int32_t* blocks, int6
 namespace {
 
 constexpr int32_t kOneBlock[1] = {0};  // the block table of a widened context
+#if defined(SPLITSERVE_AVX512_BF16)
+constexpr bool kHaveBf16Widening = true;  // fp8 pages widen to bf16 (cpu_attn_fp8.h)
+#else
+constexpr bool kHaveBf16Widening = false;
+#endif
 
 // f(T{}) for the dtypes a model computes in (float32, bf16, fp16): each instantiates every
 // path, so float64 (which no model runs in) is not built.
@@ -204,9 +209,9 @@ void decode_all(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache
   // Whole requests per item when there are enough of them to keep every thread busy: a
   // position's rows of all KV heads are adjacent in its page, read by one thread at about
   // one time (the AVX2 path: ~8% faster at 64 decodes than an item per KV head). fp8
-  // pages with bf16 queries take the bf16 kernels over a widened copy (cpu_attn_fp8.h).
+  // pages with bf16 queries take the AMX or AVX2 path over a widened copy (cpu_attn_fp8.h).
   constexpr bool kBf16Path = std::is_same_v<T, at::BFloat16> &&
-                             (std::is_same_v<C, T> || kIsFp8<C>) && D > 0 && kHaveBf16Path;
+                             (std::is_same_v<C, T> || kIsFp8<C>) && D > 0 && kHaveBf16Widening;
   const bool whole = reqs.size(0) >= kWholeRequestsPerThread * at::get_num_threads();
   const bool amx = kBf16Path && takes_amx_path(L);
   int64_t heads = whole ? L.kv_heads : 1;
@@ -257,8 +262,9 @@ void decode_all(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache
           continue;
         }
 #endif
-        attend_item_bf16<D>(q_row, out_row, pages, blocks, from, to, head, heads, item_scale,
-                            layout, work, out_scale);
+        attend_item_avx2<at::BFloat16, at::BFloat16, D>(q_row, out_row, pages, blocks, from, to,
+                                                        head, heads, item_scale, layout, work,
+                                                        out_scale);
         continue;
       }
 #endif

@@ -96,11 +96,12 @@ inline void add_values(float* acc, const float* p, const C* v, int64_t row_strid
   }
 }
 
-// KV heads [kv_head, kv_head + heads) of one request: out rows of their query heads.
+// KV heads [kv_head, kv_head + heads) of one request: out rows of their query heads, times
+// out_scale.
 template <typename T, typename C, int D>
 void attend_item_avx2(const T* q, T* out, const C* cache, const int32_t* blocks, int64_t first,
                       int64_t seq_len, int64_t kv_head, int64_t heads, float scale,
-                      const Layout& L, std::vector<float>& work) {
+                      const Layout& L, std::vector<float>& work, float out_scale = 1.0f) {
   const int64_t G = L.group, rows = heads * G, row_stride = L.kv_heads * D, bs = L.block_size;
   const int64_t row_bytes = heads * D * int64_t(sizeof(C));
   const int64_t half_bytes = L.cache_half * int64_t(sizeof(C));
@@ -161,7 +162,7 @@ void attend_item_avx2(const T* q, T* out, const C* cache, const int32_t* blocks,
   }
   T* o = out + kv_head * G * D;
   for (int64_t r = 0; r < rows; ++r) {
-    const float inv = 1.0f / sum[r];
+    const float inv = out_scale / sum[r];
     for (int64_t d = 0; d < D; ++d) o[r * D + d] = static_cast<T>(acc[r * D + d] * inv);
   }
 }

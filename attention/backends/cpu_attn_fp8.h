@@ -180,7 +180,7 @@ inline __m512i widen32_bf16(const C* p) {
   return _mm512_or_si512(value, _mm512_slli_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x80)), 8));
 }
 
-// fp8 pages with bf16 queries take the bf16 decode kernels (AVX512-BF16, AMX) over a copy
+// fp8 pages with bf16 queries take the bf16 decode paths (AMX, AVX2) over a copy
 // of the item's context widened to bf16 (exact): positions first .. seq_len - 1 of KV heads
 // kv_head .. kv_head + heads - 1 as a cache of one block (16-position aligned, zero past
 // the context) whose rows hold those heads; the scales go to the q scale and the output.

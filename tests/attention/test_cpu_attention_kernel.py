@@ -15,9 +15,9 @@ from kernels.isa import ladder
 
 @pytest.fixture(scope="module", params=["amx", "avx512_bf16", "avx2", "generic"])
 def kernels(request):
-    """The kernels built for AMX (bf16 decodes on tiles), AVX512-BF16 (bf16 dot products),
-    AVX2 (float32, bf16 and fp16 pages of head sizes 64k, by hand) and the baseline (the
-    generic path, which every dtype and head size can take)."""
+    """The kernels built for AMX (bf16 decodes on tiles), AVX512-BF16 (fp8 pages widened
+    to bf16 for the AVX2 path), AVX2 (float32, bf16 and fp16 pages of head sizes 64k, by
+    hand) and the baseline (the generic path, which every dtype and head size can take)."""
     native = probe_isa()
     if ladder().index(request.param) > ladder().index(native):
         pytest.skip(f"this CPU has no {request.param} (it has {native})")
