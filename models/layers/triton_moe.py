@@ -33,7 +33,7 @@ import triton.language as tl
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The interpreter's tl.dot multiplies the raw bits of bfloat16: there the kernels dot
 # float32 copies of the tiles (exact products, as a bfloat16 dot into float32 has).
-_INTERPRETED = bool(triton.knobs.runtime.interpret)
+INTERPRETED = bool(triton.knobs.runtime.interpret)
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,7 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignme
 
 
 @triton.jit
-def _block_rows(sorted_ptr, expert_ptr, num_padded_ptr, num_pairs, BLOCK_M: tl.constexpr):
+def block_rows(sorted_ptr, expert_ptr, num_padded_ptr, num_pairs, BLOCK_M: tl.constexpr):
     """(expert, pair ids, which of them are pairs) of this program's row block; expert -1
     for a block past the groups."""
     block = tl.program_id(0)
@@ -155,7 +155,7 @@ def _gate_up_kernel(
     DOT_F32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    expert, pairs, row_ok = _block_rows(sorted_ptr, expert_ptr, num_padded_ptr, num_pairs, BLOCK_M)
+    expert, pairs, row_ok = block_rows(sorted_ptr, expert_ptr, num_padded_ptr, num_pairs, BLOCK_M)
     if expert < 0:
         return
     dtype = act_ptr.dtype.element_ty
@@ -206,7 +206,7 @@ def _down_kernel(
     DOT_F32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    expert, pairs, row_ok = _block_rows(sorted_ptr, expert_ptr, num_padded_ptr, num_pairs, BLOCK_M)
+    expert, pairs, row_ok = block_rows(sorted_ptr, expert_ptr, num_padded_ptr, num_pairs, BLOCK_M)
     if expert < 0:
         return
     act_rows = act_ptr + pairs * act_stride
@@ -275,7 +275,7 @@ def fused_experts_triton(
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k,
-        DOT_F32=_INTERPRETED and x.dtype == torch.bfloat16,
+        DOT_F32=INTERPRETED and x.dtype == torch.bfloat16,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,

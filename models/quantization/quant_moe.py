@@ -9,8 +9,9 @@ A BlockQuantMoEMethod holds each projection of the local experts stacked
 expert where their formats agree (else as two), down [H, I]. The C++ kernel runs every
 routed expert's projections with the block-quantized linear kernels (int8 activations,
 or float32 products when exact; on strips where the build computes on strips, the one
-copy kept); the torch path with `quant_linear` (the Triton matmul on CUDA, the weight
-dequantized per call otherwise).
+copy kept); on CUDA two Triton launches for every expert (triton_quant_moe.py) where
+gate and up are one weight; else the torch path with `quant_linear` (the Triton matmul
+on CUDA, the weight dequantized per call otherwise).
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ from models.quantization.base_config import EXPERT_PROJECTIONS, FusedMoEMethodBa
 from models.quantization.block_quant import BlockQuantWeight
 from models.quantization.cpu_quant_linear import PreparedQuantWeight, quant_kernel, quant_linear
 from models.quantization.strips import StripQuantWeight, to_strips
+from models.quantization.triton_quant_moe import (
+    fused_quant_experts_triton,
+    triton_quant_moe_takes,
+)
 
 _EXTENSION = cpp_extension(
     "splitserve_cpu_quant_moe", Path(__file__).with_name("cpu_quant_moe.cpp")
@@ -110,7 +115,7 @@ def _input_index(parts: list[BlockQuantWeight | GatheredWeight]) -> torch.Tensor
     )
 
 
-def _stack_gate_up(
+def stack_gate_up(
     gate: list[BlockQuantWeight | GatheredWeight], up: list[BlockQuantWeight | GatheredWeight]
 ) -> list[StackedQuantWeight]:
     """gate and up as one [2 I, H] weight per expert where one format holds both and they
@@ -234,7 +239,7 @@ class BlockQuantMoEMethod(QuantMoEMethodBase):
             weights = [p.weight if isinstance(p, GatheredWeight) else p for p in parts]
             if any(v.format != weights[0].format for v in weights):
                 raise ValueError(f"{layer.prefix}: its experts' {projection} formats differ")
-        self.gate_up = [w.to(self.device) for w in _stack_gate_up(gate, up)]
+        self.gate_up = [w.to(self.device) for w in stack_gate_up(gate, up)]
         self.down = StackedQuantWeight.stack(down).to(self.device)
 
     def bind_cpu(self, kernels: KernelSet, moe: ModuleType) -> tuple[list[Any], Any] | None:
@@ -257,6 +262,18 @@ class BlockQuantMoEMethod(QuantMoEMethodBase):
         down = bound(self.down)
         self.gate_up, self.down = [w for w, _ in gate_up], down[0]  # the one copy: strips
         return [k for _, k in gate_up], down[1]
+
+    def apply(
+        self,
+        layer: nn.Module,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        if self.triton and triton_quant_moe_takes(x, self.gate_up, self.down):
+            (gate_up,) = self.gate_up
+            return fused_quant_experts_triton(x, gate_up, self.down, topk_weights, topk_ids)
+        return super().apply(layer, x, topk_weights, topk_ids)
 
     def torch_weights(self) -> tuple[ExpertWeights, ExpertWeights]:
         return _ExpertLinear(self.gate_up, self.triton), _ExpertLinear([self.down], self.triton)

@@ -111,7 +111,7 @@ def _quant_matmul_kernel(
     tl.store(out_ptr + out_at, acc.to(out_ptr.dtype.element_ty), row_ok[:, None] & col_ok[None, :])
 
 
-def _block_k(quant_block: int, k: int, cap: int) -> int:
+def block_k_step(quant_block: int, k: int, cap: int) -> int:
     """The K step: any (the tail masked) when one block spans K, else the largest power
     of 2 up to `cap` dividing the block (at least 16: blocks are multiples of 16)."""
     return cap if quant_block == k else min(quant_block & -quant_block, cap)
@@ -163,7 +163,7 @@ def _launch(
             HAS_BIAS=bias is not None,
             BLOCK_M=tiles.block_m,
             BLOCK_N=tiles.block_n,
-            BLOCK_K=_block_k(quant_block, k, tiles.max_block_k),
+            BLOCK_K=block_k_step(quant_block, k, tiles.max_block_k),
             # A float32 model gets float32 dots; tensor cores would round x to tf32.
             DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
             num_warps=tiles.num_warps,

@@ -1,0 +1,100 @@
+"""The fused block-quantized experts in Triton (models/quantization/triton_quant_moe.py; on
+the GPU, or under TRITON_INTERPRET=1 without one) against a float64 reference on the
+dequantized weights that runs each token through each of its experts: 4-bit blocks with
+mins, int8 per block and per channel, gate and up reading x through a per-expert index
+(GPTQ act-order), experts that get no token and ids of other ranks (< 0).
+
+The kernels round gate, up, silu(gate), their product and each slot's output to the dtype,
+as the fused-MoE kernels do: the bound is tests/models/test_triton_moe.py's
+(moe_reference.reference gives the magnitude) on the dequantized weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from models.quantization.block_quant import BlockQuantWeight, pack_int4
+from models.quantization.quant_moe import GatheredWeight, StackedQuantWeight, stack_gate_up
+from models.quantization.triton_quant_moe import fused_quant_experts_triton, triton_quant_moe_takes
+from tests.models.moe_reference import SMALL_TILES, reference, routing
+
+HIDDEN, INTER, EXPERTS = 64, 32, 4
+
+
+def _block_quant(n: int, k: int, bits: int, block: int, mins: bool, gen) -> BlockQuantWeight:
+    scales = (torch.rand(n, k // block, generator=gen) * 0.04 + 0.01).half()
+    if bits == 4:
+        q = pack_int4(torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8))
+    else:
+        q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+    low = -(torch.rand(n, k // block, generator=gen) * 0.2).half() if mins else None
+    return BlockQuantWeight(bits, q, scales, low, block)
+
+
+def _experts(bits: int, block: int | None, mins: bool, gathered: bool, seed: int):
+    """(gate_up, down, w13, w2): random experts (gate and up fused, their input gathered by
+    a per-expert permutation when `gathered`) and their dequantized float64 weights."""
+    gen = torch.Generator().manual_seed(seed)
+    gate, up = (
+        [_block_quant(INTER, HIDDEN, bits, block or HIDDEN, mins, gen) for _ in range(EXPERTS)]
+        for _ in "gu"
+    )
+    down = [_block_quant(HIDDEN, INTER, bits, block or INTER, mins, gen) for _ in range(EXPERTS)]
+    index = [torch.randperm(HIDDEN, generator=gen) for _ in range(EXPERTS)]
+    w13 = torch.zeros(EXPERTS, 2 * INTER, HIDDEN, dtype=torch.float64)
+    for e in range(EXPERTS):
+        columns = index[e] if gathered else torch.arange(HIDDEN)
+        w13[e][:INTER, columns] = gate[e].dequantize().double()
+        w13[e][INTER:, columns] = up[e].dequantize().double()
+    if gathered:
+        gate, up = (
+            [GatheredWeight(w, i) for w, i in zip(ws, index, strict=True)] for ws in (gate, up)
+        )
+    (gate_up,) = stack_gate_up(gate, up)
+    w2 = torch.stack([w.dequantize().double() for w in down])
+    return gate_up, StackedQuantWeight.stack(down), w13, w2
+
+
+def _on(w: StackedQuantWeight, device: str) -> StackedQuantWeight:
+    return w.to(torch.device(device))
+
+
+@pytest.mark.parametrize(
+    "bits, block, mins, gathered",
+    [(4, 32, True, False), (8, 16, False, False), (8, None, False, False), (4, 32, False, True)],
+    ids=["q4-mins", "int8-blocks", "int8-per-channel", "q4-gathered"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("num_tokens, top_k", [(1, 2), (9, 2), (33, 3)])
+def test_matches_reference(kernel_device, bits, block, mins, gathered, dtype, num_tokens, top_k):
+    seed = num_tokens * 10 + bits
+    gate_up, down, w13, w2 = _experts(bits, block, mins, gathered, seed)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, HIDDEN, generator=gen).to(dtype)
+    weights, ids = routing(num_tokens, top_k, EXPERTS, seed)
+    tiles = SMALL_TILES if num_tokens > 8 else None  # several K steps and column blocks
+    out = fused_quant_experts_triton(
+        x.to(kernel_device), _on(gate_up, kernel_device), _on(down, kernel_device),
+        weights.to(kernel_device), ids.to(kernel_device), tiles,
+    )  # fmt: skip
+    assert out.dtype == dtype and out.shape == x.shape
+    expected, magnitude = reference(x, w13, w2, weights, ids)
+    eps = torch.finfo(dtype).eps * (2 if dtype == torch.bfloat16 else 1)
+    bound = eps * magnitude + 1e-5 * magnitude.max() + 1e-30
+    error = (out.cpu().double() - expected).abs()
+    assert (error <= bound).all(), f"{(error / bound).max():.2f} of the bound"
+    assert out[(ids < 0).all(dim=1)].eq(0).all(), "a token of no local expert gets zeros"
+
+
+def test_what_the_kernels_take(kernel_device):
+    gate_up, down, _, _ = _experts(4, 32, True, False, 0)
+    x = torch.randn(3, HIDDEN)
+    assert triton_quant_moe_takes(x.cuda() if kernel_device == "cuda" else x, [gate_up], down) == (
+        kernel_device == "cuda"
+    )
+    apart = [gate_up, gate_up]
+    assert not triton_quant_moe_takes(x, apart, down)
+    empty = fused_quant_experts_triton(x[:0], gate_up, down, torch.rand(0, 2), torch.zeros(0, 2))
+    assert empty.shape == (0, HIDDEN)
+    with pytest.raises(ValueError, match="do not fit x"):
+        fused_quant_experts_triton(x[:, :32], gate_up, down, torch.rand(3, 2), torch.zeros(3, 2))
