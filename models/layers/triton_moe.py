@@ -23,6 +23,7 @@ product, and each slot's output row; torch sums the slots in float32 and rounds 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -259,9 +260,43 @@ def fused_experts_triton(
     [E, H, I], all of one dtype; topk_weights [T, k] (float32) and topk_ids [T, k] (int64,
     < 0 for no local expert). Returns [T, H] in x's dtype. `tiles` overrides TILES."""
     _check(x, w13, w2, topk_weights, topk_ids)
+    experts, inter, hidden, top_k = w2.shape[0], w2.shape[2], x.shape[1], topk_ids.shape[1]
+
+    def gate_up(grid, x, act, alignment, meta):
+        _gate_up_kernel[grid](
+            x, w13, act, *alignment, top_k, hidden, inter,
+            x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+            BLOCK_K=meta["tiles"].block_k, **meta["launch"],
+        )  # fmt: skip
+
+    def down(grid, act, weights, out, alignment, meta):
+        _down_kernel[grid](
+            act, w2, weights, out, *alignment, hidden, inter,
+            act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
+            BLOCK_K=meta["tiles"].block_k, **meta["launch"],
+        )  # fmt: skip
+
+    return launch_experts(x, topk_weights, topk_ids, experts, inter, tiles, gate_up, down)
+
+
+def launch_experts(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    experts: int,
+    inter: int,
+    tiles: Tiles | None,
+    gate_up: Callable[..., None],
+    down: Callable[..., None],
+) -> torch.Tensor:
+    """The frame of the two launches, whatever the experts' weights: the pairs aligned by
+    expert, act [T * k, I] and out [T * k, H] allocated, gate_up(grid, x, act, alignment,
+    meta) over (row blocks, column blocks of I), down(grid, act, weights, out, alignment,
+    meta) over (row blocks, column blocks of H), the slots summed in float32. meta:
+    "tiles", and "launch", the keyword arguments both kernels take (block sizes but K, dot
+    settings, warps, stages)."""
     num_tokens, hidden = x.shape
-    experts, inter, top_k = w2.shape[0], w2.shape[2], topk_ids.shape[1]
-    num_pairs = num_tokens * top_k
+    num_pairs = num_tokens * topk_ids.shape[1]
     if num_pairs == 0 or experts == 0:
         return torch.zeros_like(x)
     if x.stride(-1) != 1:
@@ -271,23 +306,17 @@ def fused_experts_triton(
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     act = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
     out = torch.zeros((num_pairs, hidden), dtype=x.dtype, device=x.device)
-    common = dict(
+    launch = dict(
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k,
         DOT_F32=INTERPRETED and x.dtype == torch.bfloat16,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
+    meta = {"tiles": tiles, "launch": launch}
     blocks = expert_ids.shape[0]
     alignment = (sorted_ids, expert_ids, num_padded, num_pairs)
-    _gate_up_kernel[(blocks, triton.cdiv(inter, tiles.block_n))](
-        x, w13, act, *alignment, top_k, hidden, inter,
-        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), **common
-    )  # fmt: skip
-    _down_kernel[(blocks, triton.cdiv(hidden, tiles.block_n))](
-        act, w2, weights, out, *alignment, hidden, inter,
-        act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), **common
-    )  # fmt: skip
-    return out.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
+    gate_up((blocks, triton.cdiv(inter, tiles.block_n)), x, act, alignment, meta)
+    down((blocks, triton.cdiv(hidden, tiles.block_n)), act, weights, out, alignment, meta)
+    return out.view(num_tokens, -1, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from models.layers.triton_moe import DTYPES, INTERPRETED, Tiles, block_rows, moe_align, tiles_for
+from models.layers.triton_moe import DTYPES, Tiles, block_rows, launch_experts
 from models.quantization.triton_quant_linear import block_k_step
 
 if TYPE_CHECKING:
@@ -180,38 +180,27 @@ def fused_quant_experts_triton(
         raise ValueError(f"the experts do not fit x [{num_tokens}, {hidden}]")
     if down.scales.shape[2] * down.block_size != inter or down.input_index is not None:
         raise ValueError(f"down must take the {inter} gate-up features as they come")
-    num_pairs = num_tokens * top_k
-    if num_pairs == 0 or experts == 0:
-        return torch.zeros_like(x)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    tiles = tiles or tiles_for(num_tokens, x.dtype)
-    sorted_ids, expert_ids, num_padded = moe_align(topk_ids, experts, tiles.block_m)
-    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    act = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)
-    out = torch.zeros((num_pairs, hidden), dtype=x.dtype, device=x.device)
-    common = dict(
-        BLOCK_M=tiles.block_m,
-        BLOCK_N=tiles.block_n,
-        DOT_F32=INTERPRETED and x.dtype == torch.bfloat16,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages,
-    )
-    blocks = expert_ids.shape[0]
-    alignment = (sorted_ids, expert_ids, num_padded, num_pairs)
     index = gate_up.input_index
-    _quant_gate_up_kernel[(blocks, triton.cdiv(inter, tiles.block_n))](
-        x, index if index is not None else sorted_ids, *_weight_args(gate_up)[:3], act,
-        *alignment, top_k, hidden, inter, x.stride(0), *_weight_args(gate_up)[3:],
-        act.stride(0), QUANT_BLOCK=gate_up.block_size, BITS=gate_up.bits,
-        HAS_MINS=gate_up.mins is not None, HAS_INDEX=index is not None,
-        BLOCK_K=block_k_step(gate_up.block_size, hidden, tiles.block_k), **common,
-    )  # fmt: skip
-    _quant_down_kernel[(blocks, triton.cdiv(hidden, tiles.block_n))](
-        act, *_weight_args(down)[:3], weights, out, *alignment, hidden, inter,
-        act.stride(0), *_weight_args(down)[3:], out.stride(0),
-        QUANT_BLOCK=down.block_size, BITS=down.bits, HAS_MINS=down.mins is not None,
-        BLOCK_K=block_k_step(down.block_size, inter, tiles.block_k), **common,
-    )  # fmt: skip
-    return out.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
+
+    def launch_gate_up(grid, x, act, alignment, meta):
+        _quant_gate_up_kernel[grid](
+            x, index if index is not None else alignment[0], *_weight_args(gate_up)[:3], act,
+            *alignment, top_k, hidden, inter, x.stride(0), *_weight_args(gate_up)[3:],
+            act.stride(0), QUANT_BLOCK=gate_up.block_size, BITS=gate_up.bits,
+            HAS_MINS=gate_up.mins is not None, HAS_INDEX=index is not None,
+            BLOCK_K=block_k_step(gate_up.block_size, hidden, meta["tiles"].block_k),
+            **meta["launch"],
+        )  # fmt: skip
+
+    def launch_down(grid, act, weights, out, alignment, meta):
+        _quant_down_kernel[grid](
+            act, *_weight_args(down)[:3], weights, out, *alignment, hidden, inter,
+            act.stride(0), *_weight_args(down)[3:], out.stride(0),
+            QUANT_BLOCK=down.block_size, BITS=down.bits, HAS_MINS=down.mins is not None,
+            BLOCK_K=block_k_step(down.block_size, inter, meta["tiles"].block_k),
+            **meta["launch"],
+        )  # fmt: skip
+
+    return launch_experts(
+        x, topk_weights, topk_ids, experts, inter, tiles, launch_gate_up, launch_down
+    )

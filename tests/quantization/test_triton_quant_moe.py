@@ -13,33 +13,30 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.quantization.block_quant import BlockQuantWeight, pack_int4
 from models.quantization.quant_moe import GatheredWeight, StackedQuantWeight, stack_gate_up
 from models.quantization.triton_quant_moe import fused_quant_experts_triton, triton_quant_moe_takes
 from tests.models.moe_reference import SMALL_TILES, reference, routing
+from tests.quantization.kernel_cases import make_weight
 
 HIDDEN, INTER, EXPERTS = 64, 32, 4
-
-
-def _block_quant(n: int, k: int, bits: int, block: int, mins: bool, gen) -> BlockQuantWeight:
-    scales = (torch.rand(n, k // block, generator=gen) * 0.04 + 0.01).half()
-    if bits == 4:
-        q = pack_int4(torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8))
-    else:
-        q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
-    low = -(torch.rand(n, k // block, generator=gen) * 0.2).half() if mins else None
-    return BlockQuantWeight(bits, q, scales, low, block)
 
 
 def _experts(bits: int, block: int | None, mins: bool, gathered: bool, seed: int):
     """(gate_up, down, w13, w2): random experts (gate and up fused, their input gathered by
     a per-expert permutation when `gathered`) and their dequantized float64 weights."""
-    gen = torch.Generator().manual_seed(seed)
-    gate, up = (
-        [_block_quant(INTER, HIDDEN, bits, block or HIDDEN, mins, gen) for _ in range(EXPERTS)]
-        for _ in "gu"
+
+    def weights(n: int, k: int, first: int) -> list:
+        return [
+            make_weight(n, k, bits, block or k, mins, torch.float16, seed * 100 + first + e)
+            for e in range(EXPERTS)
+        ]
+
+    gate, up, down = (
+        weights(INTER, HIDDEN, 0),
+        weights(INTER, HIDDEN, 10),
+        weights(HIDDEN, INTER, 20),
     )
-    down = [_block_quant(HIDDEN, INTER, bits, block or INTER, mins, gen) for _ in range(EXPERTS)]
+    gen = torch.Generator().manual_seed(seed)
     index = [torch.randperm(HIDDEN, generator=gen) for _ in range(EXPERTS)]
     w13 = torch.zeros(EXPERTS, 2 * INTER, HIDDEN, dtype=torch.float64)
     for e in range(EXPERTS):
@@ -70,7 +67,7 @@ def test_matches_reference(kernel_device, bits, block, mins, gathered, dtype, nu
     seed = num_tokens * 10 + bits
     gate_up, down, w13, w2 = _experts(bits, block, mins, gathered, seed)
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(num_tokens, HIDDEN, generator=gen).to(dtype)
+    x = (torch.randn(num_tokens, HIDDEN, generator=gen) * 0.1).to(dtype)  # gates of a few units
     weights, ids = routing(num_tokens, top_k, EXPERTS, seed)
     tiles = SMALL_TILES if num_tokens > 8 else None  # several K steps and column blocks
     out = fused_quant_experts_triton(
