@@ -26,7 +26,7 @@ from models.qwen3 import Qwen3ForCausalLM
 _EXPERT = re.compile(
     r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)"
     r"\.(weight|weight_scale|input_scale|qweight|qzeros|scales|g_idx|weight_packed"
-    r"|weight_zero_point|weight_shape)$"
+    r"|weight_zero_point|weight_g_idx|weight_shape)$"
 )
 _STACKED = re.compile(r"^(.*\.experts)\.(gate_up_proj|gate_proj|up_proj|down_proj)(?:\.weight)?$")
 _PROJECTION = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up"}

@@ -7,8 +7,12 @@
     weight_zero_point int32 [N * bits / 32, K / g] (asymmetric only), signed, packed
                                                  along the output features the same way
     weight_shape      int [2]: (N, K)
+    weight_g_idx      int32 [K] (actorder "group" only): each input feature's group
 
-w[n, k] = weight_scale[n, k // g] * (code[n, k] - zero_point[n, k // g]).
+w[n, k] = weight_scale[n, g_idx[k]] * (code[n, k] - zero_point[n, g_idx[k]]), g_idx[k] =
+k // g without act-order. With it the groups are in no particular order: as GPTQ's
+desc_act (gptq.py), the scales and zero points are replicated on every rank and the
+repack gathers x; experts as int_moe.py says.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from models.quantization.base_config import QuantizationConfig, QuantizeMethodBa
 from models.quantization.int_checkpoint import (
     IntCheckpointLinearMethod,
     IntWeight,
+    act_order_group_ids,
     add_param,
     check_geometry,
     checkpoint_names,
@@ -41,11 +46,13 @@ class WeightScheme:
     bits: int
     group_size: int | None  # None: one scale per output channel
     symmetric: bool
+    act_order: bool = False  # actorder "group": weight_g_idx names each feature's group
 
     @property
     def tensor_names(self) -> tuple[str, ...]:
         zero = () if self.symmetric else ("weight_zero_point",)
-        return ("weight_packed", "weight_scale", *zero, "weight_shape")
+        g_idx = ("weight_g_idx",) if self.act_order else ()
+        return ("weight_packed", "weight_scale", *zero, *g_idx, "weight_shape")
 
     def int_weight(self, tensors: dict[str, torch.Tensor]) -> IntWeight:
         """The logical weight of one projection's tensors. Codes and zero points are both
@@ -75,15 +82,19 @@ class CompressedTensorsWNA16(IntCheckpointLinearMethod):
     ) -> None:
         bits, k, n = self.scheme.bits, input_size_per_partition, sum(output_partition_sizes)
         per_word, g = 32 // bits, self.scheme.group_size or input_size
-        check_geometry(layer, k, output_partition_sizes, g, sharded_groups=g != input_size)
-        groups = (1, g) if g != input_size else None
-        num_groups = k // g if groups else 1
+        sharded = g != input_size and not self.scheme.act_order
+        check_geometry(layer, k, output_partition_sizes, g, sharded_groups=sharded)
+        groups = (1, g) if sharded else None
+        num_groups = k // g if sharded else -(-input_size // g)
         add_param(layer, "weight_packed", (n, k // per_word), torch.int32, (0, 1), (1, per_word))
         add_param(layer, "weight_scale", (n, num_groups), torch.float32, (0, 1), groups)
         if not self.scheme.symmetric:
             shape = (n // per_word, num_groups)
             add_param(layer, "weight_zero_point", shape, torch.int32, (0, per_word), groups)
         shards = len(output_partition_sizes)
+        if self.scheme.act_order:
+            shape = (shards, k)
+            add_param(layer, "weight_g_idx", shape, torch.int32, None, (0, 1), per_shard=True)
         add_param(layer, "weight_shape", (shards, 2), torch.int64, None, None, per_shard=True)
         self.scale_dtype = scale_dtype_for(params_dtype)
         self.expected_shapes = _projection_shapes(layer, input_size)
@@ -98,7 +109,11 @@ class CompressedTensorsWNA16(IntCheckpointLinearMethod):
                 f"{layer.prefix}: checkpoint weight_shape {shapes} != {self.expected_shapes}"
             )
         names = self.scheme.tensor_names[:-1]  # weight_shape: checked above, per shard
-        return self.scheme.int_weight({name: getattr(layer, name).data for name in names})
+        weight = self.scheme.int_weight({name: getattr(layer, name).data for name in names})
+        if self.scheme.act_order:
+            g_idx = layer.weight_g_idx.data
+            weight.group_ids = act_order_group_ids(layer, g_idx, weight.scales.shape[1])
+        return weight
 
 
 def _projection_shapes(layer: nn.Module, input_size: int) -> list[tuple[int, int]]:
@@ -121,10 +136,13 @@ def _scheme(group: dict[str, Any]) -> WeightScheme:
         )
     if strategy not in ("group", "channel"):
         raise ValueError(f"compressed-tensors: weight strategy {strategy!r} is not supported")
-    if actorder == "group":
-        raise ValueError("compressed-tensors: actorder 'group' (weight_g_idx) is not supported")
+    if actorder not in (None, "group", "weight", "static", "dynamic"):
+        raise ValueError(f"compressed-tensors: actorder {actorder!r} is not supported")
+    act_order = actorder == "group"
+    if act_order and strategy != "group":
+        raise ValueError("compressed-tensors: actorder 'group' needs the group strategy")
     group_size = int(weights["group_size"]) if strategy == "group" else None
-    return WeightScheme(bits, group_size, bool(weights.get("symmetric", True)))
+    return WeightScheme(bits, group_size, bool(weights.get("symmetric", True)), act_order)
 
 
 def _matches(name: str, patterns: list[str]) -> bool:
@@ -166,7 +184,8 @@ class CompressedTensorsConfig(QuantizationConfig):
             scheme = same_for_all(prefix, schemes)
             if scheme is None:
                 return UnquantizedFusedMoEMethod()
-            return IntCheckpointMoEMethod(scheme.tensor_names, scheme.int_weight)
+            g_idx = "weight_g_idx" if scheme.act_order else None
+            return IntCheckpointMoEMethod(scheme.tensor_names, scheme.int_weight, g_idx=g_idx)
         if not isinstance(layer, LinearBase):
             return None
         scheme = same_for_all(prefix, [self._scheme_of(n) for n in checkpoint_names(prefix)])

@@ -27,6 +27,7 @@ from models.quantization.base_config import QuantizationConfig, QuantizeMethodBa
 from models.quantization.int_checkpoint import (
     IntCheckpointLinearMethod,
     IntWeight,
+    act_order_group_ids,
     add_param,
     check_geometry,
     scale_dtype_for,
@@ -73,18 +74,9 @@ class GPTQLinearMethod(IntCheckpointLinearMethod):
     def int_weight(self, layer: nn.Module) -> IntWeight:
         tensors = {name: getattr(layer, name).data for name in GPTQ_TENSORS}
         weight = self.config.int_weight(tensors)
-        weight.group_ids = self._group_ids(layer, weight.scales.shape[1])
+        if self.config.desc_act:
+            weight.group_ids = act_order_group_ids(layer, layer.g_idx.data, weight.scales.shape[1])
         return weight
-
-    def _group_ids(self, layer: nn.Module, num_groups: int) -> torch.Tensor | None:
-        if not self.config.desc_act:
-            return None
-        g_idx = layer.g_idx.data
-        if not bool((g_idx == g_idx[0]).all()):
-            raise ValueError(f"{layer.prefix}: the fused projections have different g_idx")
-        if g_idx.min() < 0 or g_idx.max() >= num_groups:
-            raise ValueError(f"{layer.prefix}.g_idx: group index out of range [0, {num_groups})")
-        return g_idx[0]
 
 
 class GPTQConfig(QuantizationConfig):
@@ -124,7 +116,7 @@ class GPTQConfig(QuantizationConfig):
     def get_quant_method(self, layer: nn.Module, prefix: str) -> QuantizeMethodBase | None:
         if isinstance(layer, FusedMoE):
             if self.desc_act:
-                return IntCheckpointMoEMethod(GPTQ_TENSORS, self.int_weight, act_order=True)
+                return IntCheckpointMoEMethod(GPTQ_TENSORS, self.int_weight, g_idx="g_idx")
             # g_idx (when stored) names contiguous groups without act-order: not needed.
             return IntCheckpointMoEMethod(GPTQ_TENSORS[:3], self.int_weight, ("g_idx",))
         return GPTQLinearMethod(self) if isinstance(layer, LinearBase) else None

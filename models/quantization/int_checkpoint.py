@@ -172,6 +172,16 @@ def check_geometry(
             )
 
 
+def act_order_group_ids(layer: nn.Module, g_idx: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """The one g_idx [K] of a layer's fused projections ([shards, K] as loaded): each input
+    feature's group, groups in no particular order (act-order)."""
+    if not bool((g_idx == g_idx[0]).all()):
+        raise ValueError(f"{layer.prefix}: the fused projections have different g_idx")
+    if g_idx.min() < 0 or g_idx.max() >= num_groups:
+        raise ValueError(f"{layer.prefix}.g_idx: group index out of range [0, {num_groups})")
+    return g_idx[0]
+
+
 class IntCheckpointLinearMethod(LinearMethodBase):
     """Loads a format's tensors, repacks them once (`int_weight`, then to_block_quant) and
     computes on the BlockQuantWeight. create_weights sets `scale_dtype`."""

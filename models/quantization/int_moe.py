@@ -1,18 +1,19 @@
-"""AWQ and GPTQ checkpoints' experts (`IntCheckpointMoEMethod`): each expert projection's
-packed tensors (qweight, qzeros, scales) are unpacked whole to their logical weight
-(int_checkpoint.IntWeight, by the format's own unpacking), cut there to this rank's part
-(gate and up: their output rows; down: its input features and their groups), repacked as a
-BlockQuantWeight and run as any block-quantized experts (quant_moe.BlockQuantMoEMethod).
-Cutting the logical weight rather than the packed words keeps every format's packing
-order out of the slicing.
+"""AWQ, GPTQ and compressed-tensors checkpoints' experts (`IntCheckpointMoEMethod`): each
+expert projection's packed tensors (qweight, qzeros, scales, ...) are unpacked whole to
+their logical weight (int_checkpoint.IntWeight, by the format's own unpacking), cut there
+to this rank's part (gate and up: their output rows; down: its input features and their
+groups), repacked as a BlockQuantWeight and run as any block-quantized experts
+(quant_moe.BlockQuantMoEMethod). Cutting the logical weight rather than the packed words
+keeps every format's packing order out of the slicing.
 
-GPTQ act-order (desc_act): g_idx puts each input feature in a group in no particular
-order. Down's input features are the expert's intermediate features, which any split
-across ranks sums to the same output: a rank takes down's features in group order
-(`_rank_features`: runs of whole groups, or of parts of groups with their group's scales)
-and gate and up take the same rows, so nothing moves at run time. Gate and up read the
-hidden state every expert shares: their features are reordered group after group and
-each expert gathers its rows of x by that index (quant_moe.GatheredWeight).
+Act-order (GPTQ desc_act, compressed-tensors actorder "group"): g_idx puts each input
+feature in a group in no particular order. Down's input features are the expert's
+intermediate features, which any split across ranks sums to the same output: a rank
+takes down's features in group order (`_rank_features`: runs of whole groups, or of parts
+of groups with their group's scales) and gate and up take the same rows, so nothing moves
+at run time. Gate and up read the hidden state every expert shares: their features are
+reordered group after group and each expert gathers its rows of x by that index
+(quant_moe.GatheredWeight).
 """
 
 from __future__ import annotations
@@ -29,18 +30,18 @@ from models.quantization.quant_moe import BlockQuantMoEMethod, GatheredWeight, e
 
 class IntCheckpointMoEMethod(BlockQuantMoEMethod):
     """`names`: the tensors each projection needs; `int_weight` turns them into the logical
-    weight; `ignored`: tensors the format may store that carry nothing here; `act_order`:
-    names holds g_idx, whose groups are in no particular order."""
+    weight; `ignored`: tensors the format may store that carry nothing here; `g_idx`: the
+    one of `names` that gives each input feature's group, where the groups are in no
+    particular order (act-order; None: contiguous groups)."""
 
     def __init__(
         self,
         names: tuple[str, ...],
         int_weight: Callable[[dict[str, torch.Tensor]], IntWeight],
         ignored: tuple[str, ...] = (),
-        act_order: bool = False,
+        g_idx: str | None = None,
     ) -> None:
-        self.names, self.int_weight, self.ignored = names, int_weight, ignored
-        self.act_order = act_order
+        self.names, self.int_weight, self.ignored, self.g_idx = names, int_weight, ignored, g_idx
 
     def create_weights(self, layer: nn.Module) -> None:
         super().create_weights(layer)
@@ -65,10 +66,10 @@ class IntCheckpointMoEMethod(BlockQuantMoEMethod):
     ) -> BlockQuantWeight | GatheredWeight:
         name = expert_name(layer, projection, expert)
         w = self.int_weight(self._tensors(layer, projection, expert))
-        if not self.act_order:
+        if self.g_idx is None:
             return to_block_quant(_this_rank(layer, projection, w, name), self.scale_dtype)[0]
         features = self._rank_features(layer, expert)
-        g_idx = _group_ids(self.parts[projection][expert]["g_idx"], w, name)
+        g_idx = _group_ids(self.parts[projection][expert][self.g_idx], w, name)
         if projection == "down":
             w = IntWeight(w.bits, w.q[:, features], w.scales, w.zeros, g_idx[features])
         else:
@@ -97,7 +98,7 @@ class IntCheckpointMoEMethod(BlockQuantMoEMethod):
     def _rank_features(self, layer: nn.Module, expert: int) -> torch.Tensor:
         """This rank's intermediate features of `expert`: its share of down's input
         features taken in group order."""
-        g_idx = self._tensors(layer, "down", expert)["g_idx"]
+        g_idx = self._tensors(layer, "down", expert)[self.g_idx]
         order = torch.argsort(g_idx.long(), stable=True)
         return order[layer.intermediate_start : layer.intermediate_start + layer.intermediate_size]
 

@@ -57,7 +57,7 @@ class IntFormat:
             "symmetric": self.sym,
             "strategy": "channel" if self.group == -1 else "group",
             "group_size": None if self.group == -1 else self.group,
-            "actorder": None,
+            "actorder": "group" if self.desc_act else None,
         }
         group = {"targets": ["Linear"], "weights": weights, "input_activations": None}
         return {
@@ -83,5 +83,5 @@ class IntFormat:
         elif self.method == "gptq":
             tensors = gptq_tensors(qw)
         else:
-            tensors = compressed_tensors(qw, self.sym)
+            tensors = compressed_tensors(qw, self.sym, self.desc_act)
         return tensors, qw.dequantize()

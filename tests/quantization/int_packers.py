@@ -106,8 +106,11 @@ def gptq_tensors(qw: Quantized) -> dict[str, torch.Tensor]:
     }
 
 
-def compressed_tensors(qw: Quantized, sym: bool) -> dict[str, torch.Tensor]:
-    """pack-quantized: signed codes and zero points, stored + 2^(bits-1)."""
+def compressed_tensors(
+    qw: Quantized, sym: bool, act_order: bool = False
+) -> dict[str, torch.Tensor]:
+    """pack-quantized: signed codes and zero points, stored + 2^(bits-1); actorder "group"
+    adds each input feature's group (weight_g_idx)."""
     out = {
         "weight_packed": pack_int32(qw.q, qw.bits, 1),
         "weight_scale": qw.scales,
@@ -115,6 +118,8 @@ def compressed_tensors(qw: Quantized, sym: bool) -> dict[str, torch.Tensor]:
     }
     if not sym:
         out["weight_zero_point"] = pack_int32(qw.zeros, qw.bits, 0)
+    if act_order:
+        out["weight_g_idx"] = qw.g_idx
     return out
 
 

@@ -96,6 +96,7 @@ FORMATS = [
     IntFormat("gptq", bits=4, group=-1, desc_act=True),
     IntFormat("compressed-tensors", bits=4, group=32),
     IntFormat("compressed-tensors", bits=8, group=-1, sym=True),
+    IntFormat("compressed-tensors", bits=4, group=32, desc_act=True),
 ]
 
 
@@ -203,7 +204,8 @@ def test_unsupported_checkpoints_are_clear_errors(method, changes, message):
     [
         ({"num_bits": 4, "strategy": "tensor"}, "strategy 'tensor'"),
         ({"num_bits": 8, "type": "float", "strategy": "channel"}, "weight-only int4/int8"),
-        ({"num_bits": 4, "strategy": "group", "group_size": 32, "actorder": "group"}, "actorder"),
+        ({"num_bits": 4, "strategy": "channel", "actorder": "group"}, "needs the group"),
+        ({"num_bits": 4, "strategy": "group", "group_size": 32, "actorder": "x"}, "actorder 'x'"),
     ],
 )
 def test_unsupported_compressed_tensors_schemes_are_clear_errors(weights, message):
@@ -220,12 +222,16 @@ def test_group_that_does_not_divide_the_shard_is_an_error_naming_the_layer(fake_
 
 
 def test_act_order_shards_any_group_size(fake_tp):
-    """With desc_act the scales are replicated (the last group of 192 features is 64), so
-    the group need not divide the shard."""
+    """With desc_act (actorder "group") the scales are replicated (the last group of 192
+    features is 64), so the group need not divide the shard."""
     fake_tp(1, 2)
     with building_with(_config("gptq", desc_act=True)):
         layer = RowParallelLinear(192, 64, bias=False, prefix="l.down_proj")
     assert layer.scales.shape == (2, 64) and layer.scales.in_axis is None
+    config = IntFormat("compressed-tensors", group=128, desc_act=True).config()
+    with building_with(_config("compressed-tensors", **config)):
+        layer = RowParallelLinear(192, 64, bias=False, prefix="l.down_proj")
+    assert layer.weight_scale.shape == (64, 2) and layer.weight_scale.in_axis is None
 
 
 def test_compressed_tensors_ignore_and_targets_pick_the_layers():

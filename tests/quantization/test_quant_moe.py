@@ -399,14 +399,16 @@ def test_int_checkpoint_experts_on_two_ranks(tmp_path, tiny_checkpoint, fmt, exp
 ACT_ORDER_CASES = [
     IntFormat("gptq", bits=4, group=32, desc_act=True),
     IntFormat("gptq", bits=8, group=16, sym=True, desc_act=True),
+    IntFormat("compressed-tensors", bits=4, group=32, desc_act=True),
 ]
 
 
 @pytest.mark.usefixtures("exact_float32")
 @pytest.mark.parametrize("fmt", ACT_ORDER_CASES, ids=str)
 def test_act_order_experts_greedy_matches_transformers(tmp_path, tiny_checkpoint, fmt):
-    """GPTQ desc_act experts: down's groups taken in order as the rank's intermediate
-    features, gate and up gathering x per expert."""
+    """Act-order experts (GPTQ desc_act, compressed-tensors actorder "group"): down's
+    groups taken in order as the rank's intermediate features, gate and up gathering x per
+    expert."""
     source = tiny_checkpoint("qwen3-moe", **INT_MOE_SIZES)
     path = tmp_path / "model"
     dequantized = write_quantized(source, path, fmt.quantize, fmt.config())
