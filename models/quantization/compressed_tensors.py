@@ -138,9 +138,9 @@ def _scheme(group: dict[str, Any]) -> WeightScheme:
         raise ValueError(f"compressed-tensors: weight strategy {strategy!r} is not supported")
     if actorder not in (None, "group", "weight", "static", "dynamic"):
         raise ValueError(f"compressed-tensors: actorder {actorder!r} is not supported")
-    act_order = actorder == "group"
+    act_order = actorder in ("group", "dynamic")  # "dynamic" and "static" are aliases
     if act_order and strategy != "group":
-        raise ValueError("compressed-tensors: actorder 'group' needs the group strategy")
+        raise ValueError(f"compressed-tensors: actorder {actorder!r} needs the group strategy")
     group_size = int(weights["group_size"]) if strategy == "group" else None
     return WeightScheme(bits, group_size, bool(weights.get("symmetric", True)), act_order)
 

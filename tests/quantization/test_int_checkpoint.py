@@ -204,7 +204,7 @@ def test_unsupported_checkpoints_are_clear_errors(method, changes, message):
     [
         ({"num_bits": 4, "strategy": "tensor"}, "strategy 'tensor'"),
         ({"num_bits": 8, "type": "float", "strategy": "channel"}, "weight-only int4/int8"),
-        ({"num_bits": 4, "strategy": "channel", "actorder": "group"}, "needs the group"),
+        ({"num_bits": 4, "strategy": "channel", "actorder": "dynamic"}, "needs the group"),
         ({"num_bits": 4, "strategy": "group", "group_size": 32, "actorder": "x"}, "actorder 'x'"),
     ],
 )
