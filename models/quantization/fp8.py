@@ -47,7 +47,12 @@ from models.quantization.cpu_fp8_linear import (
     quantize_fp8_per_channel,
     torch_fp8_linear,
 )
-from models.quantization.quant_moe import QuantMoEMethodBase, expert_name
+from models.quantization.quant_moe import QuantMoEMethodBase, StackedQuantWeight, expert_name
+from models.quantization.triton_quant_linear import FP8_BITS
+from models.quantization.triton_quant_moe import (
+    fused_quant_experts_triton,
+    triton_quant_moe_takes,
+)
 
 # A fused layer's name -> the checkpoint projections it holds (for ignored_layers).
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -175,6 +180,24 @@ class Fp8MoEMethod(QuantMoEMethodBase):
 
     def torch_weights(self) -> tuple[ExpertWeights, ExpertWeights]:
         return self.w13, self.w2
+
+    def apply(
+        self,
+        layer: nn.Module,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        gate_up, down = (_as_stacked(w) for w in (self.w13, self.w2))
+        if self.triton and triton_quant_moe_takes(x, [gate_up], down):
+            return fused_quant_experts_triton(x, gate_up, down, topk_weights, topk_ids)
+        return super().apply(layer, x, topk_weights, topk_ids)
+
+
+def _as_stacked(w: _Fp8ExpertLinear) -> StackedQuantWeight:
+    """The experts as the fused Triton launches read them: fp8 values in one block of K,
+    a scale per output feature."""
+    return StackedQuantWeight(FP8_BITS, w.weight, w.scale.unsqueeze(-1), None, w.weight.shape[2])
 
 
 class Fp8CheckpointMoEMethod(Fp8MoEMethod):

@@ -2,7 +2,8 @@
 models/layers/triton_moe.py (pairs aligned by expert; gate-up with SiLU-and-mul; down
 times the routing weight, the slots summed by torch) reading each expert's stacked
 BlockQuantWeight (4 or 8 bits, a scale and an optional min per block of K) straight into
-registers, as triton_quant_linear.py does for one weight. A K step lies in one
+registers, as triton_quant_linear.py does for one weight (fp8 experts too, bits FP8_BITS:
+one block of K with a scale per output feature). A K step lies in one
 quantization block, so its dot with the raw integers (exact in x's dtype) is scaled after
 the dot, in float32, and the min times the step's sum of x added:
 
@@ -32,15 +33,17 @@ if TYPE_CHECKING:
 
 @triton.jit
 def _codes(q_cols, ks, mask, BITS: tl.constexpr):
-    """The stored integers [BLOCK_K, BLOCK_N] of features ks of the weight rows at q_cols:
-    4 bits in 32-runs (byte i holds element i low, element i + 16 high), or int8."""
+    """The stored values [BLOCK_K, BLOCK_N] of features ks of the weight rows at q_cols:
+    4 bits in 32-runs (byte i holds element i low, element i + 16 high), int8, or fp8."""
     if BITS == 4:
         byte = (ks // 32) * 16 + ks % 16
         shift = (ks // 16 % 2) * 4
         packed = tl.load(q_cols[None, :] + byte[:, None], mask, other=0)
         codes = (packed.to(tl.int32) >> shift[:, None]) & 0xF
-    else:
+    elif BITS == 8:
         codes = tl.load(q_cols[None, :] + ks[:, None], mask, other=0).to(tl.int32)
+    else:  # FP8_BITS: the fp8 values themselves
+        codes = tl.load(q_cols[None, :] + ks[:, None], mask, other=0.0)
     return codes
 
 

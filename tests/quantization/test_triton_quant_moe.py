@@ -1,8 +1,9 @@
 """The fused block-quantized experts in Triton (models/quantization/triton_quant_moe.py; on
 the GPU, or under TRITON_INTERPRET=1 without one) against a float64 reference on the
 dequantized weights that runs each token through each of its experts: 4-bit blocks with
-mins, int8 per block and per channel, gate and up reading x through a per-expert index
-(GPTQ act-order), experts that get no token and ids of other ranks (< 0).
+mins, int8 per block and per channel, fp8 with a scale per output feature, gate and up
+reading x through a per-expert index (act-order), experts that get no token and ids of
+other ranks (< 0).
 
 The kernels round gate, up, silu(gate), their product and each slot's output to the dtype,
 as the fused-MoE kernels do: the bound is tests/models/test_triton_moe.py's
@@ -13,7 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from models.quantization.cpu_fp8_linear import quantize_fp8_per_channel
 from models.quantization.quant_moe import GatheredWeight, StackedQuantWeight, stack_gate_up
+from models.quantization.triton_quant_linear import FP8_BITS
 from models.quantization.triton_quant_moe import fused_quant_experts_triton, triton_quant_moe_takes
 from tests.models.moe_reference import SMALL_TILES, reference, routing
 from tests.quantization.kernel_cases import make_weight
@@ -81,6 +84,38 @@ def test_matches_reference(kernel_device, bits, block, mins, gathered, dtype, nu
     error = (out.cpu().double() - expected).abs()
     assert (error <= bound).all(), f"{(error / bound).max():.2f} of the bound"
     assert out[(ids < 0).all(dim=1)].eq(0).all(), "a token of no local expert gets zeros"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("num_tokens", [1, 9])
+def test_fp8_experts_match_reference(kernel_device, dtype, num_tokens):
+    """fp8 experts (Fp8MoEMethod's stacked weights: a scale per output feature) as the
+    launches read them: one block of K."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    w13 = torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=gen) / HIDDEN**0.5
+    w2 = torch.randn(EXPERTS, HIDDEN, INTER, generator=gen) / INTER**0.5
+    stacked, dense = [], []
+    for w in (w13, w2):
+        parts = [quantize_fp8_per_channel(e) for e in w]
+        weight, scale = (
+            torch.stack([p.weight for p in parts]),
+            torch.stack([p.scale for p in parts]),
+        )
+        k = weight.shape[2]
+        stacked.append(StackedQuantWeight(FP8_BITS, weight, scale.unsqueeze(-1), None, k))
+        dense.append(weight.double() * scale.double()[..., None])
+    x = torch.randn(num_tokens, HIDDEN, generator=gen).to(dtype)
+    weights, ids = routing(num_tokens, 2, EXPERTS, num_tokens)
+    tiles = SMALL_TILES if num_tokens > 8 else None
+    on = [w.to(torch.device(kernel_device)) for w in stacked]
+    out = fused_quant_experts_triton(
+        x.to(kernel_device), *on, weights.to(kernel_device), ids.to(kernel_device), tiles
+    )
+    expected, magnitude = reference(x, *dense, weights, ids)
+    eps = torch.finfo(dtype).eps * (2 if dtype == torch.bfloat16 else 1)
+    bound = eps * magnitude + 1e-5 * magnitude.max() + 1e-30
+    error = (out.cpu().double() - expected).abs()
+    assert (error <= bound).all(), f"{(error / bound).max():.2f} of the bound"
 
 
 def test_what_the_kernels_take(kernel_device):
