@@ -134,6 +134,18 @@ def block_rows(sorted_ptr, expert_ptr, num_padded_ptr, num_pairs, BLOCK_M: tl.co
     return expert, pairs, pairs < num_pairs
 
 
+@triton.jit
+def store_silu_mul(act_ptr, gate, up, pairs, cols, act_stride, row_ok, col_ok):
+    """act[pairs, cols] = silu(gate) * up from float32 accumulators, rounded to act's dtype
+    where a torch MLP in that dtype rounds: gate, up, silu(gate) and the product."""
+    dtype = act_ptr.dtype.element_ty
+    gate = gate.to(dtype).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    act = silu * up.to(dtype).to(tl.float32)
+    act_at = pairs[:, None] * act_stride + cols[None, :]
+    tl.store(act_ptr + act_at, act.to(dtype), row_ok[:, None] & col_ok[None, :])
+
+
 @triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up_kernel(
     x_ptr,
@@ -159,7 +171,6 @@ def _gate_up_kernel(
     expert, pairs, row_ok = block_rows(sorted_ptr, expert_ptr, num_padded_ptr, num_pairs, BLOCK_M)
     if expert < 0:
         return
-    dtype = act_ptr.dtype.element_ty
     x_rows = x_ptr + (pairs // top_k) * x_stride
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
@@ -178,11 +189,7 @@ def _gate_up_kernel(
             a, w_gate, w_up = a.to(tl.float32), w_gate.to(tl.float32), w_up.to(tl.float32)
         gate = tl.dot(a, w_gate, gate, input_precision=DOT_PRECISION)
         up = tl.dot(a, w_up, up, input_precision=DOT_PRECISION)
-    gate = gate.to(dtype).to(tl.float32)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    act = silu * up.to(dtype).to(tl.float32)
-    act_at = pairs[:, None] * act_stride + cols[None, :]
-    tl.store(act_ptr + act_at, act.to(dtype), row_ok[:, None] & col_ok[None, :])
+    store_silu_mul(act_ptr, gate, up, pairs, cols, act_stride, row_ok, col_ok)
 
 
 @triton.jit(do_not_specialize=["num_pairs"])

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from models.layers.triton_moe import DTYPES, Tiles, block_rows, launch_experts
+from models.layers.triton_moe import DTYPES, Tiles, block_rows, launch_experts, store_silu_mul
 from models.quantization.triton_quant_linear import block_k_step
 
 if TYPE_CHECKING:
@@ -77,7 +77,6 @@ def _quant_gate_up_kernel(
     expert, pairs, row_ok = block_rows(sorted_ptr, expert_ptr, num_padded_ptr, num_pairs, BLOCK_M)
     if expert < 0:
         return
-    dtype = act_ptr.dtype.element_ty
     e = expert.to(tl.int64)
     x_rows = x_ptr + (pairs // top_k) * x_stride
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -104,11 +103,7 @@ def _quant_gate_up_kernel(
                            QUANT_BLOCK, BITS, HAS_MINS, DOT_F32, DOT_PRECISION)  # fmt: skip
         up = _quant_step(up, a, up_q, up_s, up_m, ks, k0, w_mask, col_ok, s_stride_b,
                          QUANT_BLOCK, BITS, HAS_MINS, DOT_F32, DOT_PRECISION)  # fmt: skip
-    gate = gate.to(dtype).to(tl.float32)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    act = silu * up.to(dtype).to(tl.float32)
-    act_at = pairs[:, None] * act_stride + cols[None, :]
-    tl.store(act_ptr + act_at, act.to(dtype), row_ok[:, None] & col_ok[None, :])
+    store_silu_mul(act_ptr, gate, up, pairs, cols, act_stride, row_ok, col_ok)
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
