@@ -49,10 +49,6 @@ from models.quantization.cpu_fp8_linear import (
 )
 from models.quantization.quant_moe import QuantMoEMethodBase, StackedQuantWeight, expert_name
 from models.quantization.triton_quant_linear import FP8_BITS
-from models.quantization.triton_quant_moe import (
-    fused_quant_experts_triton,
-    triton_quant_moe_takes,
-)
 
 # A fused layer's name -> the checkpoint projections it holds (for ignored_layers).
 _FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -181,22 +177,12 @@ class Fp8MoEMethod(QuantMoEMethodBase):
     def torch_weights(self) -> tuple[ExpertWeights, ExpertWeights]:
         return self.w13, self.w2
 
-    def apply(
-        self,
-        layer: nn.Module,
-        x: torch.Tensor,
-        topk_weights: torch.Tensor,
-        topk_ids: torch.Tensor,
-    ) -> torch.Tensor:
-        gate_up, down = (_as_stacked(w) for w in (self.w13, self.w2))
-        if self.triton and triton_quant_moe_takes(x, [gate_up], down):
-            return fused_quant_experts_triton(x, gate_up, down, topk_weights, topk_ids)
-        return super().apply(layer, x, topk_weights, topk_ids)
+    def triton_experts(self) -> tuple[list[StackedQuantWeight], StackedQuantWeight]:
+        return [_as_stacked(self.w13)], _as_stacked(self.w2)
 
 
 def _as_stacked(w: _Fp8ExpertLinear) -> StackedQuantWeight:
-    """The experts as the fused Triton launches read them: fp8 values in one block of K,
-    a scale per output feature."""
+    """fp8 values in one block of K, a scale per output feature (views, no copy)."""
     return StackedQuantWeight(FP8_BITS, w.weight, w.scale.unsqueeze(-1), None, w.weight.shape[2])
 
 

@@ -172,14 +172,20 @@ def check_geometry(
             )
 
 
+def checked_group_ids(g_idx: torch.Tensor, k: int, num_groups: int, name: str) -> torch.Tensor:
+    """g_idx as int64, refused by name unless it gives each of k features a group."""
+    g_idx = g_idx.long()
+    if g_idx.shape != (k,) or g_idx.min() < 0 or g_idx.max() >= num_groups:
+        raise ValueError(f"{name}.g_idx: expected {k} group indices in [0, {num_groups})")
+    return g_idx
+
+
 def act_order_group_ids(layer: nn.Module, g_idx: torch.Tensor, num_groups: int) -> torch.Tensor:
     """The one g_idx [K] of a layer's fused projections ([shards, K] as loaded): each input
     feature's group, groups in no particular order (act-order)."""
     if not bool((g_idx == g_idx[0]).all()):
         raise ValueError(f"{layer.prefix}: the fused projections have different g_idx")
-    if g_idx.min() < 0 or g_idx.max() >= num_groups:
-        raise ValueError(f"{layer.prefix}.g_idx: group index out of range [0, {num_groups})")
-    return g_idx[0]
+    return checked_group_ids(g_idx[0], g_idx.shape[1], num_groups, layer.prefix)
 
 
 class IntCheckpointLinearMethod(LinearMethodBase):

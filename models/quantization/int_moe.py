@@ -24,7 +24,12 @@ import torch
 from torch import nn
 
 from models.quantization.block_quant import BlockQuantWeight
-from models.quantization.int_checkpoint import IntWeight, scale_dtype_for, to_block_quant
+from models.quantization.int_checkpoint import (
+    IntWeight,
+    checked_group_ids,
+    scale_dtype_for,
+    to_block_quant,
+)
 from models.quantization.quant_moe import BlockQuantMoEMethod, GatheredWeight, expert_name
 
 
@@ -69,7 +74,8 @@ class IntCheckpointMoEMethod(BlockQuantMoEMethod):
         if self.g_idx is None:
             return to_block_quant(_this_rank(layer, projection, w, name), self.scale_dtype)[0]
         features = self._rank_features(layer, expert)
-        g_idx = _group_ids(self.parts[projection][expert][self.g_idx], w, name)
+        g_idx = self.parts[projection][expert][self.g_idx]
+        g_idx = checked_group_ids(g_idx, w.q.shape[1], w.scales.shape[1], name)
         if projection == "down":
             w = IntWeight(w.bits, w.q[:, features], w.scales, w.zeros, g_idx[features])
         else:
@@ -101,14 +107,6 @@ class IntCheckpointMoEMethod(BlockQuantMoEMethod):
         g_idx = self._tensors(layer, "down", expert)[self.g_idx]
         order = torch.argsort(g_idx.long(), stable=True)
         return order[layer.intermediate_start : layer.intermediate_start + layer.intermediate_size]
-
-
-def _group_ids(g_idx: torch.Tensor, w: IntWeight, name: str) -> torch.Tensor:
-    k, groups = w.q.shape[1], w.scales.shape[1]
-    g_idx = g_idx.long()
-    if g_idx.shape != (k,) or g_idx.min() < 0 or g_idx.max() >= groups:
-        raise ValueError(f"{name}.g_idx: expected {k} group indices in [0, {groups})")
-    return g_idx
 
 
 def _this_rank(layer: nn.Module, projection: str, w: IntWeight, name: str) -> IntWeight:

@@ -65,9 +65,14 @@ class StackedQuantWeight:
     strips: bool = False
     input_index: torch.Tensor | None = None
 
+    @property
+    def format(self) -> tuple:
+        """What experts must share to be concatenated (BlockQuantWeight.format)."""
+        return self.bits, self.block_size, self.scales.dtype, self.mins is None
+
     @classmethod
     def stack(cls, parts: list[BlockQuantWeight | GatheredWeight]) -> StackedQuantWeight:
-        weights = [p.weight if isinstance(p, GatheredWeight) else p for p in parts]
+        weights = _weights(parts)
         first = weights[0]
         mins = None if first.mins is None else torch.stack([w.mins for w in weights])
         q, scales = (
@@ -105,6 +110,10 @@ class StackedQuantWeight:
         return x if self.input_index is None else x.index_select(-1, self.input_index[e])
 
 
+def _weights(parts: list[BlockQuantWeight | GatheredWeight]) -> list[BlockQuantWeight]:
+    return [p.weight if isinstance(p, GatheredWeight) else p for p in parts]
+
+
 def _input_index(parts: list[BlockQuantWeight | GatheredWeight]) -> torch.Tensor | None:
     """The experts' input indexes stacked ([E, K]); None where no expert gathers."""
     if not any(isinstance(p, GatheredWeight) for p in parts):
@@ -120,21 +129,14 @@ def stack_gate_up(
 ) -> list[StackedQuantWeight]:
     """gate and up as one [2 I, H] weight per expert where one format holds both and they
     take the same input."""
-    stacked = [StackedQuantWeight.stack(gate), StackedQuantWeight.stack(up)]
-    g, u = stacked
-    same_input = (g.input_index is None) == (u.input_index is None) and (
-        g.input_index is None or torch.equal(g.input_index, u.input_index)
-    )
-    if not same_input or (g.bits, g.block_size, g.scales.dtype, g.mins is None) != (
-        u.bits,
-        u.block_size,
-        u.scales.dtype,
-        u.mins is None,
-    ):
-        return stacked
+    g, u = StackedQuantWeight.stack(gate), StackedQuantWeight.stack(up)
+    a, b = g.input_index, u.input_index
+    same_input = a is b is None or (a is not None and b is not None and torch.equal(a, b))
+    if not same_input or g.format != u.format:
+        return [g, u]
     mins = None if g.mins is None else torch.cat([g.mins, u.mins], dim=1)
     q, scales = torch.cat([g.q, u.q], dim=1), torch.cat([g.scales, u.scales], dim=1)
-    return [StackedQuantWeight(g.bits, q, scales, mins, g.block_size, input_index=g.input_index)]
+    return [StackedQuantWeight(g.bits, q, scales, mins, g.block_size, input_index=a)]
 
 
 def expert_name(layer: nn.Module, projection: str, expert: int) -> str:
@@ -174,6 +176,10 @@ class QuantMoEMethodBase(FusedMoEMethodBase):
     def torch_weights(self) -> tuple[ExpertWeights, ExpertWeights]:
         """(gate/up, down) for fused_experts_torch."""
 
+    @abstractmethod
+    def triton_experts(self) -> tuple[list[StackedQuantWeight], StackedQuantWeight]:
+        """(gate/up parts, down) as the fused Triton launches read them (triton_quant_moe)."""
+
     def load_weight(self, layer: nn.Module, expert: int, projection: str, loaded: Any) -> None:
         self.parts[projection][expert] = self.to_part(layer, projection, loaded)
 
@@ -201,6 +207,10 @@ class QuantMoEMethodBase(FusedMoEMethodBase):
         topk_ids: torch.Tensor,
     ) -> torch.Tensor:
         experts = layer.num_local_experts
+        if self.triton and x.is_cuda:
+            gate_up, down = self.triton_experts()
+            if triton_quant_moe_takes(x, gate_up, down):
+                return fused_quant_experts_triton(x, gate_up[0], down, topk_weights, topk_ids)
         if self.kernel_experts is not None and x.device.type == "cpu":
             gate_up, down = self.kernel_experts
             out = self.kernel.fused_quant_experts(x, gate_up, down, topk_weights, topk_ids, experts)
@@ -236,7 +246,7 @@ class BlockQuantMoEMethod(QuantMoEMethodBase):
 
     def stack(self, layer: nn.Module, gate: list, up: list, down: list) -> None:
         for projection, parts in (("gate", gate), ("up", up), ("down", down)):
-            weights = [p.weight if isinstance(p, GatheredWeight) else p for p in parts]
+            weights = _weights(parts)
             if any(v.format != weights[0].format for v in weights):
                 raise ValueError(f"{layer.prefix}: its experts' {projection} formats differ")
         self.gate_up = [w.to(self.device) for w in stack_gate_up(gate, up)]
@@ -263,17 +273,8 @@ class BlockQuantMoEMethod(QuantMoEMethodBase):
         self.gate_up, self.down = [w for w, _ in gate_up], down[0]  # the one copy: strips
         return [k for _, k in gate_up], down[1]
 
-    def apply(
-        self,
-        layer: nn.Module,
-        x: torch.Tensor,
-        topk_weights: torch.Tensor,
-        topk_ids: torch.Tensor,
-    ) -> torch.Tensor:
-        if self.triton and triton_quant_moe_takes(x, self.gate_up, self.down):
-            (gate_up,) = self.gate_up
-            return fused_quant_experts_triton(x, gate_up, self.down, topk_weights, topk_ids)
-        return super().apply(layer, x, topk_weights, topk_ids)
-
     def torch_weights(self) -> tuple[ExpertWeights, ExpertWeights]:
         return _ExpertLinear(self.gate_up, self.triton), _ExpertLinear([self.down], self.triton)
+
+    def triton_experts(self) -> tuple[list[StackedQuantWeight], StackedQuantWeight]:
+        return self.gate_up, self.down

@@ -1,16 +1,16 @@
 """Fused block-quantized experts in Triton for CUDA tensors: the two launches of
 models/layers/triton_moe.py (pairs aligned by expert; gate-up with SiLU-and-mul; down
 times the routing weight, the slots summed by torch) reading each expert's stacked
-BlockQuantWeight (4 or 8 bits, a scale and an optional min per block of K) straight into
-registers, as triton_quant_linear.py does for one weight (fp8 experts too, bits FP8_BITS:
-one block of K with a scale per output feature). A K step lies in one
-quantization block, so its dot with the raw integers (exact in x's dtype) is scaled after
-the dot, in float32, and the min times the step's sum of x added:
+BlockQuantWeight (4 or 8 bits, a scale and an optional min per block of K; fp8 experts as
+bits FP8_BITS, one block of K with a scale per output feature) straight into registers,
+as triton_quant_linear.py does for one weight. A K step lies in one quantization block,
+so its dot with the raw values (exact in x's dtype) is scaled after the dot, in float32,
+and the min times the step's sum of x added:
 
     sum_k a[m, k] * (s[n] * q[n, k] + min[n]) = s[n] * (a . q)[m, n] + min[n] * sum_k a[m, k]
 
-Gate and up held as one [2 I, H] weight per expert; where their input is gathered (GPTQ
-act-order, StackedQuantWeight.input_index) the kernel reads x's features through the
+Gate and up held as one [2 I, H] weight per expert; where their input is gathered
+(act-order, StackedQuantWeight.input_index) the kernel reads x's features through the
 expert's index. One launch per projection for every expert, instead of a matmul per routed
 expert. Rounding as the torch path's: gate, up, silu(gate), their product and each slot's
 output in x's dtype; the slots summed in float32.
@@ -154,11 +154,12 @@ def triton_quant_moe_takes(
     )
 
 
-def _weight_args(w: StackedQuantWeight) -> tuple:
+def _weight_args(w: StackedQuantWeight) -> tuple[tuple, tuple]:
+    """((q, scales, mins), their strides) as the kernels take them."""
     mins = w.mins if w.mins is not None else w.scales
     if mins.stride() != w.scales.stride():
         raise ValueError("an expert weight's scales and mins must share a layout")
-    return w.q, w.scales, mins, w.q.stride(0), w.q.stride(1), *w.scales.stride()
+    return (w.q, w.scales, mins), (w.q.stride(0), w.q.stride(1), *w.scales.stride())
 
 
 def fused_quant_experts_triton(
@@ -179,12 +180,14 @@ def fused_quant_experts_triton(
     if down.scales.shape[2] * down.block_size != inter or down.input_index is not None:
         raise ValueError(f"down must take the {inter} gate-up features as they come")
     index = gate_up.input_index
+    gate_up_tensors, gate_up_strides = _weight_args(gate_up)
+    down_tensors, down_strides = _weight_args(down)
 
     def launch_gate_up(grid, x, act, alignment, meta):
         _quant_gate_up_kernel[grid](
-            x, index if index is not None else alignment[0], *_weight_args(gate_up)[:3], act,
-            *alignment, top_k, hidden, inter, x.stride(0), *_weight_args(gate_up)[3:],
-            act.stride(0), QUANT_BLOCK=gate_up.block_size, BITS=gate_up.bits,
+            x, index if index is not None else alignment[0], *gate_up_tensors, act,
+            *alignment, top_k, hidden, inter, x.stride(0), *gate_up_strides, act.stride(0),
+            QUANT_BLOCK=gate_up.block_size, BITS=gate_up.bits,
             HAS_MINS=gate_up.mins is not None, HAS_INDEX=index is not None,
             BLOCK_K=block_k_step(gate_up.block_size, hidden, meta["tiles"].block_k),
             **meta["launch"],
@@ -192,8 +195,8 @@ def fused_quant_experts_triton(
 
     def launch_down(grid, act, weights, out, alignment, meta):
         _quant_down_kernel[grid](
-            act, *_weight_args(down)[:3], weights, out, *alignment, hidden, inter,
-            act.stride(0), *_weight_args(down)[3:], out.stride(0),
+            act, *down_tensors, weights, out, *alignment, hidden, inter,
+            act.stride(0), *down_strides, out.stride(0),
             QUANT_BLOCK=down.block_size, BITS=down.bits, HAS_MINS=down.mins is not None,
             BLOCK_K=block_k_step(down.block_size, inter, meta["tiles"].block_k),
             **meta["launch"],
