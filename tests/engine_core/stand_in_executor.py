@@ -23,12 +23,14 @@ for a KV connector's workers too: a pull lands one step after it starts, writing
 in `fail_recvs`; a send finishes once its request is in `pulled`.
 """
 
+import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine_core import EngineConfig, EngineCore, Executor
 from ipc.executor import WorkerFailure, WorkerGroupSpec
+from ipc.kv_transfer import KVTransferParams, prompt_hash
 from ipc.messages import (
     Decoder,
     EngineCoreOutputs,
@@ -393,3 +395,21 @@ def collect(outputs: EngineCoreOutputs, results: dict[str, list]) -> None:
         tokens.extend(out.new_token_ids)
         reason = out.finish_reason
         results[out.request_id][1] = None if reason is None else str(reason)
+
+
+def pull_params(prompt: list[int], **overrides) -> KVTransferParams:
+    """A consumer request's kv_transfer_params: pull `prompt`'s KV from a producer (these
+    workers only read the block ids; the rest is what a producer would answer)."""
+    fields = dict(
+        do_remote_prefill=True,
+        remote_engine_id="producer",
+        remote_block_ids=[[11, 12, 13, 14, 15]],
+        remote_host="10.0.0.7",
+        remote_port=20000,
+        remote_tp_size=1,
+        transfer_id="t1",
+        transfer_key="secret",
+        prompt_hash=prompt_hash(prompt),
+        expires=time.time() + 60,
+    )
+    return KVTransferParams(**{**fields, **overrides})

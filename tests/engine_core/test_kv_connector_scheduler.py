@@ -8,7 +8,7 @@ reads a block the pull did not fill is a stale read) and reports transfers as wo
 import time
 
 import pytest
-from stand_in_executor import make_engine, make_request, run_to_completion
+from stand_in_executor import make_engine, make_request, pull_params, run_to_completion
 
 from engine_core import RequestStatus
 from ipc.kv_transfer import (
@@ -33,22 +33,6 @@ def credentials(tmp_path, monkeypatch):
 PROMPT = list(range(500, 518))  # 18 tokens: 17 pulled, in 5 blocks of 4
 
 
-def pull_params(prompt=PROMPT, **overrides) -> KVTransferParams:
-    fields = dict(
-        do_remote_prefill=True,
-        remote_engine_id="producer",
-        remote_block_ids=[[11, 12, 13, 14, 15]],
-        remote_host="10.0.0.7",
-        remote_port=20000,
-        remote_tp_size=1,
-        transfer_id="t1",
-        transfer_key="secret",
-        prompt_hash=prompt_hash(prompt),
-        expires=time.time() + 60,
-    )
-    return KVTransferParams(**{**fields, **overrides})
-
-
 def consumer(**kwargs):
     engine, executor = make_engine(kv_transfer_config=CONSUMER, **kwargs)
     executor.remote_kv["A"] = PROMPT
@@ -62,7 +46,9 @@ def num_free(engine) -> int:
 def test_consumer_pulls_all_but_the_last_prompt_token_then_computes_that_one():
     engine, executor = consumer()
     free = num_free(engine)
-    engine.add_request(make_request("A", PROMPT, max_tokens=3, kv_transfer_params=pull_params()))
+    engine.add_request(
+        make_request("A", PROMPT, max_tokens=3, kv_transfer_params=pull_params(PROMPT))
+    )
     engine.step()
     first = executor.outputs[0]
     assert first.num_scheduled_tokens == {}
@@ -88,7 +74,9 @@ def test_consumer_pulls_all_but_the_last_prompt_token_then_computes_that_one():
 
 def test_pulled_blocks_are_cached_once_they_land():
     engine, executor = consumer()
-    engine.add_request(make_request("A", PROMPT, max_tokens=1, kv_transfer_params=pull_params()))
+    engine.add_request(
+        make_request("A", PROMPT, max_tokens=1, kv_transfer_params=pull_params(PROMPT))
+    )
     run_to_completion(engine)
     engine.add_request(make_request("B", PROMPT, max_tokens=1))
     outputs = run_to_completion(engine)
@@ -101,7 +89,9 @@ def test_local_prefix_hits_shorten_the_pull():
     engine, executor = consumer()
     engine.add_request(make_request("L", PROMPT[:9], max_tokens=1))
     run_to_completion(engine)
-    engine.add_request(make_request("A", PROMPT, max_tokens=1, kv_transfer_params=pull_params()))
+    engine.add_request(
+        make_request("A", PROMPT, max_tokens=1, kv_transfer_params=pull_params(PROMPT))
+    )
     engine.step()
     (recv,) = executor.outputs[-1].kv_connector_metadata.recvs
     assert recv.first_block == 2
@@ -116,7 +106,9 @@ def test_a_failed_pull_computes_the_prompt():
     engine, executor = consumer()
     executor.fail_recvs.add("A")
     free = num_free(engine)
-    engine.add_request(make_request("A", PROMPT, max_tokens=2, kv_transfer_params=pull_params()))
+    engine.add_request(
+        make_request("A", PROMPT, max_tokens=2, kv_transfer_params=pull_params(PROMPT))
+    )
     results = run_to_completion(engine)
     assert results["A"][1] == "length"
     scheduled = [so.num_scheduled_tokens for so in executor.outputs if so.num_scheduled_tokens]
@@ -141,7 +133,7 @@ def test_a_failed_pull_computes_the_prompt():
 )
 def test_params_that_do_not_fit_compute_the_prompt(overrides):
     engine, executor = consumer()
-    params = pull_params(**overrides)
+    params = pull_params(PROMPT, **overrides)
     engine.add_request(make_request("A", PROMPT, max_tokens=1, kv_transfer_params=params))
     engine.step()
     assert executor.outputs[0].num_scheduled_tokens == {"A": 18}
@@ -151,7 +143,7 @@ def test_params_that_do_not_fit_compute_the_prompt(overrides):
 def test_an_abort_while_pulling_frees_the_blocks_once_the_pull_ends():
     engine, executor = consumer()
     free = num_free(engine)
-    engine.add_request(make_request("A", PROMPT, kv_transfer_params=pull_params()))
+    engine.add_request(make_request("A", PROMPT, kv_transfer_params=pull_params(PROMPT)))
     engine.step()
     engine.abort_requests(["A"])
     assert num_free(engine) == free - 5  # the pull may still write them
@@ -215,7 +207,7 @@ def test_producer_hands_over_only_requests_that_finished_normally():
     [
         (None, KVTransferParams(do_remote_decode=True), "--kv-transfer-config"),
         ("kv_consumer", KVTransferParams(do_remote_decode=True), "needs a KV producer"),
-        ("kv_producer", pull_params(), "needs a KV consumer"),
+        ("kv_producer", pull_params(PROMPT), "needs a KV consumer"),
     ],
 )
 def test_params_the_instance_cannot_honour_are_refused(role, params, message):
@@ -234,7 +226,9 @@ def test_replaced_workers_lose_every_transfer():
         make_request("P", PROMPT[::-1], max_tokens=1, kv_transfer_params=KVTransferParams(True))
     )
     engine.step()
-    engine.add_request(make_request("A", PROMPT, max_tokens=2, kv_transfer_params=pull_params()))
+    engine.add_request(
+        make_request("A", PROMPT, max_tokens=2, kv_transfer_params=pull_params(PROMPT))
+    )
     engine.step()
     remote_kv = engine.scheduler.remote_kv
     assert set(remote_kv.held) == {"P"} and set(remote_kv.loading) == {"A"}
@@ -269,7 +263,9 @@ def test_a_landed_request_that_cannot_run_gives_its_blocks_to_one_that_runs():
     """Blocks held by a request that does not run must not starve one that does."""
     engine, executor = consumer(num_blocks=8, max_model_len=28, max_num_seqs=1)
     free = num_free(engine)  # 7
-    engine.add_request(make_request("A", PROMPT, max_tokens=2, kv_transfer_params=pull_params()))
+    engine.add_request(
+        make_request("A", PROMPT, max_tokens=2, kv_transfer_params=pull_params(PROMPT))
+    )
     engine.step()
     engine.add_request(make_request("L", 4, max_tokens=20, ignore_eos=True))
     engine.step()

@@ -15,9 +15,9 @@ import zlib
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from stand_in_executor import collect, make_engine
+from stand_in_executor import collect, make_engine, pull_params
 
-from ipc.kv_transfer import KVTransferParams, prompt_hash
+from ipc.kv_transfer import KVTransferParams
 from ipc.messages import EngineCoreRequest
 from ipc.sampling_params import SamplingParams
 
@@ -77,17 +77,8 @@ def kv_transfer_params(remote: str | None, prompt: list[int]) -> KVTransferParam
         return KVTransferParams(do_remote_decode=True)
     if remote is None:
         return None
-    return KVTransferParams(
-        do_remote_prefill=True,
-        remote_block_ids=[list(range(1, MAX_MODEL_LEN + 1))],
-        remote_host="127.0.0.1",
-        remote_port=1,
-        remote_tp_size=1,
-        transfer_id="t",
-        transfer_key="k",
-        prompt_hash=prompt_hash(prompt),
-        expires=time.time() + 3600,
-    )
+    block_ids = [list(range(1, MAX_MODEL_LEN + 1))]
+    return pull_params(prompt, remote_block_ids=block_ids, expires=time.time() + 3600)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
