@@ -96,7 +96,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)
-    kernels = KernelSet(cpu=True)
+    kernels = KernelSet.for_device("cpu")  # SPLITSERVE_CPU_ISA forces a lower ISA
     print(f"isa {kernels.isa}, {args.threads} threads, x {args.dtype}; us per call, weight GB/s")
     print("columns: quant, [rows: the row kernels, where quant runs on strips], dense F.linear,")
     print("[AMX bf16]; then the speedup of quant over each")

@@ -1,6 +1,7 @@
 r"""Speculative decoding (ngram, a draft model) against plain decoding, offline, in one run.
 
-Three chat workloads on the default model (greedy, EOS respected, at most --max-tokens
+Three chat workloads on the default model (as launch.py serves it on this machine, or
+--weights gguf: its Q4_1 file; greedy, EOS respected, at most --max-tokens
 tokens each): `repeat` asks to write a paragraph out again with its typos fixed (the
 answer copies the prompt), `code` to complete a Python class whose methods repeat its
 fields, `chat` asks open questions. For concurrency C, max(8, --requests-per-stream x C)
@@ -23,7 +24,7 @@ acceptance length are those of each cell.
 
     python -m benchmarks.spec_decode_bench [--k 2 4 6] [--concurrency 1 4 16 64]
         [--workloads repeat code chat] [--max-tokens 128] [--draft-layers 4 0-3,26-29]
-        [--no-ngram]
+        [--no-ngram] [--weights default|gguf]
 """
 
 from __future__ import annotations
@@ -142,10 +143,14 @@ def run_cell(llm, workload: str, concurrency: int, args) -> dict:
 
 
 def make_llm(spec: dict | None, args):
-    from models.default import serve_args
+    from models.default import default_model_path, find_gguf, serve_args
     from splitserve import LLM
 
-    model, tokenizer = serve_args()[1], serve_args()[3]
+    if args.weights == "gguf":
+        model, tokenizer = str(find_gguf()), default_model_path()
+    else:  # what launch.py serves here: the folder where bf16 is native, else the GGUF file
+        flags = dict(zip(serve_args()[::2], serve_args()[1::2], strict=True))
+        model, tokenizer = flags["--model"], flags.get("--tokenizer")
     llm = LLM(model, tokenizer=tokenizer, max_num_seqs=max(args.concurrency),
               speculative_config=spec, dtype=args.dtype, kv_cache_memory=1 << 30)  # fmt: skip
     llm.chat([[{"role": "user", "content": "Hello!"}]] * 2, SamplingParams(max_tokens=16))
@@ -163,6 +168,12 @@ def main() -> None:
     parser.add_argument("--no-gate", action="store_true", help="adaptive false")
     parser.add_argument("--draft-layers", nargs="*", default=[], help="N or 0-3,26-29")
     parser.add_argument("--no-ngram", action="store_true", help="only the draft models")
+    parser.add_argument(
+        "--weights",
+        choices=("default", "gguf"),
+        default="default",
+        help="the default model as launch.py serves it here, or its Q4_1 file",
+    )
     args = parser.parse_args()
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     print(next((line for line in cpu.splitlines() if "Model name" in line), "CPU ?"))

@@ -14,7 +14,8 @@
     (defined(SPLITSERVE_AVX512) &&                                                    \
      !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) &&      \
        defined(__AVX512DQ__))) ||                                                     \
-    (defined(SPLITSERVE_AVX512_BF16) && !defined(__AVX512BF16__)) ||                  \
+    (defined(SPLITSERVE_AVX512_BF16) &&                                               \
+     !(defined(__AVX512BF16__) && defined(__AVX512VNNI__))) ||                        \
     (defined(SPLITSERVE_AMX) && !(defined(__AMX_TILE__) && defined(__AMX_BF16__)))
 #error "the SPLITSERVE_<ISA> macros need the compiler flags of kernels/isa.py"
 #endif

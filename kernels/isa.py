@@ -24,7 +24,7 @@ _X86_NEEDS = {
     "avx2": {"avx", "avx2", "fma", "bmi1", "bmi2", "f16c", "movbe", "abm", "xsave"}
     | {"cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3"},
     "avx512": {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"},
-    "avx512_bf16": {"avx512_bf16"},
+    "avx512_bf16": {"avx512_bf16", "avx512_vnni"},  # every CPU with BF16 has VNNI
     "amx": {"amx_tile", "amx_bf16"},
 }
 # The compiler flags of each rung besides those of the rungs below it (avx2 and avx512 are
@@ -34,7 +34,7 @@ _X86_FLAGS = {
     "avx2": ["-mavx", "-mavx2", "-mfma", "-mbmi", "-mbmi2", "-mf16c", "-mmovbe", "-mlzcnt"]
     + ["-mxsave", "-mcx16", "-msahf", "-mpopcnt", "-msse4.1", "-msse4.2", "-mssse3"],
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512cd", "-mavx512dq", "-mavx512vl"],
-    "avx512_bf16": ["-mavx512bf16"],
+    "avx512_bf16": ["-mavx512bf16", "-mavx512vnni"],
     "amx": ["-mamx-tile", "-mamx-bf16"],
 }
 # torch's dispatch level, where /proc/cpuinfo cannot be read.

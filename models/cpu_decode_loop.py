@@ -185,7 +185,8 @@ def _linears(layer: nn.Module, dtype: torch.dtype) -> tuple[tuple, int] | None:
 def _linear_args(layer: LinearBase, dtype: torch.dtype) -> tuple[tuple, int] | None:
     """As the layer computes x of `dtype`: F.linear on a dense weight of that dtype, the
     dense kernel where the layer has it (F.linear for the rows it declines); the int8
-    kernels, strips at any rows, rows up to INT8_ROWS (bfloat16 x from TILE_ROWS on may
+    kernels, strips at any rows (bfloat16 x: up to STRIP_INT8_ROWS_BF16 where torch's bf16
+    matmul is native), rows up to INT8_ROWS (bfloat16 x from TILE_ROWS on may
     take the bf16 tiles instead)."""
     bias = None if layer.bias is None else layer.bias.detach()
     weight = layer.quant_method.decode_weight(layer)
@@ -204,6 +205,7 @@ def _linear_args(layer: LinearBase, dtype: torch.dtype) -> tuple[tuple, int] | N
         return None
     w = weight.weight
     if isinstance(w, StripQuantWeight):
-        return ("strip_linear_int8", w.q, w.scales, w.mins, w.bits, w.block_size, bias), _UNBOUNDED
+        rows = weight.strip_int8_rows(dtype) or _UNBOUNDED
+        return ("strip_linear_int8", w.q, w.scales, w.mins, w.bits, w.block_size, bias), rows
     rows = min(INT8_ROWS, TILE_ROWS.start - 1) if dtype == torch.bfloat16 else INT8_ROWS
     return ("linear_int8", w.qweight, w.scales, w.mins, w.bits, w.block_size, bias), rows

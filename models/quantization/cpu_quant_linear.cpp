@@ -24,14 +24,6 @@
 #include <cstdint>
 #include <optional>
 
-#if defined(SPLITSERVE_AVX512_BF16)  // vpdpbusd: kernels/isa.py's flags stop at AVX512-BF16
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx512vnni"))), apply_to = function)
-#else
-#pragma GCC target("avx512vnni")
-#endif
-#endif
-
 #include "cpu_quant_linear.h"
 
 namespace {
@@ -47,6 +39,11 @@ using splitserve::quant::takes_x;
 using at::Tensor;
 
 constexpr int64_t kMaxRows = 4;  // rows of x one pass over a weight row serves
+#if defined(SPLITSERVE_AVX512)
+constexpr bool kPairOrder = true;  // the AVX-512 passes read x's runs in pairs
+#else
+constexpr bool kPairOrder = false;
+#endif
 constexpr int64_t kGrain = 16;   // output features per task, at least
 
 // out[m + r, n] = res[r] + bias[n] for the `rows` rows a pass computed, over N features
@@ -221,7 +218,7 @@ Tensor run_int8(const Tensor& x, const QuantRows& w, int64_t N, const Tensor& bi
   const int64_t M = x.size(0);
   const ActsStorage storage = splitserve::quant::quantize_acts(
       reinterpret_cast<const T*>(x.data_ptr()), M, w.K, x.stride(0), w.block_size,
-      w.mins != nullptr);
+      w.mins != nullptr, kPairOrder);
   const Acts acts = storage.view();
   auto out = at::empty({M, N}, x.options());
   const auto* passes = kPassInt8[w.bits == 4 ? 0 : 1];
@@ -276,10 +273,6 @@ bool dequantize_into(Tensor& out, const Tensor& qweight, const Tensor& scales,
 }
 
 }  // namespace
-
-#if defined(SPLITSERVE_AVX512_BF16) && defined(__clang__)
-#pragma clang attribute pop
-#endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_f32", &linear_f32, "x (float32) W^T (+ bias), W dequantized in registers",

@@ -313,12 +313,12 @@ inline float sum8(__m256 s) {
 
 #endif
 
-// One call's x quantized per run, rows of K features: q (int8; AVX-512 builds store each
-// pair of runs in pair order, as q4_pair), d [M, runs], the scale pattern of each pair's
-// lanes dv [M, pairs, 16] (AVX-512 builds), and where the weight has mins the sum of the
-// dequantized x over each weight block, sums [M, blocks]. half_block[h]: the weight block
-// of features 16h .. 16h + 15; for each pair (AVX-512), the weight scales its lanes take
-// (pair_scales): scale_lanes [pairs, 16] and scale_masks [pairs].
+// One call's x quantized per run, rows of K features: q (int8; for the AVX-512 row kernels,
+// pair_order, each pair of runs in pair order, as q4_pair), d [M, runs], the scale pattern
+// of each pair's lanes dv [M, pairs, 16] (pair order), and where the weight has mins the
+// sum of the dequantized x over each weight block, sums [M, blocks]. half_block[h]: the
+// weight block of features 16h .. 16h + 15; for each pair (pair order), the weight scales
+// its lanes take (pair_scales): scale_lanes [pairs, 16] and scale_masks [pairs].
 struct Acts {
   const int8_t* q;
   const float *d, *dv, *sums;
@@ -357,12 +357,10 @@ float quantize_run(const T* x, int8_t* q) {
 
 template <typename T>
 ActsStorage quantize_acts(const T* x, int64_t M, int64_t K, int64_t ldx, int64_t block_size,
-                          bool with_sums) {
+                          bool with_sums, bool pair_order) {
   ActsStorage a;
   a.runs = K / kRun;
-#if defined(SPLITSERVE_AVX512)
-  a.pairs = K / (2 * kRun);
-#endif
+  a.pairs = pair_order ? K / (2 * kRun) : 0;
   const int64_t blocks = K / block_size;
   a.q.resize(M * K);
   a.d.resize(M * a.runs);

@@ -4,7 +4,8 @@ dequantizes per call.
 
 `prepare_quant_weight` runs once at load: the weight stays quantized (made contiguous,
 which copies only a narrowed shard; on AVX2 builds regrouped into strips of 8 output
-features, models/quantization/strips.py, the one copy kept). `quant_linear` then picks by
+features, models/quantization/strips.py, the one copy kept; AVX512-BF16 builds without AMX
+too). `quant_linear` then picks by
 x's dtype and rows. By default x of any float dtype is quantized to int8 per 32 features
 for integer dot products (what llama.cpp and vLLM's GGUF kernels do), up to INT8_ROWS rows
 (decode); bfloat16 x of TILE_ROWS rows, where the build has AMX or AVX512-BF16, takes the
@@ -14,8 +15,9 @@ the weight dequantized in the C++ to x's dtype for torch's matmul. With the kern
 int8_activations off (SPLITSERVE_INT8_ACTIVATIONS=0), float32 x of up to EXACT_ROWS rows
 takes the exact path instead (the weight dequantized in registers, float32 products:
 F.linear(x, w.dequantize()) up to the order of the sums). A weight in strips takes the
-strip kernels: int8 at any rows; float32 x, when exact, up to STRIP_EXACT_ROWS (an LM
-head: STRIP_EXACT_ROWS_HEAD), else dequantizing.
+strip kernels: int8 at any rows (bfloat16 x up to STRIP_INT8_ROWS_BF16 where torch's bf16
+matmul is native); float32 x, when exact, up to STRIP_EXACT_ROWS (an LM head:
+STRIP_EXACT_ROWS_HEAD), else dequantizing.
 Whatever the C++ does not take runs `torch_quant_linear`.
 """
 
@@ -51,6 +53,10 @@ TILE_ROWS = range(6, 129)
 STRIP_EXACT_ROWS = 32
 STRIP_EXACT_ROWS_HEAD = 128
 HEAD_ROWS = 16384
+# AVX512-BF16 CPUs compute on strips too (their VNNI int8 kernel beat the row kernels 1.4-2x
+# at 1 row and 2.5-3.6x at 5-128, AMD EPYC Zen 4) and have a native bf16 matmul: bf16 x of
+# more rows than this dequantizes for it (crossover 192-384 rows on SmolLM2-135M's shapes).
+STRIP_INT8_ROWS_BF16 = 256
 _EXTENSION = cpp_extension(
     "splitserve_cpu_quant_linear",
     *(Path(__file__).with_name(f"cpu_quant_{n}.cpp") for n in ("linear", "tiles", "strips")),
@@ -71,6 +77,11 @@ class PreparedQuantWeight:
     kernel: ModuleType | None
     triton: bool = False  # a CUDA weight the Triton matmul computes on
     exact_float32: bool = False  # float32 x takes float products, not int8 activations
+    bf16_matmul: bool = False  # torch's bf16 matmul is native: many bf16 rows dequantize
+
+    def strip_int8_rows(self, dtype: torch.dtype) -> int | None:
+        """The most rows of x of `dtype` the int8 strip kernel takes (None: any)."""
+        return STRIP_INT8_ROWS_BF16 if self.bf16_matmul and dtype == torch.bfloat16 else None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -104,7 +115,8 @@ def prepare_quant_weight(
     exact = not kernels.int8_activations
     strips = to_strips(w) if kernel.strip_width() else None
     if strips is not None:
-        return PreparedQuantWeight(strips, kernel, exact_float32=exact)
+        bf16_matmul = kernels.isa in ("avx512_bf16", "amx")
+        return PreparedQuantWeight(strips, kernel, exact_float32=exact, bf16_matmul=bf16_matmul)
     mins = None if w.mins is None else w.mins.contiguous()
     dense = BlockQuantWeight(
         w.bits, w.qweight.contiguous(), w.scales.contiguous(), mins, w.block_size
@@ -132,7 +144,7 @@ def quant_linear(
         return quant_linear(x.reshape(-1, x.shape[-1]), w, bias).reshape(*x.shape[:-1], -1)
     exact = x.dtype == torch.float32 and w.exact_float32
     if isinstance(q, StripQuantWeight):
-        return _strip_linear(x, q, w.kernel, bias, exact)
+        return _strip_linear(x, q, w.kernel, bias, exact, w.strip_int8_rows(x.dtype))
     args = (q.qweight, q.scales, q.mins, q.bits, q.block_size)
     out = None
     if x.dtype == torch.bfloat16 and x.shape[0] in TILE_ROWS:
@@ -150,11 +162,13 @@ def _strip_linear(
     kernel: ModuleType,
     bias: torch.Tensor | None,
     exact: bool,
+    int8_rows: int | None,
 ) -> torch.Tensor:
     args = (q.q, q.scales, q.mins, q.bits, q.block_size)
-    if not exact:
+    exact_rows = STRIP_EXACT_ROWS_HEAD if q.shape[0] > HEAD_ROWS else STRIP_EXACT_ROWS
+    if not exact and (int8_rows is None or x.shape[0] <= int8_rows):
         out = kernel.strip_linear_int8(x, *args, bias)
-    elif x.shape[0] <= (STRIP_EXACT_ROWS_HEAD if q.shape[0] > HEAD_ROWS else STRIP_EXACT_ROWS):
+    elif exact and x.shape[0] <= exact_rows:
         out = kernel.strip_linear_f32(x, *args, bias)
     else:
         out = _dequantized_linear(x, kernel.strip_dequantize_into, q.shape, args, bias)

@@ -1,5 +1,5 @@
 // Linear layers on a block-quantized weight in strips (models/quantization/strips.py), for
-// AVX2 builds: 8 output features side by side, so that one 256-bit register holds the
+// AVX2 builds and AVX512-BF16 ones without AMX: 8 output features side by side, so that one 256-bit register holds the
 // same 4 bytes of 8 rows and every lane accumulates its own feature. No horizontal sums,
 // one scale load per half-block for 8 features, and x's values are broadcast, not shuffled.
 //
@@ -12,8 +12,9 @@
 // strip_linear_f32: x float32, float32 products: per half-block s * sum(q x) + m * sum(x),
 // which is F.linear(x, w.dequantize()) up to float32 rounding. strip_linear_int8: x
 // float32/bfloat16/float16, quantized per 32-run as cpu_quant_linear.cpp's linear_int8
-// (same Acts), integer dot products: maddubs on unsigned 4-bit values (4 chunks' int16 sums
-// cannot overflow), and for 8-bit weights |q| with q's signs moved onto x.
+// (same Acts, in run order), integer dot products: maddubs on unsigned 4-bit values (4
+// chunks' int16 sums cannot overflow), and for 8-bit weights |q| with q's signs moved onto
+// x; with VNNI (AVX512-BF16 builds) vpdpbusd sums into int32 directly, up to 8 rows a pass.
 // strip_dequantize_into: the weight regrouped into rows, then dequantized as the row kernel
 // does (bitwise the same).
 
@@ -32,13 +33,24 @@
 namespace splitserve::quant {
 
 constexpr int64_t kStrip = 8;  // features per strip
-constexpr int64_t kMaxStripRows = 4;
 
-#if defined(SPLITSERVE_AVX2) && !defined(SPLITSERVE_AVX512)
-#define SPLITSERVE_STRIPS  // AVX-512 builds keep rows (their pair-order activations)
+// AVX2 builds, and AVX512-BF16 builds without AMX (their VNNI dot products sum the bytes
+// straight into int32, 256 bits wide: as many products a cycle as 512 on Zen 4), compute on
+// strips. AVX512F builds keep rows (their pair-order activations), AMX builds too (the
+// AMX tiles read rows).
+#if defined(SPLITSERVE_AVX2) && (!defined(SPLITSERVE_AVX512) || defined(SPLITSERVE_AVX512_BF16)) && \
+    !defined(SPLITSERVE_AMX)
+#define SPLITSERVE_STRIPS
 constexpr bool kStrips = true;
 #else
 constexpr bool kStrips = false;
+#endif
+#if defined(SPLITSERVE_AVX512_BF16)
+constexpr bool kVnni = true;
+constexpr int64_t kMaxStripRows = 8;  // 32 registers: 8 rows' sums and totals fit
+#else
+constexpr bool kVnni = false;
+constexpr int64_t kMaxStripRows = 4;
 #endif
 
 struct Strips {
@@ -184,15 +196,24 @@ inline __m256i bcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
+// acc + the 4-byte dot products of unsigned u and signed a, per int32 lane.
+inline __m256i add_dot4(__m256i acc, __m256i u, __m256i a) {
+#if defined(SPLITSERVE_AVX512_BF16)
+  return _mm256_dpbusd_epi32(acc, u, a);
+#else  // |u| <= 128, |a| <= 127: the int16 pair sums cannot saturate
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), _mm256_set1_epi16(1)));
+#endif
+}
+
 // Whole: every 32-run lies in one weight block (block sizes that are multiples of 32), so
 // both halves of a run share a scale and sum into one accumulator per row, which keeps 4
-// rows' sums in registers (two per row spilled at 4 rows: 8-bit passes of 4 rows measured
-// twice the time of 3).
+// rows' sums in AVX2's 16 registers (two per row spilled at 4 rows: 8-bit passes of 4 rows
+// measured twice the time of 3).
 template <int Bits, bool Whole, int R>
 void strip_pass_int8(const Strips& w, int64_t s, const Acts& a, int64_t m, float (*res)[kStrip]) {
   constexpr int H = Whole ? 1 : 2;  // accumulators per row
   const int64_t K = w.K;
-  const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
+  const __m256i low = _mm256_set1_epi8(0x0F);
   __m256 acc[R];
   for (auto& v : acc) v = _mm256_setzero_ps();
   const uint8_t* q = w.q + s * w.strip_bytes();
@@ -200,7 +221,20 @@ void strip_pass_int8(const Strips& w, int64_t s, const Acts& a, int64_t m, float
     const uint8_t* run = q + k / kRun * w.run_bytes();
     const int64_t j0 = a.half_block[k / 16], j1 = a.half_block[k / 16 + 1];
     __m256i dot[R][H];  // int32 per feature, per half of the run (Whole: both)
-    if constexpr (Bits == 4) {
+    if constexpr (Bits == 4 && kVnni) {  // int32 sums straight from the bytes
+      for (auto& row : dot)
+        for (auto& v : row) v = _mm256_setzero_si256();
+      for (int c = 0; c < 4; ++c) {
+        const __m256i v = load_chunk(run + 32 * c);
+        const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* x = a.q + (m + r) * K + k + 4 * c;
+          dot[r][0] = add_dot4(dot[r][0], lo, bcast4(x));
+          dot[r][H - 1] = add_dot4(dot[r][H - 1], hi, bcast4(x + 16));
+        }
+      }
+    } else if constexpr (Bits == 4) {
+      const __m256i ones = _mm256_set1_epi16(1);
       // int16 pairs: at most 4 chunks * 2 * 15 * 127 per half, twice that for both
       __m256i sum[R][H];
       for (auto& row : sum)
@@ -224,7 +258,7 @@ void strip_pass_int8(const Strips& w, int64_t s, const Acts& a, int64_t m, float
         for (int r = 0; r < R; ++r) {  // |q| <= 128, |x| <= 127: no saturation
           const __m256i xs = _mm256_sign_epi8(bcast4(a.q + (m + r) * K + k + 4 * c), v);
           __m256i& d = dot[r][Whole ? 0 : c / 4];
-          d = _mm256_add_epi32(d, _mm256_madd_epi16(_mm256_maddubs_epi16(u, xs), ones));
+          d = add_dot4(d, u, xs);
         }
       }
     }
@@ -260,10 +294,13 @@ void strip_pass_int8(const Strips& w, int64_t s, const Acts& a, int64_t m, float
 }
 
 using StripPassInt8 = void (*)(const Strips&, int64_t, const Acts&, int64_t, float (*)[kStrip]);
+template <int Bits, bool Whole, size_t... R>
+constexpr std::array<StripPassInt8, kMaxStripRows> passes_int8(std::index_sequence<R...>) {
+  return {strip_pass_int8<Bits, Whole, R + 1>...};
+}
 template <int Bits, bool Whole>
-constexpr std::array<StripPassInt8, kMaxStripRows> kPassesInt8 = {
-    strip_pass_int8<Bits, Whole, 1>, strip_pass_int8<Bits, Whole, 2>,
-    strip_pass_int8<Bits, Whole, 3>, strip_pass_int8<Bits, Whole, 4>};
+constexpr std::array<StripPassInt8, kMaxStripRows> kPassesInt8 =
+    passes_int8<Bits, Whole>(std::make_index_sequence<kMaxStripRows>());
 // [bits 4, 8][whole runs]
 constexpr const std::array<StripPassInt8, kMaxStripRows>* kStripPassInt8[2][2] = {
     {&kPassesInt8<4, false>, &kPassesInt8<4, true>},
@@ -329,7 +366,8 @@ std::optional<at::Tensor> strip_linear_int8(const at::Tensor& x, const at::Tenso
     using T = decltype(tag);
     const int64_t M = x.size(0);
     const ActsStorage storage = quantize_acts(reinterpret_cast<const T*>(x.data_ptr()), M, w.K,
-                                              x.stride(0), block_size, w.mins != nullptr);
+                                              x.stride(0), block_size, w.mins != nullptr,
+                                              false);
     const Acts acts = storage.view();
     auto out = at::empty({M, w.N}, x.options());
     const auto& passes = *kStripPassInt8[bits == 4 ? 0 : 1][block_size % kRun == 0];

@@ -33,7 +33,8 @@ X86_BASE = frozenset(
     ]
 )
 AVX512 = frozenset(["avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"])
-SAPPHIRE_RAPIDS = X86_BASE | AVX512 | {"avx512_bf16", "amx_tile", "amx_bf16", "amx_int8"}
+BF16 = frozenset(["avx512_bf16", "avx512_vnni"])
+SAPPHIRE_RAPIDS = X86_BASE | AVX512 | BF16 | {"amx_tile", "amx_bf16", "amx_int8"}
 on_x86 = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 only")
 
 
@@ -42,9 +43,10 @@ on_x86 = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reaso
     [
         (SAPPHIRE_RAPIDS, "amx"),
         (SAPPHIRE_RAPIDS - {"amx_tile"}, "avx512_bf16"),
-        (X86_BASE | AVX512 | {"avx512_bf16"}, "avx512_bf16"),
+        (X86_BASE | AVX512 | BF16, "avx512_bf16"),
+        (X86_BASE | AVX512 | {"avx512_bf16"}, "avx512"),  # no VNNI
         (X86_BASE | AVX512, "avx512"),
-        (X86_BASE | AVX512 - {"avx512vl"} | {"avx512_bf16", "amx_tile", "amx_bf16"}, "avx2"),
+        (X86_BASE | AVX512 - {"avx512vl"} | BF16 | {"amx_tile", "amx_bf16"}, "avx2"),
         (X86_BASE, "avx2"),
         (X86_BASE - {"fma"} | AVX512, "generic"),
         (frozenset({"sse2"}), "generic"),

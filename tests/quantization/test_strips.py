@@ -1,7 +1,8 @@
 """Block-quantized weights in strips of 8 features (models/quantization/strips.py) and the
-AVX2 kernels on them (cpu_quant_strips.cpp): the layout against the row layout byte by
-byte, each kernel against the row kernels and torch references, for every ISA built; builds
-without the strip kernels (generic, AVX-512) decline them and keep rows."""
+AVX2 and AVX512-BF16 (VNNI) kernels on them (cpu_quant_strips.cpp): the layout against the
+row layout byte by byte, each kernel against the row kernels and torch references, for
+every ISA built; builds without the strip kernels (generic, AVX512F, AMX) decline them and
+keep rows."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 from kernels import KernelSet
 from models.quantization.cpu_quant_linear import (
     STRIP_EXACT_ROWS,
+    STRIP_INT8_ROWS_BF16,
     PreparedQuantWeight,
     prepare_quant_weight,
     quant_linear,
@@ -72,7 +74,7 @@ def test_strip_kernels_match_their_references(kernel, bits, mins, scale_dtype, k
         assert not kernel.strip_dequantize_into(torch.empty(48, k), *strip_args(s))
         return
     assert kernel.strip_width() == 8
-    for m in (1, 2, 3, 4, 5, 9):
+    for m in (*range(1, 10), 17):  # every pass of up to 8 rows, and several passes
         x = torch.randn(m, k)
         for b in (None, bias):
             out = kernel.strip_linear_f32(x, *strip_args(s), b)
@@ -109,8 +111,9 @@ def test_quant_linear_on_strips(
     isa, dtype, int8_activations, threads, bits, block_size, mins, scale_dtype
 ):
     """A weight of whole strips is held in strips where the build computes on them, and every
-    row count gives the strip kernels' answer: int8 at any rows; float32 x, when the kernel
-    set asks for exact products, exact up to STRIP_EXACT_ROWS (then the torch fallback
+    row count gives the strip kernels' answer: int8 at any rows (bfloat16 x, where torch's
+    bf16 matmul is native, up to STRIP_INT8_ROWS_BF16); float32 x, when the kernel set asks
+    for exact products, exact up to STRIP_EXACT_ROWS (past either, the torch fallback
     bitwise)."""
     torch.set_num_threads(threads)  # the conftest fixture restores it
     w = make_weight(80, 576, bits, block_size, mins, scale_dtype)
@@ -119,6 +122,7 @@ def test_quant_linear_on_strips(
     exact = dtype == torch.float32 and not int8_activations
     strips = bool(prepared.kernel.strip_width())
     assert isinstance(prepared.weight, StripQuantWeight) == strips
+    assert prepared.bf16_matmul == (strips and isa == "avx512_bf16")
     assert prepared.shape == w.shape
     bias = torch.randn(80).to(dtype)
     for m in (0, 1, STRIP_EXACT_ROWS, STRIP_EXACT_ROWS + 1, 300):
@@ -127,7 +131,8 @@ def test_quant_linear_on_strips(
         assert out.dtype == dtype and out.shape == (m, 80)
         if not strips:
             continue
-        if exact and m > STRIP_EXACT_ROWS:
+        dequantizes = m > STRIP_INT8_ROWS_BF16 and dtype == torch.bfloat16
+        if (exact and m > STRIP_EXACT_ROWS) or (dequantizes and prepared.bf16_matmul):
             assert torch.equal(out, torch_quant_linear(x, w, bias)), m
         elif exact:
             reference = F.linear(x, w.dequantize(), bias)
