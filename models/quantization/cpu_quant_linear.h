@@ -318,7 +318,8 @@ inline float sum8(__m256 s) {
 // of each pair's lanes dv [M, pairs, 16] (pair order), and where the weight has mins the
 // sum of the dequantized x over each weight block, sums [M, blocks]. half_block[h]: the
 // weight block of features 16h .. 16h + 15; for each pair (pair order), the weight scales
-// its lanes take (pair_scales): scale_lanes [pairs, 16] and scale_masks [pairs].
+// its lanes take (pair_scales): scale_lanes [pairs, 16] and scale_masks [pairs]. offset:
+// q stores x + 128 as unsigned bytes instead (d and sums as without).
 struct Acts {
   const int8_t* q;
   const float *d, *dv, *sums;
@@ -357,7 +358,7 @@ float quantize_run(const T* x, int8_t* q) {
 
 template <typename T>
 ActsStorage quantize_acts(const T* x, int64_t M, int64_t K, int64_t ldx, int64_t block_size,
-                          bool with_sums, bool pair_order) {
+                          bool with_sums, bool pair_order, bool offset = false) {
   ActsStorage a;
   a.runs = K / kRun;
   a.pairs = pair_order ? K / (2 * kRun) : 0;
@@ -391,6 +392,7 @@ ActsStorage quantize_acts(const T* x, int64_t M, int64_t K, int64_t ldx, int64_t
         std::swap_ranges(q + 64 * p + 16, q + 64 * p + 32, q + 64 * p + 32);
         for (int64_t i = 0; i < 16; ++i) a.dv[(m * a.pairs + p) * 16 + i] = d[2 * p + (i / 4) % 2];
       }
+      for (int64_t i = 0; offset && i < K; ++i) q[i] = static_cast<int8_t>(q[i] ^ 0x80);
     }
   });
   return a;

@@ -14,7 +14,9 @@
 // float32/bfloat16/float16, quantized per 32-run as cpu_quant_linear.cpp's linear_int8
 // (same Acts, in run order), integer dot products: maddubs on unsigned 4-bit values (4
 // chunks' int16 sums cannot overflow), and for 8-bit weights |q| with q's signs moved onto
-// x; with VNNI (AVX512-BF16 builds) vpdpbusd sums into int32 directly, up to 8 rows a pass.
+// x; with VNNI (AVX512-BF16 builds) vpdpbusd sums into int32 directly, up to 8 rows a pass,
+// and 8-bit weights meet x + 128 as unsigned bytes (Acts offset), 128 * sum(q) taken off
+// once per run for every row (no saturation in vpdpbusd, unlike maddubs).
 // strip_dequantize_into: the weight regrouped into rows, then dequantized as the row kernel
 // does (bitwise the same).
 
@@ -250,6 +252,24 @@ void strip_pass_int8(const Strips& w, int64_t s, const Acts& a, int64_t m, float
       }
       for (int r = 0; r < R; ++r)
         for (int h = 0; h < H; ++h) dot[r][h] = _mm256_madd_epi16(sum[r][h], ones);
+    } else if constexpr (kVnni) {  // x + 128 (unsigned) times q, less 128 * sum(q)
+      __m256i qsum[H];
+      for (auto& v : qsum) v = _mm256_setzero_si256();
+      for (auto& row : dot)
+        for (auto& v : row) v = _mm256_setzero_si256();
+      const __m256i ones = _mm256_set1_epi8(1);
+      for (int c = 0; c < 8; ++c) {
+        const __m256i v = load_chunk(run + 32 * c);
+        qsum[Whole ? 0 : c / 4] = add_dot4(qsum[Whole ? 0 : c / 4], ones, v);
+        for (int r = 0; r < R; ++r) {
+          __m256i& d = dot[r][Whole ? 0 : c / 4];
+          d = add_dot4(d, bcast4(a.q + (m + r) * K + k + 4 * c), v);
+        }
+      }
+      for (int h = 0; h < H; ++h) {
+        const __m256i offset = _mm256_slli_epi32(qsum[h], 7);
+        for (int r = 0; r < R; ++r) dot[r][h] = _mm256_sub_epi32(dot[r][h], offset);
+      }
     } else {
       for (auto& row : dot)
         for (auto& v : row) v = _mm256_setzero_si256();
@@ -365,9 +385,9 @@ std::optional<at::Tensor> strip_linear_int8(const at::Tensor& x, const at::Tenso
   const auto run = [&](auto tag) {
     using T = decltype(tag);
     const int64_t M = x.size(0);
-    const ActsStorage storage = quantize_acts(reinterpret_cast<const T*>(x.data_ptr()), M, w.K,
-                                              x.stride(0), block_size, w.mins != nullptr,
-                                              false);
+    const ActsStorage storage =
+        quantize_acts(reinterpret_cast<const T*>(x.data_ptr()), M, w.K, x.stride(0), block_size,
+                      w.mins != nullptr, false, kVnni && bits == 8);
     const Acts acts = storage.view();
     auto out = at::empty({M, w.N}, x.options());
     const auto& passes = *kStripPassInt8[bits == 4 ? 0 : 1][block_size % kRun == 0];
