@@ -5,8 +5,8 @@ while a step is bound by reading the weights, as a small-batch GPU decode; nearl
 in the tokens once it is compute-bound, as a CPU step of more than a few requests), the
 lockstep (a step with drafts loses the overlap of async scheduling) and the rejected
 drafts. Whether the accepted drafts make up for it depends on the hardware, the batch and
-the text, so the gate measures it, for each batch-size bucket (running requests, powers of
-two) on its own. A bucket alternates:
+the text, so the gate measures it, for each batch-size bucket (running requests, to the
+nearest power of two on a log scale) on its own. A bucket alternates:
 
     measure: _WINDOW steps with drafts, then _WINDOW without
     run:     the faster of the two (generated tokens per second) for a run of steps
@@ -159,4 +159,9 @@ class SpeculationGate:
 
 
 def _bucket(num_running: int) -> int:
-    return max(num_running, 1).bit_length()
+    """The power of two nearest `num_running` on a log scale (3 -> 4, 5 -> 4, 6 -> 8), so
+    that a batch held at a power of two (max_num_seqs, a closed loop of 64) stays in one
+    bucket as requests finish and join."""
+    n = max(num_running, 1)
+    low = 1 << (n.bit_length() - 1)
+    return 2 * low if n * n >= 2 * low * low else low

@@ -263,7 +263,7 @@ def test_each_batch_size_bucket_is_measured_on_its_own():
         engine.add_request(make_request(name, [9, 9, 9, 9], max_tokens=3, ignore_eos=True))
     engine.step()
     # Drafts did not pay for one request: four start without them, in a run.
-    assert set(gate.buckets) == {1, 3} and not gate.buckets[3].measuring
+    assert set(gate.buckets) == {1, 4} and not gate.buckets[4].measuring
     assert not gate.speculates(4) and not gate.speculates(1)
     run_to_completion(engine)
     assert gate.buckets[1] is alone  # back alone: its run goes on
@@ -273,13 +273,20 @@ def test_a_new_bucket_is_measured_unless_a_neighbour_decides_it():
     gate = SpeculationGate(SpeculativeConfig())
     assert gate.speculates(1) and gate.buckets[1].measuring
     gate.buckets[1].start_run(True)
-    assert gate.speculates(8) and gate.buckets[4].measuring  # larger: measure it
-    gate.buckets[4].start_run(False)
-    assert not gate.speculates(40) and not gate.buckets[6].measuring  # a smaller lost
+    assert gate.speculates(8) and gate.buckets[8].measuring  # larger: measure it
+    gate.buckets[8].start_run(False)
+    assert not gate.speculates(40) and not gate.buckets[32].measuring  # a smaller lost
     assert gate.speculates(2) and gate.buckets[2].measuring  # none lost below, none won above
     gate = SpeculationGate(SpeculativeConfig())
     gate.bucket(40).start_run(True)
-    assert gate.speculates(3) and not gate.buckets[2].measuring  # a larger won
+    assert gate.speculates(3) and not gate.buckets[4].measuring  # a larger won
+
+
+def test_a_batch_held_at_a_power_of_two_stays_in_its_bucket():
+    gate = SpeculationGate(SpeculativeConfig())
+    assert gate.bucket(63) is gate.bucket(64) is gate.bucket(90)
+    assert gate.bucket(45) is not gate.bucket(46)
+    assert [n for n in range(1, 13) if gate.bucket(n) is gate.bucket(4)] == [3, 4, 5]
 
 
 def test_without_adaptive_every_step_may_speculate():
