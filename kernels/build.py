@@ -58,23 +58,29 @@ def build_root(isa: str) -> Path:
 @dataclass(frozen=True)
 class CppExtension:
     """A C++ module of the project: its name, its sources, the ISA rung it is only used on
-    (None: any) and the rung from which on it is not used (None: none)."""
+    (None: any), the rung from which on it is not used (None: none), and whether only
+    quantized models use it (`quantized`: not built ahead for the others)."""
 
     name: str
     sources: tuple[Path, ...]
     only_on: str | None = None
     not_on: str | None = None
+    quantized: bool = False
 
 
 _DECLARED: list[CppExtension] = []
 
 
 def cpp_extension(
-    name: str, *sources: Path, only_on: str | None = None, not_on: str | None = None
+    name: str,
+    *sources: Path,
+    only_on: str | None = None,
+    not_on: str | None = None,
+    quantized: bool = False,
 ) -> CppExtension:
     """Declare a C++ module, at the import of the Python that loads it, so that
     `declared_extensions` lists it for `build_all`."""
-    extension = CppExtension(name, tuple(sources), only_on, not_on)
+    extension = CppExtension(name, tuple(sources), only_on, not_on, quantized)
     _DECLARED.append(extension)
     return extension
 

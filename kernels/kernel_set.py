@@ -64,11 +64,15 @@ class KernelSet:
             return None
         return load_cpp_extension(extension.name, extension.sources, self.isa)
 
-    def build_declared(self) -> None:
-        """Build every C++ module declared so far that this set's ISA uses, several at
-        once, so that later `cpp` calls only load them."""
+    def build_declared(self, quantized: bool = True) -> None:
+        """Build every C++ module declared so far that this set's ISA uses (those only
+        quantized models use, for a `quantized` one), several at once, so that later `cpp`
+        calls only load them."""
         if self.cpu:
-            build_all([e for e in declared_extensions() if self.uses(e)], self.isa)
+            used = [
+                e for e in declared_extensions() if self.uses(e) and (quantized or not e.quantized)
+            ]
+            build_all(used, self.isa)
 
     def uses(self, extension: CppExtension) -> bool:
         """Whether this set's ISA runs `extension` (its `only_on` and `not_on` rungs)."""

@@ -33,7 +33,7 @@ from attention.forward_context import get_forward_context
 from kernels import KernelSet
 from kernels.build import cpp_extension
 from models.layers.activation import SiluAndMul
-from models.layers.cpu_linear import PackedWeight, bf16_linear_kernel, dense_linear_kernel
+from models.layers.cpu_linear import PackedWeight
 from models.layers.fused_ops import fused_ops
 from models.layers.linear import LinearBase
 from models.layers.norm import RMSNorm
@@ -42,7 +42,6 @@ from models.quantization.cpu_quant_linear import (
     INT8_ROWS,
     TILE_ROWS,
     PreparedQuantWeight,
-    quant_kernel,
 )
 from models.quantization.strips import StripQuantWeight
 
@@ -88,12 +87,12 @@ class CPUDecodeLoop:
         linears = [_linears(layer, dtype) for layer in layers]
         if any(args is None for args in linears):
             return None
-        lent = [quant_kernel(kernels), dense_linear_kernel(kernels), bf16_linear_kernel(kernels)]
+        lent = {id(m): m for _, _, used in linears for m in used}.values()  # the layers' kernels
         spec = first.attn.spec
         loop = module.DecodeLoop(
             ops.c_api(),
             attention_ops.c_api(),
-            {name: f for m in lent if m is not None for name, f in m.c_api().items()},
+            {name: f for m in lent for name, f in m.c_api().items()},
             spec.num_heads,
             spec.num_kv_heads,
             spec.head_size,
@@ -103,7 +102,7 @@ class CPUDecodeLoop:
             rotary.sin_cache,
         )
         max_rows = _UNBOUNDED
-        for layer, (args, rows) in zip(layers, linears, strict=True):
+        for layer, (args, rows, _) in zip(layers, linears, strict=True):
             attn = layer.self_attn.attn
             loop.add_layer(
                 layer.input_layernorm.weight.detach(),
@@ -168,10 +167,11 @@ def _takes_layer(layer: nn.Module, layer_type: type, first: nn.Module, eps: floa
     )
 
 
-def _linears(layer: nn.Module, dtype: torch.dtype) -> tuple[tuple, int] | None:
-    """The C++ arguments of the layer's qkv, o, gate_up and down projections, and the most
-    rows their kernels take; None where one is not computed as the loop computes it."""
-    args, max_rows = [], _UNBOUNDED
+def _linears(layer: nn.Module, dtype: torch.dtype) -> tuple[tuple, int, list] | None:
+    """The C++ arguments of the layer's qkv, o, gate_up and down projections, the most rows
+    their kernels take and the C++ modules that lend them; None where one is not computed
+    as the loop computes it."""
+    args, max_rows, modules = [], _UNBOUNDED, []
     attn, mlp = layer.self_attn, layer.mlp
     for linear in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
         found = _linear_args(linear, dtype)
@@ -179,26 +179,27 @@ def _linears(layer: nn.Module, dtype: torch.dtype) -> tuple[tuple, int] | None:
             return None
         args.append(found[0])
         max_rows = min(max_rows, found[1])
-    return tuple(args), max_rows
+        modules += [found[2]] if found[2] is not None else []
+    return tuple(args), max_rows, modules
 
 
-def _linear_args(layer: LinearBase, dtype: torch.dtype) -> tuple[tuple, int] | None:
-    """As the layer computes x of `dtype`: F.linear on a dense weight of that dtype, the
-    dense kernel where the layer has it (F.linear for the rows it declines); the int8
-    kernels, strips at any rows (bfloat16 x: up to STRIP_INT8_ROWS_BF16 where torch's bf16
-    matmul is native), rows up to INT8_ROWS (bfloat16 x from TILE_ROWS on may
-    take the bf16 tiles instead)."""
+def _linear_args(layer: LinearBase, dtype: torch.dtype) -> tuple[tuple, int, Any] | None:
+    """As the layer computes x of `dtype`, and the C++ module that lends the kernel:
+    F.linear on a dense weight of that dtype, the dense kernel where the layer has it
+    (F.linear for the rows it declines); the int8 kernels, strips at any rows (bfloat16 x:
+    up to STRIP_INT8_ROWS_BF16 where torch's bf16 matmul is native), rows up to INT8_ROWS
+    (bfloat16 x from TILE_ROWS on may take the bf16 tiles instead)."""
     bias = None if layer.bias is None else layer.bias.detach()
     weight = layer.quant_method.decode_weight(layer)
     if isinstance(weight, torch.Tensor):
         if weight.dtype != dtype:
             return None
-        return ("", weight.detach(), None, None, 0, 0, bias), _UNBOUNDED
+        return ("", weight.detach(), None, None, 0, 0, bias), _UNBOUNDED, None
     if isinstance(weight, PackedWeight):
         if weight.amx:
             return None
         (name,) = weight.kernel.c_api()  # dense_linear, or bf16_linear
-        return (name, weight.data, None, None, 0, 0, bias), _UNBOUNDED
+        return (name, weight.data, None, None, 0, 0, bias), _UNBOUNDED, weight.kernel
     if not isinstance(weight, PreparedQuantWeight) or weight.kernel is None:
         return None
     if weight.exact_float32 and dtype == torch.float32:
@@ -206,6 +207,8 @@ def _linear_args(layer: LinearBase, dtype: torch.dtype) -> tuple[tuple, int] | N
     w = weight.weight
     if isinstance(w, StripQuantWeight):
         rows = weight.strip_int8_rows(dtype) or _UNBOUNDED
-        return ("strip_linear_int8", w.q, w.scales, w.mins, w.bits, w.block_size, bias), rows
+        strip_args = ("strip_linear_int8", w.q, w.scales, w.mins, w.bits, w.block_size, bias)
+        return strip_args, rows, weight.kernel
     rows = min(INT8_ROWS, TILE_ROWS.start - 1) if dtype == torch.bfloat16 else INT8_ROWS
-    return ("linear_int8", w.qweight, w.scales, w.mins, w.bits, w.block_size, bias), rows
+    row_args = ("linear_int8", w.qweight, w.scales, w.mins, w.bits, w.block_size, bias)
+    return row_args, rows, weight.kernel

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from attention import get_attn_backend, kv_cache_torch_dtype, set_forward_context
-from ipc.config import EngineConfig
+from ipc.config import EngineConfig, resolve_quantization
 from ipc.messages import ModelRunnerOutput, SchedulerOutput
 from ipc.utils import cdiv
 from kernels import KernelSet
@@ -61,7 +61,9 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.hf_config, device=self.device)
         # Chosen once, from the environment; every kernel below is built now, before READY.
         self.kernels = KernelSet.for_device(self.device)
-        self.kernels.build_declared()
+        self.kernels.build_declared(
+            resolve_quantization(config.model, config.quantization) is not None
+        )
         set_expert_parallel(config.enable_expert_parallel)
         self.model = load_model(
             config.model,

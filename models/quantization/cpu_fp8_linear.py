@@ -22,7 +22,7 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
 SMALL_BATCH_ROWS = 16
 _EXTENSION = cpp_extension(
-    "splitserve_cpu_fp8_linear", Path(__file__).with_name("cpu_fp8_linear.cpp")
+    "splitserve_cpu_fp8_linear", Path(__file__).with_name("cpu_fp8_linear.cpp"), quantized=True
 )
 
 

@@ -60,6 +60,7 @@ STRIP_INT8_ROWS_BF16 = 256
 _EXTENSION = cpp_extension(
     "splitserve_cpu_quant_linear",
     *(Path(__file__).with_name(f"cpu_quant_{n}.cpp") for n in ("linear", "tiles", "strips")),
+    quantized=True,
 )
 
 

@@ -38,7 +38,7 @@ from models.quantization.triton_quant_moe import (
 )
 
 _EXTENSION = cpp_extension(
-    "splitserve_cpu_quant_moe", Path(__file__).with_name("cpu_quant_moe.cpp")
+    "splitserve_cpu_quant_moe", Path(__file__).with_name("cpu_quant_moe.cpp"), quantized=True
 )
 
 

@@ -148,3 +148,16 @@ def test_build_declared_builds_what_the_isa_uses_two_at_once(monkeypatch):
     built.clear()
     KernelSet(cpu=False, isa="generic").build_declared()
     assert built == []
+
+
+def test_build_declared_leaves_the_quantized_kernels_to_quantized_models(monkeypatch):
+    built = []
+    declared = [CppExtension("dense", ()), CppExtension("quant", (), quantized=True)]
+    monkeypatch.setattr(kernels.build, "_DECLARED", declared)
+    monkeypatch.setattr(kernels.build, "load_cpp_extension", lambda name, *_: built.append(name))
+    monkeypatch.setattr(kernels.build, "_precompiled_header", lambda *a: None)
+    KernelSet(cpu=True, isa="generic").build_declared(quantized=False)
+    assert built == ["dense"]
+    built.clear()
+    KernelSet(cpu=True, isa="generic").build_declared(quantized=True)
+    assert sorted(built) == ["dense", "quant"]
