@@ -207,6 +207,14 @@ inline __m256i add_dot4(__m256i acc, __m256i u, __m256i a) {
 #endif
 }
 
+// acc plus a 4-bit chunk's products: int32 lanes with VNNI, else int16 pairs, which the
+// caller widens after the run's 4 chunks (at most 4 * 2 * 15 * 127 per half, twice that
+// for both halves: no overflow).
+inline __m256i add_q4_chunk(__m256i acc, __m256i u, __m256i a) {
+  if constexpr (kVnni) return add_dot4(acc, u, a);
+  return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, a));
+}
+
 // Whole: every 32-run lies in one weight block (block sizes that are multiples of 32), so
 // both halves of a run share a scale and sum into one accumulator per row, which keeps 4
 // rows' sums in AVX2's 16 registers (two per row spilled at 4 rows: 8-bit passes of 4 rows
@@ -223,21 +231,7 @@ void strip_pass_int8(const Strips& w, int64_t s, const Acts& a, int64_t m, float
     const uint8_t* run = q + k / kRun * w.run_bytes();
     const int64_t j0 = a.half_block[k / 16], j1 = a.half_block[k / 16 + 1];
     __m256i dot[R][H];  // int32 per feature, per half of the run (Whole: both)
-    if constexpr (Bits == 4 && kVnni) {  // int32 sums straight from the bytes
-      for (auto& row : dot)
-        for (auto& v : row) v = _mm256_setzero_si256();
-      for (int c = 0; c < 4; ++c) {
-        const __m256i v = load_chunk(run + 32 * c);
-        const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-        for (int r = 0; r < R; ++r) {
-          const int8_t* x = a.q + (m + r) * K + k + 4 * c;
-          dot[r][0] = add_dot4(dot[r][0], lo, bcast4(x));
-          dot[r][H - 1] = add_dot4(dot[r][H - 1], hi, bcast4(x + 16));
-        }
-      }
-    } else if constexpr (Bits == 4) {
-      const __m256i ones = _mm256_set1_epi16(1);
-      // int16 pairs: at most 4 chunks * 2 * 15 * 127 per half, twice that for both
+    if constexpr (Bits == 4) {
       __m256i sum[R][H];
       for (auto& row : sum)
         for (auto& v : row) v = _mm256_setzero_si256();
@@ -246,12 +240,13 @@ void strip_pass_int8(const Strips& w, int64_t s, const Acts& a, int64_t m, float
         const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
         for (int r = 0; r < R; ++r) {
           const int8_t* x = a.q + (m + r) * K + k + 4 * c;
-          sum[r][0] = _mm256_add_epi16(sum[r][0], _mm256_maddubs_epi16(lo, bcast4(x)));
-          sum[r][H - 1] = _mm256_add_epi16(sum[r][H - 1], _mm256_maddubs_epi16(hi, bcast4(x + 16)));
+          sum[r][0] = add_q4_chunk(sum[r][0], lo, bcast4(x));
+          sum[r][H - 1] = add_q4_chunk(sum[r][H - 1], hi, bcast4(x + 16));
         }
       }
       for (int r = 0; r < R; ++r)
-        for (int h = 0; h < H; ++h) dot[r][h] = _mm256_madd_epi16(sum[r][h], ones);
+        for (int h = 0; h < H; ++h)
+          dot[r][h] = kVnni ? sum[r][h] : _mm256_madd_epi16(sum[r][h], _mm256_set1_epi16(1));
     } else if constexpr (kVnni) {  // x + 128 (unsigned) times q, less 128 * sum(q)
       __m256i qsum[H];
       for (auto& v : qsum) v = _mm256_setzero_si256();
