@@ -179,7 +179,8 @@ def _linears(layer: nn.Module, dtype: torch.dtype) -> tuple[tuple, int, list] | 
             return None
         args.append(found[0])
         max_rows = min(max_rows, found[1])
-        modules += [found[2]] if found[2] is not None else []
+        if found[2] is not None:
+            modules.append(found[2])
     return tuple(args), max_rows, modules
 
 

@@ -59,7 +59,8 @@ class ModelRunner:
         self.device = torch.device(device or _default_device(config.device))
         self.hf_config = load_config(config.hf_config_path or config.model)
         self.dtype = resolve_dtype(config.dtype, self.hf_config, device=self.device)
-        # Chosen once, from the environment; every kernel below is built now, before READY.
+        # Chosen once, from the environment; every kernel the model uses is built now, before
+        # READY (the quantized-weight ones only for a quantized model).
         self.kernels = KernelSet.for_device(self.device)
         self.kernels.build_declared(
             resolve_quantization(config.model, config.quantization) is not None

@@ -143,7 +143,7 @@ void pass_int8(const QuantRows& w, int64_t n, const Acts& a, int64_t m, float* r
       __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + r * K + k));
       if constexpr (Bits == 8) av = _mm256_sign_epi8(av, signs);
       const __m256 scale = _mm256_mul_ps(sv, _mm256_set1_ps(a.d[(m + r) * a.runs + k / kRun]));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_run(u, av)), scale, acc[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(add_dot4(_mm256_setzero_si256(), u, av)), scale, acc[r]);
     }
   };
 #if defined(SPLITSERVE_AVX512)
@@ -218,7 +218,7 @@ Tensor run_int8(const Tensor& x, const QuantRows& w, int64_t N, const Tensor& bi
   const int64_t M = x.size(0);
   const ActsStorage storage = splitserve::quant::quantize_acts(
       reinterpret_cast<const T*>(x.data_ptr()), M, w.K, x.stride(0), w.block_size,
-      w.mins != nullptr, kPairOrder);
+      w.mins != nullptr, kPairOrder, false);
   const Acts acts = storage.view();
   auto out = at::empty({M, N}, x.options());
   const auto* passes = kPassInt8[w.bits == 4 ? 0 : 1];

@@ -298,11 +298,12 @@ inline __m256i q4_run(const uint8_t* run) {
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(run));
   return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0F));
 }
-inline __m256i dot_run(__m256i u, __m256i a) {
+// acc plus those 4-byte dot products of unsigned u and signed a, per int32 lane.
+inline __m256i add_dot4(__m256i acc, __m256i u, __m256i a) {
 #if defined(SPLITSERVE_AVX512_BF16)  // every CPU with AVX512-BF16 has AVX512-VNNI
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, a);
-#else  // |q| <= 128 and |a| <= 127: the int16 pair sums cannot saturate
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), _mm256_set1_epi16(1));
+  return _mm256_dpbusd_epi32(acc, u, a);
+#else  // |u| <= 128 and |a| <= 127: the int16 pair sums cannot saturate
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), _mm256_set1_epi16(1)));
 #endif
 }
 inline float sum8(__m256 s) {
@@ -358,7 +359,7 @@ float quantize_run(const T* x, int8_t* q) {
 
 template <typename T>
 ActsStorage quantize_acts(const T* x, int64_t M, int64_t K, int64_t ldx, int64_t block_size,
-                          bool with_sums, bool pair_order, bool offset = false) {
+                          bool with_sums, bool pair_order, bool offset) {
   ActsStorage a;
   a.runs = K / kRun;
   a.pairs = pair_order ? K / (2 * kRun) : 0;

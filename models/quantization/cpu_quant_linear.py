@@ -165,11 +165,10 @@ def _strip_linear(
     exact: bool,
     int8_rows: int | None,
 ) -> torch.Tensor:
-    args = (q.q, q.scales, q.mins, q.bits, q.block_size)
-    exact_rows = STRIP_EXACT_ROWS_HEAD if q.shape[0] > HEAD_ROWS else STRIP_EXACT_ROWS
-    if not exact and (int8_rows is None or x.shape[0] <= int8_rows):
+    args, rows = (q.q, q.scales, q.mins, q.bits, q.block_size), x.shape[0]
+    if not exact and (int8_rows is None or rows <= int8_rows):
         out = kernel.strip_linear_int8(x, *args, bias)
-    elif exact and x.shape[0] <= exact_rows:
+    elif exact and rows <= (STRIP_EXACT_ROWS_HEAD if q.shape[0] > HEAD_ROWS else STRIP_EXACT_ROWS):
         out = kernel.strip_linear_f32(x, *args, bias)
     else:
         out = _dequantized_linear(x, kernel.strip_dequantize_into, q.shape, args, bias)

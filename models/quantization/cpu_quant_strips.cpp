@@ -1,6 +1,6 @@
 // Linear layers on a block-quantized weight in strips (models/quantization/strips.py), for
-// AVX2 builds and AVX512-BF16 ones without AMX: 8 output features side by side, so that one 256-bit register holds the
-// same 4 bytes of 8 rows and every lane accumulates its own feature. No horizontal sums,
+// AVX2 builds and AVX512-BF16 ones without AMX: 8 output features side by side, so that one
+// 256-bit register holds the same 4 bytes of 8 rows and every lane accumulates its own feature. No horizontal sums,
 // one scale load per half-block for 8 features, and x's values are broadcast, not shuffled.
 //
 // Strip s (features 8s .. 8s + 7), run r (inputs 32r .. 32r + 31): chunks c of 32 bytes,
@@ -40,8 +40,8 @@ constexpr int64_t kStrip = 8;  // features per strip
 // straight into int32, 256 bits wide: as many products a cycle as 512 on Zen 4), compute on
 // strips. AVX512F builds keep rows (their pair-order activations), AMX builds too (the
 // AMX tiles read rows).
-#if defined(SPLITSERVE_AVX2) && (!defined(SPLITSERVE_AVX512) || defined(SPLITSERVE_AVX512_BF16)) && \
-    !defined(SPLITSERVE_AMX)
+#if defined(SPLITSERVE_AVX2) && !defined(SPLITSERVE_AMX) && \
+    (!defined(SPLITSERVE_AVX512) || defined(SPLITSERVE_AVX512_BF16))
 #define SPLITSERVE_STRIPS
 constexpr bool kStrips = true;
 #else
@@ -196,15 +196,6 @@ inline __m256i bcast4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
   return _mm256_set1_epi32(v);
-}
-
-// acc + the 4-byte dot products of unsigned u and signed a, per int32 lane.
-inline __m256i add_dot4(__m256i acc, __m256i u, __m256i a) {
-#if defined(SPLITSERVE_AVX512_BF16)
-  return _mm256_dpbusd_epi32(acc, u, a);
-#else  // |u| <= 128, |a| <= 127: the int16 pair sums cannot saturate
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), _mm256_set1_epi16(1)));
-#endif
 }
 
 // acc plus a 4-bit chunk's products: int32 lanes with VNNI, else int16 pairs, which the
