@@ -3,8 +3,6 @@ host/device pairs for what lives outside it."""
 
 from __future__ import annotations
 
-import math
-import mmap
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -194,28 +192,3 @@ class InputBuffers:
     def record_copies(self) -> None:
         if self._copied is not None:
             self._copied.record()
-
-
-_MADV_POPULATE_WRITE = 23  # Linux 5.14+; the mmap module of Python 3.11 does not name it
-
-
-def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed host tensor on transparent huge pages where the kernel allows them, its
-    pages faulted in now. The KV cache is read in scattered pages of a few KB: with 4 KB
-    pages nearly every one costs a TLB miss, with 2 MB pages almost none does. Faulting
-    in at allocation (about 0.6 s per GiB here) keeps the kernel's page zeroing off the
-    serving path, where first writes to fresh blocks would otherwise pay it."""
-    numel = math.prod(shape)
-    nbytes = max(1, numel * dtype.itemsize)
-    # Private and anonymous: zero-filled as pages are first touched. (A shared mapping, the
-    # default of mmap.mmap(-1, n), is shmem, which gets huge pages only where
-    # transparent_hugepage/shmem_enabled allows them: "never" by default.)
-    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        memory.madvise(mmap.MADV_HUGEPAGE)
-    tensor = torch.frombuffer(memory, dtype=dtype, count=numel).view(shape)
-    try:
-        memory.madvise(_MADV_POPULATE_WRITE)
-    except OSError:  # an older kernel: touch every page instead
-        tensor.view(-1).view(torch.uint8).zero_()
-    return tensor

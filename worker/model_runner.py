@@ -15,10 +15,11 @@ from kernels import KernelSet
 from models import kv_cache_shape_info, load_config, load_model, resolve_dtype
 from models.parallel_state import get_tp_rank, get_tp_size, set_expert_parallel, tp_broadcast
 from worker.batch_update import update_batch
-from worker.buffers import InputBuffers, zeros_on_huge_pages
+from worker.buffers import InputBuffers
 from worker.cuda_graph import CudaGraphRunner, Mode, capture_sizes, cuda_graphs_off_reason
 from worker.draft_model import DraftModel
 from worker.grammar_bitmask import apply_grammar_bitmask
+from worker.host_pages import FaultInBehind, zeros_on_huge_pages
 from worker.input_batch import CachedRequestState, InputBatch
 from worker.kv_cache_groups import group_layers, group_size
 from worker.kv_connector import KVConnectorWorker, make_kv_connector
@@ -249,6 +250,7 @@ class ModelRunner:
             return torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
 
         tensors = [zeros(shape) for _ in range(group_size(self.kv_cache_groups))]
+        self.kv_fault_in = FaultInBehind(tensors if self.device.type == "cpu" else [])
         layers = self.model.attention_layers()
         for index, group in enumerate(self.kv_cache_groups):
             for tensor, layer in zip(tensors, group.layers, strict=False):
@@ -323,7 +325,6 @@ class ModelRunner:
         """Run one step and answer it."""
         return self.finish(self.launch(scheduler_output))
 
-    @torch.inference_mode()
     def launch(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
         """Update the batch, queue the step's forward and sampling on the device and start
         its samples' copy to the host; `finish` answers it. While the last launched step
@@ -331,6 +332,11 @@ class ModelRunner:
         prepares this step while the device still runs that one; unless a row's sampling
         reads the tokens so far (min_tokens, penalties, bad words): that step is finished
         first."""
+        with self.kv_fault_in.held_off():
+            return self._launch(scheduler_output)
+
+    @torch.inference_mode()
+    def _launch(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
         # The host sides of the batch and the buffers are rewritten from here on.
         self.inputs.wait_for_copies()
         so = scheduler_output

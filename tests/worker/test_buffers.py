@@ -1,19 +1,15 @@
 """Persistent input buffers: one host/device pair per input, written every step in place."""
 
-import os
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
-import worker.buffers
 from engine_core import EngineConfig
 from ipc.messages import NewRequestData
 from ipc.sampling_params import SamplingParams
 from tests.models.tiny import make_tiny_checkpoint
 from tests.worker.scheduler_outputs import decoding, runner_step
-from worker.buffers import CpuGpuBuffer, InputBuffers, zeros_on_huge_pages
+from worker.buffers import CpuGpuBuffer, InputBuffers
 from worker.model_runner import ModelRunner
 
 
@@ -94,51 +90,6 @@ def test_every_step_writes_the_same_buffers(tmp_path, monkeypatch):
     assert prefill == [[0, 3, 4], [3, 1], [3 * 4, 3 * 4 + 1, 3 * 4 + 2, 5 * 4]]
     assert decode == [[0, 1, 2], [4, 2], [3 * 4 + 3, 5 * 4 + 1]]
     assert np.array_equal(buffers.positions.np[:2], [3, 1])
-
-
-def test_zeros_on_huge_pages_is_a_plain_zeroed_tensor():
-    import gc
-
-    cache = zeros_on_huge_pages((2, 3, 4, 5), torch.bfloat16)
-    gc.collect()  # the tensor alone keeps its memory alive
-    assert cache.shape == (2, 3, 4, 5) and cache.dtype == torch.bfloat16
-    assert cache.is_contiguous() and cache.eq(0).all()
-    cache[1, 2] = 7
-    assert cache.sum().item() == 7 * 4 * 5
-
-
-def _resident_bytes() -> int:
-    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-@pytest.mark.parametrize("populate", ["madvise", "touch"])
-def test_zeros_on_huge_pages_are_faulted_in_at_allocation(monkeypatch, populate):
-    """The cache's pages are resident once allocated (the kernel zeroes them then, not on
-    a step's first write), by MADV_POPULATE_WRITE or, where the kernel refuses it, by
-    touching every page."""
-    if populate == "touch":  # an advice no kernel knows: the fallback
-        monkeypatch.setattr(worker.buffers, "_MADV_POPULATE_WRITE", 10_000)
-    before = _resident_bytes()
-    cache = zeros_on_huge_pages((64, 1 << 20), torch.uint8)
-    assert _resident_bytes() - before >= 60 << 20
-    assert cache.eq(0).all()
-
-
-def _anon_huge_page_bytes() -> int:
-    smaps = Path("/proc/self/smaps").read_text().splitlines()
-    return 1024 * sum(int(line.split()[1]) for line in smaps if line.startswith("AnonHugePages:"))
-
-
-def test_zeros_on_huge_pages_are_on_huge_pages_where_the_kernel_allows_them():
-    """A private mapping: a shared anonymous one (mmap.mmap's default) is shmem, which gets
-    no huge pages under the default shmem_enabled "never", whatever madvise says."""
-    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    if not thp.exists() or "[never]" in thp.read_text():
-        pytest.skip("this kernel gives no transparent huge pages")
-    before = _anon_huge_page_bytes()
-    cache = zeros_on_huge_pages((64, 1 << 20), torch.uint8)
-    assert _anon_huge_page_bytes() - before >= 32 << 20
-    del cache
 
 
 def test_the_runner_sizes_its_token_buffers_by_its_device_budget(runner):

@@ -1,0 +1,109 @@
+"""The KV cache's host memory: transparent huge pages, faulted in behind the engine's back."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import math
+import mmap
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+
+import torch
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+; the mmap module of Python 3.11 does not name it
+_CHUNK = 2 << 20  # one huge page
+_QUIET_S = 0.05
+
+
+def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed host tensor on transparent huge pages where the kernel allows them. The KV
+    cache is read in scattered pages of a few KB: with 4 KB pages nearly every one costs a
+    TLB miss, with 2 MB pages almost none does. Its pages are zeroed by the kernel when
+    first touched (`FaultInBehind` does that ahead of the steps)."""
+    numel = math.prod(shape)
+    nbytes = max(1, numel * dtype.itemsize)
+    # Private and anonymous: zero-filled as pages are first touched. (A shared mapping, the
+    # default of mmap.mmap(-1, n), is shmem, which gets huge pages only where
+    # transparent_hugepage/shmem_enabled allows them: "never" by default.)
+    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        memory.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(memory, dtype=dtype, count=numel).view(shape)
+
+
+class FaultInBehind:
+    """Faults in the pages of `tensors` on a thread, while no step runs.
+
+    The kernel zeroes a page on its first touch: 4 GiB of KV cache cost 10 s on a VM of this
+    project (huge pages there cost 2.4 s per GiB, 4 KB pages 0.8), which, done at start,
+    was two thirds of a warm `LLM` start. The thread uses MADV_POPULATE_WRITE, which faults
+    in what is missing and never changes a page already there, so steps write the cache
+    meanwhile and fault in themselves what they reach first. It holds off while a step runs
+    and for _QUIET_S after one (`held_off`): on a VM a vCPU stays in the hypervisor for a
+    huge page's whole fault, which no guest priority preempts, and zeroing would take the
+    memory bandwidth a decode step lives on. So it works through the rest of the start and
+    whenever the engine idles, at idle priority (SCHED_IDLE) besides. It takes the same
+    offset of every leading slice of every tensor together (a KV tensor's K and V halves,
+    so block b of every layer before block b + 1: the pool hands out low block ids first)
+    and stops when the tensors are freed. Kernels before 5.14 refuse the advice: then the
+    steps fault in every page."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self._refs = [weakref.ref(tensor) for tensor in tensors]
+        self._steps_running = 0
+        self._quiet_from = 0.0
+        self.thread = threading.Thread(target=self._run, name="kv-fault-in", daemon=True)
+        self.thread.start()
+
+    @contextlib.contextmanager
+    def held_off(self) -> Iterator[None]:
+        """Around a step: the thread waits for it, and _QUIET_S more."""
+        self._steps_running += 1
+        try:
+            yield
+        finally:
+            self._steps_running -= 1
+            self._quiet_from = time.monotonic() + _QUIET_S
+
+    def _run(self) -> None:
+        if hasattr(os, "SCHED_IDLE"):
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # this thread alone
+        offset = 0
+        while True:
+            pending = False
+            for ref in self._refs:
+                while self._steps_running or time.monotonic() < self._quiet_from:
+                    time.sleep(_QUIET_S)
+                tensor = ref()
+                if tensor is None:
+                    return
+                slices = tensor.shape[0] if tensor.dim() else 1
+                slice_bytes = tensor.nbytes // max(slices, 1)
+                length = min(_CHUNK, slice_bytes - offset)
+                pending |= length > 0
+                for index in range(slices if length > 0 else 0):
+                    if not _populate(tensor.data_ptr() + index * slice_bytes + offset, length):
+                        return
+                del tensor  # held no longer than a chunk: the engine may free it meanwhile
+            if not pending:
+                return
+            offset += _CHUNK
+
+
+def _populate(address: int, length: int) -> bool:
+    """MADV_POPULATE_WRITE over the pages holding [address, address + length); False where
+    the kernel refuses it. ctypes lets go of the GIL for the call."""
+    start = address - address % mmap.PAGESIZE
+    return _madvise()(start, address + length - start, _MADV_POPULATE_WRITE) == 0
+
+
+@functools.cache
+def _madvise() -> Callable[[int, int, int], int]:
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return madvise
