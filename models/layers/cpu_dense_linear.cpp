@@ -21,7 +21,8 @@
 //     tiles of 2 vectors of rows, 6 features x 2 vectors of accumulators, a broadcast
 //     weight per feature and k: about 145-150 GFLOP/s at 64-256 rows, where torch's float32
 //     GEMM reaches 90-135. The first tile prefetches the next group's float32 weight rows
-//     (2 Zen 4 cores, SmolLM2's layers: 16-32 rows 43-47 -> 37-40 ms, 64 rows 76 -> 71).
+//     (2 Zen 4 cores, SmolLM2's layers: 16-32 rows 43-47 -> 37-40 ms, 64 rows 76 -> 71);
+//     a last tile of one vector's rows or fewer takes one vector (16 rows there: 37 -> 28).
 //   - from kGemmRows on, bf16 W only (`linear_widened`): torch's float32 GEMM on the weight
 //     widened a panel at a time (about 5% slower than on float32 weights).
 //
@@ -195,23 +196,26 @@ void linear_rows(const float* x, int64_t T, int64_t K, const W* w, int64_t w_str
 constexpr int kPanelFeatures = 6, kPanelVecs = 2;
 constexpr int64_t kTileRows = kPanelVecs * Vec::kLanes;
 
-inline void panel_tile(const float* w, int64_t w_stride, const float* xt, int64_t K,
-                       const float* next, float* tile) {
-  Vec acc[kPanelFeatures][kPanelVecs];
+// Not inlined: inlined into linear_panels' lambda, GCC kept the one-vector tile's
+// accumulators on the stack, stored every k (1.8x slower).
+template <int V>
+__attribute__((noinline)) void panel_tile(const float* w, int64_t w_stride, const float* xt,
+                                          int64_t K, const float* next, float* tile) {
+  Vec acc[kPanelFeatures][V];
   for (auto& row : acc)
     for (auto& a : row) a = Vec::zero();
   for (int64_t k = 0; k < K; ++k) {
     if (next != nullptr && k % 16 == 0)
       for (int f = 0; f < kPanelFeatures; ++f) __builtin_prefetch(next + f * w_stride + k);
-    Vec xv[kPanelVecs];
-    for (int v = 0; v < kPanelVecs; ++v) xv[v] = Vec::load(xt + k * kTileRows + v * Vec::kLanes);
+    Vec xv[V];
+    for (int v = 0; v < V; ++v) xv[v] = Vec::load(xt + k * kTileRows + v * Vec::kLanes);
     for (int f = 0; f < kPanelFeatures; ++f) {
       const Vec b = Vec::broadcast(w + f * w_stride + k);
-      for (int v = 0; v < kPanelVecs; ++v) acc[f][v].fma(b, xv[v]);
+      for (int v = 0; v < V; ++v) acc[f][v].fma(b, xv[v]);
     }
   }
   for (int f = 0; f < kPanelFeatures; ++f)
-    for (int v = 0; v < kPanelVecs; ++v) acc[f][v].store(tile + f * kTileRows + v * Vec::kLanes);
+    for (int v = 0; v < V; ++v) acc[f][v].store(tile + f * kTileRows + v * Vec::kLanes);
 }
 
 template <typename W, typename Out>
@@ -263,8 +267,12 @@ void linear_panels(const float* x, int64_t T, int64_t K, const W* w, int64_t w_s
           // The next group's weight rows, prefetched while the first tile reads these: the
           // hardware prefetchers start each row's stream late.
           const bool next = i == 0 && g + 1 < end && wf != widened.data();
-          panel_tile(wf, wf_stride, xt.data() + i * K * kTileRows, K,
-                     next ? wf + kPanelFeatures * wf_stride : nullptr, tile);
+          const float* nw = next ? wf + kPanelFeatures * wf_stride : nullptr;
+          const float* xti = xt.data() + i * K * kTileRows;
+          if (count <= Vec::kLanes)
+            panel_tile<1>(wf, wf_stride, xti, K, nw, tile);
+          else
+            panel_tile<kPanelVecs>(wf, wf_stride, xti, K, nw, tile);
           Out* o = out + (t0 + r0) * N + n;
           for (int64_t r = 0; r < count; ++r)
             for (int64_t f = 0; f < features; ++f)
