@@ -48,7 +48,7 @@ inline float max_lanes(__m256 v) {
   return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 
-constexpr int64_t kAheadPositions = 32;
+constexpr int64_t kAheadPositions = 16;
 
 // part[j * 8 + t] = the 8 partial sums of q_j . row t, for the N query heads from q (rows
 // D floats apart) that share the row's features at `k`.
