@@ -109,6 +109,8 @@ constexpr int64_t kPanelBytes = 16 << 20;  // a widened panel of linear_widened
 
 // sums[r * F + f] = x row r . W row f, over K features. The next F rows of W are
 // prefetched as these are read: the hardware prefetchers start each row's stream late.
+// Into L2: prefetches into L1 wait on the core's few L1 miss buffers (2 Zen 4 cores,
+// SmolLM2's layers at 1 row: float32 23-24 -> 17-19 ms, bf16 13-14 -> 8-9 ms).
 inline float widen(uint16_t w) { return bf16_to_float(w); }
 inline float widen(float w) { return w; }
 
@@ -122,7 +124,7 @@ inline void dot_tile(const W* w, int64_t w_stride, const float* x, int64_t x_str
   for (; k + Vec::kLanes <= K; k += Vec::kLanes) {
     Vec wv[F];
     for (int f = 0; f < F; ++f) {
-      __builtin_prefetch(w + (f + F) * w_stride + k);
+      __builtin_prefetch(w + (f + F) * w_stride + k, 0, 2);
       wv[f] = Vec::load(w + f * w_stride + k);
     }
     for (int r = 0; r < R; ++r) {
