@@ -198,11 +198,9 @@ void linear_rows(const float* x, int64_t T, int64_t K, const W* w, int64_t w_str
 constexpr int kPanelFeatures = 6, kPanelVecs = 2;
 constexpr int64_t kTileRows = kPanelVecs * Vec::kLanes;
 
-// Not inlined: inlined into linear_panels' lambda, GCC kept the one-vector tile's
-// accumulators on the stack, stored every k (1.8x slower).
 template <int V>
-__attribute__((noinline)) void panel_tile(const float* w, int64_t w_stride, const float* xt,
-                                          int64_t K, const float* next, float* tile) {
+inline void panel_tile(const float* w, int64_t w_stride, const float* xt, int64_t K,
+                       const float* next, float* tile) {
   Vec acc[kPanelFeatures][V];
   for (auto& row : acc)
     for (auto& a : row) a = Vec::zero();
@@ -218,6 +216,14 @@ __attribute__((noinline)) void panel_tile(const float* w, int64_t w_stride, cons
   }
   for (int f = 0; f < kPanelFeatures; ++f)
     for (int v = 0; v < V; ++v) acc[f][v].store(tile + f * kTileRows + v * Vec::kLanes);
+}
+
+// A tile of one vector of rows, not inlined: inlined into linear_panels' lambda, GCC kept
+// its accumulators on the stack, stored every k (1.8x slower on AVX-512). The two-vector
+// tile is inlined: out of line, GCC 12 did that to it on AVX2 (2x slower at 32-64 rows).
+__attribute__((noinline)) void panel_tile_one(const float* w, int64_t w_stride, const float* xt,
+                                              int64_t K, const float* next, float* tile) {
+  panel_tile<1>(w, w_stride, xt, K, next, tile);
 }
 
 template <typename W, typename Out>
@@ -272,7 +278,7 @@ void linear_panels(const float* x, int64_t T, int64_t K, const W* w, int64_t w_s
           const float* nw = next ? wf + kPanelFeatures * wf_stride : nullptr;
           const float* xti = xt.data() + i * K * kTileRows;
           if (count <= Vec::kLanes)
-            panel_tile<1>(wf, wf_stride, xti, K, nw, tile);
+            panel_tile_one(wf, wf_stride, xti, K, nw, tile);
           else
             panel_tile<kPanelVecs>(wf, wf_stride, xti, K, nw, tile);
           Out* o = out + (t0 + r0) * N + n;
