@@ -71,8 +71,9 @@ class FaultInBehind:
             self._quiet_from = time.monotonic() + _QUIET_S
 
     def _run(self) -> None:
-        if hasattr(os, "SCHED_IDLE"):
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # this thread alone
+        if hasattr(os, "SCHED_IDLE"):  # this thread alone; where refused, it runs as it is
+            with contextlib.suppress(OSError):
+                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         offset = 0
         while True:
             pending = False
