@@ -17,6 +17,7 @@ copy costs, not a GPU's transfer over PCIe.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import time
 
@@ -74,6 +75,7 @@ def shared_prefixes(args: argparse.Namespace, host_bytes: int) -> tuple[float, i
 
 
 def main() -> None:
+    os.environ.setdefault("SPLITSERVE_KV_FAULT_IN", "start")  # engines compared
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="model folder (default model if unset)")
     parser.add_argument("--dtype", default="bfloat16", choices=DTYPES)

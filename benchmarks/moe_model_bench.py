@@ -21,6 +21,7 @@ tokens greedily, EOS ignored; output tok/s is all generated tokens over the wall
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -126,6 +127,7 @@ def run_transformers(path: Path, streams: int, args) -> float:
 
 
 def main() -> None:
+    os.environ.setdefault("SPLITSERVE_KV_FAULT_IN", "start")  # engines compared
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--streams", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--max-tokens", type=int, default=64)

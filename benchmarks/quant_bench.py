@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import time
 from pathlib import Path
@@ -129,6 +130,7 @@ def table(results: dict, folder: str, args: argparse.Namespace) -> str:
 
 
 def main() -> None:
+    os.environ.setdefault("SPLITSERVE_KV_FAULT_IN", "start")  # engines compared
     from benchmarks.compare_llamacpp import cpu_name
     from models.default import default_model_path
 

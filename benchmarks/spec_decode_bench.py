@@ -30,6 +30,7 @@ acceptance length are those of each cell.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import subprocess
 import time
@@ -158,6 +159,7 @@ def make_llm(spec: dict | None, args):
 
 
 def main() -> None:
+    os.environ.setdefault("SPLITSERVE_KV_FAULT_IN", "start")  # engines compared
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--k", type=int, nargs="+", default=[2, 4, 6])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])

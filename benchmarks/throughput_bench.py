@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import os
 import random
 import time
 
@@ -147,6 +148,7 @@ def _profile(before: SchedulerStats, after: SchedulerStats) -> StepProfile:
 
 
 def main() -> None:
+    os.environ.setdefault("SPLITSERVE_KV_FAULT_IN", "start")  # engines compared
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mode", choices=("llm", "client"), default="llm")
     parser.add_argument("--address", help="engine address or address file (implies client)")

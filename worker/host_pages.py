@@ -53,10 +53,17 @@ class FaultInBehind:
     and stops when the tensors are freed. Kernels before 5.14 refuse the advice: then the
     steps fault in every page."""
 
-    def __init__(self, tensors: list[torch.Tensor]) -> None:
+    def __init__(self, tensors: list[torch.Tensor], at_start: bool = False) -> None:
+        """`at_start`: fault every page in now, before returning, on this thread (engines
+        that are compared against each other in one benchmark: an engine faulting its
+        pages in behind would slow the one being measured)."""
         self._refs = [weakref.ref(tensor) for tensor in tensors]
         self._steps_running = 0
         self._quiet_from = 0.0
+        self.thread: threading.Thread | None = None
+        if at_start:
+            self._fault_in()
+            return
         self.thread = threading.Thread(target=self._run, name="kv-fault-in", daemon=True)
         self.thread.start()
 
@@ -74,6 +81,9 @@ class FaultInBehind:
         if hasattr(os, "SCHED_IDLE"):  # this thread alone; where refused, it runs as it is
             with contextlib.suppress(OSError):
                 os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        self._fault_in()
+
+    def _fault_in(self) -> None:
         offset = 0
         while True:
             pending = False

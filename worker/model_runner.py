@@ -1,5 +1,6 @@
 import logging
 import math
+import os
 import time
 from collections import deque
 from dataclasses import replace
@@ -250,7 +251,11 @@ class ModelRunner:
             return torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
 
         tensors = [zeros(shape) for _ in range(group_size(self.kv_cache_groups))]
-        self.kv_fault_in = FaultInBehind(tensors if self.device.type == "cpu" else [])
+        fault_in = os.environ.get("SPLITSERVE_KV_FAULT_IN", "behind")
+        if fault_in not in ("behind", "start"):
+            raise ValueError(f"SPLITSERVE_KV_FAULT_IN={fault_in!r}: 'behind' or 'start'")
+        cpu_tensors = tensors if self.device.type == "cpu" else []
+        self.kv_fault_in = FaultInBehind(cpu_tensors, at_start=fault_in == "start")
         layers = self.model.attention_layers()
         for index, group in enumerate(self.kv_cache_groups):
             for tensor, layer in zip(tensors, group.layers, strict=False):

@@ -42,6 +42,15 @@ def test_fault_in_behind_makes_the_pages_resident_and_keeps_what_was_written():
     assert cache[0, 5 * MiB : 5 * MiB + 100].eq(3).all() and cache[1, -7:].eq(9).all()
 
 
+def test_fault_in_at_start_makes_every_page_resident_before_it_returns():
+    before = _resident_bytes()
+    cache = zeros_on_huge_pages((2, 16 * MiB), torch.uint8)
+    cache[1, :5] = 4
+    assert FaultInBehind([cache], at_start=True).thread is None
+    assert _resident_bytes() - before >= 30 * MiB
+    assert cache.sum().item() == 20
+
+
 def _record_populates(monkeypatch, on_call=lambda: None) -> list[tuple[int, int]]:
     calls = []
 
