@@ -9,7 +9,8 @@ requests run in a closed loop on the EngineCore: C in flight, the next added as 
 finishes (as a serving benchmark's max concurrency). Output tok/s is the tokens generated
 over the wall time; greedy speculation is exact, so both engines generate the same tokens
 (the script counts requests whose tokens differ: a near tie can flip where a
-verification row and a single-token step round differently).
+verification row and a single-token step round differently). --rounds R runs each cell
+R times (every other round with the engines in reverse order) and sums them.
 
 Every engine (1 GiB of KV cache each) starts once and warms up on a short wave, and each
 cell runs on every engine back to back (the CPU's speed drifts over minutes); `plain` runs
@@ -24,7 +25,7 @@ acceptance length are those of each cell.
 
     python -m benchmarks.spec_decode_bench [--k 2 4 6] [--concurrency 1 4 16 64]
         [--workloads repeat code chat] [--max-tokens 128] [--draft-layers 4 0-3,26-29]
-        [--no-ngram] [--weights default|gguf]
+        [--no-ngram] [--weights default|gguf] [--rounds 1]
 """
 
 from __future__ import annotations
@@ -135,12 +136,17 @@ def run_cell(llm, workload: str, concurrency: int, args) -> dict:
     drafts = after.spec_decode_num_drafts - before.spec_decode_num_drafts
     draft_tokens = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
     accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
-    return {
-        "tok_s": sum(map(len, tokens.values())) / seconds,
-        "tokens": list(tokens.values()),
-        "acceptance": accepted / draft_tokens if draft_tokens else None,
-        "mean_len": 1 + accepted / drafts if drafts else None,
-    }
+    num_tokens = sum(map(len, tokens.values()))
+    return {"seconds": seconds, "num_tokens": num_tokens, "tokens": list(tokens.values()),
+            "drafts": drafts, "draft_tokens": draft_tokens, "accepted": accepted}  # fmt: skip
+
+
+def add_round(total: dict | None, cell: dict) -> dict:
+    """A cell's rounds summed; the tokens are the first round's (greedy: every round's)."""
+    if total is None:
+        return cell
+    counts = ("seconds", "num_tokens", "drafts", "draft_tokens", "accepted")
+    return {**total, **{key: total[key] + cell[key] for key in counts}}
 
 
 def make_llm(spec: dict | None, args):
@@ -166,6 +172,7 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="+", default=list(PROMPTS), choices=list(PROMPTS))
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--requests-per-stream", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=1, help="runs of each cell, summed")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--no-gate", action="store_true", help="adaptive false")
     parser.add_argument("--draft-layers", nargs="*", default=[], help="N or 0-3,26-29")
@@ -196,9 +203,14 @@ def main() -> None:
     engines = {name: make_llm(spec, args) for name, spec in configs.items()}
     for workload in args.workloads:
         for c in args.concurrency:
-            for name, llm in engines.items():  # back to back: the CPU's speed drifts
-                cell = results[name, workload, c] = run_cell(llm, workload, c, args)
-                print(f"{name:16} {workload:6} c={c:<3} {cell['tok_s']:7.1f} tok/s", flush=True)
+            for round_ in range(args.rounds):
+                # Back to back, every other round in reverse: the CPU's speed drifts.
+                order = list(engines.items())[:: -1 if round_ % 2 else 1]
+                for name, llm in order:
+                    cell = run_cell(llm, workload, c, args)
+                    results[name, workload, c] = add_round(results.get((name, workload, c)), cell)
+                    rate = cell["num_tokens"] / cell["seconds"]
+                    print(f"{name:16} {workload:6} c={c:<3} {rate:7.1f} tok/s", flush=True)
     for llm in engines.values():
         llm.shutdown()
     print("\n| workload | concurrency | plain tok/s | " + " | ".join(list(configs)[1:]) + " |")
@@ -206,17 +218,20 @@ def main() -> None:
     for workload in args.workloads:
         for c in args.concurrency:
             base = results["plain", workload, c]
+            base_rate = base["num_tokens"] / base["seconds"]
             cells = []
             for name in list(configs)[1:]:
                 cell = results[name, workload, c]
                 differ = sum(a != b for a, b in zip(cell["tokens"], base["tokens"], strict=True))
-                text = f"{cell['tok_s'] / base['tok_s']:.2f}x"
-                if cell["acceptance"] is not None:
-                    text += f" (acc {100 * cell['acceptance']:.0f}%, len {cell['mean_len']:.2f})"
+                text = f"{cell['num_tokens'] / cell['seconds'] / base_rate:.2f}x"
+                if cell["draft_tokens"]:
+                    acceptance = 100 * cell["accepted"] / cell["draft_tokens"]
+                    mean_len = 1 + cell["accepted"] / cell["drafts"]
+                    text += f" (acc {acceptance:.0f}%, len {mean_len:.2f})"
                 if differ:
                     text += f" [{differ} differ]"
                 cells.append(text)
-            print(f"| {workload} | {c} | {base['tok_s']:.1f} | " + " | ".join(cells) + " |")
+            print(f"| {workload} | {c} | {base_rate:.1f} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

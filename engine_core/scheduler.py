@@ -164,7 +164,10 @@ class Scheduler:
         if self.remote_kv is not None:
             scheduler_output.kv_connector_metadata = self.remote_kv.build_connector_meta()
         if self.spec is not None and total:
-            self.spec.gate.step_scheduled(self.step_id, len(self.running), speculates)
+            mostly_prefill = _mostly_prefill(num_scheduled_tokens, spec_tokens)
+            self.spec.gate.step_scheduled(
+                self.step_id, len(self.running), speculates, mostly_prefill
+            )
             # A draft model drafts now for the next step, if the gate lets that one speculate.
             scheduler_output.propose_drafts = bool(self._lookahead) and self._speculates()
         self.step_id += 1
@@ -472,3 +475,15 @@ class Scheduler:
         if self.remote_kv is not None:
             self.remote_kv.fill(stats)
         return stats
+
+
+def _mostly_prefill(num_scheduled_tokens: dict[str, int], spec_tokens: dict[str, list]) -> bool:
+    """Whether a step's prefill tokens outnumber its decoding requests (each of which
+    decodes one token and verifies its drafts)."""
+    num_decoding = num_prefill = 0
+    for request_id, num_new in num_scheduled_tokens.items():
+        if num_new == 1 + len(spec_tokens.get(request_id, ())):
+            num_decoding += 1
+        else:
+            num_prefill += num_new
+    return num_prefill > num_decoding

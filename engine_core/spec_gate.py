@@ -8,23 +8,29 @@ drafts. Whether the accepted drafts make up for it depends on the hardware, the 
 the text, so the gate measures it, for each batch-size bucket (running requests, to the
 nearest power of two on a log scale) on its own. A bucket alternates:
 
-    measure: _WINDOW steps with drafts, then _WINDOW without
+    measure: _WINDOW steps without drafts, then steps with drafts for as long (in time)
+             and at least _MIN_DRAFT_STEPS of them
     run:     the faster of the two (generated tokens per second) for a run of steps
 
-A run lasts _MIN_RUN of the bucket's steps, doubling (up to _MAX_RUN) each time the same
-mode wins again; then both are measured again. A window with drafts ends after _EARLY
-steps when they generate less than _EARLY_RATIO of the bucket's last plain rate: drafts
-that never pay (a draft model whose drafts are rejected) then cost 2 steps a measurement,
-not 8; the plain window is skipped and its last rate kept. A bucket keeps its state while the batch
-is in another, so a batch that shrinks and grows goes back to what each size measured. A
-bucket seen for the first time starts with a run instead of a measurement when a smaller
-bucket found drafts do not pay (a larger batch is more compute-bound, so they pay less)
-or a larger one found they do. A step counts from when it was scheduled (or the last
-answer, when it was scheduled ahead of it) to its answer. Steps with prefill chunks count
-too: new requests arrive in both modes alike, and a server that only counted decode-only
-steps would never finish measuring under a steady stream of arrivals.
-`disable_by_batch_size` (vLLM's) bounds it outright, and with `adaptive` off every step
-below that bound speculates.
+Plain steps come first, so the window with drafts is bounded by what the plain one took:
+where a step with drafts costs several plain ones (a large batch on a CPU) the
+measurement costs two of them, not eight. A run lasts long enough that what the losing
+window cost (its time less what the winner needed for its tokens) is at most _REGRET of
+it, and at least _MIN_RUN of the bucket's steps, doubling each time the same mode wins
+again, up to _MAX_RUN; then both are measured again. So a measurement that loses a lot
+is repeated rarely, and one that loses little (the modes are close) often.
+
+A bucket keeps its state while the batch is in another, so a batch that shrinks and grows
+goes back to what each size measured. A bucket seen for the first time starts with a run
+instead of a measurement when a smaller bucket found drafts do not pay (a larger batch is
+more compute-bound, so they pay less) or a larger one found they do. A step counts from
+when it was scheduled (or the last answer, when it was scheduled ahead of it) to its
+answer. A step whose prefill tokens outnumber its decoding requests is left out of a
+window (its time would say more about the prompts that arrived in it than about the
+mode: the first steps of a full batch prefill every prompt), unless the window has
+already left out _WINDOW of them: a server under a steady stream of long prompts still
+measures. `disable_by_batch_size` (vLLM's) bounds it outright, and with `adaptive` off
+every step below that bound speculates.
 
 Measured on a 2-core AVX2 CPU (SmolLM2-135M Q4_1, k = 4, drafts ~70 % accepted): steps
 with drafts generated 2.1x the tokens per second of plain steps with one request running,
@@ -33,6 +39,7 @@ with drafts generated 2.1x the tokens per second of plain steps with one request
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,10 +47,12 @@ from dataclasses import dataclass, field
 from ipc.spec_config import SpeculativeConfig
 
 _WINDOW = 8
+_MIN_DRAFT_STEPS = 2
 _MIN_RUN = 16
 _MAX_RUN = 512
-_EARLY = 2
-_EARLY_RATIO = 0.6
+_REGRET = 0.02
+
+logger = logging.getLogger(__name__)
 
 
 def _no_measures() -> dict[bool, list]:
@@ -52,16 +61,17 @@ def _no_measures() -> dict[bool, list]:
 
 @dataclass
 class BucketState:
-    mode: bool = True  # whether the current window or run speculates
+    size: int = 1  # running requests, a power of two
+    mode: bool = False  # whether the current window or run speculates
     measuring: bool = True
     measured: dict[bool, list] = field(default_factory=_no_measures)
+    skipped: int = 0  # steps this measurement left out as mostly prefill
     run_length: int = _MIN_RUN
     run_left: int = 0
     last_winner: bool | None = None
-    plain_rate: float | None = None  # of the last full measurement
 
     def measure(self) -> None:
-        self.measuring, self.mode, self.measured = True, True, _no_measures()
+        self.measuring, self.mode, self.measured, self.skipped = True, False, _no_measures(), 0
 
     def start_run(self, mode: bool) -> None:
         """A run of _MIN_RUN steps in `mode`, as if it had been measured the winner."""
@@ -69,24 +79,21 @@ class BucketState:
         self.measuring, self.mode = False, mode
         self.run_length = self.run_left = _MIN_RUN
 
-    def count(self, speculated: bool, num_tokens: int, seconds: float) -> None:
+    def count(self, speculated: bool, num_tokens: int, seconds: float, prefill: bool) -> None:
         if not self.measuring or speculated != self.mode:
+            return
+        if prefill and self.skipped < _WINDOW:
+            self.skipped += 1
             return
         window = self.measured[speculated]
         window[0] += num_tokens
         window[1] += seconds
         window[2] += 1
-        early = self.mode and window[2] >= _EARLY and self.plain_rate is not None
-        if early and self._rate(True) < _EARLY_RATIO * self.plain_rate:
-            self._run(False)
+        if not self.mode:
+            self.mode = window[2] >= _WINDOW
             return
-        if window[2] < _WINDOW:
-            return
-        if self.mode:
-            self.mode = False
-            return
-        self.plain_rate = self._rate(False)
-        self._run(self._rate(True) > self.plain_rate)
+        if window[2] >= _MIN_DRAFT_STEPS and window[1] >= self.measured[False][1]:
+            self._run(self._rate(True) > self._rate(False))
 
     def step_scheduled(self) -> None:
         if not self.measuring:
@@ -99,9 +106,21 @@ class BucketState:
         return tokens / seconds if seconds > 0 else float(tokens)
 
     def _run(self, winner: bool) -> None:
-        self.run_length = min(2 * self.run_length, _MAX_RUN)
-        if winner != self.last_winner:
-            self.run_length = _MIN_RUN
+        length = 2 * self.run_length if winner == self.last_winner else _MIN_RUN
+        loser_tokens, loser_seconds, _ = self.measured[not winner]
+        _, seconds, steps = self.measured[winner]
+        if seconds > 0 and loser_tokens > 0:
+            loss = loser_seconds - loser_tokens / self._rate(winner)
+            length = max(length, int(loss / (_REGRET * seconds / steps)))
+        self.run_length = min(length, _MAX_RUN)
+        logger.debug(
+            "%d running: drafts %.1f tok/s, plain %.1f tok/s: %s for %d steps",
+            self.size,
+            self._rate(True),
+            self._rate(False),
+            "drafts" if winner else "plain",
+            length,
+        )
         self.last_winner = winner
         self.measuring, self.mode, self.run_left = False, winner, self.run_length
 
@@ -115,14 +134,14 @@ class SpeculationGate:
         self.clock = clock
         self.buckets: dict[int, BucketState] = {}
         self.last_answer: float | None = None
-        # step id -> (time scheduled, speculated, bucket)
-        self.scheduled: dict[int, tuple[float, bool, int]] = {}
+        # step id -> (time scheduled, speculated, bucket, mostly prefill)
+        self.scheduled: dict[int, tuple[float, bool, int, bool]] = {}
 
     def bucket(self, num_running: int) -> BucketState:
         index = _bucket(num_running)
         state = self.buckets.get(index)
         if state is None:
-            state = self.buckets[index] = BucketState()
+            state = self.buckets[index] = BucketState(index)
             others = self.buckets.items()
             smaller_lost = any(k < index and s.last_winner is False for k, s in others)
             larger_won = any(k > index and s.last_winner is True for k, s in others)
@@ -137,8 +156,12 @@ class SpeculationGate:
             return False
         return not self.adaptive or self.bucket(num_running).mode
 
-    def step_scheduled(self, step_id: int, num_running: int, speculated: bool) -> None:
-        self.scheduled[step_id] = (self.clock(), speculated, _bucket(num_running))
+    def step_scheduled(
+        self, step_id: int, num_running: int, speculated: bool, mostly_prefill: bool = False
+    ) -> None:
+        """`mostly_prefill`: its prefill tokens outnumber its decoding requests."""
+        entry = (self.clock(), speculated, _bucket(num_running), mostly_prefill)
+        self.scheduled[step_id] = entry
         if self.adaptive:
             self.bucket(num_running).step_scheduled()
 
@@ -149,9 +172,9 @@ class SpeculationGate:
         last, self.last_answer = self.last_answer, now
         if entry is None or not self.adaptive:
             return
-        start, speculated, bucket = entry
+        start, speculated, bucket, mostly_prefill = entry
         seconds = now - max(start, last if last is not None else start)
-        self.buckets[bucket].count(speculated, num_tokens, seconds)
+        self.buckets[bucket].count(speculated, num_tokens, seconds, mostly_prefill)
 
     def forget_steps(self) -> None:
         """The steps in flight died with the workers."""

@@ -242,12 +242,15 @@ def test_the_gate_turns_off_drafts_that_do_not_pay(async_scheduling):
     state = engine.scheduler.spec.gate.buckets[1]
     assert state.last_winner is False and state.run_length > 16
     steps = executor.outputs[1:]
-    lockstep = sum(so.lockstep for so in steps)
-    # A window of 8 with drafts at the start; after each run of plain steps (16, 32, 64)
-    # drafts at 0.57x the plain rate end their window after 2 steps.
-    assert sum(bool(so.scheduled_spec_decode_tokens) for so in steps) <= 8 + 3 * 2
+    with_drafts = [i for i, so in enumerate(steps) if so.scheduled_spec_decode_tokens]
+    # 8 plain steps, then drafts (every other step finds one) at 0.47x the plain rate for
+    # as long: 8.5 time units, 1.5 lost. The run of plain steps lasts until that is 2 % of
+    # it (75 steps), then a second measurement: two windows of 3 or 4 steps with drafts.
+    first = [i for i in with_drafts if i < 75]
+    assert first[0] == (10 if async_scheduling else 8)  # after the plain window
+    assert len(first) <= 4 and len(with_drafts) <= 8
     if async_scheduling:
-        assert lockstep <= 3 * 8 + 2  # plain steps overlap again
+        assert sum(so.lockstep for so in steps) <= 2 * 8  # plain steps overlap again
 
 
 def test_each_batch_size_bucket_is_measured_on_its_own():
@@ -271,15 +274,80 @@ def test_each_batch_size_bucket_is_measured_on_its_own():
 
 def test_a_new_bucket_is_measured_unless_a_neighbour_decides_it():
     gate = SpeculationGate(SpeculativeConfig())
-    assert gate.speculates(1) and gate.buckets[1].measuring
+    assert not gate.speculates(1) and gate.buckets[1].measuring  # plain steps first
     gate.buckets[1].start_run(True)
-    assert gate.speculates(8) and gate.buckets[8].measuring  # larger: measure it
+    assert gate.bucket(8).measuring  # larger: measure it
     gate.buckets[8].start_run(False)
     assert not gate.speculates(40) and not gate.buckets[32].measuring  # a smaller lost
-    assert gate.speculates(2) and gate.buckets[2].measuring  # none lost below, none won above
+    assert gate.bucket(2).measuring  # none lost below, none won above
     gate = SpeculationGate(SpeculativeConfig())
     gate.bucket(40).start_run(True)
     assert gate.speculates(3) and not gate.buckets[4].measuring  # a larger won
+
+
+def measured_gate():
+    """A gate whose bucket 64 has measured 8 plain steps of 1 s and 64 tokens each."""
+    clock = [0.0]
+    gate = SpeculationGate(SpeculativeConfig(), clock=lambda: clock[0])
+    step_id = 0
+
+    def step(seconds, num_tokens, mostly_prefill=False):
+        nonlocal step_id
+        speculated = gate.speculates(64)
+        gate.step_scheduled(step_id, 64, speculated, mostly_prefill)
+        clock[0] += seconds
+        gate.step_answered(step_id, num_tokens)
+        step_id += 1
+        return speculated
+
+    assert [step(1.0, 64) for _ in range(8)] == [False] * 8
+    return gate, gate.buckets[64], step
+
+
+def test_drafts_that_cost_several_plain_steps_are_measured_for_as_long_as_plain_ones():
+    gate, state, step = measured_gate()
+    # A step with drafts takes 4.5 plain ones and generates 3.1x the tokens.
+    assert step(4.5, 200) and step(4.5, 200)
+    # 9 s >= the plain window's 8 s: 44 tok/s lost to 64. The drafts' 400 tokens would
+    # have taken 6.25 s: 2.75 s lost, 2 % of a run of 137 plain steps.
+    assert not state.measuring and state.mode is False and state.run_length == 137
+    assert not any(step(1.0, 64) for _ in range(137))
+    assert state.measuring and not step(1.0, 64)
+    # The same verdict again: the run doubles.
+    for _ in range(7):
+        step(1.0, 64)
+    step(4.5, 200)
+    step(4.5, 200)
+    assert state.mode is False and state.run_length == 274
+
+
+def test_modes_that_measure_close_are_measured_again_soon():
+    gate, state, step = measured_gate()
+    assert all(step(1.0, 66) for _ in range(8))
+    assert state.mode is True and state.run_length == 16
+
+
+def test_steps_that_mostly_prefill_are_left_out_of_a_window_unless_they_keep_coming():
+    gate = SpeculationGate(SpeculativeConfig(), clock=lambda: 0.0)
+    state = gate.bucket(64)
+    for step_id in range(8):
+        gate.step_scheduled(step_id, 64, False, mostly_prefill=True)
+        gate.step_answered(step_id, 1)
+    assert state.skipped == 8 and state.measured[False][2] == 0
+    gate.step_scheduled(8, 64, False, mostly_prefill=True)
+    gate.step_answered(8, 1)
+    assert state.measured[False][2] == 1  # a steady stream of prompts: counted now
+
+
+def test_an_engines_prefill_steps_are_left_out_of_the_gates_window():
+    engine, executor = gated_engine({"r": list(range(100, 140))}, max_num_batched_tokens=4)
+    engine.add_request(make_request("r", [5, 6] * 5, max_tokens=8, ignore_eos=True))
+    for _ in range(3):  # 4 + 4 + 2 prompt tokens
+        engine.step()
+    state = engine.scheduler.spec.gate.buckets[1]
+    assert state.skipped == 3 and state.measured[False][2] == 0
+    engine.step()  # one decoding request
+    assert state.skipped == 3 and state.measured[False][2] == 1
 
 
 def test_a_batch_held_at_a_power_of_two_stays_in_its_bucket():
