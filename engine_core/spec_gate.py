@@ -109,8 +109,9 @@ class BucketState:
         length = 2 * self.run_length if winner == self.last_winner else _MIN_RUN
         loser_tokens, loser_seconds, _ = self.measured[not winner]
         _, seconds, steps = self.measured[winner]
-        if seconds > 0 and loser_tokens > 0:
-            loss = loser_seconds - loser_tokens / self._rate(winner)
+        rate = self._rate(winner)
+        if seconds > 0 and rate > 0:
+            loss = loser_seconds - loser_tokens / rate
             length = max(length, int(loss / (_REGRET * seconds / steps)))
         self.run_length = min(length, _MAX_RUN)
         logger.debug(
@@ -119,7 +120,7 @@ class BucketState:
             self._rate(True),
             self._rate(False),
             "drafts" if winner else "plain",
-            length,
+            self.run_length,
         )
         self.last_winner = winner
         self.measuring, self.mode, self.run_left = False, winner, self.run_length
