@@ -23,10 +23,12 @@ is repeated rarely, and one that loses little (the modes are close) often.
 A bucket keeps its state while the batch is in another, so a batch that shrinks and grows
 goes back to what each size measured. A bucket seen for the first time starts with a run
 instead of a measurement when a smaller bucket found drafts do not pay (a larger batch is
-more compute-bound, so they pay less) or a larger one found they do. A step counts from
-when it was scheduled (or the last answer, when it was scheduled ahead of it) to its
-answer. A step whose prefill tokens outnumber its decoding requests is left out of a
-window (its time would say more about the prompts that arrived in it than about the
+more compute-bound, so they pay less) or a larger one found they do, as long as the
+nearest such bucket's run (a draft model whose drafts are never accepted loses at every
+size, and each measurement costs it a catch-up pass over every request's context). A step
+counts from when it was scheduled (or the last answer, when it was scheduled ahead of it)
+to its answer. A step whose prefill tokens outnumber its decoding requests is left out of
+a window (its time would say more about the prompts that arrived in it than about the
 mode: the first steps of a full batch prefill every prompt), unless the window has
 already left out _WINDOW of them: a server under a steady stream of long prompts still
 measures. `disable_by_batch_size` (vLLM's) bounds it outright, and with `adaptive` off
@@ -73,11 +75,11 @@ class BucketState:
     def measure(self) -> None:
         self.measuring, self.mode, self.measured, self.skipped = True, False, _no_measures(), 0
 
-    def start_run(self, mode: bool) -> None:
-        """A run of _MIN_RUN steps in `mode`, as if it had been measured the winner."""
+    def start_run(self, mode: bool, length: int = _MIN_RUN) -> None:
+        """A run of `length` steps in `mode`, as if it had been measured the winner."""
         self.last_winner = mode
         self.measuring, self.mode = False, mode
-        self.run_length = self.run_left = _MIN_RUN
+        self.run_length = self.run_left = length
 
     def count(self, speculated: bool, num_tokens: int, seconds: float, prefill: bool) -> None:
         if not self.measuring or speculated != self.mode:
@@ -143,11 +145,13 @@ class SpeculationGate:
         state = self.buckets.get(index)
         if state is None:
             state = self.buckets[index] = BucketState(index)
-            others = self.buckets.items()
-            smaller_lost = any(k < index and s.last_winner is False for k, s in others)
-            larger_won = any(k > index and s.last_winner is True for k, s in others)
-            if smaller_lost or larger_won:
-                state.start_run(not smaller_lost)
+            others = sorted(self.buckets.items())
+            smaller_lost = [s for k, s in others if k < index and s.last_winner is False]
+            larger_won = [s for k, s in others if k > index and s.last_winner is True]
+            if smaller_lost:
+                state.start_run(False, smaller_lost[-1].run_length)
+            elif larger_won:
+                state.start_run(True, larger_won[0].run_length)
         return state
 
     def speculates(self, num_running: int) -> bool:

@@ -277,8 +277,9 @@ def test_a_new_bucket_is_measured_unless_a_neighbour_decides_it():
     assert not gate.speculates(1) and gate.buckets[1].measuring  # plain steps first
     gate.buckets[1].start_run(True)
     assert gate.bucket(8).measuring  # larger: measure it
-    gate.buckets[8].start_run(False)
+    gate.buckets[8].start_run(False, 300)
     assert not gate.speculates(40) and not gate.buckets[32].measuring  # a smaller lost
+    assert gate.buckets[32].run_left == 300  # as long as its run
     assert gate.bucket(2).measuring  # none lost below, none won above
     gate = SpeculationGate(SpeculativeConfig())
     gate.bucket(40).start_run(True)
