@@ -164,10 +164,9 @@ class Scheduler:
         if self.remote_kv is not None:
             scheduler_output.kv_connector_metadata = self.remote_kv.build_connector_meta()
         if self.spec is not None and total:
-            mostly_prefill = _mostly_prefill(num_scheduled_tokens, spec_tokens)
-            self.spec.gate.step_scheduled(
-                self.step_id, len(self.running), speculates, mostly_prefill
-            )
+            gate = self.spec.gate
+            mostly_prefill = gate.adaptive and _mostly_prefill(num_scheduled_tokens, spec_tokens)
+            gate.step_scheduled(self.step_id, len(self.running), speculates, mostly_prefill)
             # A draft model drafts now for the next step, if the gate lets that one speculate.
             scheduler_output.propose_drafts = bool(self._lookahead) and self._speculates()
         self.step_id += 1

@@ -162,7 +162,7 @@ class SpeculationGate:
         return not self.adaptive or self.bucket(num_running).mode
 
     def step_scheduled(
-        self, step_id: int, num_running: int, speculated: bool, mostly_prefill: bool = False
+        self, step_id: int, num_running: int, speculated: bool, mostly_prefill: bool
     ) -> None:
         """`mostly_prefill`: its prefill tokens outnumber its decoding requests."""
         entry = (self.clock(), speculated, _bucket(num_running), mostly_prefill)
