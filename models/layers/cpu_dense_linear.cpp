@@ -4,8 +4,7 @@
 //     float32 (the cost of a decode step), and are widened to float32 in registers (a bf16
 //     is the top half of a float: a shift), multiplied with FMA and summed in float32; the
 //     result rounds to x's dtype once, after the bias, as F.linear's.
-//   - float32 W and x of fewer than kGemmRows rows (decode steps), where this kernel beats
-//     torch's GEMM; more rows are declined (the layer runs F.linear).
+//   - float32 W and x, where this kernel beats torch's float32 GEMM at every row count.
 //
 // By the number of rows T (measured on SmolLM2's layers, 2 Zen 3 cores):
 //   - T < kPanelRows, where reading the weights is the cost (`linear_rows`): tiles of F
@@ -23,8 +22,8 @@
 //     GEMM reaches 90-135. The first tile prefetches the next group's float32 weight rows
 //     (2 Zen 4 cores, SmolLM2's layers: 16-32 rows 43-47 -> 37-40 ms, 64 rows 76 -> 71);
 //     a last tile of one vector's rows or fewer takes one vector (16 rows there: 37 -> 28).
-//   - from kGemmRows on, bf16 W only (`linear_widened`): torch's float32 GEMM on the weight
-//     widened a panel at a time (about 5% slower than on float32 weights).
+//   - from kGemmRows on (`linear_gemm`, cpu_gemm.h): W packed into panels of features,
+//     a tile of rows x 2 vectors of features per k.
 //
 // dense_linear says which tensors it takes: it returns None for the others (the layer then
 // runs F.linear, on the weight widened to x's dtype).
@@ -45,7 +44,7 @@ using splitserve::bf16_to_float;
 
 #if defined(SPLITSERVE_AVX512)
 struct Vec {
-  static constexpr int kLanes = 16, kFeatures = 4, kRows = 6;
+  static constexpr int kLanes = 16, kFeatures = 4, kRows = 6, kGemmTileRows = 14;
   __m512 v;
   static Vec zero() { return {_mm512_setzero_ps()}; }
   static Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
@@ -57,7 +56,7 @@ struct Vec {
 };
 #elif defined(SPLITSERVE_AVX2)
 struct Vec {
-  static constexpr int kLanes = 8, kFeatures = 3, kRows = 4;
+  static constexpr int kLanes = 8, kFeatures = 3, kRows = 4, kGemmTileRows = 6;
   __m256 v;
   static Vec zero() { return {_mm256_setzero_ps()}; }
   static Vec load(const float* p) { return {_mm256_loadu_ps(p)}; }
@@ -69,7 +68,7 @@ struct Vec {
 };
 #else
 struct Vec {
-  static constexpr int kLanes = 8, kFeatures = 2, kRows = 2;
+  static constexpr int kLanes = 8, kFeatures = 2, kRows = 2, kGemmTileRows = 4;
   float v[kLanes];
   static Vec zero() { return {}; }
   static Vec load(const float* p) {
@@ -104,8 +103,7 @@ struct Vec {
 constexpr int kF = Vec::kFeatures, kR = Vec::kRows;
 constexpr int64_t kChunkBytes = 192 * 1024;  // x rows of a chunk: about half an L2
 constexpr int64_t kPanelRows = 16;  // from here on linear_panels
-constexpr int64_t kGemmRows = 384;  // from here on linear_widened (bf16 W), F.linear (float32)
-constexpr int64_t kPanelBytes = 16 << 20;  // a widened panel of linear_widened
+constexpr int64_t kGemmRows = 384;  // from here on linear_gemm (cpu_gemm.h)
 
 // sums[r * F + f] = x row r . W row f, over K features. The next F rows of W are
 // prefetched as these are read: the hardware prefetchers start each row's stream late.
@@ -292,40 +290,10 @@ void linear_panels(const float* x, int64_t T, int64_t K, const W* w, int64_t w_s
   }
 }
 
-// Many rows (a prefill): the weight widened to float32 a panel of features at a time, into a
-// buffer each thread keeps, and torch's float32 GEMM on it, which from about kGemmRows rows
-// on beats the panels by more than the widening costs. Returns float32 [T, N].
-at::Tensor linear_widened(const at::Tensor& xf, const at::Tensor& weight,
-                          const std::optional<at::Tensor>& bias) {
-  const int64_t T = xf.size(0), K = xf.size(1), N = weight.size(0);
-  const int64_t panel = std::min(N, std::max<int64_t>(1, kPanelBytes / (K * int64_t(sizeof(float)))));
-  thread_local at::Tensor buffer;
-  if (!buffer.defined() || buffer.numel() < panel * K) buffer = at::empty({panel * K}, xf.options());
-  const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr());
-  const int64_t w_stride = weight.stride(0);
-  auto out = at::empty({T, N}, xf.options());
-  for (int64_t n0 = 0; n0 < N; n0 += panel) {
-    const int64_t rows = std::min(panel, N - n0);
-    float* dst = buffer.data_ptr<float>();
-    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t n = begin; n < end; ++n) {
-        const uint16_t* src = w + (n0 + n) * w_stride;
-#pragma omp simd
-        for (int64_t k = 0; k < K; ++k) dst[n * K + k] = bf16_to_float(src[k]);
-      }
-    });
-    const auto widened = buffer.narrow(0, 0, rows * K).view({rows, K});
-    if (rows == N)
-      at::mm_out(out, xf, widened.t());
-    else
-      out.narrow(1, n0, rows).copy_(at::mm(xf, widened.t()));
-  }
-  if (bias.has_value()) out.add_(bias->to(at::kFloat));
-  return out;
-}
+#include "cpu_gemm.h"
 
 // x [T, K] W^T (+ bias) for W [N, K] with dense rows: bf16 W and float32 or bf16 x, or
-// float32 W and x of fewer than kGemmRows rows; None for other tensors.
+// float32 W and x; None for other tensors.
 std::optional<at::Tensor> dense_linear(const at::Tensor& x, const at::Tensor& weight,
                                        const std::optional<at::Tensor>& bias) {
   const bool float_x = x.scalar_type() == at::kFloat;
@@ -334,15 +302,11 @@ std::optional<at::Tensor> dense_linear(const at::Tensor& x, const at::Tensor& we
       !x.device().is_cpu() || x.dim() != 2 || x.size(1) != weight.size(1))
     return std::nullopt;
   if (bf16_w ? !(float_x || x.scalar_type() == at::kBFloat16)
-             : !(weight.scalar_type() == at::kFloat && float_x && x.size(0) < kGemmRows))
+             : !(weight.scalar_type() == at::kFloat && float_x))
     return std::nullopt;
   const int64_t T = x.size(0), K = x.size(1), N = weight.size(0);
   if (bias.has_value() && bias->numel() != N) return std::nullopt;
   const at::Tensor xf = x.to(at::kFloat).contiguous();
-  if (T >= kGemmRows && K > 0 && N > 0) {
-    auto out = linear_widened(xf, weight, bias);
-    return float_x ? out : out.to(x.scalar_type());
-  }
   const at::Tensor bf = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
   const float* b = bias.has_value() ? bf.data_ptr<float>() : nullptr;
   auto out = at::empty({T, N}, x.options());
@@ -350,7 +314,9 @@ std::optional<at::Tensor> dense_linear(const at::Tensor& x, const at::Tensor& we
   const float* xp = xf.data_ptr<float>();
   const int64_t ws = weight.stride(0);
   auto run = [&](const auto* w, auto* o) {
-    if (T >= kPanelRows)
+    if (T >= kGemmRows)
+      linear_gemm(xp, T, K, w, ws, N, b, o);
+    else if (T >= kPanelRows)
       linear_panels(xp, T, K, w, ws, N, b, o);
     else
       linear_rows(xp, T, K, w, ws, N, b, o);

@@ -12,11 +12,12 @@ from kernels import KernelSet, probe_isa
 from kernels.isa import ladder
 from models import load_model
 from models.layers.activation import SiluAndMul
-from models.layers.cpu_linear import linear_kernel
+from models.layers.cpu_linear import dense_linear_kernel, linear_kernel
 from models.layers.fused_ops import fused_ops
 from models.layers.norm import RMSNorm
 from models.layers.rotary import RotaryEmbedding, apply_rotary
 from tests.attention.paged_requests import PagedRequests
+from tests.models.test_cpu_dense_linear import check
 from tests.models.tiny import make_tiny_checkpoint
 from worker.sampler import Sampler, SamplingMetadata
 
@@ -103,6 +104,18 @@ def test_sampling(kernels):
     sampled = sampler(logits, metadata).sampled_token_ids
     assert torch.equal(sampled, reference(logits, metadata).sampled_token_ids)
     assert torch.equal(sampled[::4], logits[::4].argmax(-1))
+
+
+@pytest.mark.parametrize("rows", [3, 40, 397])  # dot tiles, panels, the packed GEMM
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_dense_linear_kernel(kernels, rows, dtype):
+    """Each of its paths on float32 and bf16 weights against float64 (every shape at the
+    CPU's own rung in tests/models/test_cpu_dense_linear.py)."""
+    ops = dense_linear_kernel(kernels)
+    assert ops is not None and ops.__name__.endswith(kernels.isa)
+    torch.manual_seed(rows)
+    x, w, bias = torch.randn(rows, 200), torch.randn(77, 200).to(dtype), torch.randn(77)
+    check(ops.dense_linear(x, w, bias), x, w, bias)
 
 
 @torch.no_grad()

@@ -1,8 +1,8 @@
 """Dense linear layers in float32 math (models/layers/cpu_dense_linear.cpp) for CPUs without
 bf16 instructions: the kernel against a float64 reference at generic and at the highest rung
 without bf16 instructions this CPU runs (forced on a CPU that has them; bf16
-weights: the dot tiles of few rows, the panels of more, the widened GEMM of many over
-several widened panels, strided weight rows, bf16 x; float32 weights below 384 rows), what
+weights: the dot tiles of few rows, the panels of more, the GEMM of many over several
+packed groups of panels, strided weight rows, bf16 x; float32 weights of any rows), what
 it declines; `--dtype auto` holding a
 float32 model's dense weights in bf16 (and nothing else), its greedy tokens against
 transformers on the same bf16-representable weights, and the decode loop on them bitwise
@@ -59,7 +59,7 @@ def check(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tenso
     assert (error <= bound).all(), (error - bound).max()
 
 
-ROWS = [1, 2, 3, 4, 5, 6, 7, 13, 15, 16, 17, 33, 200, 383, 384, 400]
+ROWS = [1, 2, 3, 4, 5, 6, 7, 13, 15, 16, 17, 33, 200, 383, 384, 400, 775]
 
 
 @pytest.mark.parametrize("rows", ROWS)
@@ -74,9 +74,9 @@ def test_bf16_weights_match_float64(ops, rows, k, n, dtype):
     check(ops.dense_linear(x, w, None), x, w, None)
 
 
-@pytest.mark.parametrize("rows", [1, 4, 5, 15, 16, 40, 383])
+@pytest.mark.parametrize("rows", [1, 4, 5, 15, 16, 40, 383, 384, 391, 775])
 @pytest.mark.parametrize(("k", "n"), [(13, 5), (576, 97)], ids=str)
-def test_float32_weights_of_few_rows_match_float64(ops, rows, k, n):
+def test_float32_weights_match_float64(ops, rows, k, n):
     torch.manual_seed(rows * 1000 + k + n)
     x, w, bias = torch.randn(rows, k), torch.randn(n, k), torch.randn(n)
     check(ops.dense_linear(x, w, bias), x, w, bias)
@@ -91,17 +91,19 @@ def test_weight_rows_may_be_strided(ops, rows):
     check(ops.dense_linear(x, w, None), x, w, None)
 
 
-def test_many_rows_over_several_widened_panels(ops):
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_many_rows_over_several_packed_groups(ops, dtype, threads):
+    torch.set_num_threads(threads)  # the one_torch_thread fixture puts it back
     torch.manual_seed(1)
-    w = torch.randn(65600, 64).bfloat16()  # past 16 MB of float32: two panels
-    x, bias = torch.randn(384, 64), torch.randn(65600)
+    w = torch.randn(65590, 64).to(dtype)  # past 8 MB of packed float32: three groups
+    x, bias = torch.randn(389, 64), torch.randn(65590)
     check(ops.dense_linear(x, w, bias), x, w, bias)
 
 
 def test_no_rows_and_what_it_declines(ops):
     w = torch.randn(8, 16).bfloat16()
     assert ops.dense_linear(torch.randn(0, 16), w, None).shape == (0, 8)
-    assert ops.dense_linear(torch.randn(384, 16), w.float(), None) is None  # F.linear's
     assert ops.dense_linear(torch.randn(2, 16).bfloat16(), w.float(), None) is None
     assert ops.dense_linear(torch.randn(2, 16), w.half(), None) is None
     assert ops.dense_linear(torch.randn(2, 16).half(), w, None) is None
@@ -118,7 +120,7 @@ def test_the_layer_falls_back_to_a_widened_f_linear():
     declines = PackedWeight(dense_linear_kernel(OWN), w.half(), amx=False)
     torch.testing.assert_close(linear(x, w, packed=declines), x @ w.float().t())
     w32 = w.float()
-    many = torch.randn(400, 16)  # past the float32 weight's rows: F.linear
+    many = torch.randn(400, 16)  # the GEMM's rows
     taken = PackedWeight(dense_linear_kernel(OWN), w32, amx=False)
     torch.testing.assert_close(linear(many, w32, packed=taken), many @ w32.t())
 
@@ -160,7 +162,7 @@ def test_auto_model_holds_bf16_and_matches_transformers(tmp_path, tied):
     llm = LLM(path, dtype="auto", kv_cache_memory=8 << 20, max_model_len=256)
     try:
         reference = greedy_reference(path)
-        prompts = random_prompts(4, 3, 150)  # prefills over and under the widened GEMM's rows
+        prompts = random_prompts(4, 3, 150)  # prefills over and under the GEMM's rows
         for prompt, out in zip(prompts, generate_greedy(llm, prompts), strict=True):
             assert out.outputs[0].token_ids == reference(prompt)
     finally:
