@@ -52,6 +52,7 @@ struct Vec {
   void store(float* p) const { _mm512_storeu_ps(p, v); }
   static Vec load(const uint16_t* p) { return {splitserve::bf16x16_to_float(p)}; }
   void fma(const Vec& a, const Vec& b) { v = _mm512_fmadd_ps(a.v, b.v, v); }
+  void add(const Vec& a) { v = _mm512_add_ps(a.v, v); }
   float sum() const { return _mm512_reduce_add_ps(v); }
 };
 #elif defined(SPLITSERVE_AVX2)
@@ -64,6 +65,7 @@ struct Vec {
   void store(float* p) const { _mm256_storeu_ps(p, v); }
   static Vec load(const uint16_t* p) { return {splitserve::bf16x8_to_float(p)}; }
   void fma(const Vec& a, const Vec& b) { v = _mm256_fmadd_ps(a.v, b.v, v); }
+  void add(const Vec& a) { v = _mm256_add_ps(a.v, v); }
   float sum() const { return splitserve::sum8(v); }
 };
 #else
@@ -91,6 +93,9 @@ struct Vec {
   }
   void fma(const Vec& a, const Vec& b) {
     for (int i = 0; i < kLanes; ++i) v[i] += a.v[i] * b.v[i];
+  }
+  void add(const Vec& a) {
+    for (int i = 0; i < kLanes; ++i) v[i] += a.v[i];
   }
   float sum() const {
     float s = 0.0f;

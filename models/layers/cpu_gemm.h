@@ -5,9 +5,10 @@
 // [K][kGemmCols] each (bf16 widened on the way), zero past N. A tile is Vec::kGemmTileRows
 // rows x kGemmCols features, 2 vectors of accumulators a row: per k, the panel's two
 // vectors and one broadcast x value a row (x as it is, rows K apart). AVX-512F tiles of 14
-// rows (28 accumulators of 32 registers), AVX2 6 (12 of 16). The work items are (panel,
-// row tile) pairs, panel by panel: a thread reuses its panel from L1/L2 across row tiles
-// while x streams from L3. On 2 Zen 4 cores, SmolLM2's four layer shapes at 2048 rows
+// rows (28 accumulators of 32 registers), AVX2 6 (12 of 16); a whole tile of float32
+// output is stored (with the bias) from the registers. x goes in blocks of kGemmBlockBytes
+// of rows, and a block's work items are (panel, row tile) pairs, panel by panel: a thread
+// reuses its panel from L1/L2 across the block's row tiles, and the block from L2. On 2 Zen 4 cores, SmolLM2's four layer shapes at 2048 rows
 // (qkv, o, gate_up, down), x and W in cache: 184-197 GFLOP/s with the packing, where
 // torch's float32 GEMM ran at 134-167 in the same runs (peak 228); packing x as well
 // measured slower. The compare_cpu float32 workload's prefill steps: 25 % less time.
@@ -15,10 +16,11 @@
 
 constexpr int64_t kGemmCols = 2 * Vec::kLanes;
 constexpr int64_t kGemmPackBytes = 8 << 20;  // the panels packed at a time
+constexpr int64_t kGemmBlockBytes = 512 << 10;  // the rows of x a block
 
-// tile[r][c] = x row r . panel feature c, for kGemmTileRows rows K apart.
+// out[r * ldo + c] = x row r . panel feature c (+ bias[c]), for kGemmTileRows rows K apart.
 __attribute__((noinline)) void gemm_tile(const float* x, int64_t K, const float* panel,
-                                         float* tile) {
+                                         const float* bias, float* out, int64_t ldo) {
   constexpr int R = Vec::kGemmTileRows;
   Vec acc[R][2];
 #pragma GCC unroll 16
@@ -33,10 +35,18 @@ __attribute__((noinline)) void gemm_tile(const float* x, int64_t K, const float*
       acc[r][1].fma(a, b1);
     }
   }
+  if (bias != nullptr) {
+    const Vec b0 = Vec::load(bias), b1 = Vec::load(bias + Vec::kLanes);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      acc[r][0].add(b0);
+      acc[r][1].add(b1);
+    }
+  }
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
-    acc[r][0].store(tile + r * kGemmCols);
-    acc[r][1].store(tile + r * kGemmCols + Vec::kLanes);
+    acc[r][0].store(out + r * ldo);
+    acc[r][1].store(out + r * ldo + Vec::kLanes);
   }
 }
 
@@ -66,7 +76,7 @@ void linear_gemm(const float* x, int64_t T, int64_t K, const W* w, int64_t w_str
   constexpr int64_t R = Vec::kGemmTileRows;
   const int64_t panel_floats = K * kGemmCols;
   const int64_t group = std::max<int64_t>(1, kGemmPackBytes / (panel_floats * 4)) * kGemmCols;
-  const int64_t row_tiles = (T + R - 1) / R;
+  const int64_t block_rows = std::max<int64_t>(1, kGemmBlockBytes / (K * 4 * R)) * R;
   thread_local std::vector<float> panels;
   const int64_t padded_n = (N + kGemmCols - 1) / kGemmCols * kGemmCols;
   panels.resize(std::min(group, padded_n) * K);
@@ -74,12 +84,13 @@ void linear_gemm(const float* x, int64_t T, int64_t K, const W* w, int64_t w_str
   for (int64_t n0 = 0; n0 < N; n0 += group) {
     const int64_t count = std::min(group, padded_n - n0);
     pack_panels(w, w_stride, N, K, n0, count, packed);
-    const int64_t items = count / kGemmCols * row_tiles;
-    at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b0 = 0; b0 < T; b0 += block_rows) {
+    const int64_t tiles = (std::min(block_rows, T - b0) + R - 1) / R;
+    at::parallel_for(0, count / kGemmCols * tiles, 1, [&](int64_t begin, int64_t end) {
       float tile[R * kGemmCols];
       std::vector<float> last;  // the last row tile's rows, zero-padded to R
       for (int64_t i = begin; i < end; ++i) {
-        const int64_t p = i / row_tiles, t0 = i % row_tiles * R, n = n0 + p * kGemmCols;
+        const int64_t p = i / tiles, t0 = b0 + i % tiles * R, n = n0 + p * kGemmCols;
         const int64_t rows = std::min(R, T - t0), cols = std::min(kGemmCols, N - n);
         const float* xt = x + t0 * K;
         if (rows < R) {
@@ -87,7 +98,12 @@ void linear_gemm(const float* x, int64_t T, int64_t K, const W* w, int64_t w_str
           std::copy(xt, xt + rows * K, last.begin());
           xt = last.data();
         }
-        gemm_tile(xt, K, packed + p * panel_floats, tile);
+        const float* b = bias == nullptr ? nullptr : bias + n;
+        if (std::is_same_v<Out, float> && rows == R && cols == kGemmCols) {
+          gemm_tile(xt, K, packed + p * panel_floats, b, reinterpret_cast<float*>(out + t0 * N + n), N);
+          continue;
+        }
+        gemm_tile(xt, K, packed + p * panel_floats, nullptr, tile, kGemmCols);
         for (int64_t r = 0; r < rows; ++r) {
           Out* o = out + (t0 + r) * N + n;
           const float* s = tile + r * kGemmCols;
@@ -98,5 +114,6 @@ void linear_gemm(const float* x, int64_t T, int64_t K, const W* w, int64_t w_str
         }
       }
     });
+    }
   }
 }
