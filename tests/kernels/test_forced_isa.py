@@ -17,7 +17,7 @@ from models.layers.fused_ops import fused_ops
 from models.layers.norm import RMSNorm
 from models.layers.rotary import RotaryEmbedding, apply_rotary
 from tests.attention.paged_requests import PagedRequests
-from tests.models.test_cpu_dense_linear import check
+from tests.models.linear_check import check
 from tests.models.tiny import make_tiny_checkpoint
 from worker.sampler import Sampler, SamplingMetadata
 
