@@ -3,7 +3,7 @@ instructions) against torch's float32 F.linear, same run: SmolLM2-135M's 30 laye
 qkv, o, gate_up and down weights (each its own tensor, so that they come from memory as in
 a step) and its lm_head, for a range of rows. Columns: F.linear on float32 weights (what
 `--dtype float32` ran before), the kernel on float32 weights (what it runs now: the dot
-tiles, the panels from 16 rows, the packed GEMM from 384), the kernel on bf16 weights
+tiles, the panels from 16 rows, the packed GEMM from 768), the kernel on bf16 weights
 (`--dtype auto` on CPUs without bf16 instructions).
 
     python benchmarks/dense_linear_bench.py [--rows 1 8 16 64 256 2048] [--repeat 3]

@@ -108,7 +108,7 @@ struct Vec {
 constexpr int kF = Vec::kFeatures, kR = Vec::kRows;
 constexpr int64_t kChunkBytes = 192 * 1024;  // x rows of a chunk: about half an L2
 constexpr int64_t kPanelRows = 16;  // from here on linear_panels
-constexpr int64_t kGemmRows = 384;  // from here on linear_gemm (cpu_gemm.h)
+constexpr int64_t kGemmRows = 768;  // from here on linear_gemm (cpu_gemm.h)
 
 // sums[r * F + f] = x row r . W row f, over K features. The next F rows of W are
 // prefetched as these are read: the hardware prefetchers start each row's stream late.

@@ -47,7 +47,7 @@ def ops(request):
     return module
 
 
-ROWS = [1, 2, 3, 4, 5, 6, 7, 13, 15, 16, 17, 33, 200, 383, 384, 400, 775]
+ROWS = [1, 2, 3, 4, 5, 6, 7, 13, 15, 16, 17, 33, 200, 383, 767, 768, 775]
 
 
 @pytest.mark.parametrize("rows", ROWS)
@@ -62,7 +62,7 @@ def test_bf16_weights_match_float64(ops, rows, k, n, dtype):
     check(ops.dense_linear(x, w, None), x, w, None)
 
 
-@pytest.mark.parametrize("rows", [1, 4, 5, 15, 16, 40, 383, 384, 391, 775])
+@pytest.mark.parametrize("rows", [1, 4, 5, 15, 16, 40, 383, 767, 768, 775])
 @pytest.mark.parametrize(("k", "n"), [(13, 5), (576, 97)], ids=str)
 def test_float32_weights_match_float64(ops, rows, k, n):
     torch.manual_seed(rows * 1000 + k + n)
@@ -79,12 +79,12 @@ def test_weight_rows_may_be_strided(ops, rows):
     check(ops.dense_linear(x, w, None), x, w, None)
 
 
-@pytest.mark.parametrize(("dtype", "threads"), [(torch.float32, 2), (torch.bfloat16, 1)], ids=str)
-def test_many_rows_over_several_packed_groups(ops, dtype, threads):
-    torch.set_num_threads(threads)  # the one_torch_thread fixture puts it back
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_many_rows_over_several_packed_groups(ops, dtype):
+    torch.set_num_threads(2)  # the workers' items too (one_torch_thread puts it back)
     torch.manual_seed(1)
     w = torch.randn(65590, 64).to(dtype)  # past 8 MB of packed float32: three groups
-    x, bias = torch.randn(389, 64), torch.randn(65590)
+    x, bias = torch.randn(771, 64), torch.randn(65590)
     check(ops.dense_linear(x, w, bias), x, w, bias)
 
 
