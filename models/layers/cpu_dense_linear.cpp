@@ -297,10 +297,29 @@ void linear_panels(const float* x, int64_t T, int64_t K, const W* w, int64_t w_s
 
 #include "cpu_gemm.h"
 
+// x [T, K] W^T (+ bias) for float32 x and W as pack_weight_panels made it; None for others.
+std::optional<at::Tensor> panels_linear(const at::Tensor& x, const at::Tensor& panels,
+                                        const std::optional<at::Tensor>& bias) {
+  const int64_t K = panels.size(1), N = panels.size(0) * kGemmCols;
+  if (!panels.device().is_cpu() || panels.scalar_type() != at::kFloat ||
+      panels.size(2) != kGemmCols || !panels.is_contiguous() || !x.device().is_cpu() ||
+      x.scalar_type() != at::kFloat || x.dim() != 2 || x.size(1) != K ||
+      (bias.has_value() && bias->numel() != N))
+    return std::nullopt;
+  const at::Tensor xc = x.contiguous();
+  const at::Tensor bf = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  auto out = at::empty({x.size(0), N}, x.options());
+  if (x.size(0) > 0 && N > 0)
+    gemm_panels(xc.data_ptr<float>(), x.size(0), K, panels.data_ptr<float>(), 0, N, N,
+                bias.has_value() ? bf.data_ptr<float>() : nullptr, out.data_ptr<float>());
+  return out;
+}
+
 // x [T, K] W^T (+ bias) for W [N, K] with dense rows: bf16 W and float32 or bf16 x, or
-// float32 W and x; None for other tensors.
+// float32 W and x; float32 panels (pack_weight_panels) and float32 x; None for other tensors.
 std::optional<at::Tensor> dense_linear(const at::Tensor& x, const at::Tensor& weight,
                                        const std::optional<at::Tensor>& bias) {
+  if (weight.dim() == 3) return panels_linear(x, weight, bias);
   const bool float_x = x.scalar_type() == at::kFloat;
   const bool bf16_w = weight.scalar_type() == at::kBFloat16;
   if (!weight.device().is_cpu() || weight.dim() != 2 || weight.stride(1) != 1 ||
@@ -349,5 +368,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dense_linear", &dense_linear,
         "x W^T (+ bias) in float32 math for a bf16 or float32 W; None for tensors it does not take",
         py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
+  m.def("pack_weight_panels", &pack_weight_panels,
+        "a float32 weight [N, K] as panels dense_linear takes in its place; None where N is not "
+        "a multiple of the panel width",
+        py::arg("weight"));
   m.def("c_api", &c_api, "the kernel as a C function pointer, for the decode loop");
 }

@@ -18,10 +18,10 @@ constexpr int64_t kGemmCols = 2 * Vec::kLanes;
 constexpr int64_t kGemmPackBytes = 8 << 20;  // the panels packed at a time
 constexpr int64_t kGemmBlockBytes = 512 << 10;  // the rows of x a block
 
-// out[r * ldo + c] = x row r . panel feature c (+ bias[c]), for kGemmTileRows rows K apart.
+// out[r * ldo + c] = x row r . panel feature c (+ bias[c]), for R rows K apart.
+template <int R>
 __attribute__((noinline)) void gemm_tile(const float* x, int64_t K, const float* panel,
                                          const float* bias, float* out, int64_t ldo) {
-  constexpr int R = Vec::kGemmTileRows;
   Vec acc[R][2];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = Vec::zero();
@@ -50,6 +50,16 @@ __attribute__((noinline)) void gemm_tile(const float* x, int64_t K, const float*
   }
 }
 
+// gemm_tile<rows>, 1 <= rows <= R.
+template <int R = Vec::kGemmTileRows>
+inline void gemm_rows(int rows, const float* x, int64_t K, const float* panel, const float* bias,
+                      float* out, int64_t ldo) {
+  if constexpr (R > 1) {
+    if (rows < R) return gemm_rows<R - 1>(rows, x, K, panel, bias, out, ldo);
+  }
+  gemm_tile<R>(x, K, panel, bias, out, ldo);
+}
+
 // Features [n0, n0 + count) of W as panels, zero past N.
 template <typename W>
 void pack_panels(const W* w, int64_t w_stride, int64_t N, int64_t K, int64_t n0, int64_t count,
@@ -70,50 +80,74 @@ void pack_panels(const W* w, int64_t w_stride, int64_t N, int64_t K, int64_t n0,
   });
 }
 
+// Output features [n0, n0 + count) from their panels (count a multiple of kGemmCols; the
+// features from N on are dropped).
+template <typename Out>
+void gemm_panels(const float* x, int64_t T, int64_t K, const float* panels, int64_t n0,
+                 int64_t count, int64_t N, const float* bias, Out* out) {
+  constexpr int64_t R = Vec::kGemmTileRows;
+  const int64_t panel_floats = K * kGemmCols;
+  const int64_t block_rows = std::max<int64_t>(1, kGemmBlockBytes / (K * 4 * R)) * R;
+  for (int64_t b0 = 0; b0 < T; b0 += block_rows) {
+    // The block's rows in tiles of even sizes (32 rows: 11 + 11 + 10, not 14 + 14 + 4).
+    const int64_t block = std::min(block_rows, T - b0), tiles = (block + R - 1) / R;
+    const int64_t base = block / tiles, extra = block % tiles;
+    at::parallel_for(0, count / kGemmCols * tiles, 1, [&](int64_t begin, int64_t end) {
+      float tile[Vec::kGemmTileRows * kGemmCols];
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t p = i / tiles, j = i % tiles, n = n0 + p * kGemmCols;
+        const int64_t t0 = b0 + j * base + std::min(j, extra);
+        const int rows = static_cast<int>(base + (j < extra));
+        const int64_t cols = std::min(kGemmCols, N - n);
+        const float* xt = x + t0 * K;
+        const float* panel = panels + p * panel_floats;
+        const float* b = bias == nullptr ? nullptr : bias + n;
+        if constexpr (std::is_same_v<Out, float>) {
+          if (cols == kGemmCols) {
+            gemm_rows(rows, xt, K, panel, b, out + t0 * N + n, N);
+            continue;
+          }
+        }
+        gemm_rows(rows, xt, K, panel, nullptr, tile, kGemmCols);
+        for (int64_t r = 0; r < rows; ++r) {
+          Out* o = out + (t0 + r) * N + n;
+          const float* s = tile + r * kGemmCols;
+          if (b == nullptr)
+            for (int64_t c = 0; c < cols; ++c) o[c] = static_cast<Out>(s[c]);
+          else
+            for (int64_t c = 0; c < cols; ++c) o[c] = static_cast<Out>(s[c] + b[c]);
+        }
+      }
+    });
+  }
+}
+
+// W packed here, a group of panels at a time.
 template <typename W, typename Out>
 void linear_gemm(const float* x, int64_t T, int64_t K, const W* w, int64_t w_stride, int64_t N,
                  const float* bias, Out* out) {
-  constexpr int64_t R = Vec::kGemmTileRows;
   const int64_t panel_floats = K * kGemmCols;
   const int64_t group = std::max<int64_t>(1, kGemmPackBytes / (panel_floats * 4)) * kGemmCols;
-  const int64_t block_rows = std::max<int64_t>(1, kGemmBlockBytes / (K * 4 * R)) * R;
-  thread_local std::vector<float> panels;
   const int64_t padded_n = (N + kGemmCols - 1) / kGemmCols * kGemmCols;
+  thread_local std::vector<float> panels;
   panels.resize(std::min(group, padded_n) * K);
   float* const packed = panels.data();  // the caller's: workers see thread_locals of their own
   for (int64_t n0 = 0; n0 < N; n0 += group) {
     const int64_t count = std::min(group, padded_n - n0);
     pack_panels(w, w_stride, N, K, n0, count, packed);
-    for (int64_t b0 = 0; b0 < T; b0 += block_rows) {
-    const int64_t tiles = (std::min(block_rows, T - b0) + R - 1) / R;
-    at::parallel_for(0, count / kGemmCols * tiles, 1, [&](int64_t begin, int64_t end) {
-      float tile[R * kGemmCols];
-      std::vector<float> last;  // the last row tile's rows, zero-padded to R
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t p = i / tiles, t0 = b0 + i % tiles * R, n = n0 + p * kGemmCols;
-        const int64_t rows = std::min(R, T - t0), cols = std::min(kGemmCols, N - n);
-        const float* xt = x + t0 * K;
-        if (rows < R) {
-          last.assign(R * K, 0.0f);
-          std::copy(xt, xt + rows * K, last.begin());
-          xt = last.data();
-        }
-        const float* b = bias == nullptr ? nullptr : bias + n;
-        if (std::is_same_v<Out, float> && rows == R && cols == kGemmCols) {
-          gemm_tile(xt, K, packed + p * panel_floats, b, reinterpret_cast<float*>(out + t0 * N + n), N);
-          continue;
-        }
-        gemm_tile(xt, K, packed + p * panel_floats, nullptr, tile, kGemmCols);
-        for (int64_t r = 0; r < rows; ++r) {
-          Out* o = out + (t0 + r) * N + n;
-          const float* s = tile + r * kGemmCols;
-          if (bias == nullptr)
-            for (int64_t c = 0; c < cols; ++c) o[c] = static_cast<Out>(s[c]);
-          else
-            for (int64_t c = 0; c < cols; ++c) o[c] = static_cast<Out>(s[c] + bias[n + c]);
-        }
-      }
-    });
-    }
+    gemm_panels(x, T, K, packed, n0, count, N, bias, out);
   }
+}
+
+// A float32 weight [N, K] as the panels [N / kGemmCols, K, kGemmCols] that dense_linear
+// takes in its place (any rows: the panels stream in order, where a few rows' dot tiles
+// read kFeatures rows at once); None where N is not a multiple of kGemmCols.
+std::optional<at::Tensor> pack_weight_panels(const at::Tensor& weight) {
+  if (!weight.device().is_cpu() || weight.dim() != 2 || weight.scalar_type() != at::kFloat ||
+      weight.stride(1) != 1 || weight.size(0) % kGemmCols != 0)
+    return std::nullopt;
+  const int64_t N = weight.size(0), K = weight.size(1);
+  auto panels = at::empty({N / kGemmCols, K, kGemmCols}, weight.options());
+  pack_panels(weight.data_ptr<float>(), weight.stride(0), N, K, 0, N, panels.data_ptr<float>());
+  return panels;
 }

@@ -17,7 +17,9 @@ dense kernel, widened in registers, for any rows and float32 or bf16 x: the weig
 is, no copy. That is what lets a float32 model keep its dense weights in bf16
 (loader.dense_weight_dtype): half the bytes a decode step reads, float32 math. The same
 kernel takes float32 weights, where it beats torch's GEMM at every row count (prefills too:
-cpu_gemm.h).
+cpu_gemm.h): a copy of each in the GEMM's panels (as much memory again as those weights,
+as the AMX copy), which every row count streams in order; a weight whose rows are not a
+multiple of the panel width stays as it is.
 
 With AVX-512 BF16 but no AMX (Zen 4, Cooper Lake), bf16 layers run batches of up to 64
 rows through cpu_bf16_linear.cpp (`vdpbf16ps` on the weight as it is, no copy; 2.2x
@@ -78,8 +80,8 @@ def dense_linear_kernel(kernels: KernelSet) -> ModuleType | None:
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A weight as a C++ kernel reads it: a copy in the AMX tile layout (`amx`), or the
-    weight itself for the dense kernel."""
+    """A weight as a C++ kernel reads it: a copy in the AMX tile layout (`amx`), a float32
+    weight's copy in the dense kernel's panels, or the weight itself for the dense kernel."""
 
     kernel: ModuleType
     data: torch.Tensor
@@ -105,7 +107,10 @@ def pack_weight(weight: torch.Tensor, kernels: KernelSet) -> PackedWeight | None
         bf16 = bf16_linear_kernel(kernels)
         return None if bf16 is None else PackedWeight(bf16, weight.detach(), amx=False)
     dense = dense_linear_kernel(kernels)
-    return None if dense is None else PackedWeight(dense, weight.detach(), amx=False)
+    if dense is None:
+        return None
+    panels = dense.pack_weight_panels(weight.detach()) if weight.dtype == torch.float32 else None
+    return PackedWeight(dense, weight.detach() if panels is None else panels, amx=False)
 
 
 class PackedWeightMixin:

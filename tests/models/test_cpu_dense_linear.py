@@ -2,8 +2,8 @@
 bf16 instructions: the kernel against a float64 reference at generic and at the highest rung
 without bf16 instructions this CPU runs (forced on a CPU that has them; bf16
 weights: the dot tiles of few rows, the panels of more, the GEMM of many over several
-packed groups of panels, strided weight rows, bf16 x; float32 weights of any rows), what
-it declines; `--dtype auto` holding a
+packed groups of panels, strided weight rows, bf16 x; float32 weights of any rows, as they
+are and as panels), what it declines; `--dtype auto` holding a
 float32 model's dense weights in bf16 (and nothing else), its greedy tokens against
 transformers on the same bf16-representable weights, and the decode loop on them bitwise
 the layers."""
@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from kernels import KernelSet, probe_isa
 from kernels.isa import ladder
-from models.layers.cpu_linear import PackedWeight, dense_linear_kernel, linear
+from models.layers.cpu_linear import PackedWeight, dense_linear_kernel, linear, pack_weight
 from models.loader import dense_weight_dtype, load_model
 from splitserve import LLM
 from tests.integration.greedy import generate_greedy, greedy_reference, random_prompts
@@ -68,6 +68,41 @@ def test_float32_weights_match_float64(ops, rows, k, n):
     torch.manual_seed(rows * 1000 + k + n)
     x, w, bias = torch.randn(rows, k), torch.randn(n, k), torch.randn(n)
     check(ops.dense_linear(x, w, bias), x, w, bias)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize(("k", "n"), [(13, 64), (576, 96)], ids=str)
+def test_float32_weights_as_panels_match_float64(ops, rows, k, n):
+    torch.manual_seed(rows * 1000 + k + n)
+    x, w, bias = torch.randn(rows, k), torch.randn(n, k), torch.randn(n)
+    panels = ops.pack_weight_panels(w)
+    assert panels.dim() == 3 and panels.shape[0] * panels.shape[2] == n
+    check(ops.dense_linear(x, panels, bias), x, w, bias)
+    check(ops.dense_linear(x, panels, None), x, w, None)
+
+
+def test_what_the_panels_decline(ops):
+    w = torch.randn(64, 16)
+    assert ops.pack_weight_panels(torch.randn(65, 16)) is None  # not a multiple of the width
+    assert ops.pack_weight_panels(w.bfloat16()) is None
+    assert ops.pack_weight_panels(torch.randn(64, 32)[:, ::2]) is None
+    panels = ops.pack_weight_panels(w)
+    assert ops.dense_linear(torch.randn(3, 16).bfloat16(), panels, None) is None
+    assert ops.dense_linear(torch.randn(3, 15), panels, None) is None
+    assert ops.dense_linear(torch.randn(3, 16), panels, torch.randn(63)) is None
+    assert ops.dense_linear(torch.randn(0, 16), panels, None).shape == (0, 64)
+
+
+def test_the_layer_holds_float32_weights_as_panels():
+    kernels = KernelSet(cpu=True, isa=dense_isas()[-1])  # no AMX kernel
+    w, odd = torch.randn(64, 16), torch.randn(65, 16)
+    packed = pack_weight(w, kernels)
+    assert packed.data.dim() == 3 and not packed.amx
+    assert pack_weight(odd, kernels).data.dim() == 2
+    x = torch.randn(5, 16)
+    torch.testing.assert_close(linear(x, w, None, packed), x @ w.t())
+    y = x.bfloat16()  # declined by the panels: F.linear on the weight
+    torch.testing.assert_close(linear(y, w.bfloat16(), None, packed), y @ w.bfloat16().t())
 
 
 @pytest.mark.parametrize("rows", [3, 30, 400])
