@@ -5,6 +5,9 @@
 //     is the top half of a float: a shift), multiplied with FMA and summed in float32; the
 //     result rounds to x's dtype once, after the bias, as F.linear's.
 //   - float32 W and x, where this kernel beats torch's float32 GEMM at every row count.
+//     A float32 W whose N is a multiple of the panel width is held as the GEMM's panels
+//     (pack_weight_panels, at load), which every row count multiplies (cpu_gemm.h); the
+//     paths below take the others, and bf16 W.
 //
 // By the number of rows T (measured on SmolLM2's layers, 2 Zen 3 cores):
 //   - T < kPanelRows, where reading the weights is the cost (`linear_rows`): tiles of F
@@ -22,8 +25,8 @@
 //     GEMM reaches 90-135. The first tile prefetches the next group's float32 weight rows
 //     (2 Zen 4 cores, SmolLM2's layers: 16-32 rows 43-47 -> 37-40 ms, 64 rows 76 -> 71);
 //     a last tile of one vector's rows or fewer takes one vector (16 rows there: 37 -> 28).
-//   - from kGemmRows on (`linear_gemm`, cpu_gemm.h): W packed into panels of features,
-//     a tile of rows x 2 vectors of features per k.
+//   - from kGemmRows on (`linear_gemm`, cpu_gemm.h): W packed per call into panels of
+//     features, a tile of rows x 2 vectors of features per k.
 //
 // dense_linear says which tensors it takes: it returns None for the others (the layer then
 // runs F.linear, on the weight widened to x's dtype).
