@@ -54,16 +54,14 @@ constexpr int64_t kAheadPositions = 16;
 // D floats apart) that share the row's features at `k`.
 template <typename C, int D, int N>
 inline void partial_scores(const float* q, const C* k, __m256* part, int t) {
-  __m256 a[N], b[N];
-  for (int j = 0; j < N; ++j) a[j] = b[j] = _mm256_setzero_ps();
-  for (int c = 0; c < D / 8; c += 2) {
-    const __m256 k0 = load8(k + 8 * c), k1 = load8(k + 8 * c + 8);
-    for (int j = 0; j < N; ++j) {
-      a[j] = _mm256_fmadd_ps(k0, _mm256_loadu_ps(q + j * D + 8 * c), a[j]);
-      b[j] = _mm256_fmadd_ps(k1, _mm256_loadu_ps(q + j * D + 8 * c + 8), b[j]);
-    }
+  __m256 a[N];
+  for (int j = 0; j < N; ++j) a[j] = _mm256_setzero_ps();
+  for (int c = 0; c < D / 8; ++c) {
+    const __m256 kv = load8(k + 8 * c);
+    for (int j = 0; j < N; ++j)
+      a[j] = _mm256_fmadd_ps(kv, _mm256_loadu_ps(q + j * D + 8 * c), a[j]);
   }
-  for (int j = 0; j < N; ++j) part[j * 8 + t] = _mm256_add_ps(a[j], b[j]);
+  for (int j = 0; j < N; ++j) part[j * 8 + t] = a[j];
 }
 
 // Row t of the chunk at k, every query head of its `heads` KV heads (G each).
