@@ -2,9 +2,10 @@
 instructions) against torch's float32 F.linear, same run: SmolLM2-135M's 30 layers of
 qkv, o, gate_up and down weights (each its own tensor, so that they come from memory as in
 a step) and its lm_head, for a range of rows. Columns: F.linear on float32 weights (what
-`--dtype float32` ran before), the kernel on float32 weights (what it runs now: the dot
-tiles, the panels from 16 rows, the packed GEMM from 768), the kernel on bf16 weights
-(`--dtype auto` on CPUs without bf16 instructions).
+`--dtype float32` ran before), the kernel on float32 weights held as its GEMM's panels
+(what it runs now, every row count), the kernel on bf16 weights (`--dtype auto` on CPUs
+without bf16 instructions: the dot tiles, the row-major panels from 16 rows, the GEMM on
+weights packed per call from 768).
 
     python benchmarks/dense_linear_bench.py [--rows 1 8 16 64 256 2048] [--repeat 3]
 """
@@ -50,7 +51,7 @@ def main() -> None:
     print(f"threads {torch.get_num_threads()}; ms (GFLOP/s) per run of the 120 layer weights")
     variants = {
         "F.linear f32": lambda w: (w, None),
-        "kernel f32": lambda w: (w, PackedWeight(kernel, w, amx=False)),
+        "kernel f32": lambda w: (w, PackedWeight(kernel, kernel.pack_weight_panels(w), amx=False)),
         "kernel bf16": lambda w: (w.bfloat16(), PackedWeight(kernel, w.bfloat16(), amx=False)),
     }
     prepared = {name: ([make(w) for w in layers], make(head)) for name, make in variants.items()}

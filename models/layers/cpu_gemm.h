@@ -11,10 +11,11 @@
 // 16); a whole tile of float32 output is stored (with the bias) from the registers. x goes
 // in blocks of kGemmBlockBytes of rows, and a block's work items are (panel, row tile)
 // pairs, panel by panel: a thread reuses its panel from L1/L2 across the block's row
-// tiles, and the block from L2. On 2 Zen 4 cores, SmolLM2's four layer shapes at 2048 rows (qkv, o, gate_up, down), x and W
-// in cache: 184-197 GFLOP/s with the packing, where torch's float32 GEMM ran at 134-167 in
-// the same runs (peak 228); packing x as well measured slower. The compare_cpu float32
-// workload's prefill steps: 25 % less time; with the panels made at load, decode steps 9 %.
+// tiles, and the block from L2. On 2 Zen 4 cores, SmolLM2's four layer shapes at 2048
+// rows (qkv, o, gate_up, down), x and W in cache: 184-197 GFLOP/s with the packing, where
+// torch's float32 GEMM ran at 134-167 in the same runs (peak 228); packing x as well
+// measured slower. The compare_cpu float32 workload's prefill steps: 25 % less time; with
+// the panels made at load, decode steps 9 %.
 #pragma once
 
 constexpr int64_t kGemmCols = 2 * Vec::kLanes;

@@ -109,8 +109,9 @@ def pack_weight(weight: torch.Tensor, kernels: KernelSet) -> PackedWeight | None
     dense = dense_linear_kernel(kernels)
     if dense is None:
         return None
-    panels = dense.pack_weight_panels(weight.detach()) if weight.dtype == torch.float32 else None
-    return PackedWeight(dense, weight.detach() if panels is None else panels, amx=False)
+    weight = weight.detach()
+    panels = dense.pack_weight_panels(weight)  # None but for float32 weights of some shapes
+    return PackedWeight(dense, weight if panels is None else panels, amx=False)
 
 
 class PackedWeightMixin:

@@ -142,7 +142,7 @@ def test_the_layer_falls_back_to_a_widened_f_linear():
     declines = PackedWeight(dense_linear_kernel(OWN), w.half(), amx=False)
     torch.testing.assert_close(linear(x, w, packed=declines), x @ w.float().t())
     w32 = w.float()
-    many = torch.randn(400, 16)  # the GEMM's rows
+    many = torch.randn(400, 16)  # the panels' rows
     taken = PackedWeight(dense_linear_kernel(OWN), w32, amx=False)
     torch.testing.assert_close(linear(many, w32, packed=taken), many @ w32.t())
 
@@ -184,7 +184,7 @@ def test_auto_model_holds_bf16_and_matches_transformers(tmp_path, tied):
     llm = LLM(path, dtype="auto", kv_cache_memory=8 << 20, max_model_len=256)
     try:
         reference = greedy_reference(path)
-        prompts = random_prompts(4, 3, 150)  # prefills over and under the GEMM's rows
+        prompts = random_prompts(4, 3, 150)  # prefills over and under the panels' rows
         for prompt, out in zip(prompts, generate_greedy(llm, prompts), strict=True):
             assert out.outputs[0].token_ids == reference(prompt)
     finally:
