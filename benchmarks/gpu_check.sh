@@ -32,20 +32,26 @@ cluster_run() {  # $1: --async-scheduling or --no-async-scheduling
   python3 launch.py --model $Q --dtype bfloat16 --no-api --address-file /tmp/addr "$1" \
     > "$OUT/cluster$1.log" 2>&1 &
   local pid=$!
-  for _ in $(seq 150); do [ -s /tmp/addr ] && break; sleep 1; done
+  for _ in $(seq 150); do [ -s /tmp/addr ] && break; kill -0 $pid 2>/dev/null || break; sleep 1; done
+  [ -s /tmp/addr ] || { echo "--- cluster $1 did not start"; tail -20 "$OUT/cluster$1.log"; kill -KILL $pid; return; }
   echo "--- cluster $1"
   timeout 120 python3 -m benchmarks.throughput_bench --address /tmp/addr --num-requests 256 \
     --prompt-len 100 1024 --output-len 100 1024 2>&1 | tail -5
-  kill -INT $pid; wait $pid
+  kill -INT $pid
+  for _ in $(seq 40); do kill -0 $pid 2>/dev/null || break; sleep 1; done
+  kill -0 $pid 2>/dev/null && { echo "--- cluster $1 still up 40 s after SIGINT"; pkill -KILL -f launch.py; pkill -KILL -f splitserve; }
+  wait $pid
 }
 
 for s in ${1:-tests}; do
   echo "=== $s $(date +%T)"
   case $s in
     tests)
-      timeout ${TESTS_TIMEOUT:-500} python3 -m pytest -q -p no:cacheprovider -m "not slow" -n 4 \
+      # -v: one line per test as it ends, so a run cut off by the timeout still tells
+      timeout ${TESTS_TIMEOUT:-500} python3 -m pytest -v -p no:cacheprovider -m "not slow" -n 4 \
         --timeout 150 ${TESTS:-tests} > "$OUT/tests.log" 2>&1
-      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -40 ;;
+      echo "$(grep -c " PASSED " "$OUT/tests.log") passed so far"
+      grep -E " (FAILED|ERROR) |^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -40 ;;
     llm)
       timeout 240 python3 -m benchmarks.throughput_bench --mode llm --compare-async --model $Q \
         --dtype bfloat16 --num-requests 256 --prompt-len 100 1024 --output-len 100 1024 \

@@ -23,6 +23,11 @@ if _ROOT not in sys.path:
 
 
 def pytest_configure(config):
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if HAS_CUDA and workers > 1:
+        # pytest-xdist workers on one GPU: each gets an equal share of its memory, which
+        # an engine's gpu_memory_utilization applies to (ModelRunner._profile_cuda_memory).
+        torch.cuda.set_per_process_memory_fraction(1 / workers)
     config.addinivalue_line(
         "markers",
         "gpus(n): needs n CUDA devices when CUDA is in use (skipped on a machine with fewer; "

@@ -228,17 +228,24 @@ class ModelRunner:
         return hidden, time.perf_counter() - start
 
     def _profile_cuda_memory(self) -> tuple[int, float]:
-        """The KV cache's memory budget, and the profiling forward's seconds per token."""
+        """The KV cache's memory budget, and the profiling forward's seconds per token.
+
+        gpu_memory_utilization is this instance's share, as in vLLM: what other processes
+        hold on the GPU is not charged to it, so two engines at 0.45 share one GPU. The
+        share is taken of the process's memory fraction where the host program capped it
+        (torch.cuda.set_per_process_memory_fraction), and never exceeds what is free."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         hidden, seconds = self._profile_forward(self.max_num_tokens)
-        free, total = torch.cuda.mem_get_info(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         current = torch.cuda.memory_allocated(self.device)
         del hidden
         torch.cuda.empty_cache()
-        budget = total * self.config.gpu_memory_utilization - (total - free) - (peak - current)
-        return int(budget), seconds / self.max_num_tokens
+        free, total = torch.cuda.mem_get_info(self.device)
+        share = total * torch.cuda.get_per_process_memory_fraction(self.device)
+        held = torch.cuda.memory_reserved(self.device)
+        budget = share * self.config.gpu_memory_utilization - held - (peak - current)
+        return int(min(budget, free - (peak - current))), seconds / self.max_num_tokens
 
     def initialize_kv_cache(self, num_blocks: int, num_host_blocks: int = 0) -> None:
         """One tensor per position within a group: group g's j-th layer uses tensor j.
