@@ -68,12 +68,15 @@ def test_triton_store_kv_equals_torch(
 
 @pytest.mark.parametrize("path", ["c++", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_tokens, num_padding", [(1, 0), (37, 5), (1500, 20)])
+@pytest.mark.parametrize("num_tokens, num_padding", [(1, 0), (37, 5), (60, 4), (1500, 20)])
+@pytest.mark.parametrize("threads", [1, 2])
 def test_cpu_store_kv_writes_each_row_at_its_slot(
-    cpu_attention, path, dtype, num_tokens, num_padding
+    cpu_attention, path, dtype, num_tokens, num_padding, threads
 ):
     """The C++ store (cpu_attn.cpp) and the torch store against a row-by-row copy: every
-    slot gets its token's K and V rows, padding (-1) and every other slot are untouched."""
+    slot gets its token's K and V rows, padding (-1) and every other slot are untouched.
+    At 2 threads, a decode step's rows are split by K and V halves (64 rows here)."""
+    torch.set_num_threads(threads)
     backend = CPUAttentionBackend(cpu_attention) if path == "c++" else TorchAttentionBackend()
     gen = torch.Generator().manual_seed(num_tokens)
     num_kv_heads, head_dim, block_size, num_blocks = 3, 64, 16, 200
