@@ -201,7 +201,11 @@ class EngineConfig:
         ),
     )
     gpu_memory_utilization: float = field(
-        default=0.9, metadata=option("share of each GPU's memory the engine may use, in (0, 1]")
+        default=0.9,
+        metadata=option(
+            "this engine's share of each GPU's memory, in (0, 1]; what other processes hold "
+            "is not charged to it (vLLM's meaning: two engines at 0.45 share a GPU)"
+        ),
     )
     kv_cache_memory: int | None = field(
         default=None,
