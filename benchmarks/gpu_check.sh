@@ -27,20 +27,24 @@ python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"
 git log --oneline -1 2>/dev/null
 python3 -c "import sys; sys.path.insert(0, '$G'); from gpu_bench import make; make('qwen3-0.6b')"
 
+stop_cluster() {  # $1: launch.py's pid; its roles run with --parent-pid of it
+  kill -INT $1 2>/dev/null
+  for _ in $(seq 40); do kill -0 $1 2>/dev/null || break; sleep 1; done
+  kill -0 $1 2>/dev/null && echo "--- cluster still up 40 s after SIGINT: killed"
+  pkill -KILL -f -- "--parent-pid $1 "; kill -KILL $1 2>/dev/null; wait $1
+}
+
 cluster_run() {  # $1: --async-scheduling or --no-async-scheduling
   rm -f /tmp/addr
   python3 launch.py --model $Q --dtype bfloat16 --no-api --address-file /tmp/addr "$1" \
     > "$OUT/cluster$1.log" 2>&1 &
   local pid=$!
   for _ in $(seq 150); do [ -s /tmp/addr ] && break; kill -0 $pid 2>/dev/null || break; sleep 1; done
-  [ -s /tmp/addr ] || { echo "--- cluster $1 did not start"; tail -20 "$OUT/cluster$1.log"; kill -KILL $pid; return; }
+  [ -s /tmp/addr ] || { echo "--- cluster $1 did not start"; tail -20 "$OUT/cluster$1.log"; stop_cluster $pid; return; }
   echo "--- cluster $1"
   timeout 120 python3 -m benchmarks.throughput_bench --address /tmp/addr --num-requests 256 \
     --prompt-len 100 1024 --output-len 100 1024 2>&1 | tail -5
-  kill -INT $pid
-  for _ in $(seq 40); do kill -0 $pid 2>/dev/null || break; sleep 1; done
-  kill -0 $pid 2>/dev/null && { echo "--- cluster $1 still up 40 s after SIGINT"; pkill -KILL -f launch.py; pkill -KILL -f splitserve; }
-  wait $pid
+  stop_cluster $pid
 }
 
 for s in ${1:-tests}; do
