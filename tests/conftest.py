@@ -41,7 +41,10 @@ _NO_KERNELS = ("kv_cache", "engine_core", "ipc")
 
 def pytest_collection_finish(session):
     """Build the C++ kernels the tests load, for the ISAs they load them for, several at
-    once before the first test: on a fresh clone that halves the time spent compiling."""
+    once before the first test: on a fresh clone that halves the time spent compiling.
+    Every module for generic and this CPU's own rung; for a rung between them that a test
+    forces (a parameter naming it), the modules other than the quantized ones, which are
+    tested on generic and the own rung alone (tests/quantization/isas.py)."""
     tests = Path(__file__).parent
     folders = {Path(item.path).relative_to(tests).parts[0] for item in session.items}
     if torch is None or folders <= set(_NO_KERNELS):
@@ -52,10 +55,19 @@ def pytest_collection_finish(session):
     import models.quantization.cpu_fp8_linear  # noqa: F401
     import worker.sampler  # noqa: F401
     from kernels import KernelSet
+    from kernels.isa import ladder, probe_isa
     from tests.quantization.isas import kernel_isas
 
-    for isa in kernel_isas():
-        KernelSet.for_device("cpu", os.environ | {"SPLITSERVE_CPU_ISA": isa}).build_declared()
+    own = kernel_isas()
+    params = set()
+    for item in session.items:
+        callspec = getattr(item, "callspec", None)
+        params |= {v for v in callspec.params.values() if isinstance(v, str)} if callspec else set()
+    rungs = ladder()[: ladder().index(probe_isa()) + 1]
+    forced = [rung for rung in rungs if rung in params and rung not in own]
+    for isa in own + forced:
+        kernels = KernelSet.for_device("cpu", os.environ | {"SPLITSERVE_CPU_ISA": isa})
+        kernels.build_declared(quantized=isa in own)
 
 
 def pytest_runtest_setup(item):
