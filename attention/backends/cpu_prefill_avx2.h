@@ -13,8 +13,8 @@
 //      stay in L1) and 6 rows x 16 keys of accumulators inner;
 //   2. an exact softmax per row over the keys it sees (causal, window), the others 0, left
 //      unnormalised (1 / sum scales the output);
-//   3. O = P V over chunks of 16 KiB of V rows (which stay in L1), 3 rows x 32
-//      dims of accumulators at a time.
+//   3. O = P V over chunks of 16 KiB of V rows (which stay in L1), 6 rows x 16 dims of
+//      accumulators at a time (each V vector loaded once for the 6 rows).
 #pragma once
 
 #include <algorithm>
@@ -72,27 +72,28 @@ inline void score_block(const float* q, const float* kt, int64_t stride, float* 
   }
 }
 
-// o[r] += sum over `keys` keys k of p[r * ld + k] * v[k], for ROWS rows of D dims.
+// o[r] += sum over `keys` keys k of p[r * ld + k] * v[k], for ROWS rows of D dims: 16 dims
+// of ROWS rows at a time, so that a key's two V vectors are loaded once for all the rows.
 template <int D, int ROWS>
 inline void accumulate_values(const float* p, int64_t ld, const float* v, int64_t keys, float* o) {
-  for (int c = 0; c < D; c += 32) {
-    __m256 acc[ROWS][4];
-    for (int r = 0; r < ROWS; ++r)
-      for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_loadu_ps(o + r * D + c + 8 * j);
+  for (int c = 0; c < D; c += 16) {
+    __m256 acc[ROWS][2];
+    for (int r = 0; r < ROWS; ++r) {
+      acc[r][0] = _mm256_loadu_ps(o + r * D + c);
+      acc[r][1] = _mm256_loadu_ps(o + r * D + c + 8);
+    }
     for (int64_t k = 0; k < keys; ++k) {
-      const float* row = v + k * D + c;
-      const __m256 v0 = _mm256_loadu_ps(row), v1 = _mm256_loadu_ps(row + 8);
-      const __m256 v2 = _mm256_loadu_ps(row + 16), v3 = _mm256_loadu_ps(row + 24);
+      const __m256 v0 = _mm256_loadu_ps(v + k * D + c), v1 = _mm256_loadu_ps(v + k * D + c + 8);
       for (int r = 0; r < ROWS; ++r) {
         const __m256 w = _mm256_broadcast_ss(p + r * ld + k);
         acc[r][0] = _mm256_fmadd_ps(w, v0, acc[r][0]);
         acc[r][1] = _mm256_fmadd_ps(w, v1, acc[r][1]);
-        acc[r][2] = _mm256_fmadd_ps(w, v2, acc[r][2]);
-        acc[r][3] = _mm256_fmadd_ps(w, v3, acc[r][3]);
       }
     }
-    for (int r = 0; r < ROWS; ++r)
-      for (int j = 0; j < 4; ++j) _mm256_storeu_ps(o + r * D + c + 8 * j, acc[r][j]);
+    for (int r = 0; r < ROWS; ++r) {
+      _mm256_storeu_ps(o + r * D + c, acc[r][0]);
+      _mm256_storeu_ps(o + r * D + c + 8, acc[r][1]);
+    }
   }
 }
 
@@ -144,8 +145,8 @@ void prefill_tile_avx2(const T* q, T* out, int64_t n, int64_t first_pos, int64_t
   constexpr int64_t kChunk = 4096 / D;  // keys of 16 KiB of V rows
   for (int64_t key = from; key < to; key += kChunk) {
     const int64_t keys = std::min(kChunk, to - key);
-    for (int64_t r = 0; r < R; r += 3)
-      with_rows<3>(R - r, [&](auto rows) {
+    for (int64_t r = 0; r < R; r += 6)
+      with_rows<6>(R - r, [&](auto rows) {
         accumulate_values<D, decltype(rows)::value>(s + r * width + key - from, width,
                                                     v + key * D, keys, o + r * D);
       });
