@@ -58,16 +58,19 @@ def pytest_collection_finish(session):
     from kernels.isa import ladder, probe_isa
     from tests.quantization.isas import kernel_isas
 
-    own = kernel_isas()
-    params = set()
-    for item in session.items:
-        callspec = getattr(item, "callspec", None)
-        params |= {v for v in callspec.params.values() if isinstance(v, str)} if callspec else set()
+    every_module = kernel_isas()  # generic and this CPU's own rung
+    named = {
+        value
+        for item in session.items
+        if hasattr(item, "callspec")
+        for value in item.callspec.params.values()
+        if isinstance(value, str)
+    }
     rungs = ladder()[: ladder().index(probe_isa()) + 1]
-    forced = [rung for rung in rungs if rung in params and rung not in own]
-    for isa in own + forced:
+    forced = [rung for rung in rungs if rung in named and rung not in every_module]
+    for isa in every_module + forced:
         kernels = KernelSet.for_device("cpu", os.environ | {"SPLITSERVE_CPU_ISA": isa})
-        kernels.build_declared(quantized=isa in own)
+        kernels.build_declared(quantized=isa in every_module)
 
 
 def pytest_runtest_setup(item):
