@@ -50,8 +50,8 @@ class FaultInBehind:
     whenever the engine idles, at idle priority (SCHED_IDLE) besides. It takes the same
     offset of every leading slice of every tensor together (a KV tensor's K and V halves,
     so block b of every layer before block b + 1: the pool hands out low block ids first)
-    and stops when the tensors are freed. Kernels before 5.14 refuse the advice: then the
-    steps fault in every page."""
+    and stops when the tensors are freed or `stop` is called. Kernels before 5.14 refuse
+    the advice: then the steps fault in every page."""
 
     def __init__(self, tensors: list[torch.Tensor], at_start: bool = False) -> None:
         """`at_start`: fault every page in now, before returning, on this thread (engines
@@ -60,6 +60,7 @@ class FaultInBehind:
         self._refs = [weakref.ref(tensor) for tensor in tensors]
         self._steps_running = 0
         self._quiet_from = 0.0
+        self._stopped = False
         self.thread: threading.Thread | None = None
         if at_start:
             self._fault_in()
@@ -77,6 +78,13 @@ class FaultInBehind:
             self._steps_running -= 1
             self._quiet_from = time.monotonic() + _QUIET_S
 
+    def stop(self) -> None:
+        """Stop the thread and wait for it, so that it holds none of the tensors (at most a
+        chunk's fault-in to wait for)."""
+        self._stopped = True
+        if self.thread is not None:
+            self.thread.join()
+
     def _run(self) -> None:
         if hasattr(os, "SCHED_IDLE"):  # this thread alone; where refused, it runs as it is
             with contextlib.suppress(OSError):
@@ -88,9 +96,11 @@ class FaultInBehind:
         while True:
             pending = False
             for ref in self._refs:
-                while self._steps_running or time.monotonic() < self._quiet_from:
+                while not self._stopped and (
+                    self._steps_running or time.monotonic() < self._quiet_from
+                ):
                     time.sleep(_QUIET_S)
-                tensor = ref()
+                tensor = None if self._stopped else ref()
                 if tensor is None:
                     return
                 slices = tensor.shape[0] if tensor.dim() else 1

@@ -69,6 +69,7 @@ class InProcessExecutor(Executor):
             return
         if self.runner.kv_connector is not None:
             self.runner.kv_connector.shutdown()
+        self.runner.kv_fault_in.stop()
         on_cuda = self.runner.device.type == "cuda"
         self.runner = None
         if on_cuda:

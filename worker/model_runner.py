@@ -152,6 +152,7 @@ class ModelRunner:
         self._num_launched = 0
         self.host_kv_cache: HostKVCache | None = None
         self.kv_connector: KVConnectorWorker | None = None
+        self.kv_fault_in = FaultInBehind([], at_start=True)  # initialize_kv_cache's replaces it
         # Measured by determine_num_blocks when the host tier is on (else 0): seconds to
         # copy one block one way between the tiers, and to prefill one token.
         self.block_copy_seconds = 0.0

@@ -2,6 +2,7 @@ import gc
 import os
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -104,6 +105,32 @@ def test_fault_in_behind_stops_when_the_tensors_are_freed_or_the_kernel_refuses(
     thread = FaultInBehind([cache]).thread
     thread.join(timeout=60)
     assert not thread.is_alive() and cache.eq(0).all()
+
+
+def test_a_stopped_fault_in_holds_no_tensor(monkeypatch):
+    """stop() returns once the thread is gone, so that an engine's shutdown frees its KV
+    cache at once: the thread holds a tensor while it faults in a chunk."""
+    faulting, go_on = threading.Event(), threading.Event()
+
+    def hold_a_chunk():
+        faulting.set()
+        go_on.wait(timeout=60)
+
+    calls = _record_populates(monkeypatch, hold_a_chunk)
+    cache = zeros_on_huge_pages((1, 64 * MiB), torch.uint8)
+    fault_in = FaultInBehind([cache])
+    assert faulting.wait(timeout=60)
+    stopper = threading.Thread(target=fault_in.stop)
+    stopper.start()
+    stopper.join(timeout=0.2)
+    assert stopper.is_alive(), "stop() waits for the chunk in progress"
+    go_on.set()
+    stopper.join(timeout=60)
+    assert not fault_in.thread.is_alive() and len(calls) == 1
+    freed = weakref.ref(cache)
+    del cache
+    assert freed() is None  # no garbage collection needed
+    FaultInBehind([], at_start=True).stop()  # nothing to stop
 
 
 def _anon_huge_page_bytes() -> int:
