@@ -157,12 +157,11 @@ def _header_folder(isa: str, flags: tuple[str, ...]) -> Path:
     return folder
 
 
-@cache
 def _precompiled_header(isa: str, flags: tuple[str, ...]) -> Path | None:
     """The header folder with torch_ext.h.gch made there, by this call where no process
-    is making it; None where another is (builds then parse the header, without waiting)
-    or gcc could not make one the builds would use (made once, checked in a folder of
-    its own, moved in whole: a build never sees half a .gch)."""
+    is making it; None where another is (builds then parse the header, without waiting;
+    a later call looks again) or gcc could not make one the builds would use (made once,
+    checked in a folder of its own, moved in whole: a build never sees half a .gch)."""
     folder = _header_folder(isa, flags)
     gch, failed = folder / "torch_ext.h.gch", folder / "failed"
     with open(folder / "lock", "w") as lock:
