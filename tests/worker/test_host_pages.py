@@ -83,17 +83,25 @@ def test_fault_in_behind_takes_the_same_offset_of_every_slice_together(monkeypat
     assert calls == expected
 
 
-def test_fault_in_behind_stops_when_the_tensors_are_freed_or_the_kernel_refuses(monkeypatch):
-    freed, go_on = threading.Event(), threading.Event()
+def _held_in_its_first_chunk(monkeypatch):
+    """A FaultInBehind over a 64 MiB tensor whose thread is in its first chunk's fault-in,
+    held there until go_on is set; with the tensor and the populate calls so far."""
+    faulting, go_on = threading.Event(), threading.Event()
 
-    def wait_for_the_test():
-        freed.set()
+    def hold_a_chunk():
+        faulting.set()
         go_on.wait(timeout=60)
 
-    calls = _record_populates(monkeypatch, wait_for_the_test)
+    calls = _record_populates(monkeypatch, hold_a_chunk)
     cache = zeros_on_huge_pages((1, 64 * MiB), torch.uint8)
-    thread = FaultInBehind([cache]).thread
-    assert freed.wait(timeout=60)
+    fault_in = FaultInBehind([cache])
+    assert faulting.wait(timeout=60)
+    return fault_in, cache, go_on, calls
+
+
+def test_fault_in_behind_stops_when_the_tensors_are_freed_or_the_kernel_refuses(monkeypatch):
+    fault_in, cache, go_on, calls = _held_in_its_first_chunk(monkeypatch)
+    thread = fault_in.thread
     del cache
     gc.collect()
     go_on.set()
@@ -110,16 +118,7 @@ def test_fault_in_behind_stops_when_the_tensors_are_freed_or_the_kernel_refuses(
 def test_a_stopped_fault_in_holds_no_tensor(monkeypatch):
     """stop() returns once the thread is gone, so that an engine's shutdown frees its KV
     cache at once: the thread holds a tensor while it faults in a chunk."""
-    faulting, go_on = threading.Event(), threading.Event()
-
-    def hold_a_chunk():
-        faulting.set()
-        go_on.wait(timeout=60)
-
-    calls = _record_populates(monkeypatch, hold_a_chunk)
-    cache = zeros_on_huge_pages((1, 64 * MiB), torch.uint8)
-    fault_in = FaultInBehind([cache])
-    assert faulting.wait(timeout=60)
+    fault_in, cache, go_on, calls = _held_in_its_first_chunk(monkeypatch)
     stopper = threading.Thread(target=fault_in.stop)
     stopper.start()
     stopper.join(timeout=0.2)
