@@ -100,8 +100,8 @@ class FaultInBehind:
                     self._steps_running or time.monotonic() < self._quiet_from
                 ):
                     time.sleep(_QUIET_S)
-                tensor = None if self._stopped else ref()
-                if tensor is None:
+                tensor = ref()
+                if tensor is None or self._stopped:
                     return
                 slices = tensor.shape[0] if tensor.dim() else 1
                 slice_bytes = tensor.nbytes // max(slices, 1)
