@@ -1,23 +1,23 @@
 """Build-once loading of the project's C++ CPU kernels (torch.utils.cpp_extension).
 
-Each kernel file lives beside the Python that calls it, which declares its module at
-import (`cpp_extension`). It is compiled the first time a process asks for it for an ISA
-(kernels/isa.py: its flags, -O3 and OpenMP) into a folder under the user cache keyed by
-torch version, machine, ISA and the sources; later processes
-load the cached library. Kernels may include this folder's headers (cpu_math.h). When
-there is no compiler or the build fails, `load_cpp_extension` returns None after one
-warning and the caller falls back to its torch path. `build_all` builds several modules
-at once (a worker's first start, the tests' first run): each build is mostly one compiler
-process, so a 2-core CPU builds two in the time of one.
+The kernel files live beside the Python that calls them; they are built as two libraries,
+one extension module each (kernels/libraries.py): the kernels every model may run and
+those only quantized models run. A library is compiled the first time a process asks for
+it for an ISA (kernels/isa.py: its flags, -O3 and OpenMP; only the files that ISA uses)
+into a folder under the user cache keyed by torch version, machine, ISA and the sources;
+later processes load the cached library. When there is no compiler or the build fails,
+`load_cpp_extension` returns None after one warning and the callers fall back to their
+torch paths. `build_all` builds both at once, ninja compiling each library's files in
+parallel, beside the precompiled header.
 
-Every kernel file includes torch_ext.h first, and parsing it (ATen, pybind11) took about
-half of each file's compile time. It is precompiled once per ISA and torch version
-(`_precompiled_header`) into a folder that comes first on every build's include path; gcc
-takes the .gch there in place of parsing the header, and a compiler or flags it does not
-fit (checked once as it is made) fall back to parsing. `build_all` makes the header beside
-its first builds rather than before them: a build that starts while the header is being
-made parses the copy in that folder (the same command line, so nothing rebuilds later),
-and a 2-core CPU's second core compiles a kernel in the ~25 s the header takes.
+Only a library's binding file includes pybind11, whose dispatch code each including file
+compiles again (~4 s): the kernel files include torch_ext.h, ATen alone, which is
+precompiled once per ISA and torch version (`_precompiled_header`) into a folder that comes
+first on every build's include path; gcc takes the .gch there in place of parsing the
+header, and a compiler or flags it does not fit (checked once as it is made) fall back to
+parsing. `build_all` makes the header beside the first compiles rather than before them: a
+file compiled while the header is being made parses the copy in that folder (the same
+command line, so nothing rebuilds later).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from types import ModuleType
 
 import torch
 
-from kernels.isa import compiler_flags, machine
+from kernels.isa import compiler_flags, ladder, machine
 
 logger = logging.getLogger(__name__)
 
@@ -56,57 +56,60 @@ def build_root(isa: str) -> Path:
 
 
 @dataclass(frozen=True)
-class CppExtension:
-    """A C++ module of the project: its name, its sources, the ISA rung it is only used on
-    (None: any), the rung from which on it is not used (None: none), and whether only
-    quantized models use it (`quantized`: not built ahead for the others)."""
+class CppModule:
+    """A kernel file (or a few) of the project: the submodule `name` of the library that
+    binds it, its sources, the ISA rung it is only built on (None: any) and the rung from
+    which on it is not (None: none)."""
 
     name: str
     sources: tuple[Path, ...]
     only_on: str | None = None
     not_on: str | None = None
+
+    def built_on(self, isa: str) -> bool:
+        """Whether a build for `isa` has this module (its `only_on` and `not_on` rungs)."""
+        return (self.only_on is None or includes(isa, self.only_on)) and not (
+            self.not_on is not None and includes(isa, self.not_on)
+        )
+
+
+@dataclass(frozen=True)
+class CppLibrary:
+    """One extension module: its binding file (the only source that includes pybind11,
+    kernels/pybind_ext.h) and the kernel modules it binds as submodules; `quantized`: only
+    quantized models load it (not built ahead for the others)."""
+
+    name: str
+    binding: Path
+    modules: tuple[CppModule, ...]
     quantized: bool = False
 
-
-_DECLARED: list[CppExtension] = []
-
-
-def cpp_extension(
-    name: str,
-    *sources: Path,
-    only_on: str | None = None,
-    not_on: str | None = None,
-    quantized: bool = False,
-) -> CppExtension:
-    """Declare a C++ module, at the import of the Python that loads it, so that
-    `declared_extensions` lists it for `build_all`."""
-    extension = CppExtension(name, tuple(sources), only_on, not_on, quantized)
-    _DECLARED.append(extension)
-    return extension
+    def sources(self, isa: str) -> tuple[Path, ...]:
+        """What a build for `isa` compiles, the largest first (each is one compiler)."""
+        files = [s for m in self.modules if m.built_on(isa) for s in m.sources]
+        return (self.binding, *sorted(files, key=_source_bytes, reverse=True))
 
 
-def declared_extensions() -> list[CppExtension]:
-    return list(_DECLARED)
+def includes(isa: str, rung: str) -> bool:
+    """Whether `isa` includes the ladder's `rung` (e.g. "amx")."""
+    rungs = ladder()
+    return rung in rungs and rungs.index(rung) <= rungs.index(isa)
 
 
-def build_all(extensions: Sequence[CppExtension], isa: str) -> None:
-    """Build (or load) `extensions` for `isa`, as many at once as the CPU has cores, the
-    precompiled header first and the largest sources next."""
-    flags = tuple(CFLAGS + compiler_flags(isa))
-    tasks = [lambda: _precompiled_header(isa, flags)]
-    for e in sorted(extensions, key=_source_bytes, reverse=True):
-        tasks.append(lambda e=e: load_cpp_extension(e.name, e.sources, isa))
-    workers = min(len(tasks), os.cpu_count() or 1)
-    if extensions:
-        with ThreadPoolExecutor(workers, thread_name_prefix="cpp-build") as pool:
-            list(pool.map(lambda task: task(), tasks))
+def build_all(libraries: Sequence[CppLibrary], isa: str) -> None:
+    """Build (or load) `libraries` for `isa`: the precompiled header first, then the
+    libraries at once (ninja compiles each one's files in parallel, as many as the CPU
+    has cores), each file with the header made."""
+    if not libraries:
+        return
+    _precompiled_header(isa, tuple(CFLAGS + compiler_flags(isa)))
+    with ThreadPoolExecutor(len(libraries), thread_name_prefix="cpp-build") as pool:
+        list(pool.map(lambda lib: load_cpp_extension(lib.name, lib.sources(isa), isa), libraries))
 
 
-def _source_bytes(extension: CppExtension) -> int:
-    """The size of an extension's sources and the headers beside them: its compile time,
-    roughly."""
-    files = {h for s in extension.sources for h in Path(s).parent.glob("*.h")}
-    return sum(p.stat().st_size for p in (*extension.sources, *files) if p.exists())
+def _source_bytes(source: Path) -> int:
+    """A source's size with the headers beside it: its compile time, roughly."""
+    return sum(p.stat().st_size for p in (source, *source.parent.glob("*.h")) if p.exists())
 
 
 def load_cpp_extension(name: str, sources: Sequence[Path], isa: str) -> ModuleType | None:

@@ -9,8 +9,9 @@ from types import ModuleType
 
 import torch
 
-from kernels.build import CppExtension, build_all, declared_extensions, load_cpp_extension
-from kernels.isa import check_isa, ladder, probe_isa
+from kernels.build import CppModule, build_all, includes, load_cpp_extension
+from kernels.isa import check_isa, probe_isa
+from kernels.libraries import LIBRARIES, library_of
 
 _OFF = ("0", "false", "no")
 
@@ -22,7 +23,7 @@ class KernelSet:
     tensor, the torch code runs, which is also the reference both match. The worker makes
     one at model load (`for_device`, the only place the environment is read) and hands it
     to the model's layers, its attention backend and its sampler; each asks once for its
-    C++ module (`cpp`) and keeps it. KernelSet() runs torch everywhere.
+    C++ module (`cpp`, kernels/libraries.py) and keeps it. KernelSet() runs torch everywhere.
     `int8_activations`: the C++ linear layers on quantized weights quantize float32
     activations to int8 as they do 16-bit ones (off: float products, exact up to rounding).
     `decode_loop`: a Llama-style model's CPU decode steps run their layers in one C++ call
@@ -57,33 +58,29 @@ class KernelSet:
             decode_loop=_on(environ, "SPLITSERVE_CPU_DECODE_LOOP"),
         )
 
-    def cpp(self, extension: CppExtension) -> ModuleType | None:
-        """The C++ module built for this set's ISA (once per process); None when the C++
-        kernels are off or it cannot be built."""
-        if not self.cpu:
+    def cpp(self, module: CppModule) -> ModuleType | None:
+        """The C++ module built for this set's ISA (its library, loaded once per process);
+        None when the C++ kernels are off, the ISA does not build it, or it cannot be
+        built."""
+        if not self.cpu or not self.uses(module):
             return None
-        return load_cpp_extension(extension.name, extension.sources, self.isa)
+        library = library_of(module)
+        loaded = load_cpp_extension(library.name, library.sources(self.isa), self.isa)
+        return None if loaded is None else getattr(loaded, module.name)
 
-    def build_declared(self, quantized: bool = True) -> None:
-        """Build every C++ module declared so far that this set's ISA uses (those only
-        quantized models use, for a `quantized` one), several at once, so that later `cpp`
-        calls only load them."""
+    def build(self, quantized: bool = True) -> None:
+        """Build the C++ libraries for this set's ISA (the quantized models' one too, for a
+        `quantized` model) at once, so that later `cpp` calls only load them."""
         if self.cpu:
-            used = [
-                e for e in declared_extensions() if self.uses(e) and (quantized or not e.quantized)
-            ]
-            build_all(used, self.isa)
+            build_all([lib for lib in LIBRARIES if quantized or not lib.quantized], self.isa)
 
-    def uses(self, extension: CppExtension) -> bool:
-        """Whether this set's ISA runs `extension` (its `only_on` and `not_on` rungs)."""
-        return (extension.only_on is None or self.has(extension.only_on)) and not (
-            extension.not_on is not None and self.has(extension.not_on)
-        )
+    def uses(self, module: CppModule) -> bool:
+        """Whether this set's ISA builds `module` (its `only_on` and `not_on` rungs)."""
+        return module.built_on(self.isa)
 
     def has(self, isa: str) -> bool:
         """Whether this set's ISA includes `isa` (e.g. "amx")."""
-        rungs = ladder()
-        return isa in rungs and rungs.index(isa) <= rungs.index(self.isa)
+        return includes(self.isa, isa)
 
 
 def _on(environ: Mapping[str, str], name: str) -> bool:

@@ -20,7 +20,6 @@ Anything else runs the Python layers. SPLITSERVE_CPU_DECODE_LOOP=0 turns it off
 
 from __future__ import annotations
 
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -28,13 +27,12 @@ import torch
 from torch import nn
 
 from attention import Attention
-from attention.backends.cpu_backend import CPUAttentionBackend, load_cpu_attention
+from attention.backends.cpu_backend import CPUAttentionBackend
 from attention.forward_context import get_forward_context
 from kernels import KernelSet
-from kernels.build import cpp_extension
+from kernels.libraries import DECODE_LOOP
 from models.layers.activation import SiluAndMul
 from models.layers.cpu_linear import PackedWeight
-from models.layers.fused_ops import fused_ops
 from models.layers.linear import LinearBase
 from models.layers.norm import RMSNorm
 from models.layers.rotary import RotaryEmbedding
@@ -45,15 +43,12 @@ from models.quantization.cpu_quant_linear import (
 )
 from models.quantization.strips import StripQuantWeight
 
-_EXTENSION = cpp_extension(
-    "splitserve_cpu_decode_loop", Path(__file__).with_name("cpu_decode_loop.cpp")
-)
 _UNBOUNDED = 1 << 62
 
 
 def decode_loop_module(kernels: KernelSet) -> ModuleType | None:
     """The compiled loop for the set's ISA; None where the C++ kernels are off or fail."""
-    return kernels.cpp(_EXTENSION)
+    return kernels.cpp(DECODE_LOOP)
 
 
 class CPUDecodeLoop:
@@ -72,10 +67,9 @@ class CPUDecodeLoop:
         are bound to `kernels`; None where the model is not one it takes."""
         if not (kernels.cpu and kernels.decode_loop):
             return None
-        ops, attention_ops = fused_ops(kernels), load_cpu_attention(kernels)
         module = decode_loop_module(kernels)
         rotary, layers = model.rotary_emb, list(model.layers)
-        if module is None or ops is None or attention_ops is None or not layers:
+        if module is None or not layers:
             return None
         if type(rotary) is not RotaryEmbedding or rotary.ops is None:
             return None
@@ -90,8 +84,6 @@ class CPUDecodeLoop:
         lent = {id(m): m for _, _, used in linears for m in used}.values()  # the layers' kernels
         spec = first.attn.spec
         loop = module.DecodeLoop(
-            ops.c_api(),
-            attention_ops.c_api(),
             {name: f for m in lent for name, f in m.c_api().items()},
             spec.num_heads,
             spec.num_kv_heads,

@@ -49,11 +49,6 @@ def pytest_collection_finish(session):
     folders = {Path(item.path).relative_to(tests).parts[0] for item in session.items}
     if torch is None or folders <= set(_NO_KERNELS):
         return
-    import attention.backends.cpu_backend  # noqa: F401  (each import declares its kernels)
-    import models.cpu_decode_loop  # noqa: F401
-    import models.layers.cpu_linear  # noqa: F401
-    import models.quantization.cpu_fp8_linear  # noqa: F401
-    import worker.sampler  # noqa: F401
     from kernels import KernelSet
     from kernels.isa import ladder, probe_isa
     from tests.quantization.isas import kernel_isas
@@ -70,7 +65,7 @@ def pytest_collection_finish(session):
     forced = [rung for rung in rungs if rung in named and rung not in every_module]
     for isa in every_module + forced:
         kernels = KernelSet.for_device("cpu", os.environ | {"SPLITSERVE_CPU_ISA": isa})
-        kernels.build_declared(quantized=isa in every_module)
+        kernels.build(quantized=isa in every_module)
 
 
 def pytest_runtest_setup(item):

@@ -64,9 +64,7 @@ class ModelRunner:
         # Chosen once, from the environment; every kernel the model uses is built now, before
         # READY (the quantized-weight ones only for a quantized model).
         self.kernels = KernelSet.for_device(self.device)
-        self.kernels.build_declared(
-            resolve_quantization(config.model, config.quantization) is not None
-        )
+        self.kernels.build(resolve_quantization(config.model, config.quantization) is not None)
         set_expert_parallel(config.enable_expert_parallel)
         self.model = load_model(
             config.model,

@@ -1,14 +1,13 @@
 """Greedy and random sampling with temperature, top-k, top-p and min-p, and logprobs."""
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import ModuleType
 from typing import NamedTuple
 
 import torch
 
 from kernels import KernelSet
-from kernels.build import cpp_extension
+from kernels.libraries import SAMPLER
 from worker.logits_processors import (
     AllowedTokens,
     BadWords,
@@ -58,9 +57,6 @@ class LogprobsTensors(NamedTuple):
     ranks: torch.Tensor
 
 
-_EXTENSION = cpp_extension("splitserve_sampler", Path(__file__).with_name("sampler_cpu.cpp"))
-
-
 @dataclass
 class SamplerOutput:
     sampled_token_ids: torch.Tensor
@@ -70,7 +66,7 @@ class SamplerOutput:
 def cpu_sampling_kernel(kernels: KernelSet) -> ModuleType | None:
     """The C++ sampling kernel (sampler_cpu.cpp) for the set's ISA, built on first use;
     None where the set has the C++ kernels off or it cannot be built."""
-    return kernels.cpp(_EXTENSION)
+    return kernels.cpp(SAMPLER)
 
 
 class Sampler(torch.nn.Module):

@@ -16,6 +16,7 @@
 // bits (monotone in w), the bucket where the mass crosses p * total is found, and only
 // that bucket's values are sorted.
 #include "torch_ext.h"
+#include "cpu_api.h"
 #include <ATen/Parallel.h>
 
 #include "cpu_math.h"
@@ -289,6 +290,10 @@ at::Tensor float_column(const c10::optional<at::Tensor>& t, int64_t n, float fil
   return t->to(at::kFloat).contiguous();
 }
 
+}  // namespace
+
+namespace splitserve::sampler {
+
 // logits [rows, vocab] (float32 or bfloat16, unit stride along the vocabulary); one value
 // per row in every other tensor. Rows with temperature < greedy_below take the argmax.
 at::Tensor sample(const at::Tensor& logits, const at::Tensor& temperature,
@@ -322,9 +327,4 @@ at::Tensor sample(const at::Tensor& logits, const at::Tensor& temperature,
   return out;
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("sample", &sample, "Greedy / temperature / top-k / top-p / min-p sampling of CPU logits",
-        pybind11::call_guard<pybind11::gil_scoped_release>());
-}
+}  // namespace splitserve::sampler

@@ -291,6 +291,8 @@ void decode_all(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache
 
 }  // namespace
 
+namespace splitserve::attn {
+
 // out, q: [T, num_heads, head_dim] (rows may be strided); kv_cache: [2, num_blocks,
 // block_size, num_kv_heads, head_dim]; block_table [R, max_blocks] int32; seq_lens [R]
 // int32; reqs, rows [N] int64: decode i is request reqs[i], query row rows[i]. window <= 0
@@ -493,26 +495,4 @@ bool has_amx_path() {
 #endif
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  namespace py = pybind11;
-  m.def("paged_decode", &paged_decode, "Paged decode attention reading K/V in place",
-        py::arg("out"), py::arg("q"), py::arg("kv_cache"), py::arg("block_table"),
-        py::arg("seq_lens"), py::arg("reqs"), py::arg("rows"), py::arg("scale"),
-        py::arg("window"), py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0);
-  m.def("paged_prefill", &paged_prefill,
-        "Causal prefill attention over the paged cache; false where it takes none",
-        py::arg("out"), py::arg("q"), py::arg("kv_cache"), py::arg("block_table"),
-        py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("reqs"), py::arg("scale"),
-        py::arg("window"), py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0);
-  m.def("has_amx_path", &has_amx_path, "Whether the AMX paths are built and usable");
-  m.def("store_kv", &store_kv, "Write this step's K/V rows into the paged cache", py::arg("k"),
-        py::arg("v"), py::arg("kv_cache"), py::arg("slot_mapping"), py::arg("k_scale") = 1.0,
-        py::arg("v_scale") = 1.0);
-  m.def("c_api", [] {
-    namespace api = splitserve::api;
-    py::dict lent;
-    lent["store_kv"] = api::lend<api::StoreKV>(&store_kv, "splitserve.store_kv");
-    lent["paged_decode"] = api::lend<api::PagedDecode>(&paged_decode, "splitserve.paged_decode");
-    return lent;
-  }, "these kernels for other C++ modules (kernels/cpu_api.h)");
-}
+}  // namespace splitserve::attn

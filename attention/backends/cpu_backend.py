@@ -1,7 +1,6 @@
 """Paged attention on CPU with a C++ decode kernel (cpu_attn.cpp) that reads K/V in place."""
 
 from dataclasses import dataclass
-from pathlib import Path
 from types import ModuleType
 
 import numpy as np
@@ -10,9 +9,7 @@ import torch
 from attention.backends.torch_backend import TorchAttentionBackend, TorchAttentionMetadata
 from attention.metadata import AttentionMetadata, CommonAttentionMetadata
 from kernels import KernelSet
-from kernels.build import cpp_extension
-
-_EXTENSION = cpp_extension("splitserve_cpu_attn", Path(__file__).with_name("cpu_attn.cpp"))
+from kernels.libraries import ATTENTION
 
 # Rows of 2..SHORT_QUERY_LEN query tokens (speculative verification, short chunk tails)
 # are attended by the decode kernel, one entry per query token; longer rows are prefills.
@@ -22,7 +19,7 @@ SHORT_QUERY_LEN = 8
 def load_cpu_attention(kernels: KernelSet) -> ModuleType | None:
     """The compiled kernels for the set's ISA, built on first use; None where the set has
     the C++ kernels off or they cannot be built."""
-    return kernels.cpp(_EXTENSION)
+    return kernels.cpp(ATTENTION)
 
 
 @dataclass(frozen=True)

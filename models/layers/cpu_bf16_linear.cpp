@@ -26,6 +26,10 @@ namespace {
 constexpr int64_t kMaxRows = 64;
 constexpr int64_t kTile = 32;
 
+}  // namespace
+
+namespace splitserve::bf16 {
+
 std::optional<at::Tensor> dense_linear(const at::Tensor& x, const at::Tensor& weight,
                                        const std::optional<at::Tensor>& bias) {
 #if defined(SPLITSERVE_AVX512_BF16)
@@ -71,19 +75,4 @@ std::optional<at::Tensor> dense_linear(const at::Tensor& x, const at::Tensor& we
 #endif
 }
 
-py::dict c_api() {
-  py::dict api;
-  api["bf16_linear"] = splitserve::api::lend<splitserve::api::DenseLinear>(
-      &dense_linear, "splitserve.bf16_linear");
-  return api;
-}
-
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("dense_linear", &dense_linear,
-        "x W^T (+ bias) for bf16 x of at most 64 rows and a bf16 W; None if not taken",
-        py::arg("x"), py::arg("weight"), py::arg("bias") = py::none(),
-        py::call_guard<py::gil_scoped_release>());
-  m.def("c_api", &c_api, "the kernel as a C function pointer, for the decode loop");
-}
+}  // namespace splitserve::bf16

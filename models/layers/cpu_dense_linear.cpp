@@ -318,6 +318,23 @@ std::optional<at::Tensor> panels_linear(const at::Tensor& x, const at::Tensor& p
   return out;
 }
 
+}  // namespace
+
+namespace splitserve::dense {
+
+// A float32 weight [N, K] as the panels [N / kGemmCols, K, kGemmCols] that dense_linear
+// takes in its place (any rows: the panels stream in order, where a few rows' dot tiles
+// read kFeatures rows at once); None where N is not a multiple of kGemmCols.
+std::optional<at::Tensor> pack_weight_panels(const at::Tensor& weight) {
+  if (!weight.device().is_cpu() || weight.dim() != 2 || weight.scalar_type() != at::kFloat ||
+      weight.stride(1) != 1 || weight.size(0) % kGemmCols != 0)
+    return std::nullopt;
+  const int64_t N = weight.size(0), K = weight.size(1);
+  auto panels = at::empty({N / kGemmCols, K, kGemmCols}, weight.options());
+  pack_panels(weight.data_ptr<float>(), weight.stride(0), N, K, 0, N, panels.data_ptr<float>());
+  return panels;
+}
+
 // x [T, K] W^T (+ bias) for W [N, K] with dense rows: bf16 W and float32 or bf16 x, or
 // float32 W and x; float32 panels (pack_weight_panels) and float32 x; None for other tensors.
 std::optional<at::Tensor> dense_linear(const at::Tensor& x, const at::Tensor& weight,
@@ -358,22 +375,4 @@ std::optional<at::Tensor> dense_linear(const at::Tensor& x, const at::Tensor& we
   return out;
 }
 
-py::dict c_api() {
-  py::dict api;
-  api["dense_linear"] = splitserve::api::lend<splitserve::api::DenseLinear>(
-      &dense_linear, "splitserve.dense_linear");
-  return api;
-}
-
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("dense_linear", &dense_linear,
-        "x W^T (+ bias) in float32 math for a bf16 or float32 W; None for tensors it does not take",
-        py::arg("x"), py::arg("weight"), py::arg("bias") = py::none());
-  m.def("pack_weight_panels", &pack_weight_panels,
-        "a float32 weight [N, K] as panels dense_linear takes in its place; None where N is not "
-        "a multiple of the panel width",
-        py::arg("weight"));
-  m.def("c_api", &c_api, "the kernel as a C function pointer, for the decode loop");
-}
+}  // namespace splitserve::dense

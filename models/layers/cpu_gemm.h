@@ -142,16 +142,3 @@ void linear_gemm(const float* x, int64_t T, int64_t K, const W* w, int64_t w_str
     gemm_panels(x, T, K, packed, n0, count, N, bias, out);
   }
 }
-
-// A float32 weight [N, K] as the panels [N / kGemmCols, K, kGemmCols] that dense_linear
-// takes in its place (any rows: the panels stream in order, where a few rows' dot tiles
-// read kFeatures rows at once); None where N is not a multiple of kGemmCols.
-std::optional<at::Tensor> pack_weight_panels(const at::Tensor& weight) {
-  if (!weight.device().is_cpu() || weight.dim() != 2 || weight.scalar_type() != at::kFloat ||
-      weight.stride(1) != 1 || weight.size(0) % kGemmCols != 0)
-    return std::nullopt;
-  const int64_t N = weight.size(0), K = weight.size(1);
-  auto panels = at::empty({N / kGemmCols, K, kGemmCols}, weight.options());
-  pack_panels(weight.data_ptr<float>(), weight.stride(0), N, K, 0, N, panels.data_ptr<float>());
-  return panels;
-}

@@ -18,6 +18,7 @@
 #include "torch_ext.h"
 #include <ATen/Parallel.h>
 
+#include "cpu_api.h"
 #include "cpu_math.h"
 
 #include <algorithm>
@@ -38,34 +39,8 @@ constexpr int64_t kTileN = 16;  // output features per weight tile
 constexpr int64_t kTileK = 32;  // input features per weight tile
 constexpr int64_t kChunkRows = 32;  // rows of x the C tiles hold: two blocks of 16
 
-using splitserve::amx_usable;
 using splitserve::load_tile_config;
 using splitserve::TileConfig;
-
-// The weight [out_features, in_features] in the tile layout; None unless it is bf16 on the
-// CPU with both sizes multiples of 32.
-std::optional<at::Tensor> pack_weight(const at::Tensor& weight) {
-  if (weight.scalar_type() != at::kBFloat16 || !weight.device().is_cpu() || weight.dim() != 2)
-    return std::nullopt;
-  const int64_t N = weight.size(0), K = weight.size(1);
-  if (N % (2 * kTileN) != 0 || K % kTileK != 0) return std::nullopt;
-  const auto w = weight.contiguous();
-  auto packed = at::empty({N / kTileN, K / kTileK, kTileK / 2, kTileN, 2}, w.options());
-  const auto* src = reinterpret_cast<const uint16_t*>(w.data_ptr());
-  auto* dst = reinterpret_cast<uint16_t*>(packed.data_ptr());
-  const int64_t num_k_tiles = K / kTileK;
-  at::parallel_for(0, N / kTileN, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t nb = begin; nb < end; ++nb) {
-      uint16_t* out = dst + nb * num_k_tiles * kTileK * kTileN;
-      for (int64_t kb = 0; kb < num_k_tiles; ++kb)
-        for (int64_t p = 0; p < kTileK / 2; ++p)
-          for (int64_t n = 0; n < kTileN; ++n)
-            for (int64_t j = 0; j < 2; ++j)
-              *out++ = src[(nb * kTileN + n) * K + kb * kTileK + 2 * p + j];
-    }
-  });
-  return packed;
-}
 
 // One 16 x 16 float32 tile (rows of `tile`) plus the bias, as bf16 into `rows` rows of out.
 inline void store_rows(const float* tile, int64_t rows, const float* bias, uint16_t* out,
@@ -92,6 +67,41 @@ void configure_tiles(int64_t rows0, int64_t rows1) {
     }
   }
   load_tile_config(config);
+}
+
+#endif
+
+}  // namespace
+
+namespace splitserve::amx_linear {
+
+#if defined(SPLITSERVE_AMX)
+
+bool amx_usable() { return splitserve::amx_usable(); }
+
+// The weight [out_features, in_features] in the tile layout; None unless it is bf16 on the
+// CPU with both sizes multiples of 32.
+std::optional<at::Tensor> pack_weight(const at::Tensor& weight) {
+  if (weight.scalar_type() != at::kBFloat16 || !weight.device().is_cpu() || weight.dim() != 2)
+    return std::nullopt;
+  const int64_t N = weight.size(0), K = weight.size(1);
+  if (N % (2 * kTileN) != 0 || K % kTileK != 0) return std::nullopt;
+  const auto w = weight.contiguous();
+  auto packed = at::empty({N / kTileN, K / kTileK, kTileK / 2, kTileN, 2}, w.options());
+  const auto* src = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  auto* dst = reinterpret_cast<uint16_t*>(packed.data_ptr());
+  const int64_t num_k_tiles = K / kTileK;
+  at::parallel_for(0, N / kTileN, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t nb = begin; nb < end; ++nb) {
+      uint16_t* out = dst + nb * num_k_tiles * kTileK * kTileN;
+      for (int64_t kb = 0; kb < num_k_tiles; ++kb)
+        for (int64_t p = 0; p < kTileK / 2; ++p)
+          for (int64_t n = 0; n < kTileN; ++n)
+            for (int64_t j = 0; j < 2; ++j)
+              *out++ = src[(nb * kTileN + n) * K + kb * kTileK + 2 * p + j];
+    }
+  });
+  return packed;
 }
 
 // x [rows, in_features] W^T (+ bias); None unless x is bf16 rows (dense) on the CPU.
@@ -188,14 +198,4 @@ std::optional<at::Tensor> linear(const at::Tensor&, const at::Tensor&,
 
 #endif
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("amx_usable", &amx_usable, "whether this process may use AMX tiles");
-  m.def("pack_weight", &pack_weight,
-        "a bf16 [N, K] weight in the kernel's tile layout; None where it takes none",
-        py::arg("weight"));
-  m.def("linear", &linear, "x W^T (+ bias), W packed by pack_weight; None for other x",
-        py::arg("x"),
-        py::arg("packed"), py::arg("bias") = py::none());
-}
+}  // namespace splitserve::amx_linear

@@ -32,50 +32,37 @@ row, 2.0x at 64; prefill steps of 2048 tokens 25 % faster).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
 from kernels import KernelSet
-from kernels.build import cpp_extension
+from kernels.libraries import AMX_LINEAR, BF16_LINEAR, DENSE_LINEAR
 
 # Up to here the kernel beats F.linear (measured on SmolLM2's weights with 2 threads; past
 # it, F.linear's blocking wins: the kernel reads x once per 32 output features).
 SMALL_BATCH_ROWS = 256
-_EXTENSION = cpp_extension(
-    "splitserve_cpu_linear", Path(__file__).with_name("cpu_linear.cpp"), only_on="amx"
-)
-_DENSE_EXTENSION = cpp_extension(
-    "splitserve_cpu_dense_linear", Path(__file__).with_name("cpu_dense_linear.cpp")
-)
-_BF16_EXTENSION = cpp_extension(
-    "splitserve_cpu_bf16_linear",
-    Path(__file__).with_name("cpu_bf16_linear.cpp"),
-    only_on="avx512_bf16",
-    not_on="amx",
-)
 
 
 def linear_kernel(kernels: KernelSet) -> ModuleType | None:
     """The compiled kernel where the set's ISA has AMX and this process may use it."""
     if not kernels.has("amx"):
         return None
-    ops = kernels.cpp(_EXTENSION)
+    ops = kernels.cpp(AMX_LINEAR)
     return ops if ops is not None and ops.amx_usable() else None
 
 
 def bf16_linear_kernel(kernels: KernelSet) -> ModuleType | None:
     """The bf16 kernel of few rows, where the set's ISA has AVX-512 BF16 but not AMX: the
     same `dense_linear` as the float32-math kernel's, for bf16 x and W."""
-    return kernels.cpp(_BF16_EXTENSION) if kernels.uses(_BF16_EXTENSION) else None
+    return kernels.cpp(BF16_LINEAR)
 
 
 def dense_linear_kernel(kernels: KernelSet) -> ModuleType | None:
     """The float32-math kernel: on float32 weights on any CPU, on bf16 weights where the
     set's ISA has no bf16 instructions."""
-    return kernels.cpp(_DENSE_EXTENSION)
+    return kernels.cpp(DENSE_LINEAR)
 
 
 @dataclass(frozen=True)

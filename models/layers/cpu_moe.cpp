@@ -21,6 +21,7 @@
 // returns None and the caller runs the torch path.
 
 #include "torch_ext.h"
+#include "cpu_api.h"
 #include "dot_tiles.h"
 #include "moe_routing.h"
 
@@ -189,6 +190,10 @@ at::Tensor fused(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w
   return out;
 }
 
+}  // namespace
+
+namespace splitserve::moe {
+
 std::optional<at::Tensor> fused_experts(const at::Tensor& x, const at::Tensor& w13,
                                         const at::Tensor& w2, const at::Tensor& topk_weights,
                                         const at::Tensor& topk_ids, int64_t chunk_tokens) {
@@ -215,12 +220,4 @@ std::optional<at::Tensor> fused_experts(const at::Tensor& x, const at::Tensor& w
   return fused<uint16_t>(xc, w13, w2, ids, weights, chunk_tokens);
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("fused_experts", &fused_experts,
-        "sum_j weight[t, j] * expert ids[t, j]'s SwiGLU MLP of x[t]; None if not taken",
-        py::arg("x"), py::arg("w13"), py::arg("w2"), py::arg("topk_weights"),
-        py::arg("topk_ids"), py::arg("chunk_tokens") = 0,
-        py::call_guard<py::gil_scoped_release>());
-}
+}  // namespace splitserve::moe

@@ -131,6 +131,29 @@ bool takes_norm(const at::Tensor& x, const at::Tensor& weight) {
          weight.scalar_type() == x.scalar_type();
 }
 
+// Neox rotation of each head of one token: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
+// over lanes [j, j + count) of each half, every product and sum rounded to T as torch does.
+template <typename T>
+void rotate_heads(T* x, int64_t heads, int64_t head_dim, int64_t j, int64_t count,
+                  const Floats& cos, const Floats& sin) {
+  const int64_t half = head_dim / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    T* x1 = x + h * head_dim + j;
+    T* x2 = x1 + half;
+    const Floats a = vload(x1, count), b = vload(x2, count);
+    vstore(x1, round_to<T>(a * cos) - round_to<T>(b * sin), count);
+    vstore(x2, round_to<T>(b * cos) + round_to<T>(a * sin), count);
+  }
+}
+
+// Like torch's silu, the vector exp covers whole blocks of two vectors of T and std::exp
+// the rest of a row.
+fVec silu_of(const fVec& g) { return g / (fVec(1.0f) + g.neg().exp()); }
+
+}  // namespace
+
+namespace splitserve::ops {
+
 std::optional<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight,
                                       double eps) {
   if (!takes_norm(x, weight)) return std::nullopt;
@@ -177,20 +200,6 @@ bool add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
   return true;
 }
 
-// Neox rotation of each head of one token: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
-// over lanes [j, j + count) of each half, every product and sum rounded to T as torch does.
-template <typename T>
-void rotate_heads(T* x, int64_t heads, int64_t head_dim, int64_t j, int64_t count,
-                  const Floats& cos, const Floats& sin) {
-  const int64_t half = head_dim / 2;
-  for (int64_t h = 0; h < heads; ++h) {
-    T* x1 = x + h * head_dim + j;
-    T* x2 = x1 + half;
-    const Floats a = vload(x1, count), b = vload(x2, count);
-    vstore(x1, round_to<T>(a * cos) - round_to<T>(b * sin), count);
-    vstore(x2, round_to<T>(b * cos) + round_to<T>(a * sin), count);
-  }
-}
 
 // Rotates q [T, heads * head_dim] and k [T, kv_heads * head_dim] in place by the float32
 // cos/sin caches [max_position, head_dim / 2] at positions [T] (cos/sin rounded to T first).
@@ -236,10 +245,7 @@ bool rotary_embedding(const at::Tensor& positions, const at::Tensor& q,
   });
   return true;
 }
-
-// x = [gate; up] along the last dimension -> T(T(silu(gate)) * up). Like torch's silu, the
-// vector exp covers whole blocks of two vectors of T and std::exp the rest of a row.
-fVec silu_of(const fVec& g) { return g / (fVec(1.0f) + g.neg().exp()); }
+// x = [gate; up] along the last dimension -> T(T(silu(gate)) * up).
 
 std::optional<at::Tensor> silu_and_mul(const at::Tensor& x) {
   if (!takes_rows(x) || x.size(-1) % 2 != 0) return std::nullopt;
@@ -272,28 +278,4 @@ std::optional<at::Tensor> silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, "weight * norm(x) in a new tensor; None if not taken",
-        py::arg("x"), py::arg("weight"), py::arg("eps"));
-  m.def("add_rms_norm", &add_rms_norm,
-        "sum = x + residual; out = weight * norm(sum); false if not taken", py::arg("x"),
-        py::arg("residual"), py::arg("weight"), py::arg("eps"), py::arg("out"), py::arg("sum"));
-  m.def("rotary_embedding", &rotary_embedding,
-        "neox rotary of q and k, in place; false if not taken", py::arg("positions"),
-        py::arg("q"), py::arg("k"), py::arg("cos_cache"), py::arg("sin_cache"),
-        py::arg("head_dim"));
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up for x = [gate; up]; None if not taken",
-        py::arg("x"));
-  m.def("c_api", [] {
-    namespace api = splitserve::api;
-    py::dict lent;
-    lent["rms_norm"] = api::lend<api::RmsNorm>(&rms_norm, "splitserve.rms_norm");
-    lent["add_rms_norm"] = api::lend<api::AddRmsNorm>(&add_rms_norm, "splitserve.add_rms_norm");
-    lent["rotary_embedding"] =
-        api::lend<api::RotaryEmbedding>(&rotary_embedding, "splitserve.rotary_embedding");
-    lent["silu_and_mul"] = api::lend<api::SiluAndMul>(&silu_and_mul, "splitserve.silu_and_mul");
-    return lent;
-  }, "these kernels for other C++ modules (kernels/cpu_api.h)");
-}
+}  // namespace splitserve::ops

@@ -5,18 +5,15 @@ and each says whether it takes its tensors: `rms_norm` and `silu_and_mul` return
 does not. The layer then runs its torch code, the reference both match (the C++ kernels
 bitwise)."""
 
-from pathlib import Path
 from types import ModuleType
 
 import models.layers.triton_ops as triton_ops
 from kernels import KernelSet
-from kernels.build import cpp_extension
-
-_CPU_EXTENSION = cpp_extension("splitserve_cpu_ops", Path(__file__).with_name("cpu_ops.cpp"))
+from kernels.libraries import OPS
 
 
 def fused_ops(kernels: KernelSet) -> ModuleType | None:
     """The fused kernels of a set made for the model's device, or None: torch code."""
     if kernels.cpu:
-        return kernels.cpp(_CPU_EXTENSION)
+        return kernels.cpp(OPS)
     return triton_ops if kernels.triton else None

@@ -13,7 +13,6 @@ workspace of up to 32 MB in each thread that calls it, and runs longer batches i
 from __future__ import annotations
 
 from functools import cache
-from pathlib import Path
 from types import ModuleType
 from typing import Protocol
 
@@ -21,16 +20,14 @@ import torch
 import torch.nn.functional as F
 
 from kernels import KernelSet
-from kernels.build import cpp_extension
-
-_EXTENSION = cpp_extension("splitserve_cpu_moe", Path(__file__).with_name("cpu_moe.cpp"))
+from kernels.libraries import MOE
 
 
 @cache
 def moe_kernel(kernels: KernelSet) -> ModuleType | None:
     """The compiled fused-experts kernel for the set's ISA (looked up once per set); None
     where the C++ kernels are off or cannot be built."""
-    return kernels.cpp(_EXTENSION)
+    return kernels.cpp(MOE)
 
 
 def fused_experts(

@@ -158,6 +158,10 @@ void check_weight(const at::Tensor& weight, const at::Tensor& scale) {
               "scale must be float32 [N], one per output feature");
 }
 
+}  // namespace
+
+namespace splitserve::fp8 {
+
 // x [M, K] (float32, bfloat16 or float16) times the weight, in x's dtype.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
                      const at::Tensor& scale, const std::optional<at::Tensor>& bias) {
@@ -236,18 +240,4 @@ at::Tensor dequantize(const at::Tensor& weight, const at::Tensor& scale,
   return out;
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear", &linear, "x (scale * W)^T (+ bias) for float8_e4m3fn W given as uint8",
-        py::arg("x"), py::arg("weight"), py::arg("scale"), py::arg("bias") = py::none());
-  m.def("dequantize", &dequantize, "scale * W as a dense tensor of dtype", py::arg("weight"),
-        py::arg("scale"), py::arg("dtype"));
-  m.def("c_api", [] {
-    namespace api = splitserve::api;
-    py::dict lent;
-    lent["fp8_linear"] = api::lend<api::Fp8Linear>(&linear, "splitserve.fp8_linear");
-    lent["fp8_dequantize"] = api::lend<api::Fp8Dequantize>(&dequantize, "splitserve.fp8_dequantize");
-    return lent;
-  }, "these kernels for other C++ modules (kernels/cpu_api.h)");
-}
+}  // namespace splitserve::fp8

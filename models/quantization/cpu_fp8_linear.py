@@ -9,21 +9,17 @@ the activations' dtype for a matmul, where the matmul's arithmetic is the cost.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
 from kernels import KernelSet
-from kernels.build import cpp_extension
+from kernels.libraries import FP8_LINEAR
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
 SMALL_BATCH_ROWS = 16
-_EXTENSION = cpp_extension(
-    "splitserve_cpu_fp8_linear", Path(__file__).with_name("cpu_fp8_linear.cpp"), quantized=True
-)
 
 
 @dataclass(frozen=True)
@@ -62,7 +58,7 @@ class PreparedFp8Weight:
 
 
 def fp8_kernel(kernels: KernelSet) -> ModuleType | None:
-    return kernels.cpp(_EXTENSION)
+    return kernels.cpp(FP8_LINEAR)
 
 
 def prepare_fp8_weight(w: Fp8Weight, kernels: KernelSet) -> PreparedFp8Weight:

@@ -91,23 +91,6 @@ constexpr PassF32 kPassF32[2][kMaxRows] = {
     {pass_f32<4, 1>, pass_f32<4, 2>, pass_f32<4, 3>, pass_f32<4, 4>},
     {pass_f32<8, 1>, pass_f32<8, 2>, pass_f32<8, 3>, pass_f32<8, 4>}};
 
-std::optional<Tensor> linear_f32(const Tensor& x, const Tensor& qweight, const Tensor& scales,
-                                 const std::optional<Tensor>& mins, int64_t bits,
-                                 int64_t block_size, const std::optional<Tensor>& bias) {
-  const auto w = quant_rows(qweight, scales, mins, bits, block_size);
-  if (!w || x.scalar_type() != at::kFloat || !takes_x(x, w->K)) return std::nullopt;
-  const int64_t M = x.size(0), N = qweight.size(0), ldx = x.stride(0);
-  const auto b = float_bias(bias, N);
-  if (!b) return std::nullopt;
-  auto out = at::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const auto* passes = kPassF32[bits == 4 ? 0 : 1];
-  over_rows(M, N, *b, out.data_ptr<float>(), [&](int64_t n, int64_t m, int64_t rows, float* res) {
-    passes[rows - 1](*w, n, xp + m * ldx, ldx, res);
-  });
-  return out;
-}
-
 // ---- x float32/bfloat16/float16: int8 activations, integer dot products -----------------
 
 // res[r] plus the mins term of rows m + r of x: sum over blocks j of mins[j] * sums[j].
@@ -229,20 +212,6 @@ Tensor run_int8(const Tensor& x, const QuantRows& w, int64_t N, const Tensor& bi
   return out;
 }
 
-std::optional<Tensor> linear_int8(const Tensor& x, const Tensor& qweight, const Tensor& scales,
-                                  const std::optional<Tensor>& mins, int64_t bits,
-                                  int64_t block_size, const std::optional<Tensor>& bias) {
-  const auto w = quant_rows(qweight, scales, mins, bits, block_size);
-  if (!w || !takes_x(x, w->K)) return std::nullopt;
-  const int64_t N = qweight.size(0);
-  const auto b = float_bias(bias, N);
-  if (!b) return std::nullopt;
-  if (x.scalar_type() == at::kBFloat16) return run_int8<c10::BFloat16>(x, *w, N, *b);
-  if (x.scalar_type() == at::kHalf) return run_int8<c10::Half>(x, *w, N, *b);
-  if (x.scalar_type() == at::kFloat) return run_int8<float>(x, *w, N, *b);
-  return std::nullopt;
-}
-
 // ---- the whole weight in a float dtype ---------------------------------------------------
 
 template <int Bits, typename T>
@@ -255,6 +224,41 @@ void dequantize_rows(const QuantRows& w, int64_t N, T* out) {
 template <typename T>
 void dequantize_as(const QuantRows& w, int64_t N, void* out) {
   (w.bits == 4 ? dequantize_rows<4, T> : dequantize_rows<8, T>)(w, N, static_cast<T*>(out));
+}
+
+}  // namespace
+
+namespace splitserve::quant {
+
+std::optional<Tensor> linear_f32(const Tensor& x, const Tensor& qweight, const Tensor& scales,
+                                 const std::optional<Tensor>& mins, int64_t bits,
+                                 int64_t block_size, const std::optional<Tensor>& bias) {
+  const auto w = quant_rows(qweight, scales, mins, bits, block_size);
+  if (!w || x.scalar_type() != at::kFloat || !takes_x(x, w->K)) return std::nullopt;
+  const int64_t M = x.size(0), N = qweight.size(0), ldx = x.stride(0);
+  const auto b = float_bias(bias, N);
+  if (!b) return std::nullopt;
+  auto out = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const auto* passes = kPassF32[bits == 4 ? 0 : 1];
+  over_rows(M, N, *b, out.data_ptr<float>(), [&](int64_t n, int64_t m, int64_t rows, float* res) {
+    passes[rows - 1](*w, n, xp + m * ldx, ldx, res);
+  });
+  return out;
+}
+
+std::optional<Tensor> linear_int8(const Tensor& x, const Tensor& qweight, const Tensor& scales,
+                                  const std::optional<Tensor>& mins, int64_t bits,
+                                  int64_t block_size, const std::optional<Tensor>& bias) {
+  const auto w = quant_rows(qweight, scales, mins, bits, block_size);
+  if (!w || !takes_x(x, w->K)) return std::nullopt;
+  const int64_t N = qweight.size(0);
+  const auto b = float_bias(bias, N);
+  if (!b) return std::nullopt;
+  if (x.scalar_type() == at::kBFloat16) return run_int8<c10::BFloat16>(x, *w, N, *b);
+  if (x.scalar_type() == at::kHalf) return run_int8<c10::Half>(x, *w, N, *b);
+  if (x.scalar_type() == at::kFloat) return run_int8<float>(x, *w, N, *b);
+  return std::nullopt;
 }
 
 bool dequantize_into(Tensor& out, const Tensor& qweight, const Tensor& scales,
@@ -272,42 +276,4 @@ bool dequantize_into(Tensor& out, const Tensor& qweight, const Tensor& scales,
   }
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear_f32", &linear_f32, "x (float32) W^T (+ bias), W dequantized in registers",
-        py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bits"),
-        py::arg("block_size"), py::arg("bias") = py::none());
-  m.def("linear_int8", &linear_int8, "x (fp32/bf16/fp16) W^T (+ bias), x quantized to int8 per 32",
-        py::arg("x"), py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bits"),
-        py::arg("block_size"), py::arg("bias") = py::none());
-  m.def("linear_bf16", &splitserve::quant::linear_bf16,
-        "x (bf16) W^T (+ bias), W dequantized to bf16 tiles in registers", py::arg("x"),
-        py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bits"),
-        py::arg("block_size"), py::arg("bias") = py::none());
-  m.def("strip_linear_f32", &splitserve::quant::strip_linear_f32,
-        "linear_f32 on a weight in strips", py::arg("x"), py::arg("q"), py::arg("scales"),
-        py::arg("mins"), py::arg("bits"), py::arg("block_size"), py::arg("bias") = py::none());
-  m.def("strip_linear_int8", &splitserve::quant::strip_linear_int8,
-        "linear_int8 on a weight in strips", py::arg("x"), py::arg("q"), py::arg("scales"),
-        py::arg("mins"), py::arg("bits"), py::arg("block_size"), py::arg("bias") = py::none());
-  m.def("strip_dequantize_into", &splitserve::quant::strip_dequantize_into,
-        "dequantize_into from a weight in strips", py::arg("out"), py::arg("q"),
-        py::arg("scales"), py::arg("mins"), py::arg("bits"), py::arg("block_size"));
-  m.def("strip_width", &splitserve::quant::strip_width,
-        "features per strip where the build computes on strips, else 0");
-  m.def("dequantize_into", &dequantize_into, "writes W into out (float32/bf16/fp16)",
-        py::arg("out"), py::arg("qweight"), py::arg("scales"), py::arg("mins"), py::arg("bits"),
-        py::arg("block_size"));
-  m.def("c_api", [] {
-    namespace api = splitserve::api;
-    py::dict lent;
-    lent["linear_int8"] = api::lend<api::QuantLinear>(&linear_int8, "splitserve.linear_int8");
-    lent["strip_linear_int8"] = api::lend<api::QuantLinear>(
-        &splitserve::quant::strip_linear_int8, "splitserve.strip_linear_int8");
-    lent["linear_f32"] = api::lend<api::QuantLinear>(&linear_f32, "splitserve.linear_f32");
-    lent["strip_linear_f32"] = api::lend<api::QuantLinear>(
-        &splitserve::quant::strip_linear_f32, "splitserve.strip_linear_f32");
-    return lent;
-  }, "these kernels for other C++ modules (kernels/cpu_api.h)");
-}
+}  // namespace splitserve::quant

@@ -10,6 +10,7 @@
 #include "torch_ext.h"
 #include <c10/util/Half.h>
 
+#include "cpu_api.h"
 #include "cpu_math.h"
 
 #include <algorithm>
@@ -398,30 +399,5 @@ ActsStorage quantize_acts(const T* x, int64_t M, int64_t K, int64_t ldx, int64_t
   });
   return a;
 }
-
-// x (bfloat16) W^T (+ bias) on the bf16 dot-product instructions (cpu_quant_tiles.cpp);
-// None where the build or the tensors do not allow it.
-std::optional<at::Tensor> linear_bf16(const at::Tensor& x, const at::Tensor& qweight,
-                                         const at::Tensor& scales,
-                                         const std::optional<at::Tensor>& mins, int64_t bits,
-                                         int64_t block_size,
-                                         const std::optional<at::Tensor>& bias);
-
-// The same on a weight in strips of 8 features (cpu_quant_strips.cpp), on AVX2 builds
-// without AVX-512; strip_width() is 8 where they run, else 0.
-std::optional<at::Tensor> strip_linear_f32(const at::Tensor& x, const at::Tensor& q,
-                                              const at::Tensor& scales,
-                                              const std::optional<at::Tensor>& mins,
-                                              int64_t bits, int64_t block_size,
-                                              const std::optional<at::Tensor>& bias);
-std::optional<at::Tensor> strip_linear_int8(const at::Tensor& x, const at::Tensor& q,
-                                               const at::Tensor& scales,
-                                               const std::optional<at::Tensor>& mins,
-                                               int64_t bits, int64_t block_size,
-                                               const std::optional<at::Tensor>& bias);
-bool strip_dequantize_into(at::Tensor& out, const at::Tensor& q, const at::Tensor& scales,
-                           const std::optional<at::Tensor>& mins, int64_t bits,
-                           int64_t block_size);
-int64_t strip_width();
 
 }  // namespace splitserve::quant

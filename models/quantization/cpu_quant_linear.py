@@ -25,14 +25,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
 from kernels import KernelSet
-from kernels.build import cpp_extension
+from kernels.libraries import QUANT_LINEAR
 from models.quantization.block_quant import BlockQuantWeight
 from models.quantization.strips import StripQuantWeight, to_strips
 from models.quantization.triton_quant_linear import triton_quant_linear
@@ -57,16 +56,11 @@ HEAD_ROWS = 16384
 # at 1 row and 2.5-3.6x at 5-128, AMD EPYC Zen 4) and have a native bf16 matmul: bf16 x of
 # more rows than this dequantizes for it (crossover 192-384 rows on SmolLM2-135M's shapes).
 STRIP_INT8_ROWS_BF16 = 256
-_EXTENSION = cpp_extension(
-    "splitserve_cpu_quant_linear",
-    *(Path(__file__).with_name(f"cpu_quant_{n}.cpp") for n in ("linear", "tiles", "strips")),
-    quantized=True,
-)
 
 
 def quant_kernel(kernels: KernelSet) -> ModuleType | None:
     """The compiled kernels for the set's ISA; None where they are off or cannot be built."""
-    return kernels.cpp(_EXTENSION)
+    return kernels.cpp(QUANT_LINEAR)
 
 
 @dataclass(frozen=True)

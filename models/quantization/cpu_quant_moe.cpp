@@ -18,69 +18,17 @@
 // caller runs the torch path.
 
 #include "torch_ext.h"
-#include "cpu_api.h"
 #include "cpu_math.h"
+#include "cpu_quant_moe.h"
 #include "moe_routing.h"
 
 #include <atomic>
 #include <optional>
-#include <string>
 #include <vector>
 
 namespace {
 
-namespace api = splitserve::api;
-
-// One projection of every local expert, stacked, with the kernel that computes on it.
-struct QuantExperts {
-  virtual ~QuantExperts() = default;
-  // x [rows, K] times expert e's weight; nullopt where the kernel declines x.
-  virtual std::optional<at::Tensor> apply(const at::Tensor& x, int64_t e) const = 0;
-};
-
-// Block-quantized: q [E, ...], scales [E, ...] (mins the same), in the rows or the strips
-// layout, computed by the lent kernel named `kernel`; with input_index [E, K] (GPTQ
-// act-order), expert e's input feature j is x's feature input_index[e, j].
-struct BlockQuantExperts : QuantExperts {
-  at::Tensor q, scales;
-  std::optional<at::Tensor> mins, input_index;
-  int64_t bits, block_size;
-  api::QuantLinear linear;
-
-  BlockQuantExperts(at::Tensor q, at::Tensor scales, std::optional<at::Tensor> mins,
-                    int64_t bits, int64_t block_size, const py::dict& lent,
-                    const std::string& kernel, std::optional<at::Tensor> input_index)
-      : q(std::move(q)), scales(std::move(scales)), mins(std::move(mins)),
-        input_index(std::move(input_index)), bits(bits), block_size(block_size),
-        linear(api::borrow<api::QuantLinear>(lent, kernel.c_str())) {}
-
-  std::optional<at::Tensor> apply(const at::Tensor& x, int64_t e) const override {
-    const auto m = mins ? std::optional<at::Tensor>(mins->select(0, e)) : std::nullopt;
-    const at::Tensor xe = input_index ? x.index_select(1, input_index->select(0, e)) : x;
-    return linear(xe, q.select(0, e), scales.select(0, e), m, bits, block_size, std::nullopt);
-  }
-};
-
-// fp8 e4m3 (as uint8) [E, N, K] with a float32 scale per output feature [E, N]: up to
-// `small_rows` rows through the fp8 kernel, more through a matmul on the dequantized
-// weight (as cpu_fp8_linear.py's fp8_linear).
-struct Fp8Experts : QuantExperts {
-  at::Tensor weight, scale;
-  int64_t small_rows;
-  api::Fp8Linear linear;
-  api::Fp8Dequantize dequantize;
-
-  Fp8Experts(at::Tensor weight, at::Tensor scale, int64_t small_rows, const py::dict& lent)
-      : weight(std::move(weight)), scale(std::move(scale)), small_rows(small_rows),
-        linear(api::borrow<api::Fp8Linear>(lent, "fp8_linear")),
-        dequantize(api::borrow<api::Fp8Dequantize>(lent, "fp8_dequantize")) {}
-
-  std::optional<at::Tensor> apply(const at::Tensor& x, int64_t e) const override {
-    const at::Tensor w = weight.select(0, e), s = scale.select(0, e);
-    if (x.size(0) <= small_rows) return linear(x, w, s, std::nullopt);
-    return at::linear(x, dequantize(w, s, x.scalar_type()));
-  }
-};
+using splitserve::quant_moe::QuantExperts;
 
 // h [rows, I] = T(silu(gate) * up), from gate/up outputs in `parts` (one [rows, 2I] part,
 // or [rows, I] each).
@@ -163,6 +111,10 @@ std::optional<at::Tensor> fused(const at::Tensor& x, const std::vector<const Qua
   return out;
 }
 
+}  // namespace
+
+namespace splitserve::quant_moe {
+
 std::optional<at::Tensor> fused_quant_experts(const at::Tensor& x,
                                               const std::vector<const QuantExperts*>& gate_up,
                                               const QuantExperts& down,
@@ -187,22 +139,4 @@ std::optional<at::Tensor> fused_quant_experts(const at::Tensor& x,
   }
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  py::class_<QuantExperts>(m, "QuantExperts");
-  py::class_<BlockQuantExperts, QuantExperts>(m, "BlockQuantExperts")
-      .def(py::init<at::Tensor, at::Tensor, std::optional<at::Tensor>, int64_t, int64_t,
-                    const py::dict&, const std::string&, std::optional<at::Tensor>>(),
-           py::arg("q"), py::arg("scales"), py::arg("mins"), py::arg("bits"),
-           py::arg("block_size"), py::arg("lent"), py::arg("kernel"),
-           py::arg("input_index") = py::none());
-  py::class_<Fp8Experts, QuantExperts>(m, "Fp8Experts")
-      .def(py::init<at::Tensor, at::Tensor, int64_t, const py::dict&>(), py::arg("weight"),
-           py::arg("scale"), py::arg("small_rows"), py::arg("lent"));
-  m.def("fused_quant_experts", &fused_quant_experts,
-        "sum_j weight[t, j] * expert ids[t, j]'s SwiGLU MLP of x[t] on quantized experts; "
-        "None if a kernel declines",
-        py::arg("x"), py::arg("gate_up"), py::arg("down"), py::arg("topk_weights"),
-        py::arg("topk_ids"), py::arg("experts"), py::call_guard<py::gil_scoped_release>());
-}
+}  // namespace splitserve::quant_moe

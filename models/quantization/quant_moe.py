@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -26,7 +25,7 @@ import torch
 from torch import nn
 
 from kernels import KernelSet
-from kernels.build import cpp_extension
+from kernels.libraries import QUANT_MOE
 from models.layers.moe_experts import ExpertWeights, fused_experts_torch
 from models.quantization.base_config import EXPERT_PROJECTIONS, FusedMoEMethodBase
 from models.quantization.block_quant import BlockQuantWeight
@@ -35,10 +34,6 @@ from models.quantization.strips import StripQuantWeight, to_strips
 from models.quantization.triton_quant_moe import (
     fused_quant_experts_triton,
     triton_quant_moe_takes,
-)
-
-_EXTENSION = cpp_extension(
-    "splitserve_cpu_quant_moe", Path(__file__).with_name("cpu_quant_moe.cpp"), quantized=True
 )
 
 
@@ -145,7 +140,7 @@ def expert_name(layer: nn.Module, projection: str, expert: int) -> str:
 
 
 def quant_moe_kernel(kernels: KernelSet) -> ModuleType | None:
-    return kernels.cpp(_EXTENSION)
+    return kernels.cpp(QUANT_MOE)
 
 
 class QuantMoEMethodBase(FusedMoEMethodBase):

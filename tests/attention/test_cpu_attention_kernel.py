@@ -134,7 +134,7 @@ def test_whole_request_items(kernels, dtype, head_dim, block_size, window):
 
 def test_amx_path_is_built_for_amx_only(kernels):
     """has_amx_path: built for AMX (and the kernel granted the tiles)."""
-    assert kernels.has_amx_path() == kernels.__name__.endswith("_amx")
+    assert kernels.has_amx_path() == kernels.__name__.endswith("_amx.attention")
 
 
 def test_bad_inputs_are_refused(kernels):

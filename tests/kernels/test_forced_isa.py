@@ -37,7 +37,7 @@ def test_fused_layer_kernels(kernels, dtype):
     """Norms and rotary bitwise; SiLU too in bf16 and fp16, within two ulps in float32 (the
     build's exp is not torch's own, whose width its runtime dispatch picks)."""
     ops = fused_ops(kernels)
-    assert ops is not None and ops.__name__.endswith(kernels.isa)
+    assert ops is not None and ops.__name__ == f"splitserve_kernels_{kernels.isa}.ops"
     gen = torch.Generator().manual_seed(0)
     norm = RMSNorm(600, eps=1e-6)
     norm.weight.data = torch.randn(600, generator=gen).to(dtype)
@@ -112,7 +112,7 @@ def test_dense_linear_kernel(kernels, rows, dtype):
     """Each of its paths on float32 and bf16 weights against float64 (every shape at the
     CPU's own rung in tests/models/test_cpu_dense_linear.py)."""
     ops = dense_linear_kernel(kernels)
-    assert ops is not None and ops.__name__.endswith(kernels.isa)
+    assert ops is not None and ops.__name__ == f"splitserve_kernels_{kernels.isa}.dense_linear"
     torch.manual_seed(rows)
     x, w, bias = torch.randn(rows, 200), torch.randn(77, 200).to(dtype), torch.randn(77)
     check(ops.dense_linear(x, w, bias), x, w, bias)
@@ -131,9 +131,9 @@ def test_a_model_loaded_with_the_set(kernels, tmp_path):
     assert linear_kernel(kernels) is None
     packed = [m.packed_weight for m in model.modules() if hasattr(m, "packed_weight")]
     assert packed and all(p is not None and not p.amx for p in packed)
-    assert {p.kernel.__name__ for p in packed} == {f"splitserve_cpu_dense_linear_{kernels.isa}"}
+    assert {p.kernel.__name__ for p in packed} == {f"splitserve_kernels_{kernels.isa}.dense_linear"}
     ops = {getattr(m, "ops", None) for m in model.modules()} - {None}
-    assert [module.__name__ for module in ops] == [f"splitserve_cpu_ops_{kernels.isa}"]
+    assert [module.__name__ for module in ops] == [f"splitserve_kernels_{kernels.isa}.ops"]
     reference = load_model(path, torch.bfloat16, kernels=KernelSet())
     for ours, theirs in zip(model.modules(), reference.modules(), strict=True):
         if hasattr(ours, "packed_weight"):

@@ -10,8 +10,9 @@ import torch
 
 import kernels.build
 from kernels import KernelSet, check_isa, probe_isa
-from kernels.build import CppExtension
-from kernels.isa import compiler_flags, ladder
+from kernels.build import CppLibrary, CppModule
+from kernels.isa import compiler_flags, ladder, machine
+from kernels.libraries import ATTENTION, KERNELS, LIBRARIES
 
 X86_BASE = frozenset(
     [
@@ -119,45 +120,45 @@ def test_a_set_says_which_isas_it_includes():
 
 
 def test_a_set_without_cpu_kernels_builds_none():
-    assert KernelSet().cpp(CppExtension("never_built", (Path("no/such/file.cpp"),))) is None
+    assert KernelSet().cpp(ATTENTION) is None
 
 
-def test_build_declared_builds_what_the_isa_uses_two_at_once(monkeypatch):
+def test_a_library_builds_the_modules_of_its_isa():
+    main, extra = Path("bind.cpp"), CppModule("main", (Path("main.cpp"),))
+    amx = CppModule("amx", (Path("amx.cpp"),), only_on="amx")
+    below_amx = CppModule("bf16", (Path("bf16.cpp"),), only_on="avx512_bf16", not_on="amx")
+    library = CppLibrary("lib", main, (extra, amx, below_amx))
+    assert library.sources("generic") == (main, Path("main.cpp"))
+    if machine() == "x86_64":
+        assert set(library.sources("avx512_bf16")) == {main, Path("main.cpp"), Path("bf16.cpp")}
+        assert set(library.sources("amx")) == {main, Path("main.cpp"), Path("amx.cpp")}
+    assert KernelSet(cpu=True, isa="generic").cpp(amx) is None  # not even loaded
+
+
+def test_build_makes_the_header_then_both_libraries_at_once(monkeypatch):
     both_running = threading.Barrier(2, timeout=10)  # broken unless two builds overlap
-    built = []
+    events = []
 
     def load(name, sources, isa):
-        built.append((name, isa))
-        if len(built) <= 2:
-            both_running.wait()
+        events.append((name, isa))
+        both_running.wait()
 
-    declared = [
-        CppExtension("a", ()),
-        CppExtension("b", ()),
-        CppExtension("generic_only", (), only_on="generic"),
-        CppExtension("amx_only", (), only_on="amx"),
-    ]
-    headers = []
-    monkeypatch.setattr(kernels.build, "_DECLARED", declared)
     monkeypatch.setattr(kernels.build, "load_cpp_extension", load)
-    monkeypatch.setattr(kernels.build, "_precompiled_header", lambda *a: headers.append(a))
-    monkeypatch.setattr(kernels.build.os, "cpu_count", lambda: 2)
-    KernelSet(cpu=True, isa="generic").build_declared()
-    assert sorted(built) == [("a", "generic"), ("b", "generic"), ("generic_only", "generic")]
-    assert [isa for isa, _ in headers] == ["generic"], "the header is made beside the builds"
-    built.clear()
-    KernelSet(cpu=False, isa="generic").build_declared()
-    assert built == []
+    monkeypatch.setattr(kernels.build, "_precompiled_header", lambda isa, _: events.append(isa))
+    KernelSet(cpu=True, isa="generic").build()
+    assert events[0] == "generic", "the header is made first"
+    assert sorted(events[1:]) == [(lib.name, "generic") for lib in LIBRARIES]
+    events.clear()
+    KernelSet(cpu=False, isa="generic").build()
+    assert events == []
 
 
-def test_build_declared_leaves_the_quantized_kernels_to_quantized_models(monkeypatch):
+def test_build_leaves_the_quantized_kernels_to_quantized_models(monkeypatch):
     built = []
-    declared = [CppExtension("dense", ()), CppExtension("quant", (), quantized=True)]
-    monkeypatch.setattr(kernels.build, "_DECLARED", declared)
     monkeypatch.setattr(kernels.build, "load_cpp_extension", lambda name, *_: built.append(name))
     monkeypatch.setattr(kernels.build, "_precompiled_header", lambda *a: None)
-    KernelSet(cpu=True, isa="generic").build_declared(quantized=False)
-    assert built == ["dense"]
+    KernelSet(cpu=True, isa="generic").build(quantized=False)
+    assert built == [KERNELS.name]
     built.clear()
-    KernelSet(cpu=True, isa="generic").build_declared(quantized=True)
-    assert sorted(built) == ["dense", "quant"]
+    KernelSet(cpu=True, isa="generic").build(quantized=True)
+    assert sorted(built) == sorted(lib.name for lib in LIBRARIES)

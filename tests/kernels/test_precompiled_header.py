@@ -1,13 +1,13 @@
 """torch's headers precompiled once per ISA (kernels/build.py): every kernel file includes
-torch_ext.h first (gcc uses a precompiled header only there), and the header made for this
-machine's ISA is one gcc takes."""
+torch_ext.h first (gcc uses a precompiled header only there) and sits in another folder,
+and the header made for this machine's ISA is one gcc takes."""
 
 import fcntl
 import subprocess
 import time
 from pathlib import Path
 
-from kernels.build import CFLAGS, _header_folder, _precompiled_header
+from kernels.build import CFLAGS, HEADERS, _header_folder, _precompiled_header
 from kernels.isa import compiler_flags, probe_isa
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,6 +22,8 @@ def test_every_kernel_file_includes_torch_ext_first():
         lines = (ROOT / name).read_text().splitlines()
         first = next(line for line in lines if line.startswith("#include"))
         assert first == '#include "torch_ext.h"', name
+        # gcc looks for a quoted header beside the file first: one there misses the .gch
+        assert (ROOT / name).parent != HEADERS, f"{name} sits beside torch_ext.h"
 
 
 def test_the_precompiled_header_is_usable_here():

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from attention.backends.cpu_backend import SHORT_QUERY_LEN, load_cpu_attention
+from attention.backends.cpu_backend import SHORT_QUERY_LEN
 from attention.forward_context import get_forward_context
 from kernels import KernelSet
 from models.cpu_decode_loop import CPUDecodeLoop, decode_loop_module
-from models.layers.fused_ops import fused_ops
+from models.layers.cpu_linear import dense_linear_kernel
 from models.quantization.cpu_quant_linear import TILE_ROWS
 from splitserve import LLM, SamplingParams
 from tests.integration.greedy import random_prompts
@@ -146,12 +146,13 @@ def test_models_it_does_not_take_run_the_layers(tmp_path, monkeypatch, arch, env
 def test_a_capsule_of_another_name_is_refused():
     kernels = KernelSet(cpu=True)
     module = decode_loop_module(kernels)
-    ops, attention = fused_ops(kernels).c_api(), load_cpu_attention(kernels).c_api()
+    lent = dense_linear_kernel(kernels).c_api()
     table = torch.zeros(8, 2)
     args = (4, 2, 8, 1e-6, 0.125, table, table)
-    module.DecodeLoop(ops, attention, {}, *args)
-    wrong = dict(ops, rms_norm=ops["silu_and_mul"])
-    with pytest.raises(RuntimeError, match="not a capsule named splitserve.rms_norm"):
-        module.DecodeLoop(wrong, attention, {}, *args)
-    with pytest.raises(RuntimeError, match="lends no store_kv"):
-        module.DecodeLoop(ops, {}, {}, *args)
+    module.DecodeLoop(lent, *args)
+    with pytest.raises(RuntimeError, match="not a capsule named splitserve.linear_int8"):
+        module.DecodeLoop({"linear_int8": lent["dense_linear"]}, *args)
+    loop, w, norm = module.DecodeLoop({}, *args), torch.zeros(16, 8), torch.ones(8)
+    dense = ("dense_linear", w, None, None, 0, 0, None)
+    with pytest.raises(RuntimeError, match="lend no dense_linear"):
+        loop.add_layer(norm, norm, dense, dense, dense, dense, 1.0, 1.0, 0)
