@@ -57,17 +57,28 @@ def ladder(arch: str | None = None) -> tuple[str, ...]:
 
 
 @cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (x86 `flags`, Arm `Features`); empty where unreadable."""
+def _cpuinfo() -> dict[str, str]:
+    """The first CPU's /proc/cpuinfo fields, keys lowercased; empty where unreadable."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        return frozenset()
+        return {}
+    fields: dict[str, str] = {}
     for line in lines:
         key, _, value = line.partition(":")
-        if key.strip().lower() in ("flags", "features"):
-            return frozenset(value.split())
-    return frozenset()
+        fields.setdefault(key.strip().lower(), value.strip())
+    return fields
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (x86 `flags`, Arm `Features`); empty where unreadable."""
+    info = _cpuinfo()
+    return frozenset(info.get("flags", info.get("features", "")).split())
+
+
+def cpu_vendor() -> str:
+    """The CPU's x86 vendor ("GenuineIntel", "AuthenticAMD"); empty elsewhere."""
+    return _cpuinfo().get("vendor_id", "")
 
 
 def probe_isa(flags: frozenset[str] | None = None, arch: str | None = None) -> str:

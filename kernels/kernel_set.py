@@ -10,7 +10,7 @@ from types import ModuleType
 import torch
 
 from kernels.build import CppModule, build_all, includes, load_cpp_extension
-from kernels.isa import check_isa, probe_isa
+from kernels.isa import check_isa, cpu_vendor, probe_isa
 from kernels.libraries import LIBRARIES, library_of
 
 _OFF = ("0", "false", "no")
@@ -27,13 +27,17 @@ class KernelSet:
     `int8_activations`: the C++ linear layers on quantized weights quantize float32
     activations to int8 as they do 16-bit ones (off: float products, exact up to rounding).
     `decode_loop`: a Llama-style model's CPU decode steps run their layers in one C++ call
-    (models/cpu_decode_loop.py; off: the Python layers, bitwise the same)."""
+    (models/cpu_decode_loop.py; off: the Python layers, bitwise the same).
+    `float32_gemm`: float32 weights take the C++ GEMM at every row count; off (Intel CPUs,
+    where torch's float32 matmul is MKL's own code) from FLOAT32_GEMM_ROWS rows on they take
+    F.linear (models/layers/cpu_linear.py)."""
 
     cpu: bool = False
     triton: bool = False
     isa: str = field(default_factory=probe_isa)
     int8_activations: bool = True
     decode_loop: bool = True
+    float32_gemm: bool = field(default_factory=lambda: cpu_vendor() != "GenuineIntel")
 
     def __post_init__(self) -> None:
         check_isa(self.isa)

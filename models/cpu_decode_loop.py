@@ -192,7 +192,8 @@ def _linear_args(layer: LinearBase, dtype: torch.dtype) -> tuple[tuple, int, Any
         if weight.amx:
             return None
         (name,) = weight.kernel.c_api()  # dense_linear, or bf16_linear
-        return (name, weight.data, None, None, 0, 0, bias), _UNBOUNDED, weight.kernel
+        rows = weight.max_rows or _UNBOUNDED  # F.linear past it
+        return (name, weight.data, None, None, 0, 0, bias), rows, weight.kernel
     if not isinstance(weight, PreparedQuantWeight) or weight.kernel is None:
         return None
     if weight.exact_float32 and dtype == torch.float32:

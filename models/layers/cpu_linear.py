@@ -25,8 +25,9 @@ With AVX-512 BF16 but no AMX (Zen 4, Cooper Lake), bf16 layers run batches of up
 rows through cpu_bf16_linear.cpp (`vdpbf16ps` on the weight as it is, no copy; 2.2x
 F.linear at one row on 2 Zen 4 cores), F.linear beyond: the same `dense_linear` function
 and PackedWeight as the float32-math kernel. Float32 weights (`--dtype float32`) take the
-float32-math kernel on every CPU (on 2 Zen 4 cores, SmolLM2's weights: 2.1x F.linear at 1
-row, 2.0x at 64; prefill steps of 2048 tokens 25 % faster).
+float32-math kernel on every CPU, AMX ones too (on 2 Zen 4 cores, SmolLM2's weights: 2.1x
+F.linear at 1 row, 2.0x at 64; prefill steps of 2048 tokens 25 % faster); on Intel CPUs,
+where torch's float32 matmul is MKL's own code, only up to FLOAT32_GEMM_ROWS rows.
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ from kernels.libraries import AMX_LINEAR, BF16_LINEAR, DENSE_LINEAR
 # Up to here the kernel beats F.linear (measured on SmolLM2's weights with 2 threads; past
 # it, F.linear's blocking wins: the kernel reads x once per 32 output features).
 SMALL_BATCH_ROWS = 256
+# Float32 weights from here on take F.linear where the set has no float32_gemm (Intel CPUs):
+# MKL's own float32 matmul there is level with the kernel at 256 rows and up to 25 % faster
+# beyond, the kernel 8-40 % faster at 8-128 rows (SmolLM2's weights, 2 Emerald Rapids cores).
+FLOAT32_GEMM_ROWS = 192
 
 
 def linear_kernel(kernels: KernelSet) -> ModuleType | None:
@@ -73,9 +78,12 @@ class PackedWeight:
     kernel: ModuleType
     data: torch.Tensor
     amx: bool = True
+    max_rows: int | None = None  # None: any
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         """x W^T (+ bias), or None where the kernel does not take x."""
+        if self.max_rows is not None and x.shape[0] > self.max_rows:
+            return None
         if not self.amx:
             return self.kernel.dense_linear(x, self.data, bias)
         return self.kernel.linear(x, self.data, bias) if x.shape[0] <= SMALL_BATCH_ROWS else None
@@ -85,7 +93,7 @@ def pack_weight(weight: torch.Tensor, kernels: KernelSet) -> PackedWeight | None
     """`weight` prepared for the set's kernel; None where there is none or it does not
     take the weight. An AMX copy does not follow later changes to the weight: pack again."""
     kernel = linear_kernel(kernels)
-    if kernel is not None:
+    if kernel is not None and weight.dtype == torch.bfloat16:
         data = kernel.pack_weight(weight.detach())
         return None if data is None else PackedWeight(kernel, data)
     if weight.dtype not in (torch.bfloat16, torch.float32) or weight.device.type != "cpu":
@@ -98,7 +106,10 @@ def pack_weight(weight: torch.Tensor, kernels: KernelSet) -> PackedWeight | None
         return None
     weight = weight.detach()
     panels = dense.pack_weight_panels(weight)  # None but for float32 weights of some shapes
-    return PackedWeight(dense, weight if panels is None else panels, amx=False)
+    float32_rows = (
+        None if kernels.float32_gemm or weight.dtype != torch.float32 else FLOAT32_GEMM_ROWS
+    )
+    return PackedWeight(dense, weight if panels is None else panels, False, float32_rows)
 
 
 class PackedWeightMixin:

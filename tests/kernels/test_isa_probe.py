@@ -11,7 +11,7 @@ import torch
 import kernels.build
 from kernels import KernelSet, check_isa, probe_isa
 from kernels.build import CppLibrary, CppModule
-from kernels.isa import compiler_flags, ladder, machine
+from kernels.isa import compiler_flags, cpu_vendor, ladder, machine
 from kernels.libraries import ATTENTION, KERNELS, LIBRARIES
 
 X86_BASE = frozenset(
@@ -162,3 +162,9 @@ def test_build_leaves_the_quantized_kernels_to_quantized_models(monkeypatch):
     built.clear()
     KernelSet(cpu=True, isa="generic").build(quantized=True)
     assert sorted(built) == sorted(lib.name for lib in LIBRARIES)
+
+
+def test_the_vendor_is_read_with_the_flags():
+    vendor = cpu_vendor()
+    assert vendor in ("GenuineIntel", "AuthenticAMD") or machine() != "x86_64" or not vendor
+    assert KernelSet().float32_gemm == (vendor != "GenuineIntel")

@@ -18,7 +18,14 @@ from safetensors.torch import load_file, save_file
 
 from kernels import KernelSet, probe_isa
 from kernels.isa import ladder
-from models.layers.cpu_linear import PackedWeight, dense_linear_kernel, linear, pack_weight
+from models.layers import cpu_linear
+from models.layers.cpu_linear import (
+    FLOAT32_GEMM_ROWS,
+    PackedWeight,
+    dense_linear_kernel,
+    linear,
+    pack_weight,
+)
 from models.loader import dense_weight_dtype, load_model
 from splitserve import LLM
 from tests.integration.greedy import generate_greedy, greedy_reference, random_prompts
@@ -103,6 +110,22 @@ def test_the_layer_holds_float32_weights_as_panels():
     torch.testing.assert_close(linear(x, w, None, packed), x @ w.t())
     y = x.bfloat16()  # declined by the panels: F.linear on the weight
     torch.testing.assert_close(linear(y, w.bfloat16(), None, packed), y @ w.bfloat16().t())
+
+
+def test_float32_weights_take_the_kernel_on_every_isa_and_f_linear_past_its_rows(monkeypatch):
+    """AMX builds too (their tile kernel is bf16 only); a set without float32_gemm (Intel
+    CPUs) leaves rows from FLOAT32_GEMM_ROWS on to F.linear, here spied on."""
+    w = torch.randn(64, 16)
+    native = pack_weight(w, KernelSet(cpu=True))
+    assert native is not None and not native.amx and native.data.dim() == 3
+    packed = pack_weight(w, KernelSet(cpu=True, float32_gemm=False))
+    assert packed.max_rows == FLOAT32_GEMM_ROWS
+    assert pack_weight(w, KernelSet(cpu=True, float32_gemm=True)).max_rows is None
+    calls = []
+    monkeypatch.setattr(cpu_linear.F, "linear", lambda *a: calls.append(a[0].shape[0]) or None)
+    for rows in (1, FLOAT32_GEMM_ROWS, FLOAT32_GEMM_ROWS + 1):
+        linear(torch.randn(rows, 16), w, None, packed)
+    assert calls == [FLOAT32_GEMM_ROWS + 1]
 
 
 @pytest.mark.parametrize("rows", [3, 30, 400])

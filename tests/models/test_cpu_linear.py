@@ -107,7 +107,7 @@ def test_linear_takes_the_kernel_for_small_batches_only():
 def test_layers_pack_only_with_a_kernel_set_that_has_the_kernel():
     w = torch.randn(64, 64).bfloat16()
     assert isinstance(pack_weight(w, KERNELS), PackedWeight)
-    assert pack_weight(w.float(), KERNELS) is None
+    assert not pack_weight(w.float(), KERNELS).amx  # float32: the dense kernel
     assert pack_weight(w, KernelSet()) is None  # SPLITSERVE_CPU_KERNELS=0
     below_amx = pack_weight(w, KernelSet(cpu=True, isa="avx512_bf16"))
     assert below_amx is not None and not below_amx.amx  # the bf16 kernel of that rung
@@ -142,4 +142,5 @@ def test_load_model_packs_bf16_cpu_layers_and_keeps_the_logits(tmp_path):
         plain = model.compute_logits(model(ids, positions))
     torch.testing.assert_close(packed.float(), plain.float(), rtol=0.05, atol=0.05)
     fp32 = load_model(path, torch.float32, kernels=KERNELS)
-    assert all(m.packed_weight is None for m in fp32.modules() if hasattr(m, "packed_weight"))
+    fp32_packed = [m.packed_weight for m in fp32.modules() if hasattr(m, "packed_weight")]
+    assert fp32_packed and not any(p.amx for p in fp32_packed)  # the dense kernel's
