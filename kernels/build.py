@@ -41,7 +41,7 @@ from types import ModuleType
 
 import torch
 
-from kernels.isa import compiler_flags, ladder, machine
+from kernels.isa import compiler_flags, includes, machine
 
 logger = logging.getLogger(__name__)
 
@@ -86,14 +86,13 @@ class CppLibrary:
 
     def sources(self, isa: str) -> tuple[Path, ...]:
         """What a build for `isa` compiles, the largest first (each is one compiler)."""
-        files = [s for m in self.modules if m.built_on(isa) for s in m.sources]
-        return (self.binding, *sorted(files, key=_source_bytes, reverse=True))
+        return _library_sources(self, isa)
 
 
-def includes(isa: str, rung: str) -> bool:
-    """Whether `isa` includes the ladder's `rung` (e.g. "amx")."""
-    rungs = ladder()
-    return rung in rungs and rungs.index(rung) <= rungs.index(isa)
+@cache
+def _library_sources(library: CppLibrary, isa: str) -> tuple[Path, ...]:
+    files = [s for m in library.modules if m.built_on(isa) for s in m.sources]
+    return (library.binding, *sorted(files, key=_source_bytes, reverse=True))
 
 
 def build_all(libraries: Sequence[CppLibrary], isa: str) -> None:

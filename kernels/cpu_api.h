@@ -1,5 +1,5 @@
 // The entry points of the C++ kernel files, as their library's binding file
-// (kernels/bind_*.cpp) exposes them to Python and other kernels call them. One function of
+// (kernels/bindings/) exposes them to Python and other kernels call them. One function of
 // a library may also be lent to another library as a C function pointer in a capsule (its
 // module's `c_api()`, pybind_ext.h): the pointer types are the functions' own, so a
 // signature that drifts no longer compiles. Both libraries are built against one libtorch
@@ -106,12 +106,6 @@ at::Tensor dequantize(const at::Tensor& weight, const at::Tensor& scale, at::Sca
 
 // The pointer types the decode loop and the quantized experts borrow.
 namespace api {
-using RmsNorm = decltype(&ops::rms_norm);
-using AddRmsNorm = decltype(&ops::add_rms_norm);
-using RotaryEmbedding = decltype(&ops::rotary_embedding);
-using SiluAndMul = decltype(&ops::silu_and_mul);
-using StoreKV = decltype(&attn::store_kv);
-using PagedDecode = decltype(&attn::paged_decode);
 using DenseLinear = decltype(&dense::dense_linear);
 using QuantLinear = decltype(&quant::linear_int8);
 using Fp8Linear = decltype(&fp8::linear);

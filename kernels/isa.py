@@ -56,6 +56,12 @@ def ladder(arch: str | None = None) -> tuple[str, ...]:
     return ARM if arch == "aarch64" else ("generic",)
 
 
+def includes(isa: str, rung: str) -> bool:
+    """Whether `isa` includes the ladder's `rung` (e.g. "amx")."""
+    rungs = ladder()
+    return rung in rungs and rungs.index(rung) <= rungs.index(isa)
+
+
 @cache
 def _cpuinfo() -> dict[str, str]:
     """The first CPU's /proc/cpuinfo fields, keys lowercased; empty where unreadable."""

@@ -9,8 +9,8 @@ from types import ModuleType
 
 import torch
 
-from kernels.build import CppModule, build_all, includes, load_cpp_extension
-from kernels.isa import check_isa, cpu_vendor, probe_isa
+from kernels.build import CppModule, build_all, load_cpp_extension
+from kernels.isa import check_isa, cpu_vendor, includes, probe_isa
 from kernels.libraries import LIBRARIES, library_of
 
 _OFF = ("0", "false", "no")

@@ -1,4 +1,4 @@
-// What a library's binding file (kernels/bind_*.cpp) adds to the kernels' torch_ext.h:
+// What a library's binding file (kernels/bindings/) adds to the kernels' torch_ext.h:
 // pybind11 with torch's at::Tensor casters, and the capsules by which one library lends
 // its functions to another's (cpu_api.h). pybind11 compiles its dispatch code in every file
 // that includes it, ~4 s each: hence one binding file per library, its kernel files

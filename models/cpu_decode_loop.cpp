@@ -1,7 +1,8 @@
 // A decode step of a Llama-style decoder's layers in one call (models/cpu_decode_loop.py
 // says which models and steps it takes). It calls the kernels the layers' Python calls, in
 // the same order, on the same tensors (kernels/cpu_api.h; the linear layers' kernels as
-// their modules lend them): the output is bitwise the one of the Python layers. What it saves is the Python between
+// their modules lend them): the output is bitwise the one of the Python layers. What it
+// saves is the Python between
 // the kernels, about a hundred microseconds a layer on a small model, which is most of a
 // single-stream step besides reading the weights.
 //
@@ -53,22 +54,25 @@ std::pair<at::Tensor, at::Tensor> DecodeLoop::forward(
       TORCH_CHECK(normed.has_value(), "decode loop: rms_norm declined");
       hidden = *std::move(normed);
     } else {
-      check(ops::add_rms_norm(hidden, residual, L.input_norm, eps_, hidden, residual), "add_rms_norm");
+      check(ops::add_rms_norm(hidden, residual, L.input_norm, eps_, hidden, residual),
+            "add_rms_norm");
     }
     const at::Tensor qkv = L.qkv(hidden);
     const at::Tensor q = qkv.narrow(1, 0, q_size);
     const at::Tensor k = qkv.narrow(1, q_size, kv_size);
     const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size);
-    check(ops::rotary_embedding(positions, q, k, cos_cache_, sin_cache_, head_dim_), "rotary_embedding");
+    check(ops::rotary_embedding(positions, q, k, cos_cache_, sin_cache_, head_dim_),
+          "rotary_embedding");
     const at::Tensor k3 = k.view({T, num_kv_heads_, head_dim_});
     const at::Tensor v3 = v.view({T, num_kv_heads_, head_dim_});
     check(attn::store_kv(k3, v3, kv_caches[i], slot_mapping, L.k_scale, L.v_scale), "store_kv");
     const at::Tensor q3 = q.view({T, num_heads_, head_dim_});
     at::Tensor context = at::empty({T, num_heads_, head_dim_}, hidden.options());
-    attn::paged_decode(context, q3, kv_caches[i], block_table, seq_lens, reqs, rows, scale_, L.window,
-                  L.k_scale, L.v_scale);
+    attn::paged_decode(context, q3, kv_caches[i], block_table, seq_lens, reqs, rows, scale_,
+                       L.window, L.k_scale, L.v_scale);
     hidden = L.o(context.view({T, q_size}));
-    check(ops::add_rms_norm(hidden, residual, L.post_norm, eps_, hidden, residual), "add_rms_norm");
+    check(ops::add_rms_norm(hidden, residual, L.post_norm, eps_, hidden, residual),
+          "add_rms_norm");
     auto act = ops::silu_and_mul(L.gate_up(hidden));
     TORCH_CHECK(act.has_value(), "decode loop: silu_and_mul declined");
     hidden = L.down(*act);

@@ -1,6 +1,6 @@
 // A decode step of a Llama-style decoder's layers in one C++ call (cpu_decode_loop.cpp says
 // what it computes; models/cpu_decode_loop.py which models and steps it takes). The binding
-// file (kernels/bind_kernels.cpp) makes it from Python.
+// file (kernels/bindings/kernels.cpp) makes it from Python.
 #pragma once
 
 #include "torch_ext.h"

@@ -1,5 +1,5 @@
 // The Python face of the kernels only quantized models run (kernels/libraries.py,
-// QUANT_KERNELS): one submodule per kernel file, as bind_kernels.cpp does for the others.
+// QUANT_KERNELS): one submodule per kernel file, as kernels.cpp does for the others.
 #include "torch_ext.h"
 #include "pybind_ext.h"
 #include "cpu_api.h"

@@ -185,17 +185,6 @@ std::optional<at::Tensor> linear(const at::Tensor& x, const at::Tensor& packed,
   return out;
 }
 
-#else  // a build without AMX-BF16: the layers keep F.linear
-
-bool amx_usable() { return false; }
-
-std::optional<at::Tensor> pack_weight(const at::Tensor&) { return std::nullopt; }
-
-std::optional<at::Tensor> linear(const at::Tensor&, const at::Tensor&,
-                                    const std::optional<at::Tensor>&) {
-  return std::nullopt;
-}
-
-#endif
+#endif  // SPLITSERVE_AMX: only AMX builds compile this file (kernels/libraries.py)
 
 }  // namespace splitserve::amx_linear

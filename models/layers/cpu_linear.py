@@ -106,10 +106,9 @@ def pack_weight(weight: torch.Tensor, kernels: KernelSet) -> PackedWeight | None
         return None
     weight = weight.detach()
     panels = dense.pack_weight_panels(weight)  # None but for float32 weights of some shapes
-    float32_rows = (
-        None if kernels.float32_gemm or weight.dtype != torch.float32 else FLOAT32_GEMM_ROWS
-    )
-    return PackedWeight(dense, weight if panels is None else panels, False, float32_rows)
+    any_rows = kernels.float32_gemm or weight.dtype != torch.float32
+    data = weight if panels is None else panels
+    return PackedWeight(dense, data, amx=False, max_rows=None if any_rows else FLOAT32_GEMM_ROWS)
 
 
 class PackedWeightMixin:
