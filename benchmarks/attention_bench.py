@@ -36,7 +36,7 @@ from attention.backends.triton_backend import (
 )
 from ipc.utils import cdiv
 from kernels import KernelSet
-from worker.host_pages import zeros_on_huge_pages
+from kernels.huge_pages import zeros_on_huge_pages
 
 
 def decode_batch(

@@ -1,11 +1,11 @@
-"""The KV cache's host memory: transparent huge pages, faulted in behind the engine's back."""
+"""The KV cache's host memory (on huge pages: kernels/huge_pages.py), faulted in behind the
+engine's back."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import functools
-import math
 import mmap
 import os
 import threading
@@ -18,22 +18,6 @@ import torch
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+; the mmap module of Python 3.11 does not name it
 _CHUNK = 2 << 20  # one huge page
 _QUIET_S = 0.05
-
-
-def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed host tensor on transparent huge pages where the kernel allows them. The KV
-    cache is read in scattered pages of a few KB: with 4 KB pages nearly every one costs a
-    TLB miss, with 2 MB pages almost none does. Its pages are zeroed by the kernel when
-    first touched (`FaultInBehind` does that ahead of the steps)."""
-    numel = math.prod(shape)
-    nbytes = max(1, numel * dtype.itemsize)
-    # Private and anonymous: zero-filled as pages are first touched. (A shared mapping, the
-    # default of mmap.mmap(-1, n), is shmem, which gets huge pages only where
-    # transparent_hugepage/shmem_enabled allows them: "never" by default.)
-    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        memory.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(memory, dtype=dtype, count=numel).view(shape)
 
 
 class FaultInBehind:

@@ -13,6 +13,7 @@ from ipc.config import EngineConfig, resolve_quantization
 from ipc.messages import ModelRunnerOutput, SchedulerOutput
 from ipc.utils import cdiv
 from kernels import KernelSet
+from kernels.huge_pages import zeros_on_huge_pages
 from models import kv_cache_shape_info, load_config, load_model, resolve_dtype
 from models.parallel_state import get_tp_rank, get_tp_size, set_expert_parallel, tp_broadcast
 from worker.batch_update import update_batch
@@ -20,7 +21,7 @@ from worker.buffers import InputBuffers
 from worker.cuda_graph import CudaGraphRunner, Mode, capture_sizes, cuda_graphs_off_reason
 from worker.draft_model import DraftModel
 from worker.grammar_bitmask import apply_grammar_bitmask
-from worker.host_pages import FaultInBehind, zeros_on_huge_pages
+from worker.host_pages import FaultInBehind
 from worker.input_batch import CachedRequestState, InputBatch
 from worker.kv_cache_groups import group_layers, group_size
 from worker.kv_connector import KVConnectorWorker, make_kv_connector

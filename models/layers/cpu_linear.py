@@ -19,7 +19,8 @@ is, no copy. That is what lets a float32 model keep its dense weights in bf16
 kernel takes float32 weights, where it beats torch's GEMM at every row count (prefills too:
 cpu_gemm.h): a copy of each in the GEMM's panels (as much memory again as those weights,
 as the AMX copy), which every row count streams in order; a weight whose rows are not a
-multiple of the panel width stays as it is.
+multiple of the panel width stays as it is. Both copies are made on huge pages
+(kernels/huge_pages.py), streamed every decode step.
 
 With AVX-512 BF16 but no AMX (Zen 4, Cooper Lake), bf16 layers run batches of up to 64
 rows through cpu_bf16_linear.cpp (`vdpbf16ps` on the weight as it is, no copy; 2.2x
@@ -39,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import KernelSet
+from kernels.huge_pages import copy_to_huge_pages
 from kernels.libraries import AMX_LINEAR, BF16_LINEAR, DENSE_LINEAR
 
 # Up to here the kernel beats F.linear (measured on SmolLM2's weights with 2 threads; past
@@ -95,7 +97,7 @@ def pack_weight(weight: torch.Tensor, kernels: KernelSet) -> PackedWeight | None
     kernel = linear_kernel(kernels)
     if kernel is not None and weight.dtype == torch.bfloat16:
         data = kernel.pack_weight(weight.detach())
-        return None if data is None else PackedWeight(kernel, data)
+        return None if data is None else PackedWeight(kernel, copy_to_huge_pages(data))
     if weight.dtype not in (torch.bfloat16, torch.float32) or weight.device.type != "cpu":
         return None
     if weight.dtype == torch.bfloat16 and kernels.has("avx512_bf16"):
@@ -107,7 +109,7 @@ def pack_weight(weight: torch.Tensor, kernels: KernelSet) -> PackedWeight | None
     weight = weight.detach()
     panels = dense.pack_weight_panels(weight)  # None but for float32 weights of some shapes
     any_rows = kernels.float32_gemm or weight.dtype != torch.float32
-    data = weight if panels is None else panels
+    data = weight if panels is None else copy_to_huge_pages(panels)
     return PackedWeight(dense, data, amx=False, max_rows=None if any_rows else FLOAT32_GEMM_ROWS)
 
 
