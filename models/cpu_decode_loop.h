@@ -15,8 +15,9 @@
 
 namespace splitserve::decode {
 
-// y = x W^T (+ bias): a quantized kernel (`quant`), the dense one (`dense`: float32 math on
-// a bf16 W, or a float32 W of few rows; at::linear for the rows it declines), or at::linear.
+// y = x W^T (+ bias): a quantized kernel (`quant`), a dense one (`dense`: float32 math on a
+// bf16 W, or a float32 W of few rows, or AMX tiles; at::linear for the rows it declines), or
+// at::linear.
 struct Linear {
   api::QuantLinear quant = nullptr;
   api::DenseLinear dense = nullptr;

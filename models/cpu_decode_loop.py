@@ -7,9 +7,9 @@ layers'. It takes a step when:
 - the model: tensor parallel size 1, C++ kernels on, a neox rotary table, every layer a
   LlamaDecoderLayer with RMSNorm, SiLU-and-mul, no q/k norm, every linear layer computed
   by int8-activation kernels (a quantized weight: `LinearMethodBase.decode_weight`),
-  dense in the model's dtype without an AMX copy or on a dense kernel (cpu_dense_linear.cpp:
-  a bf16 weight of a float32 model too; cpu_bf16_linear.cpp), all layers in one KV cache
-  group;
+  dense in the model's dtype, or on a dense kernel (cpu_dense_linear.cpp: a bf16 weight of
+  a float32 model too; cpu_bf16_linear.cpp; cpu_linear.cpp's AMX copy, up to its
+  SMALL_BATCH_ROWS), all layers in one KV cache group;
 - the step: on the CPU attention backend, every row a decode or a short row (at most
   cpu_backend.SHORT_QUERY_LEN query tokens, as a speculative step's verification), which
   the backend attends as one decode entry per query token; no padding, no more tokens
@@ -32,7 +32,7 @@ from attention.forward_context import get_forward_context
 from kernels import KernelSet
 from kernels.libraries import DECODE_LOOP
 from models.layers.activation import SiluAndMul
-from models.layers.cpu_linear import PackedWeight
+from models.layers.cpu_linear import SMALL_BATCH_ROWS, PackedWeight
 from models.layers.linear import LinearBase
 from models.layers.norm import RMSNorm
 from models.layers.rotary import RotaryEmbedding
@@ -189,10 +189,9 @@ def _linear_args(layer: LinearBase, dtype: torch.dtype) -> tuple[tuple, int, Any
             return None
         return ("", weight.detach(), None, None, 0, 0, bias), _UNBOUNDED, None
     if isinstance(weight, PackedWeight):
-        if weight.amx:
-            return None
-        (name,) = weight.kernel.c_api()  # dense_linear, or bf16_linear
-        rows = weight.max_rows or _UNBOUNDED  # F.linear past it
+        (name,) = weight.kernel.c_api()  # dense_linear, bf16_linear or amx_linear
+        # F.linear past it
+        rows = SMALL_BATCH_ROWS if weight.amx else weight.max_rows or _UNBOUNDED
         return (name, weight.data, None, None, 0, 0, bias), rows, weight.kernel
     if not isinstance(weight, PreparedQuantWeight) or weight.kernel is None:
         return None

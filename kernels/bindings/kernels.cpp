@@ -111,6 +111,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   amx_linear.def("linear", &amx::linear,
                  "x W^T (+ bias), W packed by pack_weight; None for other x", arg("x"),
                  arg("packed"), arg("bias") = py::none());
+  static_assert(std::is_same_v<decltype(&amx::linear), api::DenseLinear>);
+  amx_linear.def("c_api", [] {
+    py::dict lent;
+    lent["amx_linear"] = api::lend(&amx::linear, "splitserve.amx_linear");
+    return lent;
+  }, "the kernel as a C function pointer, for the decode loop");
 #endif
   m.def_submodule("moe").def(
       "fused_experts", &splitserve::moe::fused_experts,

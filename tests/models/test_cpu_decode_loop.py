@@ -87,12 +87,14 @@ def test_gguf_loop_is_bitwise_the_layers(tmp_path, monkeypatch, loop_steps, arch
     _check_same(monkeypatch, loop_steps, str(path), dtype=dtype)
 
 
-@pytest.mark.parametrize("quantization", [None, "int8"])
+@pytest.mark.parametrize(
+    ("quantization", "dtype"), [(None, "float32"), ("int8", "float32"), (None, "bfloat16")]
+)  # bf16: the AMX copies on AMX CPUs, cpu_bf16_linear.cpp on AVX512-BF16 ones
 def test_dense_checkpoint_loop_is_bitwise_the_layers(
-    tmp_path, monkeypatch, loop_steps, quantization
+    tmp_path, monkeypatch, loop_steps, quantization, dtype
 ):
     model = make_tiny_checkpoint(tmp_path)
-    _check_same(monkeypatch, loop_steps, model, dtype="float32", quantization=quantization)
+    _check_same(monkeypatch, loop_steps, model, dtype=dtype, quantization=quantization)
 
 
 def test_steps_mixing_prefill_chunks_and_decodes_run_the_layers(tmp_path, monkeypatch, loop_steps):
