@@ -2,9 +2,8 @@
 // says which models and steps it takes). It calls the kernels the layers' Python calls, in
 // the same order, on the same tensors (kernels/cpu_api.h; the linear layers' kernels as
 // their modules lend them): the output is bitwise the one of the Python layers. What it
-// saves is the Python between
-// the kernels, about a hundred microseconds a layer on a small model, which is most of a
-// single-stream step besides reading the weights.
+// saves is the Python between the kernels, about a hundred microseconds a layer on a small
+// model, which is most of a single-stream step besides reading the weights.
 //
 // Per layer, for T decode rows x (the residual stream in `residual`):
 //   x, residual = add_rms_norm(x, residual)        (layer 0: residual = x, x = rms_norm(x))

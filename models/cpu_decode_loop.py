@@ -32,7 +32,7 @@ from attention.forward_context import get_forward_context
 from kernels import KernelSet
 from kernels.libraries import DECODE_LOOP
 from models.layers.activation import SiluAndMul
-from models.layers.cpu_linear import SMALL_BATCH_ROWS, PackedWeight
+from models.layers.cpu_linear import PackedWeight
 from models.layers.linear import LinearBase
 from models.layers.norm import RMSNorm
 from models.layers.rotary import RotaryEmbedding
@@ -190,8 +190,7 @@ def _linear_args(layer: LinearBase, dtype: torch.dtype) -> tuple[tuple, int, Any
         return ("", weight.detach(), None, None, 0, 0, bias), _UNBOUNDED, None
     if isinstance(weight, PackedWeight):
         (name,) = weight.kernel.c_api()  # dense_linear, bf16_linear or amx_linear
-        # F.linear past it
-        rows = SMALL_BATCH_ROWS if weight.amx else weight.max_rows or _UNBOUNDED
+        rows = weight.row_limit or _UNBOUNDED  # F.linear past it
         return (name, weight.data, None, None, 0, 0, bias), rows, weight.kernel
     if not isinstance(weight, PreparedQuantWeight) or weight.kernel is None:
         return None

@@ -82,13 +82,19 @@ class PackedWeight:
     amx: bool = True
     max_rows: int | None = None  # None: any
 
+    @property
+    def row_limit(self) -> int | None:
+        """The most rows the kernel is given (F.linear past it); None: any."""
+        return SMALL_BATCH_ROWS if self.amx else self.max_rows
+
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         """x W^T (+ bias), or None where the kernel does not take x."""
-        if self.max_rows is not None and x.shape[0] > self.max_rows:
+        limit = self.row_limit
+        if limit is not None and x.shape[0] > limit:
             return None
         if not self.amx:
             return self.kernel.dense_linear(x, self.data, bias)
-        return self.kernel.linear(x, self.data, bias) if x.shape[0] <= SMALL_BATCH_ROWS else None
+        return self.kernel.linear(x, self.data, bias)
 
 
 def pack_weight(weight: torch.Tensor, kernels: KernelSet) -> PackedWeight | None:
