@@ -21,26 +21,34 @@
 constexpr int64_t kGemmCols = 2 * Vec::kLanes;
 constexpr int64_t kGemmPackBytes = 8 << 20;  // the panels packed at a time
 constexpr int64_t kGemmBlockBytes = 512 << 10;  // the rows of x a block
-// How far ahead of its k a tile that streams its panel from memory prefetches it (into L2).
-// The hardware prefetchers follow a stream only within a 4 KB page, so without this every
-// page of a panel began with a wait for memory: on 2 Emerald Rapids cores, SmolLM2's 120
-// layer weights (424 MB) at 8 rows 30-32 -> 18-19 ms, at 16 rows (two tiles) 36 -> 23-24.
+// A tile's share of the weights to prefetch (into L2) while it computes, spread evenly
+// over its K steps: `lines` cache lines from `from` on. The hardware prefetchers follow a
+// stream only within a 4 KB page, so every page of a panel began with a wait for memory;
+// and while a panel's later tiles of rows read it from the cache, memory sat idle. Now the
+// tiles of a panel prefetch the next panel, a share each, and a thread's first tile its
+// own, kGemmAheadFloats ahead of its k. On 2 Emerald Rapids cores, SmolLM2's 120 layer
+// weights (424 MB), ms: 8 rows 30-32 -> 17-18, 16 rows (two tiles) 36 -> 20-21, 33 rows
+// (three) 46 -> 26, 65 rows (five) 50-52 -> 41-43, the FMA peak.
+struct Prefetch {
+  const float* from = nullptr;
+  int64_t lines = 0;
+};
+constexpr int64_t kLineFloats = 64 / sizeof(float);
 constexpr int64_t kGemmAheadFloats = (8 << 10) / sizeof(float);
 
-// out[r * ldo + c] = x row r . panel feature c (+ bias[c]), for R rows K apart; `Stream`:
-// the panel comes from memory (the first tile of its rows), prefetched kGemmAheadFloats on.
-template <int R, bool Stream>
+// out[r * ldo + c] = x row r . panel feature c (+ bias[c]), for R rows K apart.
+template <int R>
 __attribute__((noinline)) void gemm_tile(const float* x, int64_t K, const float* panel,
-                                         const float* bias, float* out, int64_t ldo) {
+                                         const float* bias, float* out, int64_t ldo,
+                                         Prefetch prefetch) {
   Vec acc[R][2];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = Vec::zero();
+  const float* next = prefetch.from;
+  int64_t due = 0;  // lines owed, in K-ths
   for (int64_t k = 0; k < K; ++k) {
-    if constexpr (Stream) {
-      const float* ahead = panel + k * kGemmCols + kGemmAheadFloats;
-      for (int64_t c = 0; c < kGemmCols; c += 64 / sizeof(float))
-        __builtin_prefetch(ahead + c, 0, 2);
-    }
+    for (due += prefetch.lines; due >= K; due -= K, next += kLineFloats)
+      __builtin_prefetch(next, 0, 2);
     const Vec b0 = Vec::load(panel + k * kGemmCols);
     const Vec b1 = Vec::load(panel + k * kGemmCols + Vec::kLanes);
 #pragma GCC unroll 16
@@ -65,20 +73,14 @@ __attribute__((noinline)) void gemm_tile(const float* x, int64_t K, const float*
   }
 }
 
-// gemm_tile<rows, Stream>, 1 <= rows <= R.
-template <bool Stream, int R = Vec::kGemmTileRows>
+// gemm_tile<rows>, 1 <= rows <= R.
+template <int R = Vec::kGemmTileRows>
 inline void gemm_rows(int rows, const float* x, int64_t K, const float* panel, const float* bias,
-                      float* out, int64_t ldo) {
+                      float* out, int64_t ldo, Prefetch prefetch) {
   if constexpr (R > 1) {
-    if (rows < R) return gemm_rows<Stream, R - 1>(rows, x, K, panel, bias, out, ldo);
+    if (rows < R) return gemm_rows<R - 1>(rows, x, K, panel, bias, out, ldo, prefetch);
   }
-  gemm_tile<R, Stream>(x, K, panel, bias, out, ldo);
-}
-
-inline void gemm_rows(bool stream, int rows, const float* x, int64_t K, const float* panel,
-                      const float* bias, float* out, int64_t ldo) {
-  if (stream) return gemm_rows<true>(rows, x, K, panel, bias, out, ldo);
-  gemm_rows<false>(rows, x, K, panel, bias, out, ldo);
+  gemm_tile<R>(x, K, panel, bias, out, ldo, prefetch);
 }
 
 // Features [n0, n0 + count) of W as panels, zero past N.
@@ -107,7 +109,7 @@ template <typename Out>
 void gemm_panels(const float* x, int64_t T, int64_t K, const float* panels, int64_t n0,
                  int64_t count, int64_t N, const float* bias, Out* out) {
   constexpr int64_t R = Vec::kGemmTileRows;
-  const int64_t panel_floats = K * kGemmCols;
+  const int64_t panel_floats = K * kGemmCols, panel_lines = panel_floats / kLineFloats;
   const int64_t block_rows = std::max<int64_t>(1, kGemmBlockBytes / (K * 4 * R)) * R;
   for (int64_t b0 = 0; b0 < T; b0 += block_rows) {
     // The block's rows in tiles of even sizes (32 rows: 11 + 11 + 10, not 14 + 14 + 4).
@@ -123,13 +125,21 @@ void gemm_panels(const float* x, int64_t T, int64_t K, const float* panels, int6
         const float* xt = x + t0 * K;
         const float* panel = panels + p * panel_floats;
         const float* b = bias == nullptr ? nullptr : bias + n;
+        Prefetch prefetch;  // this thread's first panel ahead of itself, then the next
+        if (i == begin) {
+          prefetch = {panel + kGemmAheadFloats, panel_lines};
+        } else if ((p + 1) * tiles < end) {
+          const int64_t first = panel_lines * j / tiles;
+          prefetch = {panel + panel_floats + first * kLineFloats,
+                      panel_lines * (j + 1) / tiles - first};
+        }
         if constexpr (std::is_same_v<Out, float>) {
           if (cols == kGemmCols) {
-            gemm_rows(j == 0, rows, xt, K, panel, b, out + t0 * N + n, N);
+            gemm_rows(rows, xt, K, panel, b, out + t0 * N + n, N, prefetch);
             continue;
           }
         }
-        gemm_rows(j == 0, rows, xt, K, panel, nullptr, tile, kGemmCols);
+        gemm_rows(rows, xt, K, panel, nullptr, tile, kGemmCols, prefetch);
         for (int64_t r = 0; r < rows; ++r) {
           Out* o = out + (t0 + r) * N + n;
           const float* s = tile + r * kGemmCols;
