@@ -11,6 +11,7 @@ macros alone (kernels/cpu_math.h checks they agree with the compiler's).
 
 from __future__ import annotations
 
+import os
 import platform
 from functools import cache
 from pathlib import Path
@@ -139,7 +140,9 @@ def compiler_flags(isa: str) -> list[str]:
 
 def has_native_bf16() -> bool:
     """Whether the CPU computes in bf16 natively (AVX512-BF16 or AMX-BF16, or Arm BF16): a
-    float32 checkpoint then runs in bf16 by default."""
+    float32 checkpoint then runs in bf16 by default. With SPLITSERVE_CPU_ISA forced, the
+    answer is the forced rung's (on Arm, none has bf16), as on a CPU of that ISA."""
+    forced = os.environ.get("SPLITSERVE_CPU_ISA", "").strip().lower()
     if machine() == "aarch64":
-        return "bf16" in cpu_flags()
-    return probe_isa() in ("avx512_bf16", "amx")
+        return not forced and "bf16" in cpu_flags()
+    return includes(check_isa(forced) if forced else probe_isa(), "avx512_bf16")

@@ -92,7 +92,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     "x W^T (+ bias) in float32 math for a bf16 or float32 W; None for tensors it "
                     "does not take");
   dense.def("pack_weight_panels", &splitserve::dense::pack_weight_panels,
-            "a float32 weight [N, K] as panels dense_linear takes in its place; None where N "
+            "a float32 or bf16 weight [N, K] as panels dense_linear takes in its place; None "
+            "where N "
             "is not a multiple of the panel width",
             arg("weight"));
 #if defined(SPLITSERVE_AVX512_BF16) && !defined(SPLITSERVE_AMX)

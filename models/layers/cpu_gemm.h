@@ -1,10 +1,11 @@
 // The GEMM of cpu_dense_linear.cpp (included there, inside its namespace, after Vec and
 // widen): out = x W^T (+ bias) in float32 math, W float32 or bf16 [N, K].
 //
-// W is packed into panels of kGemmCols features, [K][kGemmCols] each: a float32 W once, at
-// load (pack_weight_panels: every row count then runs here, the panels read as one
-// sequential stream each), other weights per call from kGemmRows rows on, a group at a time
-// (bf16 widened on the way, zero past N). A tile is up to Vec::kGemmTileRows rows x
+// W is packed into panels of kGemmCols features, [K][kGemmCols] each: once at load
+// (pack_weight_panels: every row count then runs here, the panels read as one sequential
+// stream each), float32 panels of a float32 W, bf16 panels of a bf16 W (half the bytes,
+// widened as a tile loads them: Vec::load_pair); other weights per call from kGemmRows rows
+// on, a group at a time (bf16 widened on the way, zero past N). A tile is up to Vec::kGemmTileRows rows x
 // kGemmCols features (a block's rows in tiles of even sizes), 2 vectors of accumulators a
 // row: per k, the panel's two vectors and one broadcast x value a row (x as it is, rows K
 // apart). AVX-512F tiles of up to 14 rows (28 accumulators of 32 registers), AVX2 6 (12 of
@@ -26,31 +27,37 @@ constexpr int64_t kGemmBlockBytes = 512 << 10;  // the rows of x a block
 // stream only within a 4 KB page, so every page of a panel began with a wait for memory;
 // and while a panel's later tiles of rows read it from the cache, memory sat idle. Now the
 // tiles of a panel prefetch the next panel, a share each, and a thread's first tile its
-// own, kGemmAheadFloats ahead of its k. On 2 Emerald Rapids cores, SmolLM2's 120 layer
+// own, kGemmAheadBytes ahead of its k. On 2 Emerald Rapids cores, SmolLM2's 120 layer
 // weights (424 MB), ms: 8 rows 30-32 -> 17-18, 16 rows (two tiles) 36 -> 20-21, 33 rows
 // (three) 46 -> 26, 65 rows (five) 50-52 -> 41-43, the FMA peak.
 struct Prefetch {
-  const float* from = nullptr;
+  const char* from = nullptr;
   int64_t lines = 0;
 };
-constexpr int64_t kLineFloats = 64 / sizeof(float);
-constexpr int64_t kGemmAheadFloats = (8 << 10) / sizeof(float);
+constexpr int64_t kLineBytes = 64;
+constexpr int64_t kGemmAheadBytes = 8 << 10;
 
-// out[r * ldo + c] = x row r . panel feature c (+ bias[c]), for R rows K apart.
-template <int R>
-__attribute__((noinline)) void gemm_tile(const float* x, int64_t K, const float* panel,
+// out[r * ldo + c] = x row r . panel feature c (+ bias[c]), for R rows K apart; a bf16
+// panel (P uint16_t) widened as it is loaded.
+template <int R, typename P>
+__attribute__((noinline)) void gemm_tile(const float* x, int64_t K, const P* panel,
                                          const float* bias, float* out, int64_t ldo,
                                          Prefetch prefetch) {
   Vec acc[R][2];
 #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = Vec::zero();
-  const float* next = prefetch.from;
+  const char* next = prefetch.from;
   int64_t due = 0;  // lines owed, in K-ths
   for (int64_t k = 0; k < K; ++k) {
-    for (due += prefetch.lines; due >= K; due -= K, next += kLineFloats)
+    for (due += prefetch.lines; due >= K; due -= K, next += kLineBytes)
       __builtin_prefetch(next, 0, 2);
-    const Vec b0 = Vec::load(panel + k * kGemmCols);
-    const Vec b1 = Vec::load(panel + k * kGemmCols + Vec::kLanes);
+    Vec b0, b1;
+    if constexpr (std::is_same_v<P, float>) {
+      b0 = Vec::load(panel + k * kGemmCols);
+      b1 = Vec::load(panel + k * kGemmCols + Vec::kLanes);
+    } else {
+      Vec::load_pair(panel + k * kGemmCols, b0, b1);
+    }
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const Vec a = Vec::broadcast(x + r * K + k);
@@ -74,30 +81,38 @@ __attribute__((noinline)) void gemm_tile(const float* x, int64_t K, const float*
 }
 
 // gemm_tile<rows>, 1 <= rows <= R.
-template <int R = Vec::kGemmTileRows>
-inline void gemm_rows(int rows, const float* x, int64_t K, const float* panel, const float* bias,
+template <int R = Vec::kGemmTileRows, typename P>
+inline void gemm_rows(int rows, const float* x, int64_t K, const P* panel, const float* bias,
                       float* out, int64_t ldo, Prefetch prefetch) {
   if constexpr (R > 1) {
     if (rows < R) return gemm_rows<R - 1>(rows, x, K, panel, bias, out, ldo, prefetch);
   }
-  gemm_tile<R>(x, K, panel, bias, out, ldo, prefetch);
+  gemm_tile<R, P>(x, K, panel, bias, out, ldo, prefetch);
 }
 
-// Features [n0, n0 + count) of W as panels, zero past N.
-template <typename W>
+// Features [n0, n0 + count) of W as panels of P (float32, or bf16 from a bf16 W), zero
+// past N.
+template <typename W, typename P>
 void pack_panels(const W* w, int64_t w_stride, int64_t N, int64_t K, int64_t n0, int64_t count,
-                 float* panels) {
+                 P* panels) {
+  static_assert(std::is_same_v<P, float> || std::is_same_v<P, W>);
   at::parallel_for(0, count / kGemmCols, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
-      float* dst = panels + p * K * kGemmCols;
+      P* dst = panels + p * K * kGemmCols;
       for (int64_t c = 0; c < kGemmCols; ++c) {
         const int64_t n = n0 + p * kGemmCols + c;
+        P* col = dst + (std::is_same_v<P, float> ? c : Vec::pair_slot(c));
         if (n >= N) {
-          for (int64_t k = 0; k < K; ++k) dst[k * kGemmCols + c] = 0.0f;
+          for (int64_t k = 0; k < K; ++k) col[k * kGemmCols] = P{0};
           continue;
         }
         const W* src = w + n * w_stride;
-        for (int64_t k = 0; k < K; ++k) dst[k * kGemmCols + c] = widen(src[k]);
+        for (int64_t k = 0; k < K; ++k) {
+          if constexpr (std::is_same_v<P, float>)
+            col[k * kGemmCols] = widen(src[k]);
+          else
+            col[k * kGemmCols] = src[k];
+        }
       }
     }
   });
@@ -105,11 +120,12 @@ void pack_panels(const W* w, int64_t w_stride, int64_t N, int64_t K, int64_t n0,
 
 // Output features [n0, n0 + count) from their panels (count a multiple of kGemmCols; the
 // features from N on are dropped).
-template <typename Out>
-void gemm_panels(const float* x, int64_t T, int64_t K, const float* panels, int64_t n0,
+template <typename P, typename Out>
+void gemm_panels(const float* x, int64_t T, int64_t K, const P* panels, int64_t n0,
                  int64_t count, int64_t N, const float* bias, Out* out) {
   constexpr int64_t R = Vec::kGemmTileRows;
-  const int64_t panel_floats = K * kGemmCols, panel_lines = panel_floats / kLineFloats;
+  const int64_t panel_size = K * kGemmCols;
+  const int64_t panel_lines = panel_size * int64_t(sizeof(P)) / kLineBytes;
   const int64_t block_rows = std::max<int64_t>(1, kGemmBlockBytes / (K * 4 * R)) * R;
   for (int64_t b0 = 0; b0 < T; b0 += block_rows) {
     // The block's rows in tiles of even sizes (32 rows: 11 + 11 + 10, not 14 + 14 + 4).
@@ -123,14 +139,15 @@ void gemm_panels(const float* x, int64_t T, int64_t K, const float* panels, int6
         const int rows = static_cast<int>(base + (j < extra));
         const int64_t cols = std::min(kGemmCols, N - n);
         const float* xt = x + t0 * K;
-        const float* panel = panels + p * panel_floats;
+        const P* panel = panels + p * panel_size;
         const float* b = bias == nullptr ? nullptr : bias + n;
         Prefetch prefetch;  // this thread's first panel ahead of itself, then the next
+        const char* bytes = reinterpret_cast<const char*>(panel);
         if (i == begin) {
-          prefetch = {panel + kGemmAheadFloats, panel_lines};
+          prefetch = {bytes + kGemmAheadBytes, panel_lines};
         } else if ((p + 1) * tiles < end) {
           const int64_t first = panel_lines * j / tiles;
-          prefetch = {panel + panel_floats + first * kLineFloats,
+          prefetch = {reinterpret_cast<const char*>(panel + panel_size) + first * kLineBytes,
                       panel_lines * (j + 1) / tiles - first};
         }
         if constexpr (std::is_same_v<Out, float>) {

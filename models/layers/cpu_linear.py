@@ -13,14 +13,14 @@ about 1 in 10^4 results differ by a rounding, as F.linear's own blocking changes
 
 Without AVX512-BF16 (AVX2, AVX-512F, Arm) torch's bf16 matmul has no instructions to run
 on (a third of its float32 speed on a Zen 1), so there a bf16 weight is computed on by the
-dense kernel, widened in registers, for any rows and float32 or bf16 x: the weight as it
-is, no copy. That is what lets a float32 model keep its dense weights in bf16
-(loader.dense_weight_dtype): half the bytes a decode step reads, float32 math. The same
-kernel takes float32 weights, where it beats torch's GEMM at every row count (prefills too:
-cpu_gemm.h): a copy of each in the GEMM's panels (as much memory again as those weights,
-as the AMX copy), which every row count streams in order; a weight whose rows are not a
-multiple of the panel width stays as it is. Both copies are made on huge pages
-(kernels/huge_pages.py), streamed every decode step.
+dense kernel, widened in registers, for any rows and float32 or bf16 x. That is what lets a
+float32 model keep its dense weights in bf16 (loader.dense_weight_dtype): half the bytes a
+decode step reads, float32 math. The same kernel takes float32 weights, where it beats
+torch's GEMM at every row count (prefills too: cpu_gemm.h). Either gets a copy in the
+GEMM's panels, in its own dtype (as much memory again as those weights, as the AMX copy),
+which every row count streams in order; a weight whose rows are not a multiple of the panel
+width stays as it is. All these copies are made on huge pages (kernels/huge_pages.py),
+streamed every decode step.
 
 With AVX-512 BF16 but no AMX (Zen 4, Cooper Lake), bf16 layers run batches of up to 64
 rows through cpu_bf16_linear.cpp (`vdpbf16ps` on the weight as it is, no copy; 2.2x
@@ -113,7 +113,7 @@ def pack_weight(weight: torch.Tensor, kernels: KernelSet) -> PackedWeight | None
     if dense is None:
         return None
     weight = weight.detach()
-    panels = dense.pack_weight_panels(weight)  # None but for float32 weights of some shapes
+    panels = dense.pack_weight_panels(weight)  # None but for weights of some shapes
     any_rows = kernels.float32_gemm or weight.dtype != torch.float32
     data = weight if panels is None else copy_to_huge_pages(panels)
     return PackedWeight(dense, data, amx=False, max_rows=None if any_rows else FLOAT32_GEMM_ROWS)

@@ -3,7 +3,7 @@ bf16 instructions: the kernel against a float64 reference at generic and at the 
 without bf16 instructions this CPU runs (forced on a CPU that has them; bf16
 weights: the dot tiles of few rows, the panels of more, the GEMM of many over several
 packed groups of panels, strided weight rows, bf16 x; float32 weights of any rows, as they
-are and as panels), what it declines; `--dtype auto` holding a
+are; either as panels), what it declines; `--dtype auto` holding a
 float32 model's dense weights in bf16 (and nothing else), its greedy tokens against
 transformers on the same bf16-representable weights, and the decode loop on them bitwise
 the layers."""
@@ -32,19 +32,18 @@ from tests.integration.greedy import generate_greedy, greedy_reference, random_p
 from tests.models.linear_check import check
 from tests.models.tiny import make_tiny_checkpoint
 
-OWN = KernelSet(cpu=True)
-# The engine takes the kernel only on CPUs without bf16 instructions; the kernel itself is
-# tested on any CPU, at the highest rung below bf16 it runs (forced on bf16 CPUs).
-needs_no_bf16 = pytest.mark.skipif(
-    OWN.has("avx512_bf16"), reason="the CPU computes in bf16 natively"
-)
-
 
 def dense_isas() -> list[str]:
     """generic and the highest rung without bf16 instructions this CPU runs."""
     rungs = ladder()[: ladder().index(probe_isa()) + 1]
     plain = [r for r in rungs if r not in ("avx512_bf16", "amx")]
     return sorted({"generic", plain[-1]}, key=rungs.index)
+
+
+# The engine takes the kernel only on CPUs without bf16 instructions; the kernel and the
+# engine on it are tested on any CPU, at the highest rung below bf16 it runs (forced on bf16
+# CPUs: the engine through SPLITSERVE_CPU_ISA).
+PLAIN = KernelSet(cpu=True, isa=dense_isas()[-1])
 
 
 @pytest.fixture(params=dense_isas())
@@ -79,11 +78,18 @@ def test_float32_weights_match_float64(ops, rows, k, n):
 
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize(("k", "n"), [(13, 64), (576, 96)], ids=str)
-def test_float32_weights_as_panels_match_float64(ops, rows, k, n):
+@pytest.mark.parametrize(
+    ("w_dtype", "x_dtype"),
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.bfloat16,) * 2],
+    ids=str,
+)
+def test_weights_as_panels_match_float64(ops, rows, k, n, w_dtype, x_dtype):
+    """bf16 panels hold each k's values in the order the ISA's widening reads them."""
     torch.manual_seed(rows * 1000 + k + n)
-    x, w, bias = torch.randn(rows, k), torch.randn(n, k), torch.randn(n)
+    x, w, bias = torch.randn(rows, k).to(x_dtype), torch.randn(n, k).to(w_dtype), torch.randn(n)
     panels = ops.pack_weight_panels(w)
     assert panels.dim() == 3 and panels.shape[0] * panels.shape[2] == n
+    assert panels.dtype == w_dtype
     check(ops.dense_linear(x, panels, bias), x, w, bias)
     check(ops.dense_linear(x, panels, None), x, w, None)
 
@@ -91,21 +97,26 @@ def test_float32_weights_as_panels_match_float64(ops, rows, k, n):
 def test_what_the_panels_decline(ops):
     w = torch.randn(64, 16)
     assert ops.pack_weight_panels(torch.randn(65, 16)) is None  # not a multiple of the width
-    assert ops.pack_weight_panels(w.bfloat16()) is None
+    assert ops.pack_weight_panels(w.half()) is None
     assert ops.pack_weight_panels(torch.randn(64, 32)[:, ::2]) is None
     panels = ops.pack_weight_panels(w)
-    assert ops.dense_linear(torch.randn(3, 16).bfloat16(), panels, None) is None
+    assert ops.dense_linear(torch.randn(3, 16).bfloat16(), panels, None) is None  # float32 only
+    bf16_panels = ops.pack_weight_panels(w.bfloat16())
+    assert ops.dense_linear(torch.randn(3, 16).half(), bf16_panels, None) is None
     assert ops.dense_linear(torch.randn(3, 15), panels, None) is None
     assert ops.dense_linear(torch.randn(3, 16), panels, torch.randn(63)) is None
     assert ops.dense_linear(torch.randn(0, 16), panels, None).shape == (0, 64)
 
 
-def test_the_layer_holds_float32_weights_as_panels():
-    kernels = KernelSet(cpu=True, isa=dense_isas()[-1])  # no AMX kernel
+def test_the_layer_holds_float32_and_bf16_weights_as_panels():
+    kernels = KernelSet(cpu=True, isa=dense_isas()[-1])  # no AMX or bf16 kernel
     w, odd = torch.randn(64, 16), torch.randn(65, 16)
     packed = pack_weight(w, kernels)
     assert packed.data.dim() == 3 and not packed.amx
     assert pack_weight(odd, kernels).data.dim() == 2
+    packed16 = pack_weight(w.bfloat16(), kernels)
+    assert packed16.data.dim() == 3 and packed16.data.dtype == torch.bfloat16
+    assert packed16.row_limit is None and pack_weight(odd.bfloat16(), kernels).data.dim() == 2
     x = torch.randn(5, 16)
     torch.testing.assert_close(linear(x, w, None, packed), x @ w.t())
     y = x.bfloat16()  # declined by the panels: F.linear on the weight
@@ -158,27 +169,25 @@ def test_no_rows_and_what_it_declines(ops):
     assert ops.dense_linear(torch.randn(2, 16), w.t().contiguous().t(), None) is None
 
 
-@needs_no_bf16
 def test_the_layer_falls_back_to_a_widened_f_linear():
     x, w = torch.randn(3, 16), torch.randn(8, 16).bfloat16()
     torch.testing.assert_close(linear(x, w), x @ w.float().t())
-    declines = PackedWeight(dense_linear_kernel(OWN), w.half(), amx=False)
+    declines = PackedWeight(dense_linear_kernel(PLAIN), w.half(), amx=False)
     torch.testing.assert_close(linear(x, w, packed=declines), x @ w.float().t())
     w32 = w.float()
     many = torch.randn(400, 16)  # the panels' rows
-    taken = PackedWeight(dense_linear_kernel(OWN), w32, amx=False)
+    taken = PackedWeight(dense_linear_kernel(PLAIN), w32, amx=False)
     torch.testing.assert_close(linear(many, w32, packed=taken), many @ w32.t())
 
 
-@needs_no_bf16
 def test_auto_holds_dense_weights_in_bf16_only_where_it_may():
     off = KernelSet()
-    assert dense_weight_dtype("auto", torch.float32, "cpu", OWN) == torch.bfloat16
-    assert dense_weight_dtype("float32", torch.float32, "cpu", OWN) == torch.float32
-    assert dense_weight_dtype(torch.float32, torch.float32, "cpu", OWN) == torch.float32
-    assert dense_weight_dtype("auto", torch.bfloat16, "cpu", OWN) == torch.bfloat16
+    assert dense_weight_dtype("auto", torch.float32, "cpu", PLAIN) == torch.bfloat16
+    assert dense_weight_dtype("float32", torch.float32, "cpu", PLAIN) == torch.float32
+    assert dense_weight_dtype(torch.float32, torch.float32, "cpu", PLAIN) == torch.float32
+    assert dense_weight_dtype("auto", torch.bfloat16, "cpu", PLAIN) == torch.bfloat16
     assert dense_weight_dtype("auto", torch.float32, "cpu", off) == torch.float32
-    assert dense_weight_dtype("auto", torch.float32, "meta", OWN) == torch.float32
+    assert dense_weight_dtype("auto", torch.float32, "meta", PLAIN) == torch.float32
 
 
 def bf16_representable(path: str) -> str:
@@ -193,11 +202,11 @@ def bf16_representable(path: str) -> str:
     return path
 
 
-@needs_no_bf16
 @pytest.mark.parametrize("tied", [False, True])
-def test_auto_model_holds_bf16_and_matches_transformers(tmp_path, tied):
+def test_auto_model_holds_bf16_and_matches_transformers(tmp_path, monkeypatch, tied):
+    monkeypatch.setenv("SPLITSERVE_CPU_ISA", PLAIN.isa)
     path = bf16_representable(make_tiny_checkpoint(tmp_path, tie_word_embeddings=tied))
-    model = load_model(path, "auto", "cpu", kernels=OWN)
+    model = load_model(path, "auto", "cpu", kernels=PLAIN)
     layer = model.model.layers[0]
     assert layer.self_attn.qkv_proj.weight.dtype == torch.bfloat16
     assert model.lm_head.weight.dtype == torch.bfloat16
@@ -214,9 +223,9 @@ def test_auto_model_holds_bf16_and_matches_transformers(tmp_path, tied):
         llm.shutdown()
 
 
-@needs_no_bf16
 def test_decode_loop_on_bf16_weights_is_the_layers(tmp_path, monkeypatch):
     path = make_tiny_checkpoint(tmp_path, "qwen2")  # qkv bias
+    monkeypatch.setenv("SPLITSERVE_CPU_ISA", PLAIN.isa)
     outs = {}
     for setting in ("1", "0"):
         monkeypatch.setenv("SPLITSERVE_CPU_DECODE_LOOP", setting)

@@ -80,8 +80,10 @@ def test_resolve_dtype_errors():
         resolve_dtype("auto", _cfg("float8_e4m3fn"))
 
 
-def test_cpu_bf16_detection_runs():
+def test_cpu_bf16_detection_runs(monkeypatch):
     assert isinstance(loader.has_native_bf16(), bool)
+    monkeypatch.setenv("SPLITSERVE_CPU_ISA", "generic")  # answers for a CPU of that ISA
+    assert not loader.has_native_bf16()
 
 
 def test_kv_cache_shape_info():
