@@ -39,6 +39,20 @@ constexpr int64_t kTileN = 16;  // output features per weight tile
 constexpr int64_t kTileK = 32;  // input features per weight tile
 constexpr int64_t kChunkRows = 32;  // rows of x the C tiles hold: two blocks of 16
 
+// The first chunk of rows streams a pair's weight tiles from memory, each block's
+// kAheadTiles ahead of its k prefetched (into L2): the hardware prefetchers stop at every
+// 4 KB page. SmolLM2's 120 bf16 layer weights on 2 Emerald Rapids cores, one process,
+// alternated: 1 row 16.5 -> 11.0 ms, 32 rows 22.6 -> 15.5, 64 rows 17.2 -> 13.9, 128 rows
+// 25.6 -> 21.0 (1-3 tiles ahead alike, 8 and more worse; prefetching the next pair from
+// the later chunks' passes no better).
+constexpr int64_t kAheadTiles = 2;
+
+inline void prefetch_tile(const uint16_t* tile) {
+  const char* bytes = reinterpret_cast<const char*>(tile);
+  for (int64_t line = 0; line < kTileK * kTileN * 2; line += 64)
+    __builtin_prefetch(bytes + line, 0, 2);
+}
+
 using splitserve::load_tile_config;
 using splitserve::TileConfig;
 
@@ -156,6 +170,10 @@ std::optional<at::Tensor> linear(const at::Tensor& x, const at::Tensor& packed,
           _tile_zero(3);
         }
         for (int64_t kb = 0; kb < num_k_tiles; ++kb) {
+          if (m == 0) {
+            prefetch_tile(w0 + (kb + kAheadTiles) * tile_elems);
+            prefetch_tile(w1 + (kb + kAheadTiles) * tile_elems);
+          }
           _tile_loadd(4, x0 + kb * kTileK, x_stride * 2);
           _tile_loadd(6, w0 + kb * tile_elems, 64);
           _tile_loadd(7, w1 + kb * tile_elems, 64);
