@@ -331,6 +331,18 @@ void linear_panels(const float* x, int64_t T, int64_t K, const W* w, int64_t w_s
 
 #include "cpu_gemm.h"
 
+// run(w, out) on the elements of a float32 W and out, or of a bf16 W and out in x's dtype
+// (float32 or bf16).
+template <typename Run>
+void with_types(const at::Tensor& w, at::Tensor& out, const Run& run) {
+  if (w.scalar_type() == at::kFloat) return run(w.data_ptr<float>(), out.data_ptr<float>());
+  const auto* w16 = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  if (out.scalar_type() == at::kFloat)
+    run(w16, out.data_ptr<float>());
+  else
+    run(w16, out.data_ptr<at::BFloat16>());
+}
+
 // x [T, K] W^T (+ bias) for W as pack_weight_panels made it: float32 panels and float32 x,
 // bf16 panels and float32 or bf16 x (the result in x's dtype); None for others.
 std::optional<at::Tensor> panels_linear(const at::Tensor& x, const at::Tensor& panels,
@@ -348,16 +360,9 @@ std::optional<at::Tensor> panels_linear(const at::Tensor& x, const at::Tensor& p
   const float* b = bias.has_value() ? bf.data_ptr<float>() : nullptr;
   auto out = at::empty({x.size(0), N}, x.options());
   if (x.size(0) == 0 || N == 0) return out;
-  auto run = [&](const auto* p, auto* o) {
+  with_types(panels, out, [&](const auto* p, auto* o) {
     gemm_panels(xf.data_ptr<float>(), x.size(0), K, p, 0, N, N, b, o);
-  };
-  const auto* p16 = reinterpret_cast<const uint16_t*>(panels.data_ptr());
-  if (!bf16_p)
-    run(panels.data_ptr<float>(), out.data_ptr<float>());
-  else if (float_x)
-    run(p16, out.data_ptr<float>());
-  else
-    run(p16, out.data_ptr<at::BFloat16>());
+  });
   return out;
 }
 
@@ -415,13 +420,7 @@ std::optional<at::Tensor> dense_linear(const at::Tensor& x, const at::Tensor& we
     else
       linear_rows(xp, T, K, w, ws, N, b, o);
   };
-  const auto* w16 = reinterpret_cast<const uint16_t*>(weight.data_ptr());
-  if (!bf16_w)
-    run(weight.data_ptr<float>(), out.data_ptr<float>());
-  else if (float_x)
-    run(w16, out.data_ptr<float>());
-  else
-    run(w16, out.data_ptr<at::BFloat16>());
+  with_types(weight, out, run);
   return out;
 }
 
