@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import platform
+from collections.abc import Mapping
 from functools import cache
 from pathlib import Path
 
@@ -138,11 +139,16 @@ def compiler_flags(isa: str) -> list[str]:
     return macros
 
 
+def forced_isa(environ: Mapping[str, str] = os.environ) -> str:
+    """The ISA SPLITSERVE_CPU_ISA forces, as written (lower case); "" where it is unset."""
+    return environ.get("SPLITSERVE_CPU_ISA", "").strip().lower()
+
+
 def has_native_bf16() -> bool:
     """Whether the CPU computes in bf16 natively (AVX512-BF16 or AMX-BF16, or Arm BF16): a
     float32 checkpoint then runs in bf16 by default. With SPLITSERVE_CPU_ISA forced, the
     answer is the forced rung's (on Arm, none has bf16), as on a CPU of that ISA."""
-    forced = os.environ.get("SPLITSERVE_CPU_ISA", "").strip().lower()
+    forced = forced_isa()
     if machine() == "aarch64":
         return not forced and "bf16" in cpu_flags()
     return includes(check_isa(forced) if forced else probe_isa(), "avx512_bf16")

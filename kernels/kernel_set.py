@@ -10,7 +10,7 @@ from types import ModuleType
 import torch
 
 from kernels.build import CppModule, build_all, load_cpp_extension
-from kernels.isa import check_isa, cpu_vendor, includes, probe_isa
+from kernels.isa import check_isa, cpu_vendor, forced_isa, includes, probe_isa
 from kernels.libraries import LIBRARIES, library_of
 
 _OFF = ("0", "false", "no")
@@ -53,7 +53,7 @@ class KernelSet:
         SPLITSERVE_CPU_DECODE_LOOP=0; the Triton kernels on CUDA, unless
         SPLITSERVE_TRITON_KERNELS=0."""
         device_type = torch.device(device).type
-        forced = environ.get("SPLITSERVE_CPU_ISA", "").strip().lower()
+        forced = forced_isa(environ)
         return cls(
             cpu=device_type == "cpu" and _on(environ, "SPLITSERVE_CPU_KERNELS"),
             triton=device_type == "cuda" and _on(environ, "SPLITSERVE_TRITON_KERNELS"),

@@ -93,8 +93,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     "does not take");
   dense.def("pack_weight_panels", &splitserve::dense::pack_weight_panels,
             "a float32 or bf16 weight [N, K] as panels dense_linear takes in its place; None "
-            "where N "
-            "is not a multiple of the panel width",
+            "where N is not a multiple of the panel width",
             arg("weight"));
 #if defined(SPLITSERVE_AVX512_BF16) && !defined(SPLITSERVE_AMX)
   bind_dense_linear(m.def_submodule("bf16_linear"), &splitserve::bf16::dense_linear,

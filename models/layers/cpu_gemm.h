@@ -2,21 +2,20 @@
 // widen): out = x W^T (+ bias) in float32 math, W float32 or bf16 [N, K].
 //
 // W is packed into panels of kGemmCols features, [K][kGemmCols] each: once at load
-// (pack_weight_panels: every row count then runs here, the panels read as one sequential
-// stream each), float32 panels of a float32 W, bf16 panels of a bf16 W (half the bytes,
-// widened as a tile loads them: Vec::load_pair); other weights per call from kGemmRows rows
-// on, a group at a time (bf16 widened on the way, zero past N). A tile is up to Vec::kGemmTileRows rows x
-// kGemmCols features (a block's rows in tiles of even sizes), 2 vectors of accumulators a
-// row: per k, the panel's two vectors and one broadcast x value a row (x as it is, rows K
-// apart). AVX-512F tiles of up to 14 rows (28 accumulators of 32 registers), AVX2 6 (12 of
-// 16); a whole tile of float32 output is stored (with the bias) from the registers. x goes
-// in blocks of kGemmBlockBytes of rows, and a block's work items are (panel, row tile)
-// pairs, panel by panel: a thread reuses its panel from L1/L2 across the block's row
-// tiles, and the block from L2. On 2 Zen 4 cores, SmolLM2's four layer shapes at 2048
-// rows (qkv, o, gate_up, down), x and W in cache: 184-197 GFLOP/s with the packing, where
-// torch's float32 GEMM ran at 134-167 in the same runs (peak 228); packing x as well
-// measured slower. The compare_cpu float32 workload's prefill steps: 25 % less time; with
-// the panels made at load, decode steps 9 %.
+// (pack_weight_panels: every row count then runs here, the panels read as one sequential stream
+// each), float32 panels of a float32 W, bf16 panels of a bf16 W (half the bytes, widened as a tile
+// loads them: Vec::load_pair); other weights per call from kGemmRows rows on, a group at a time
+// (bf16 widened on the way, zero past N). A tile is up to Vec::kGemmTileRows rows x kGemmCols
+// features (a block's rows in tiles of even sizes), 2 vectors of accumulators a row: per k, the
+// panel's two vectors and one broadcast x value a row (x as it is, rows K apart). AVX-512F tiles of
+// up to 14 rows (28 accumulators of 32 registers), AVX2 6 (12 of 16); a whole tile of float32
+// output is stored (with the bias) from the registers. x goes in blocks of kGemmBlockBytes of rows,
+// and a block's work items are (panel, row tile) pairs, panel by panel: a thread reuses its panel
+// from L1/L2 across the block's row tiles, and the block from L2. On 2 Zen 4 cores, SmolLM2's four
+// layer shapes at 2048 rows (qkv, o, gate_up, down), x and W in cache: 184-197 GFLOP/s with the
+// packing, where torch's float32 GEMM ran at 134-167 in the same runs (peak 228); packing x as well
+// measured slower. The compare_cpu float32 workload's prefill steps: 25 % less time; with the
+// panels made at load, decode steps 9 %.
 #pragma once
 
 constexpr int64_t kGemmCols = 2 * Vec::kLanes;
