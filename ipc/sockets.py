@@ -19,6 +19,7 @@ drops (and disconnects) a peer whose message is larger than MAX_MESSAGE_BYTES.
 """
 
 import os
+import random
 import shutil
 import socket
 import tempfile
@@ -38,6 +39,8 @@ CLIENT_HWM = 100_000
 # Generous for a max_model_len prompt (msgpack takes at most 5 bytes per token id),
 # small enough that one frame cannot balloon the engine.
 MAX_MESSAGE_BYTES = 16 << 20
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_FIRST_LISTENING_PORT = 20000
 
 
 def new_ipc_address() -> str:
@@ -49,13 +52,29 @@ def new_ipc_address() -> str:
 
 
 def free_tcp_port(host: str = "127.0.0.1", count: int = 3) -> int:
-    """A port p such that p .. p+count-1 were all free a moment ago."""
+    """A port p such that p .. p+count-1 were all free a moment ago.
+
+    Chosen below the kernel's ephemeral range where it has one: a port the kernel may hand
+    out as an outgoing connection's local port (any process's) can be taken between this
+    check and the bind, and a cluster starting up makes many such connections."""
+    low, high = _listening_ports(count)
     while True:
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-        if port + count < 65536 and all(_port_free(host, port + i) for i in range(1, count)):
+        port = random.randrange(low, high)
+        if all(_port_free(host, port + i) for i in range(count)):
             return port
+
+
+def _listening_ports(count: int) -> tuple[int, int]:
+    """[low, high): where free_tcp_port draws a block of `count` ports."""
+    try:
+        first, last = map(int, _EPHEMERAL_RANGE.read_text().split())
+    except (OSError, ValueError):
+        first, last = 49152, 65535  # IANA's dynamic range, which most other kernels use
+    if first - count > _FIRST_LISTENING_PORT + 1000:
+        return _FIRST_LISTENING_PORT, first - count + 1
+    if 65536 - count > last + 1000:
+        return last + 1, 65536 - count
+    return 1024, 65536 - count  # the ephemeral range leaves no room: take the risk
 
 
 def _port_free(host: str, port: int) -> bool:
