@@ -55,9 +55,23 @@ def test_converted_once_and_again_when_the_file_changes(cache, tmp_path, monkeyp
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
     second = gguf_hf_folder(path)
     assert second != first and Path(second).name == Path(first).name
-    assert sorted(p.name for p in cache.iterdir()) == sorted(
-        {Path(first).parent.name, Path(second).parent.name}
-    )
+    assert [p.name for p in cache.iterdir()] == [Path(second).parent.name]  # the stale one went
+
+
+def test_folders_of_deleted_files_go_when_another_converts(cache, tmp_path):
+    for name in ("kept", "deleted", "third"):
+        (tmp_path / name).mkdir()
+    kept, _ = write_tiny_gguf(tmp_path / "kept", "llama")
+    deleted, _ = write_tiny_gguf(tmp_path / "deleted", "llama")
+    folders = [Path(gguf_hf_folder(p)).parent for p in (kept, deleted)]
+    unrecorded = cache / "0123456789abcdef"  # an older folder, which says nothing of its file
+    unrecorded.mkdir()
+    deleted.unlink()
+    assert gguf_hf_folder(kept) == str(folders[0] / kept.stem)  # nothing converted: none go
+    assert folders[1].exists()
+    third, _ = write_tiny_gguf(tmp_path / "third", "qwen3")
+    newest = Path(gguf_hf_folder(third)).parent
+    assert sorted(cache.iterdir()) == sorted([folders[0], newest, unrecorded])
 
 
 def test_failed_conversion_leaves_nothing(cache, tmp_path, monkeypatch):
