@@ -20,8 +20,8 @@ from gguf import GGUFReader
 from models.default import cache_dir, write_folder_atomically
 from models.gguf_file import gguf_config, gguf_metadata
 
-# Metadata naming the tokens that end a turn besides eos (llama 3's <|eot_id|>, ...).
 _SOURCE = "source"  # beside the converted folder: the file it came from
+# Metadata naming the tokens that end a turn besides eos (llama 3's <|eot_id|>, ...).
 _STOP_TOKEN_KEYS = ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 
 
@@ -29,8 +29,6 @@ def gguf_hf_folder(path: str | os.PathLike) -> str:
     """The folder of `path`'s config and tokenizer, converting the file on first use."""
     path = Path(path).resolve()
     target = cache_dir() / "gguf" / _key(path)
-    if not _is_complete(target / path.stem):
-        _forget_stale(target.parent)
     write_folder_atomically(
         target, lambda out: _convert_into(path, out), lambda t: _is_complete(t / path.stem)
     )
@@ -43,6 +41,7 @@ def _key(path: Path) -> str:
 
 
 def _convert_into(gguf: Path, out: Path) -> None:
+    _forget_stale(out.parent)
     _convert(gguf, out / gguf.stem)
     (out / _SOURCE).write_text(str(gguf))
 
