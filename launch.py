@@ -34,6 +34,7 @@ import argparse
 import os
 import sys
 
+from ipc.sockets import socket_address
 from server.args import add_server_args, check_server_args
 from splitserve.cluster import CREDENTIALS_ENV, cluster_credentials
 from splitserve.engine_args import add_engine_args, engine_config
@@ -121,6 +122,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     check_server_args(parser, args)
     if args.api_server_count < 1:
         parser.error(f"--api-server-count must be >= 1, got {args.api_server_count}")
+    for address in args.engine_address.split(",") if args.engine_address else []:
+        try:
+            socket_address(address, "workers")
+        except ValueError as e:
+            parser.error(f"--engine-address: {e}")
     return args
 
 

@@ -48,7 +48,13 @@ def new_ipc_address() -> str:
     the sockets), so clusters never collide."""
     folder = tempfile.mkdtemp(prefix="splitserve-")
     os.chmod(folder, 0o700)
-    return f"ipc://{folder}/engine"
+    address = f"ipc://{folder}/engine"
+    try:
+        ipc_paths(address)
+    except ValueError as e:
+        os.rmdir(folder)
+        raise ValueError(f"{e}; set TMPDIR to a shorter folder") from None
+    return address
 
 
 def free_tcp_port(host: str = "127.0.0.1", count: int = 3) -> int:
@@ -90,7 +96,13 @@ def socket_address(address: str, role: str) -> str:
     """The address of one of the engine's sockets (`role` in input/output/workers)."""
     index = _ROLES.index(role)
     if address.startswith("ipc://"):
-        return f"{address}-{role}"
+        path = f"{address[len('ipc://') :]}-{role}"
+        if len(path.encode()) > zmq.IPC_PATH_MAX_LEN:
+            raise ValueError(
+                f"the socket path {path!r} is longer than the {zmq.IPC_PATH_MAX_LEN} bytes "
+                "a unix socket's path may have"
+            )
+        return f"ipc://{path}"
     if address.startswith("tcp://"):
         host, port = address[len("tcp://") :].rsplit(":", 1)
         return f"tcp://{host}:{int(port) + index}"

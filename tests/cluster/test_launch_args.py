@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import tempfile
 import types
 from pathlib import Path
 
@@ -139,3 +140,23 @@ def test_data_parallel_needs_as_many_addresses_and_a_cluster(tmp_path):
         main([model, "-dp", "2", "--engine-address", "ipc:///tmp/x", "--no-api"])
     with pytest.raises(ValueError, match="LLM drives one EngineCore"):
         LLM(model, data_parallel_size=2, max_model_len=64)
+
+
+def test_socket_paths_too_long_for_a_unix_socket_are_refused_by_name(tmp_path, monkeypatch, capsys):
+    """A unix socket's path holds at most 107 bytes: a longer --engine-address, or a TMPDIR
+    that makes the default address longer, is refused before anything starts (zmq would
+    fail the bind in the engine process)."""
+    model = make_tiny_checkpoint(tmp_path, "llama", tokenizer=False)
+    long_folder = tmp_path / ("d" * 100)
+    long_folder.mkdir()
+    with pytest.raises(SystemExit):
+        parse_args([model, "--engine-address", f"ipc://{long_folder}/engine"])
+    assert "--engine-address: the socket path" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args([model, "--engine-address", "ipc:///tmp/x,udp://h:1"])
+    assert "must start with ipc:// or tcp://" in capsys.readouterr().err
+    assert parse_args([model, "--engine-address", "ipc:///tmp/x"]).engine_address
+    monkeypatch.setattr(tempfile, "tempdir", str(long_folder))
+    with pytest.raises(ValueError, match="longer than the 107 bytes.*set TMPDIR to a shorter"):
+        engine_addresses(parse_args([model]), 1)
+    assert list(long_folder.iterdir()) == []

@@ -4,7 +4,9 @@ transformers' greedy generate; a worker that cannot start is reported by rank.""
 from __future__ import annotations
 
 import gc
+import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -89,10 +91,11 @@ def test_llm_tp2_swap_preemption(qwen3_path, monkeypatch):
 
 
 @pytest.mark.gpus(2)
-def test_worker_start_failure_names_the_rank(tmp_path, monkeypatch):
+def test_worker_start_failure_names_the_rank(tmp_path, monkeypatch, request):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    ipc_dir = tmp_path / "ipc"
-    ipc_dir.mkdir()
+    # Not under tmp_path: its length (xdist's adds a folder) can pass a socket path's 107 bytes.
+    ipc_dir = Path(tempfile.mkdtemp(prefix="ipc-"))
+    request.addfinalizer(lambda: shutil.rmtree(ipc_dir, ignore_errors=True))
     monkeypatch.setattr(tempfile, "tempdir", str(ipc_dir))  # where new_ipc_address goes
     started, real_start_workers = [], cluster.start_workers
 
@@ -109,4 +112,4 @@ def test_worker_start_failure_names_the_rank(tmp_path, monkeypatch):
         LLM(path, tensor_parallel_size=2, dtype="float32", kv_cache_memory=64 << 20)
     assert "not divisible by tensor parallel size 2" in str(failure.value)
     assert len(started) == 2 and all(p.poll() is not None for p in started)
-    assert list(ipc_dir.iterdir()) == []
+    assert list(ipc_dir.glob("splitserve-*")) == []  # torch may put a folder of its own there
