@@ -22,12 +22,18 @@ HAS_BF16 = "avx512_bf16" in ladder() and ladder().index(probe_isa()) >= ladder()
     "avx512_bf16"
 )
 pytestmark = pytest.mark.skipif(not HAS_BF16, reason="no AVX-512 BF16 on this CPU")
-SET = KernelSet(cpu=True, isa="avx512_bf16")
 
 
 @pytest.fixture(scope="module")
-def ops():
-    module = bf16_linear_kernel(SET)
+def bf16_set() -> KernelSet:
+    """Made in a fixture: a CPU below the rung refuses the KernelSet (at collection, it
+    would fail the run rather than skip the file)."""
+    return KernelSet(cpu=True, isa="avx512_bf16")
+
+
+@pytest.fixture(scope="module")
+def ops(bf16_set):
+    module = bf16_linear_kernel(bf16_set)
     assert module is not None, "the avx512_bf16 build failed"
     return module
 
@@ -67,13 +73,13 @@ def test_strided_rows_and_what_it_declines(ops):
     assert ops.dense_linear(x, w, torch.randn(39).bfloat16()) is None
 
 
-def test_layers_take_it_for_bf16_weights_and_fall_back_beyond_64_rows(ops):
+def test_layers_take_it_for_bf16_weights_and_fall_back_beyond_64_rows(ops, bf16_set):
     """bf16 weights: this kernel up to 64 rows, F.linear beyond; float32 weights: the
     float32-math kernel (cpu_dense_linear.cpp), as on every CPU."""
     w = torch.randn(64, 128).bfloat16()
-    packed = pack_weight(w, SET)
+    packed = pack_weight(w, bf16_set)
     assert packed is not None and packed.kernel is ops and not packed.amx
-    assert pack_weight(w.float(), SET).kernel is dense_linear_kernel(SET)  # float32 math
+    assert pack_weight(w.float(), bf16_set).kernel is dense_linear_kernel(bf16_set)
     for rows in (2, 64, 65, 300):
         x = torch.randn(rows, 128).bfloat16()
         out = linear(x, w, None, packed)
