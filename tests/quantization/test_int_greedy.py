@@ -50,17 +50,22 @@ def test_int8_activations_break_only_near_ties(tiny_checkpoint, tmp_path, arch, 
     check_near_greedy(llm, reference, random_prompts(4, 3, 20))
 
 
-# Row-parallel shards of act-order groups (uneven, padded) and of contiguous groups.
+def _tp_case(arch: str, fmt: IntFormat, *marks: pytest.MarkDecorator):
+    return pytest.param(arch, fmt, marks=marks, id=f"{arch}-{fmt}")
+
+
+# Row-parallel shards of act-order groups (uneven, padded) and of contiguous groups (slow:
+# two worker processes a case; the act-order one, the hardest cut, runs by default).
 TP_CASES = [
-    ("llama", IntFormat("gptq", bits=4, group=64, desc_act=True)),
-    ("qwen3", IntFormat("awq", group=64)),
-    ("llama", IntFormat("compressed-tensors", bits=8, group=32)),
+    _tp_case("llama", IntFormat("gptq", bits=4, group=64, desc_act=True)),
+    _tp_case("qwen3", IntFormat("awq", group=64), pytest.mark.slow),
+    _tp_case("llama", IntFormat("compressed-tensors", bits=8, group=32), pytest.mark.slow),
 ]
 
 
 @pytest.mark.usefixtures("exact_float32")
 @pytest.mark.gpus(2)
-@pytest.mark.parametrize(("arch", "fmt"), TP_CASES, ids=[f"{a}-{f}" for a, f in TP_CASES])
+@pytest.mark.parametrize(("arch", "fmt"), TP_CASES)
 def test_tp2_greedy_matches_transformers(tiny_checkpoint, tmp_path, monkeypatch, arch, fmt):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     source = tiny_checkpoint(arch, **SIZES)

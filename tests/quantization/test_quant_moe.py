@@ -42,6 +42,8 @@ def _random_block_quant(n: int, k: int, bits: int, block: int, mins: bool, gen) 
     return BlockQuantWeight(bits, q, scales, m, block)
 
 
+# Cases on two worker processes beyond one per kind of shard cutting: `make test-all` runs them.
+SLOW = pytest.mark.slow
 # (gate, up, down) formats: (bits, block size, mins)
 FORMATS = {
     "int8-per-channel": [(8, None, False)] * 3,
@@ -262,7 +264,7 @@ TP2_MOE_TYPES = {n: "Q8_0" for n, t in DEFAULT_TYPES.items() if t.endswith("_K")
 
 @pytest.mark.usefixtures("exact_float32")
 @pytest.mark.gpus(2)
-@pytest.mark.parametrize("expert_parallel", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("expert_parallel", [False, pytest.param(True, marks=SLOW)])
 def test_gguf_experts_on_two_ranks(tmp_path, expert_parallel):
     path, expected = write_tiny_gguf(tmp_path, "qwen3moe", types=TP2_MOE_TYPES)
     llm = LLM(
@@ -343,7 +345,7 @@ def test_fp8_checkpoint_experts_without_scales_are_a_clear_error(tmp_path, tiny_
 
 
 @pytest.mark.gpus(2)
-@pytest.mark.parametrize("expert_parallel", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("expert_parallel", [False, pytest.param(True, marks=SLOW)])
 def test_fp8_checkpoint_experts_on_two_ranks(tmp_path, tiny_checkpoint, expert_parallel):
     """Per-channel scales are sliced with the rows they scale (tensor parallel), or kept
     whole with whole experts (expert parallel)."""
@@ -380,8 +382,8 @@ def test_int_checkpoint_experts_greedy_matches_transformers(tmp_path, tiny_check
     ("fmt", "expert_parallel"),
     [
         (IntFormat("awq", group=32), False),
-        (IntFormat("compressed-tensors", bits=8, group=-1), False),
-        pytest.param(IntFormat("awq", group=32), True, marks=pytest.mark.slow),
+        pytest.param(IntFormat("compressed-tensors", bits=8, group=-1), False, marks=SLOW),
+        pytest.param(IntFormat("awq", group=32), True, marks=SLOW),
     ],
     ids=["awq-tp", "channel-tp", "awq-ep"],
 )
@@ -417,7 +419,7 @@ def test_act_order_experts_greedy_matches_transformers(tmp_path, tiny_checkpoint
 
 @pytest.mark.usefixtures("exact_float32")
 @pytest.mark.gpus(2)
-@pytest.mark.parametrize("group", [32, 64])
+@pytest.mark.parametrize("group", [pytest.param(32, marks=SLOW), 64])
 def test_act_order_experts_on_two_ranks(tmp_path, tiny_checkpoint, group):
     """Each rank takes down's input features in g_idx order, not checkpoint order (whole
     groups of 32, or halves of groups of 64 with their group's scales), and the same rows
