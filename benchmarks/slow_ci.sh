@@ -6,7 +6,7 @@
 #     test the generic and AVX2 rungs only, as there),
 #   - with torch's own kernels and MKL held to AVX2.
 # Prints the wall time; the log is in $WORK/ci.log. Needs root (the cgroup v1 cpu controller
-# or cgroup v2's cpu.max, and a mount namespace). docs/ci.md has its figures.
+# and a mount namespace). docs/ci.md has its figures.
 #   sudo bash benchmarks/slow_ci.sh [CPUS]
 set -euo pipefail
 CPUS=${1:-1}
@@ -16,17 +16,10 @@ rm -rf "$WORK" && mkdir -p "$WORK"
 git clone -q "$REPO" "$WORK/clone"
 sed -E '/^flags/ s/ (avx512[a-z_0-9]*|amx[a-z_0-9]*)//g' /proc/cpuinfo > "$WORK/cpuinfo"
 
-group=splitserve-slow-ci-$$
-quota=$(awk -v c="$CPUS" 'BEGIN { printf "%d", c * 100000 }')
-if [ -d /sys/fs/cgroup/cpu ] && [ -w /sys/fs/cgroup/cpu ]; then
-    cg=/sys/fs/cgroup/cpu/$group
-    mkdir "$cg" && echo "$quota" > "$cg/cpu.cfs_quota_us"
-elif [ -f /sys/fs/cgroup/cgroup.controllers ]; then
-    cg=/sys/fs/cgroup/$group
-    mkdir "$cg" && echo "$quota 100000" > "$cg/cpu.max"
-else
-    echo "no writable cgroup cpu controller" >&2 && exit 1
-fi
+[ -w /sys/fs/cgroup/cpu ] || { echo "needs the cgroup v1 cpu controller, writable" >&2; exit 1; }
+cg=/sys/fs/cgroup/cpu/splitserve-slow-ci-$$
+mkdir "$cg"
+awk -v c="$CPUS" 'BEGIN { printf "%d\n", c * 100000 }' > "$cg/cpu.cfs_quota_us"
 trap 'rmdir "$cg" 2>/dev/null || true' EXIT
 
 start=$(date +%s)

@@ -41,8 +41,8 @@ _NO_KERNELS = ("kv_cache", "engine_core", "ipc")
 
 def pytest_collection_finish(session):
     """Build the C++ kernels the tests load, for the ISAs they load them for, several at
-    once before the first test: on a fresh clone that halves the time spent compiling
-    (a quarter more with each xdist worker starting on another rung).
+    once before the first test: on a fresh clone that halves the time spent compiling,
+    and each xdist worker starting on another rung takes about a quarter off the rest.
     Every module for generic and this CPU's own rung; for a rung between them that a test
     forces (a parameter naming it), the modules other than the quantized ones, which are
     tested on generic and the own rung alone (tests/quantization/isas.py)."""
