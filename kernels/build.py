@@ -8,16 +8,15 @@ into a folder under the user cache keyed by torch version, machine, ISA and the 
 later processes load the cached library. When there is no compiler or the build fails,
 `load_cpp_extension` returns None after one warning and the callers fall back to their
 torch paths. `build_all` builds both at once, ninja compiling each library's files in
-parallel, beside the precompiled header.
+parallel, once the precompiled header is made.
 
-Only a library's binding file includes pybind11, whose dispatch code each including file
-compiles again (~4 s): the kernel files include torch_ext.h, ATen alone, which is
-precompiled once per ISA and torch version (`_precompiled_header`) into a folder that comes
-first on every build's include path; gcc takes the .gch there in place of parsing the
-header, and a compiler or flags it does not fit (checked once as it is made) fall back to
-parsing. `build_all` makes the header beside the first compiles rather than before them: a
-file compiled while the header is being made parses the copy in that folder (the same
-command line, so nothing rebuilds later).
+Only a library's binding file includes Python (kernels/python_module.h); every file first
+includes torch_ext.h, ATen alone, which is precompiled once per ISA and torch version
+(`_precompiled_header`) into a folder that comes first on every build's include path: gcc
+takes the .gch there in place of parsing the header, and a compiler or flags it does not
+fit (checked once as it is made) fall back to parsing. `build_all` makes the header before
+the libraries' files; a file compiled while another process is making it parses the copy
+in that folder (the same command line, so nothing rebuilds later).
 """
 
 from __future__ import annotations
@@ -75,8 +74,8 @@ class CppModule:
 
 @dataclass(frozen=True)
 class CppLibrary:
-    """One extension module: its binding file (the only source that includes pybind11,
-    kernels/pybind_ext.h) and the kernel modules it binds as submodules; `quantized`: only
+    """One extension module: its binding file (the only source that includes Python,
+    kernels/python_module.h) and the kernel modules it binds as submodules; `quantized`: only
     quantized models load it (not built ahead for the others)."""
 
     name: str
@@ -91,8 +90,8 @@ class CppLibrary:
 
 @cache
 def _library_sources(library: CppLibrary, isa: str) -> tuple[Path, ...]:
-    files = [s for m in library.modules if m.built_on(isa) for s in m.sources]
-    return (library.binding, *sorted(files, key=_source_bytes, reverse=True))
+    files = [library.binding, *(s for m in library.modules if m.built_on(isa) for s in m.sources)]
+    return tuple(sorted(files, key=_source_bytes, reverse=True))
 
 
 def build_all(libraries: Sequence[CppLibrary], isa: str) -> None:

@@ -1,7 +1,7 @@
 // The entry points of the C++ kernel files, as their library's binding file
 // (kernels/bindings/) exposes them to Python and other kernels call them. One function of
 // a library may also be lent to another library as a C function pointer in a capsule (its
-// module's `c_api()`, pybind_ext.h): the pointer types are the functions' own, so a
+// module's `c_api()`, python_module.h): the pointer types are the functions' own, so a
 // signature that drifts no longer compiles. Both libraries are built against one libtorch
 // in one process, which is what makes torch types safe to pass.
 #pragma once

@@ -27,10 +27,10 @@ void check(bool taken, const char* kernel) {
 }  // namespace
 
 at::Tensor Linear::operator()(const at::Tensor& x) const {
-  if (quant == nullptr && dense == nullptr) return at::linear(x, weight, bias);
+  if (quant == nullptr && dense == nullptr) return at_linear(x, weight, bias);
   if (dense != nullptr) {
     auto out = dense(x, weight, bias);
-    return out.has_value() ? *std::move(out) : at::linear(x, weight, bias);
+    return out.has_value() ? *std::move(out) : at_linear(x, weight, bias);
   }
   auto out = quant(x, weight, scales, mins, bits, block_size, bias);
   TORCH_CHECK(out.has_value(), "decode loop: a quantized linear kernel declined x");
@@ -66,7 +66,7 @@ std::pair<at::Tensor, at::Tensor> DecodeLoop::forward(
     const at::Tensor v3 = v.view({T, num_kv_heads_, head_dim_});
     check(attn::store_kv(k3, v3, kv_caches[i], slot_mapping, L.k_scale, L.v_scale), "store_kv");
     const at::Tensor q3 = q.view({T, num_heads_, head_dim_});
-    at::Tensor context = at::empty({T, num_heads_, head_dim_}, hidden.options());
+    at::Tensor context = hidden.new_empty({T, num_heads_, head_dim_});
     attn::paged_decode(context, q3, kv_caches[i], block_table, seq_lens, reqs, rows, scale_,
                        L.window, L.k_scale, L.v_scale);
     hidden = L.o(context.view({T, q_size}));

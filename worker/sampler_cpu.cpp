@@ -284,8 +284,10 @@ void sample_rows(const T* logits, int64_t row_stride, int64_t v, const RowParams
   });
 }
 
-at::Tensor float_column(const c10::optional<at::Tensor>& t, int64_t n, float fill) {
-  if (!t.has_value()) return at::full({n}, fill, at::kFloat);
+// The per-row parameter t as float32, or `fill` in each of logits' n rows.
+at::Tensor float_column(const at::Tensor& logits, const c10::optional<at::Tensor>& t, float fill) {
+  const int64_t n = logits.size(0);
+  if (!t.has_value()) return logits.new_full({n}, fill, at::kFloat);
   TORCH_CHECK(t->numel() == n, "one sampling parameter per row");
   return t->to(at::kFloat).contiguous();
 }
@@ -304,17 +306,17 @@ at::Tensor sample(const at::Tensor& logits, const at::Tensor& temperature,
   TORCH_CHECK(logits.dim() == 2 && logits.device().is_cpu() && logits.stride(1) == 1,
               "logits: a CPU [rows, vocab] tensor with unit stride along the vocabulary");
   int64_t n = logits.size(0), v = logits.size(1);
-  auto temps = float_column(temperature, n, 1.0f), uniforms = float_column(u, n, 0.0f);
-  auto ps = float_column(top_p, n, 1.0f), min_ps = float_column(min_p, n, 0.0f);
+  auto temps = float_column(logits, temperature, 1.0f), uniforms = float_column(logits, u, 0.0f);
+  auto ps = float_column(logits, top_p, 1.0f), min_ps = float_column(logits, min_p, 0.0f);
   auto ks = top_k.has_value() ? top_k->to(at::kLong).contiguous()
-                              : at::zeros({n}, at::kLong);
+                              : logits.new_zeros({n}, at::kLong);
   TORCH_CHECK(ks.numel() == n, "one sampling parameter per row");
   std::vector<RowParams> params(n);
   for (int64_t r = 0; r < n; ++r)
     params[r] = {temps.data_ptr<float>()[r], ps.data_ptr<float>()[r],
                  min_ps.data_ptr<float>()[r], uniforms.data_ptr<float>()[r],
                  ks.data_ptr<int64_t>()[r]};
-  auto out = at::empty({n}, at::kLong);
+  auto out = logits.new_empty({n}, at::kLong);
   if (logits.scalar_type() == at::kFloat) {
     sample_rows(logits.data_ptr<float>(), logits.stride(0), v, params.data(), greedy_below,
                 out.data_ptr<int64_t>(), n);

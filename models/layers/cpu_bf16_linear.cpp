@@ -44,7 +44,7 @@ std::optional<at::Tensor> dense_linear(const at::Tensor& x, const at::Tensor& we
                               bias->scalar_type() == at::kFloat)));
   if (!takes) return std::nullopt;
   const int64_t rows = x.size(0), k = x.size(1), n = weight.size(0);
-  at::Tensor out = at::empty({rows, n}, x.options());
+  at::Tensor out = x.new_empty({rows, n});
   if (rows == 0 || n == 0) return out;
   const at::Tensor b = bias.has_value() ? bias->to(at::kFloat) : at::Tensor();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;

@@ -358,7 +358,7 @@ std::optional<at::Tensor> panels_linear(const at::Tensor& x, const at::Tensor& p
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const at::Tensor bf = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
   const float* b = bias.has_value() ? bf.data_ptr<float>() : nullptr;
-  auto out = at::empty({x.size(0), N}, x.options());
+  auto out = x.new_empty({x.size(0), N});
   if (x.size(0) == 0 || N == 0) return out;
   with_types(panels, out, [&](const auto* p, auto* o) {
     gemm_panels(xf.data_ptr<float>(), x.size(0), K, p, 0, N, N, b, o);
@@ -380,7 +380,7 @@ std::optional<at::Tensor> pack_weight_panels(const at::Tensor& weight) {
       weight.size(0) % kGemmCols != 0)
     return std::nullopt;
   const int64_t N = weight.size(0), K = weight.size(1);
-  auto panels = at::empty({N / kGemmCols, K, kGemmCols}, weight.options());
+  auto panels = weight.new_empty({N / kGemmCols, K, kGemmCols});
   if (bf16_w)
     pack_panels(reinterpret_cast<const uint16_t*>(weight.data_ptr()), weight.stride(0), N, K, 0,
                 N, reinterpret_cast<uint16_t*>(panels.data_ptr()));
@@ -408,7 +408,7 @@ std::optional<at::Tensor> dense_linear(const at::Tensor& x, const at::Tensor& we
   const at::Tensor xf = x.to(at::kFloat).contiguous();
   const at::Tensor bf = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
   const float* b = bias.has_value() ? bf.data_ptr<float>() : nullptr;
-  auto out = at::empty({T, N}, x.options());
+  auto out = x.new_empty({T, N});
   if (T == 0 || N == 0) return out;
   const float* xp = xf.data_ptr<float>();
   const int64_t ws = weight.stride(0);

@@ -101,7 +101,7 @@ std::optional<at::Tensor> pack_weight(const at::Tensor& weight) {
   const int64_t N = weight.size(0), K = weight.size(1);
   if (N % (2 * kTileN) != 0 || K % kTileK != 0) return std::nullopt;
   const auto w = weight.contiguous();
-  auto packed = at::empty({N / kTileN, K / kTileK, kTileK / 2, kTileN, 2}, w.options());
+  auto packed = w.new_empty({N / kTileN, K / kTileK, kTileK / 2, kTileN, 2});
   const auto* src = reinterpret_cast<const uint16_t*>(w.data_ptr());
   auto* dst = reinterpret_cast<uint16_t*>(packed.data_ptr());
   const int64_t num_k_tiles = K / kTileK;
@@ -137,7 +137,7 @@ std::optional<at::Tensor> linear(const at::Tensor& x, const at::Tensor& packed,
     bias_f32 = bias->to(at::kFloat).contiguous();
   }
   const float* b = bias.has_value() ? bias_f32.data_ptr<float>() : nullptr;
-  auto out = at::empty({M, N}, x.options());
+  auto out = x.new_empty({M, N});
   if (M == 0) return out;
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());

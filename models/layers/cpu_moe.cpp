@@ -162,7 +162,7 @@ at::Tensor fused(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w
   const W* xp = reinterpret_cast<const W*>(x.data_ptr());
   const W* w13p = reinterpret_cast<const W*>(w13.data_ptr());
   const W* w2p = reinterpret_cast<const W*>(w2.data_ptr());
-  at::Tensor out = at::zeros({tokens, hidden}, x.options());
+  at::Tensor out = x.new_zeros({tokens, hidden});
   // Per token: its pairs' packed x and h, and (bf16) its float32 sum.
   const int64_t per_token = top_k * (hidden + inter) + (sizeof(W) == 4 ? 0 : hidden);
   if (chunk <= 0) chunk = std::max<int64_t>(1, kWorkspaceFloats / per_token);

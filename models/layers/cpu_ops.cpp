@@ -157,7 +157,7 @@ namespace splitserve::ops {
 std::optional<at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight,
                                       double eps) {
   if (!takes_norm(x, weight)) return std::nullopt;
-  auto out = at::empty(x.sizes(), x.options());
+  auto out = x.new_empty(x.sizes());
   const int64_t n = x.size(-1);
   const int64_t rows = n == 0 ? 0 : x.numel() / n;
   dispatch(x, [&](auto tag) {
@@ -252,7 +252,7 @@ std::optional<at::Tensor> silu_and_mul(const at::Tensor& x) {
   const int64_t d = x.size(-1) / 2;
   auto sizes = x.sizes().vec();
   sizes.back() = d;
-  auto out = at::empty(sizes, x.options());
+  auto out = x.new_empty(sizes);
   const int64_t rows = d == 0 ? 0 : out.numel() / d;
   dispatch(x, [&](auto tag) {
     using T = decltype(tag);

@@ -175,7 +175,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
     TORCH_CHECK(bias->numel() == N, "bias must have ", N, " values");
     bias32 = bias->to(at::kFloat).contiguous();
   }
-  auto out = at::empty({M, N}, x32.options());
+  auto out = x32.new_empty({M, N});
   const float* xp = x32.data_ptr<float>();
   const float* sp = scale.data_ptr<float>();
   const float* bp = bias.has_value() ? bias32.data_ptr<float>() : nullptr;
@@ -212,7 +212,7 @@ at::Tensor dequantize(const at::Tensor& weight, const at::Tensor& scale,
                          at::ScalarType dtype) {
   check_weight(weight, scale);
   const int64_t N = weight.size(0), K = weight.size(1), w_stride = weight.stride(0);
-  auto out = at::empty({N, K}, weight.options().dtype(dtype));
+  auto out = weight.new_empty({N, K}, dtype);
   const auto* wp = weight.data_ptr<uint8_t>();
   const float* sp = scale.data_ptr<float>();
   const auto& table = e4m3_table();

@@ -203,7 +203,7 @@ Tensor run_int8(const Tensor& x, const QuantRows& w, int64_t N, const Tensor& bi
       reinterpret_cast<const T*>(x.data_ptr()), M, w.K, x.stride(0), w.block_size,
       w.mins != nullptr, kPairOrder, false);
   const Acts acts = storage.view();
-  auto out = at::empty({M, N}, x.options());
+  auto out = x.new_empty({M, N});
   const auto* passes = kPassInt8[w.bits == 4 ? 0 : 1];
   over_rows(M, N, bias, reinterpret_cast<T*>(out.data_ptr()),
             [&](int64_t n, int64_t m, int64_t rows, float* res) {
@@ -238,7 +238,7 @@ std::optional<Tensor> linear_f32(const Tensor& x, const Tensor& qweight, const T
   const int64_t M = x.size(0), N = qweight.size(0), ldx = x.stride(0);
   const auto b = float_bias(bias, N);
   if (!b) return std::nullopt;
-  auto out = at::empty({M, N}, x.options());
+  auto out = x.new_empty({M, N});
   const float* xp = x.data_ptr<float>();
   const auto* passes = kPassF32[bits == 4 ? 0 : 1];
   over_rows(M, N, *b, out.data_ptr<float>(), [&](int64_t n, int64_t m, int64_t rows, float* res) {

@@ -51,9 +51,9 @@ std::optional<at::Tensor> fused(const at::Tensor& x, const std::vector<const Qua
   const auto r = splitserve::moe::route(ids.data_ptr<int64_t>(), weights.data_ptr<float>(),
                                         tokens * top_k, top_k, experts);
   const int64_t pairs = r.start.back();
-  at::Tensor out = at::zeros({tokens, hidden}, x.options());
+  at::Tensor out = x.new_zeros({tokens, hidden});
   if (pairs == 0) return out;
-  at::Tensor y = at::empty({pairs, hidden}, x.options().dtype(at::kFloat));
+  at::Tensor y = x.new_empty({pairs, hidden}, at::kFloat);
   float* yp = y.data_ptr<float>();
   const at::Tensor token = at::from_blob(const_cast<int64_t*>(r.token.data()), {pairs},
                                          at::TensorOptions().dtype(at::kLong));
@@ -68,7 +68,7 @@ std::optional<at::Tensor> fused(const at::Tensor& x, const std::vector<const Qua
       parts.push_back(*out);
     }
     const int64_t inter = parts.size() == 1 ? parts[0].size(1) / 2 : parts[0].size(1);
-    at::Tensor h = at::empty({rows, inter}, x.options());
+    at::Tensor h = x.new_empty({rows, inter});
     silu_mul<T>(parts, inter, h.data_ptr<T>());
     const auto ye = down.apply(h, e);
     if (!ye) return declined.store(true);

@@ -60,7 +60,7 @@ struct Fp8Experts : QuantExperts {
   std::optional<at::Tensor> apply(const at::Tensor& x, int64_t e) const override {
     const at::Tensor w = weight.select(0, e), s = scale.select(0, e);
     if (x.size(0) <= small_rows) return linear(x, w, s, std::nullopt);
-    return at::linear(x, dequantize(w, s, x.scalar_type()));
+    return at_linear(x, dequantize(w, s, x.scalar_type()));
   }
 };
 

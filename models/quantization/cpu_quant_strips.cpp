@@ -337,7 +337,7 @@ std::optional<at::Tensor> strip_linear_f32(const at::Tensor& x, const at::Tensor
   const Strips& w = wb->first;
   const at::Tensor& b = wb->second;
   const int64_t M = x.size(0), ldx = x.stride(0);
-  auto out = at::empty({M, w.N}, x.options());
+  auto out = x.new_empty({M, w.N});
   const float* xp = x.data_ptr<float>();
   const int64_t halves = w.K / 16;
   std::vector<float> xsums(w.mins == nullptr ? 0 : M * halves);
@@ -375,7 +375,7 @@ std::optional<at::Tensor> strip_linear_int8(const at::Tensor& x, const at::Tenso
         quantize_acts(reinterpret_cast<const T*>(x.data_ptr()), M, w.K, x.stride(0), block_size,
                       w.mins != nullptr, false, kVnni && bits == 8);
     const Acts acts = storage.view();
-    auto out = at::empty({M, w.N}, x.options());
+    auto out = x.new_empty({M, w.N});
     const auto& passes = *kStripPassInt8[bits == 4 ? 0 : 1][block_size % kRun == 0];
     over_strips(M, w.N, kMaxStripRows, b, reinterpret_cast<T*>(out.data_ptr()),
                 [&](int64_t s, int64_t m, int64_t rows, float (*res)[kStrip]) {

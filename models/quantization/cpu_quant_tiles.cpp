@@ -187,7 +187,7 @@ std::optional<at::Tensor> linear_bf16(const at::Tensor& x, const at::Tensor& qwe
   const auto b = float_bias(bias, N);
   if (!b) return std::nullopt;
   const int64_t M = x.size(0), K = w->K, ldx = x.stride(0);
-  auto out = at::empty({M, N}, x.options());
+  auto out = x.new_empty({M, N});
   if (M == 0) return out;
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
