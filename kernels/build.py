@@ -219,7 +219,7 @@ def _load(name: str, sources: tuple[Path, ...], isa: str) -> ModuleType | None:
         warnings.warn(f"no C++ compiler: {name} runs on its torch fallback", stacklevel=2)
         return None
     if not any(build_dir.glob(f"{module_name}*.so")):
-        logger.warning("building C++ kernels %s into %s (once; about a minute)", name, build_dir)
+        logger.warning("building C++ kernels %s into %s (once; under a minute)", name, build_dir)
     _precompiled_header(isa, tuple(flags))  # made now, made already, or being made
     includes = [str(_header_folder(isa, tuple(flags))), str(HEADERS)]
     try:
