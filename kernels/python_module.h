@@ -184,7 +184,9 @@ template <>
 struct From<std::string> : Plain<std::string> {
   static std::string convert(PyObject* o) {
     if (!PyUnicode_Check(o)) wrong_type(o, "a str");
-    return PyUnicode_AsUTF8(o);
+    const char* text = PyUnicode_AsUTF8(o);
+    if (!text) throw Error{};  // raised already (a lone surrogate)
+    return text;
   }
 };
 
@@ -398,11 +400,12 @@ void make_class(PyObject* module, const char* name, std::vector<PyMethodDef> met
   PyType_Slot slots[] = {{Py_tp_dealloc, reinterpret_cast<void*>(dealloc)},
                          {Py_tp_methods, kept->data()},
                          {0, nullptr}};
-  const std::string qualified = std::string(PyModule_GetName(module)) + "." + name;
-  PyType_Spec spec{qualified.c_str(), sizeof(Instance<T>), 0,
+  // kept: before Python 3.11 the type's tp_name points into the spec's name
+  const auto* qualified = new std::string(std::string(PyModule_GetName(module)) + "." + name);
+  PyType_Spec spec{qualified->c_str(), sizeof(Instance<T>), 0,
                    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION, slots};
   PyObject* type = PyType_FromSpec(&spec);
-  if (!type) throw Error{PyExc_ImportError, "cannot make the type " + qualified};
+  if (!type) throw Error{PyExc_ImportError, "cannot make the type " + *qualified};
   bound_type<T> = reinterpret_cast<PyTypeObject*>(type);  // kept for the process's life
 }
 
