@@ -8,15 +8,18 @@ puts them back, moving whole rows, so quantized blocks are untouched.
 
 from __future__ import annotations
 
+import math
 import os
 import re
+import struct
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from models.quantization.gguf_types import GGUFWeight
 
@@ -85,31 +88,25 @@ def gguf_config(path: str | os.PathLike) -> Any:
             f"{', '.join(ARCHITECTURES)}"
         )
     config.architectures = [ARCHITECTURES[config.model_type]]
-    reader = GGUFReader(path)
-    arch = gguf_metadata(reader, "general.architecture")
+    metadata, _ = read_gguf(path)
+    arch = metadata.get("general.architecture")
     if config.model_type not in ("llama", "mistral"):
         # transformers takes head_dim from the metadata for these only (others: its default)
-        head_dim = gguf_metadata(reader, f"{arch}.attention.key_length")
+        head_dim = metadata.get(f"{arch}.attention.key_length")
         if head_dim is not None:
             config.head_dim = head_dim
-    if gguf_metadata(reader, f"{arch}.expert_count") and not hasattr(config, "num_experts"):
+    if metadata.get(f"{arch}.expert_count") and not hasattr(config, "num_experts"):
         raise ValueError(
             f"GGUF file {path} holds a {arch} mixture of experts, which is not supported "
             "(GGUF mixtures of experts: qwen2moe, qwen3moe)"
         )
     for key, field in _MOE_METADATA.items():
-        value = gguf_metadata(reader, f"{arch}.{key}")
+        value = metadata.get(f"{arch}.{key}")
         if value is not None:
             setattr(config, field, value)
     for field, value in _MOE_DEFAULTS.get(config.model_type, {}).items():
         setattr(config, field, value)
     return config
-
-
-def gguf_metadata(reader: GGUFReader, key: str, default: Any = None) -> Any:
-    """A metadata value (a scalar, a string or a list), or `default` if absent."""
-    field = reader.get_field(key)
-    return default if field is None else field.contents()
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -128,9 +125,9 @@ def hf_name(gguf_name: str) -> str | None:
 def iterate_gguf(path: str | os.PathLike) -> Iterator[tuple[str, GGUFWeight | torch.Tensor]]:
     """(HF name, tensor) for every tensor the model loads, memory-mapped (q_proj/k_proj
     rows of a llama file are copied in HF's order)."""
-    reader = GGUFReader(path, "c")  # copy-on-write: writable arrays without copies
-    heads = _rotary_heads(reader)
-    for tensor in reader.tensors:
+    metadata, tensors = read_gguf(path)
+    heads = _rotary_heads(metadata)
+    for tensor in tensors:
         name = hf_name(tensor.name)
         if name is None:
             continue
@@ -143,26 +140,100 @@ def iterate_gguf(path: str | os.PathLike) -> Iterator[tuple[str, GGUFWeight | to
         yield name, value
 
 
-def _tensor(tensor: Any, name: str) -> GGUFWeight | torch.Tensor:
-    type_name = tensor.tensor_type.name
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # ggml lists K first
-    if type_name in _PLAIN:
-        raw = torch.from_numpy(np.asarray(tensor.data).view(np.uint8))
-        return raw.reshape(-1).view(_PLAIN[type_name]).reshape(shape)
-    k = shape[-1]
-    rows = tensor.n_elements // k
-    raw = torch.from_numpy(np.asarray(tensor.data).view(np.uint8)).reshape(rows, -1)
-    return GGUFWeight(type_name, raw, (rows, k), name)
+@dataclass(frozen=True)
+class GGUFTensor:
+    """A tensor of a GGUF file: its ggml type's name, its shape (outermost first, as torch
+    orders it) and its bytes, memory-mapped."""
+
+    name: str
+    type_name: str
+    shape: tuple[int, ...]
+    data: np.ndarray
 
 
-def _rotary_heads(reader: GGUFReader) -> dict[str, int]:
+# GGUF's value types: struct formats of the scalars, the string and the array.
+_SCALARS = dict(enumerate("BbHhIif?")) | {10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+
+
+def read_gguf(path: str | os.PathLike) -> tuple[dict[str, Any], list[GGUFTensor]]:
+    """A GGUF file's scalar and string metadata (arrays left out) and its tensors. gguf's
+    GGUFReader makes a numpy view of every value of every array, the vocabulary's 49,152
+    tokens and 48,900 merges among them: ~3 s of each start on SmolLM2's file. The file is
+    mapped copy-on-write (writable arrays without copies)."""
+    file = np.memmap(path, np.uint8, "c")
+    offset = 0
+
+    def read(fmt: str) -> Any:
+        nonlocal offset
+        values = struct.unpack_from("<" + fmt, file, offset)
+        offset += struct.calcsize("<" + fmt)
+        return values[0] if len(values) == 1 else values
+
+    def string() -> str:
+        nonlocal offset
+        size = read("Q")
+        offset += size
+        return bytes(file[offset - size : offset]).decode("utf-8", "replace")
+
+    def value(kind: int) -> Any:
+        nonlocal offset
+        if kind in _SCALARS:
+            return read(_SCALARS[kind])
+        if kind == _STRING:
+            return string()
+        if kind != _ARRAY:
+            raise ValueError(f"{path}: unknown GGUF value type {kind}")
+        item, count = read("IQ")
+        if item in _SCALARS:
+            offset += count * struct.calcsize("<" + _SCALARS[item])
+        else:
+            for _ in range(count):
+                value(item)
+        return None
+
+    magic, version, n_tensors, n_kv = read("4sIQQ")
+    if magic != b"GGUF" or version not in (2, 3):
+        raise ValueError(f"{path} is not a little-endian GGUF file of version 2 or 3")
+    metadata = {}
+    for _ in range(n_kv):
+        key = string()
+        metadata[key] = value(read("I"))
+    infos = []
+    for _ in range(n_tensors):
+        name = string()
+        n_dims = read("I")
+        dims = struct.unpack_from(f"<{n_dims}Q", file, offset)
+        offset += 8 * n_dims
+        infos.append((name, dims, *read("IQ")))
+    alignment = metadata.get("general.alignment") or 32
+    data = offset + (-offset) % alignment
+    tensors = []
+    for name, dims, ggml_type, start in infos:
+        kind = GGMLQuantizationType(ggml_type)
+        block, size = GGML_QUANT_SIZES[kind]
+        end = data + start + math.prod(dims) // block * size
+        shape = tuple(int(d) for d in reversed(dims))  # ggml lists K first
+        tensors.append(GGUFTensor(name, kind.name, shape, np.asarray(file[data + start : end])))
+    return metadata, tensors
+
+
+def _tensor(tensor: GGUFTensor, name: str) -> GGUFWeight | torch.Tensor:
+    raw = torch.from_numpy(tensor.data)
+    if tensor.type_name in _PLAIN:
+        return raw.view(_PLAIN[tensor.type_name]).reshape(tensor.shape)
+    k = tensor.shape[-1]
+    rows = math.prod(tensor.shape) // k
+    return GGUFWeight(tensor.type_name, raw.reshape(rows, -1), (rows, k), name)
+
+
+def _rotary_heads(metadata: dict[str, Any]) -> dict[str, int]:
     """{"attn_q": heads, "attn_k": kv heads} of a llama file (llama.cpp permuted their
     rows), else {}."""
-    arch = gguf_metadata(reader, "general.architecture")
-    if arch != "llama":
+    if metadata.get("general.architecture") != "llama":
         return {}
-    heads = gguf_metadata(reader, "llama.attention.head_count")
-    kv_heads = gguf_metadata(reader, "llama.attention.head_count_kv", heads)
+    heads = metadata["llama.attention.head_count"]
+    kv_heads = metadata.get("llama.attention.head_count_kv", heads)
     return {"attn_q": heads, "attn_k": kv_heads}
 
 

@@ -15,10 +15,8 @@ import os
 import shutil
 from pathlib import Path
 
-from gguf import GGUFReader
-
 from models.default import cache_dir, write_folder_atomically
-from models.gguf_file import gguf_config, gguf_metadata
+from models.gguf_file import gguf_config, read_gguf
 
 _SOURCE = "source"  # beside the converted folder: the file it came from
 # Metadata naming the tokens that end a turn besides eos (llama 3's <|eot_id|>, ...).
@@ -71,8 +69,8 @@ def _convert(gguf: Path, out: Path) -> None:
     from transformers import AutoTokenizer, GenerationConfig
 
     config = gguf_config(gguf)
-    reader = GGUFReader(gguf)
-    stop_ids = [config.eos_token_id] + [gguf_metadata(reader, key) for key in _STOP_TOKEN_KEYS]
+    metadata, _ = read_gguf(gguf)
+    stop_ids = [config.eos_token_id] + [metadata.get(key) for key in _STOP_TOKEN_KEYS]
     eos = list(dict.fromkeys(i for i in stop_ids if i is not None))
     generation = GenerationConfig(
         bos_token_id=config.bos_token_id,

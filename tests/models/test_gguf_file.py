@@ -114,3 +114,64 @@ def test_default_model_file_matches_transformers():
     assert set(reference) - set(got) == {"lm_head.weight"}  # tied to the embedding
     for name, value in got.items():
         assert torch.equal(value.float(), reference[name]), name
+
+
+def test_read_gguf_agrees_with_gguf_py(tmp_path):
+    """read_gguf (the loader's reader) against gguf-py's GGUFReader on a file of every value
+    type, arrays of numbers, strings and arrays among them, an alignment of 64 and plain
+    and quantized tensors: the same scalars and strings, the same tensor bytes."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+
+    path = tmp_path / "values.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_custom_alignment(64)
+    writer.add_uint8("t.u8", 200)
+    writer.add_int8("t.i8", -5)
+    writer.add_uint16("t.u16", 60000)
+    writer.add_int16("t.i16", -30000)
+    writer.add_uint32("t.u32", 4_000_000_000)
+    writer.add_int32("t.i32", -2_000_000_000)
+    writer.add_float32("t.f32", 0.25)
+    writer.add_bool("t.bool", True)
+    writer.add_string("t.str", "héllo")
+    writer.add_uint64("t.u64", 2**63 + 5)
+    writer.add_int64("t.i64", -(2**62))
+    writer.add_float64("t.f64", 1e-300)
+    writer.add_array("t.ints", [1, 2, 3])
+    writer.add_array("t.strings", ["a", "bb", "ccc"])
+    writer.add_key_value("t.nested", [[1, 2], [3]], GGUFValueType.ARRAY)
+    writer.add_string("t.after", "still read")
+    rng = np.random.default_rng(0)
+    writer.add_tensor("a.weight", rng.standard_normal((3, 5)).astype(np.float32))
+    writer.add_tensor("b.weight", rng.standard_normal((7,)).astype(np.float16))
+    q8 = rng.integers(0, 256, (4, 2 * 34), dtype=np.uint8)  # Q8_0: 4 rows of 64 values
+    writer.add_tensor("c.weight", q8, raw_dtype=GGMLQuantizationType.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    metadata, tensors = gguf_file.read_gguf(path)
+    reader = GGUFReader(path)
+    scalars = {
+        key: field.contents()
+        for key, field in reader.fields.items()
+        if not key.startswith("GGUF.") and field.types[0] != GGUFValueType.ARRAY
+    }
+    assert {k: v for k, v in metadata.items() if v is not None} == scalars
+    assert metadata["t.after"] == "still read" and metadata["t.u64"] == 2**63 + 5
+    assert [k for k, v in metadata.items() if v is None] == ["t.ints", "t.strings", "t.nested"]
+    assert [t.name for t in tensors] == [t.name for t in reader.tensors]
+    for mine, theirs in zip(tensors, reader.tensors, strict=True):
+        assert mine.type_name == theirs.tensor_type.name
+        assert mine.shape == tuple(int(d) for d in reversed(theirs.shape.tolist()))
+        assert mine.data.tobytes() == np.asarray(theirs.data).tobytes()
+    assert tensors[0].shape == (3, 5) and tensors[2].shape == (4, 64)
+
+
+def test_read_gguf_refuses_a_file_that_is_not_gguf(tmp_path):
+    path = tmp_path / "not.gguf"
+    path.write_bytes(b"GGML" + bytes(60))
+    with pytest.raises(ValueError, match="not a little-endian GGUF file of version 2 or 3"):
+        gguf_file.read_gguf(path)
