@@ -17,6 +17,7 @@
 #include <Python.h>
 #include <torch/csrc/Dtype.h>
 
+#include <initializer_list>
 #include <memory>
 #include <optional>
 #include <string>
@@ -448,16 +449,32 @@ inline PyObject* make_module(PyModuleDef* def, void (*bind)(PyObject*)) {
 namespace splitserve::api {
 namespace {
 
-// Adds `function` to `lent` (a module's `c_api()` dict) as `key`, in a capsule named
-// `capsule` ("splitserve.<key>", a literal: the capsule keeps the pointer).
-template <typename F>
-void lend(PyObject* lent, const char* key, const char* capsule, F function) {
-  PyObject* item = PyCapsule_New(reinterpret_cast<void*>(function), capsule, nullptr);
-  if (!item || PyDict_SetItemString(lent, key, item) < 0) {
+// A function to lend: its key in a module's `c_api()` dict and its capsule's name
+// ("splitserve.<key>", a literal: the capsule keeps the pointer).
+struct Lent {
+  const char* key;
+  const char* capsule;
+  void* function;
+
+  template <typename F>
+  Lent(const char* key, const char* capsule, F function)
+      : key(key), capsule(capsule), function(reinterpret_cast<void*>(function)) {}
+};
+
+// A module's `c_api()`: a new dict of `functions`, each in its named capsule.
+inline PyObject* lend(std::initializer_list<Lent> functions) {
+  PyObject* lent = PyDict_New();
+  if (!lent) throw python::Error{};  // raised already
+  for (const Lent& f : functions) {
+    PyObject* item = PyCapsule_New(f.function, f.capsule, nullptr);
+    const bool added = item && PyDict_SetItemString(lent, f.key, item) == 0;
     Py_XDECREF(item);
-    throw python::Error{PyExc_RuntimeError, std::string("cannot lend ") + key};
+    if (!added) {
+      Py_DECREF(lent);
+      throw python::Error{};
+    }
   }
-  Py_DECREF(item);
+  return lent;
 }
 
 // The function lent as `function` in `lent` (a module's `c_api()`, or several merged), its

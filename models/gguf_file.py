@@ -187,6 +187,10 @@ def read_gguf(path: str | os.PathLike) -> tuple[dict[str, Any], list[GGUFTensor]
         item, count = read("IQ")
         if item in _SCALARS:
             offset += count * struct.calcsize("<" + _SCALARS[item])
+        elif item == _STRING:  # skipped, not decoded
+            for _ in range(count):
+                size = read("Q")
+                offset += size
         else:
             for _ in range(count):
                 value(item)

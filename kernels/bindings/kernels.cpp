@@ -59,9 +59,7 @@ void bind_dense_linear(PyObject* m, const char* doc) {
 }
 
 PyObject* dense_c_api() {
-  PyObject* lent = PyDict_New();
-  api::lend(lent, "dense_linear", "splitserve.dense_linear", &splitserve::dense::dense_linear);
-  return lent;
+  return api::lend({{"dense_linear", "splitserve.dense_linear", &splitserve::dense::dense_linear}});
 }
 
 std::unique_ptr<splitserve::decode::DecodeLoop> make_decode_loop(
@@ -71,8 +69,7 @@ std::unique_ptr<splitserve::decode::DecodeLoop> make_decode_loop(
   DecodeLoop::Lent lent;
   PyObject *key, *value;
   for (Py_ssize_t i = 0; PyDict_Next(linears.ptr, &i, &key, &value);) {
-    TORCH_CHECK(PyUnicode_Check(key), "the lent kernels are named by str");
-    const std::string name = PyUnicode_AsUTF8(key);
+    const std::string name = splitserve::python::From<std::string>::convert(key);
     lent[name] = api::borrow_pointer(linears, name);
   }
   return std::make_unique<DecodeLoop>(std::move(lent), num_heads, num_kv_heads, head_dim, eps,
@@ -100,17 +97,13 @@ void bind_decode_loop(PyObject* m) {
 
 #if defined(SPLITSERVE_AVX512_BF16) && !defined(SPLITSERVE_AMX)
 PyObject* bf16_c_api() {
-  PyObject* lent = PyDict_New();
-  api::lend(lent, "bf16_linear", "splitserve.bf16_linear", &splitserve::bf16::dense_linear);
-  return lent;
+  return api::lend({{"bf16_linear", "splitserve.bf16_linear", &splitserve::bf16::dense_linear}});
 }
 #endif
 
 #if defined(SPLITSERVE_AMX)
 PyObject* amx_c_api() {
-  PyObject* lent = PyDict_New();
-  api::lend(lent, "amx_linear", "splitserve.amx_linear", &splitserve::amx_linear::linear);
-  return lent;
+  return api::lend({{"amx_linear", "splitserve.amx_linear", &splitserve::amx_linear::linear}});
 }
 #endif
 

@@ -25,13 +25,11 @@ void bind_quant_linear(PyObject* m, const char* name, const char* doc) {
 }
 
 PyObject* quant_c_api() {
-  PyObject* lent = PyDict_New();
-  api::lend(lent, "linear_int8", "splitserve.linear_int8", &quant::linear_int8);
-  api::lend(lent, "strip_linear_int8", "splitserve.strip_linear_int8",
-            &quant::strip_linear_int8);
-  api::lend(lent, "linear_f32", "splitserve.linear_f32", &quant::linear_f32);
-  api::lend(lent, "strip_linear_f32", "splitserve.strip_linear_f32", &quant::strip_linear_f32);
-  return lent;
+  return api::lend({{"linear_int8", "splitserve.linear_int8", &quant::linear_int8},
+                    {"strip_linear_int8", "splitserve.strip_linear_int8",
+                     &quant::strip_linear_int8},
+                    {"linear_f32", "splitserve.linear_f32", &quant::linear_f32},
+                    {"strip_linear_f32", "splitserve.strip_linear_f32", &quant::strip_linear_f32}});
 }
 
 void bind_quant_linear(PyObject* m) {
@@ -59,10 +57,8 @@ void bind_quant_linear(PyObject* m) {
 }
 
 PyObject* fp8_c_api() {
-  PyObject* lent = PyDict_New();
-  api::lend(lent, "fp8_linear", "splitserve.fp8_linear", &splitserve::fp8::linear);
-  api::lend(lent, "fp8_dequantize", "splitserve.fp8_dequantize", &splitserve::fp8::dequantize);
-  return lent;
+  return api::lend({{"fp8_linear", "splitserve.fp8_linear", &splitserve::fp8::linear},
+                    {"fp8_dequantize", "splitserve.fp8_dequantize", &splitserve::fp8::dequantize}});
 }
 
 void bind_fp8_linear(PyObject* m) {
