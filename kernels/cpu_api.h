@@ -12,7 +12,7 @@
 
 namespace splitserve {
 
-// attention/backends/cpu_attn.cpp
+// attention/backends/cpu_attn.cpp and cpu_prefill.cpp
 namespace attn {
 void paged_decode(at::Tensor out, at::Tensor q, at::Tensor kv_cache, at::Tensor block_table,
                   at::Tensor seq_lens, at::Tensor reqs, at::Tensor rows, double scale,

@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 _LAYERS = ROOT / "models" / "layers"
 _QUANTIZATION = ROOT / "models" / "quantization"
 
-ATTENTION = CppModule("attention", (ROOT / "attention" / "backends" / "cpu_attn.cpp",))
+_BACKENDS = ROOT / "attention" / "backends"
+ATTENTION = CppModule("attention", (_BACKENDS / "cpu_attn.cpp", _BACKENDS / "cpu_prefill.cpp"))
 OPS = CppModule("ops", (_LAYERS / "cpu_ops.cpp",))
 DENSE_LINEAR = CppModule("dense_linear", (_LAYERS / "cpu_dense_linear.cpp",))
 BF16_LINEAR = CppModule(

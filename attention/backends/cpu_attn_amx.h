@@ -12,26 +12,6 @@
 
 namespace {
 
-// exp(y) of 16 lanes with y <= 0 (-inf gives 0): exp_nonpositive's polynomial, the power
-// of two applied by VSCALEFPS.
-inline __m512 exp_nonpositive16(__m512 y) {
-  const __m512 yc = _mm512_max_ps(y, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(
-      _mm512_fmadd_ps(yc, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), yc);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __mmask16 tiny = _mm512_cmp_ps_mask(y, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
-  return _mm512_maskz_scalef_ps(static_cast<__mmask16>(~tiny), p, n);
-}
-
 // The K and V lines of a future block, requested a few at a time between positions so
 // that the line-fill buffers stay busy while the arithmetic runs.
 struct PrefetchStream {
@@ -49,6 +29,8 @@ struct PrefetchStream {
 constexpr int64_t kAmxPrefetchBlocks = 1;
 
 using splitserve::amx_usable;
+using splitserve::exp_nonpositive16;
+using splitserve::pair_rows;
 using splitserve::load_tile_config;
 using splitserve::TileConfig;
 
@@ -64,15 +46,6 @@ inline void configure_score_tiles(int64_t G) {
   config.rows[2] = 16;
   config.colsb[2] = static_cast<uint16_t>(G * 4);
   load_tile_config(config);
-}
-
-// Lane j of the result is the pair (a[j], b[j]) of bf16: 16 pairs from two rows of 16.
-inline __m512i pair_rows(__m512 a, __m512 b) {
-  const __m512i pairs = (__m512i)_mm512_cvtne2ps_pbh(b, a);  // low half a, high half b
-  const __m512i index = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
-                                         24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17,
-                                         1, 16, 0);
-  return _mm512_permutexvar_epi16(index, pairs);
 }
 
 // acc (G query heads x D, dims in the order of `pair_dims`) += P . V over a chunk's
@@ -154,8 +127,8 @@ void attend_item_amx(const at::BFloat16* q_row, at::BFloat16* out, const at::BFl
     PrefetchStream pf;
     const int64_t ahead = start + kAmxPrefetchBlocks * L.block_size;
     if (ahead < seq_len) {
-      pf.k = reinterpret_cast<const char*>(
-          cache + (blocks[ahead / L.block_size] * L.block_size + ahead % L.block_size) * row_stride);
+      const int64_t slot = blocks[ahead / L.block_size] * L.block_size + ahead % L.block_size;
+      pf.k = reinterpret_cast<const char*>(cache + slot * row_stride);
       pf.v = pf.k + L.cache_half * 2;
       pf.bytes = std::min<int64_t>(16, seq_len - ahead) * row_stride * 2;
       const int64_t steps = heads * (((G + GB - 1) / GB) * ((t1 - t0 + 2) / 2) + 2);

@@ -98,10 +98,11 @@ inline void add_values(float* acc, const float* p, const C* v, int64_t row_strid
 
 // KV heads [kv_head, kv_head + heads) of one request: out rows of their query heads, times
 // out_scale.
-template <typename T, typename C, int D>
-void attend_item_avx2(const T* q, T* out, const C* cache, const int32_t* blocks, int64_t first,
-                      int64_t seq_len, int64_t kv_head, int64_t heads, float scale,
-                      const Layout& L, std::vector<float>& work, float out_scale = 1.0f) {
+template <typename C, int D>
+void attend_item_avx2(ModelRow q, ModelRow out, const C* cache, const int32_t* blocks,
+                      int64_t first, int64_t seq_len, int64_t kv_head, int64_t heads,
+                      float scale, const Layout& L, std::vector<float>& work,
+                      float out_scale = 1.0f) {
   const int64_t G = L.group, rows = heads * G, row_stride = L.kv_heads * D, bs = L.block_size;
   const int64_t row_bytes = heads * D * int64_t(sizeof(C));
   const int64_t half_bytes = L.cache_half * int64_t(sizeof(C));
@@ -113,8 +114,7 @@ void attend_item_avx2(const T* q, T* out, const C* cache, const int32_t* blocks,
   float* sum = max + rows;      // [rows] running sum of exp(score - max)
   auto* part = reinterpret_cast<__m256*>(  // [rows][8] partial sums, 32-byte aligned
       (reinterpret_cast<uintptr_t>(sum + rows) + 31) & ~uintptr_t(31));
-  const T* q0 = q + kv_head * G * D;
-  for (int64_t i = 0; i < rows * D; ++i) qf[i] = to_float(q0[i]) * scale;
+  (q + kv_head * G * D).load(rows * D, scale, qf);
   std::fill(acc, acc + rows * D, 0.0f);
   std::fill(max, max + rows, -INFINITY);
   std::fill(sum, sum + rows, 0.0f);
@@ -160,11 +160,8 @@ void attend_item_avx2(const T* q, T* out, const C* cache, const int32_t* blocks,
       k += count * row_stride;
     }
   }
-  T* o = out + kv_head * G * D;
-  for (int64_t r = 0; r < rows; ++r) {
-    const float inv = out_scale / sum[r];
-    for (int64_t d = 0; d < D; ++d) o[r * D + d] = static_cast<T>(acc[r * D + d] * inv);
-  }
+  for (int64_t r = 0; r < rows; ++r)
+    (out + (kv_head * G + r) * D).store(acc + r * D, D, out_scale / sum[r]);
 }
 
 #endif

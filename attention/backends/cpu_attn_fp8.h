@@ -1,4 +1,4 @@
-// fp8 KV pages in the CPU kernels (part of cpu_attn.cpp, included inside its namespace).
+// fp8 KV pages in the CPU kernels (part of cpu_attn_common.h).
 //
 // A page value is read through fp16: an e5m2 byte is the high byte of the fp16 of the same
 // value; an e4m3 byte with its sign moved to bit 15 and its exponent and mantissa shifted

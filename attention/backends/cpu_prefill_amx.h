@@ -1,7 +1,7 @@
-// Causal prefill attention over the paged cache with AMX, for bf16 (part of cpu_attn.cpp,
-// included after cpu_attn_amx.h). Each request's queries attend to its context's first
-// seq_len positions, all already in the cache (this step's K/V were stored first), so
-// fresh prompts, cached prefixes and chunked prefills are one case.
+// Causal prefill attention over the paged cache with AMX, for bf16 (part of cpu_prefill.cpp).
+// Each request's queries attend to its context's first seq_len positions, all already in the
+// cache (this step's K/V were stored first), so fresh prompts, cached prefixes and chunked
+// prefills are one case.
 //
 // Work item: (request, query head, tile of 16 query rows). Three passes, all in L1/L2:
 //   1. S^T = K . Q^T per chunk of 16 keys: A = K rows read in place from their page,
@@ -21,6 +21,11 @@
 #if defined(SPLITSERVE_AMX)
 
 namespace {
+
+using splitserve::exp_nonpositive16;
+using splitserve::load_tile_config;
+using splitserve::pair_rows;
+using splitserve::TileConfig;
 
 // tmm0 = scores, tmm1 = A operand, tmm2 = B operand, tmm3..tmm6 = four output tiles;
 // every tile 16 rows of 64 bytes.

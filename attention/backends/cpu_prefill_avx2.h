@@ -1,9 +1,9 @@
 // Causal prefill attention over the paged cache with AVX2 + FMA in float32 (part of
-// cpu_attn.cpp, included after cpu_prefill_amx.h): the prefills AMX does not take, on every
-// x86 CPU from AVX2 up. Queries of any model dtype, pages of that dtype or fp8, head sizes
-// 64 and 128, any block size, with or without a sliding window. As the AMX kernel, every
-// context position is read from the cache (this step's K/V were stored first), so fresh
-// prompts, cached prefixes and chunked prefills are one case.
+// cpu_prefill.cpp): the prefills AMX does not take, on every x86 CPU from AVX2 up. Queries
+// of any model dtype, pages of that dtype or fp8, head sizes 64 and 128, any block size,
+// with or without a sliding window. As the AMX kernel, every context position is read from
+// the cache (this step's K/V were stored first), so fresh prompts, cached prefixes and
+// chunked prefills are one case.
 //
 // Each prefill's context is first widened to float32 once per KV head, the items of a batch
 // of prefills sharing it: K transposed (kt[d][key], so that scores are a broadcast-FMA GEMM
@@ -107,8 +107,8 @@ inline void with_rows(int64_t n, F&& f) {
 
 // The n (<= kPrefillTile) query positions first_pos.. of one request for one KV head: q and
 // out point at the first position's row; kt, v are its widened context (stride keys).
-template <typename T, int D>
-void prefill_tile_avx2(const T* q, T* out, int64_t n, int64_t first_pos, int64_t window,
+template <int D>
+void prefill_tile_avx2(ModelRow q, ModelRow out, int64_t n, int64_t first_pos, int64_t window,
                        int64_t kv_head, const float* kt, const float* v, int64_t stride,
                        float score_scale, float out_scale, const Layout& L,
                        std::vector<float>& work) {
@@ -121,10 +121,7 @@ void prefill_tile_avx2(const T* q, T* out, int64_t n, int64_t first_pos, int64_t
   float* s = o + R * D;
   float* inv = s + R * width;
   for (int64_t i = 0; i < n; ++i)
-    for (int64_t g = 0; g < G; ++g) {
-      const T* row = q + i * L.q_row_stride + (kv_head * G + g) * D;
-      for (int d = 0; d < D; ++d) qs[(i * G + g) * D + d] = to_float(row[d]) * score_scale;
-    }
+    (q + i * L.q_row_stride + kv_head * G * D).load(G * D, score_scale, qs + i * G * D);
   for (int64_t key = 0; key < width; key += 16)
     for (int64_t r = 0; r < R; r += 6)
       with_rows<6>(R - r, [&](auto rows) {
@@ -152,23 +149,19 @@ void prefill_tile_avx2(const T* q, T* out, int64_t n, int64_t first_pos, int64_t
       });
   }
   for (int64_t i = 0; i < n; ++i)
-    for (int64_t g = 0; g < G; ++g) {
-      T* row = out + i * L.out_row_stride + (kv_head * G + g) * D;
-      const float* acc = o + (i * G + g) * D;
-      for (int d = 0; d < D; ++d) row[d] = static_cast<T>(acc[d] * inv[i * G + g]);
-    }
+    for (int64_t g = 0; g < G; ++g)
+      (out + i * L.out_row_stride + (kv_head * G + g) * D)
+          .store(o + (i * G + g) * D, D, inv[i * G + g]);
 }
 
 // Every tile of the step's prefills, in batches whose widened contexts fit kWidenedBytes:
 // a batch's contexts are widened (items: prefill x KV head), then its tiles run (items:
 // tile x KV head), both spread over the threads. k_mul, v_mul: page units to K and V.
-template <typename T, typename C, int D>
-void prefill_all_avx2(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv_cache,
+template <typename C, int D>
+void prefill_all_avx2(ModelRow out, ModelRow q, const at::Tensor& kv_cache,
                       const int32_t* table, const int32_t* lens, const int32_t* starts,
                       const int64_t* req_ids, int64_t num_prefills, double scale,
                       int64_t window, float k_mul, float v_mul, const Layout& L) {
-  const T* q_ptr = q.data_ptr<T>();
-  T* out_ptr = out.data_ptr<T>();
   const C* cache = static_cast<const C*>(kv_cache.data_ptr());
   const float score_scale = static_cast<float>(scale) * k_mul;
   // Kept between calls (every layer of a step asks for the same size).
@@ -205,9 +198,9 @@ void prefill_all_avx2(at::Tensor& out, const at::Tensor& q, const at::Tensor& kv
         const int64_t stride = widened_stride(lens[r]);
         const int64_t n = std::min<int64_t>(kPrefillTile, starts[r + 1] - row);
         const float* kt = wide + offsets[p - first] + h * 2 * D * stride;
-        prefill_tile_avx2<T, D>(q_ptr + row * L.q_row_stride, out_ptr + row * L.out_row_stride,
-                                n, lens[r] - (starts[r + 1] - row), window, h, kt,
-                                kt + D * stride, stride, score_scale, v_mul, L, work);
+        prefill_tile_avx2<D>(q + row * L.q_row_stride, out + row * L.out_row_stride, n,
+                             lens[r] - (starts[r + 1] - row), window, h, kt, kt + D * stride,
+                             stride, score_scale, v_mul, L, work);
       }
     }
     first = last;
