@@ -90,24 +90,35 @@ inline std::optional<Strips> strips_of(const at::Tensor& q, const at::Tensor& sc
 }
 
 // Rows 0 .. M - 1 of out [M, N] in passes of up to `most` rows, parallel over strips:
-// pass(s, m, rows, res) leaves row r's 8 features in res[r] (float32).
+// pass(s, m, rows, res) leaves row r's 8 features in res[r] (float32). Past kBlockedRows
+// rows (prefill), each thread runs kRowBlock rows through all of its strips before the next
+// kRowBlock: the block's activations stay in L1/L2 while every strip reads them, and
+// consecutive strips fill an output row's lines while they are cached. (Strips outermost,
+// every strip read all of x and wrote each output line in 32-byte pieces far apart in
+// time: 10-25 % more CPU time at 256-2048 rows, SmolLM2's Q4_1 layers, forced AVX2 on
+// Emerald Rapids.) Decode batches keep one pass over the weight, which comes from memory.
+constexpr int64_t kBlockedRows = 128;
+constexpr int64_t kRowBlock = 32;
+static_assert(kRowBlock % kMaxStripRows == 0, "passes stay within a block");
+
 template <typename T, typename Pass>
 void over_strips(int64_t M, int64_t N, int64_t most, const at::Tensor& bias, T* out,
                  const Pass& pass) {
   const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
   at::parallel_for(0, N / kStrip, 2, [&](int64_t begin, int64_t end) {
     alignas(32) float res[kMaxStripRows][kStrip];
-    for (int64_t s = begin; s < end; ++s) {
-      for (int64_t m = 0; m < M; m += most) {
-        const int64_t rows = std::min(most, M - m);
-        pass(s, m, rows, res);
-        for (int64_t r = 0; r < rows; ++r)
-          for (int64_t f = 0; f < kStrip; ++f) {
-            const float v = res[r][f] + (b == nullptr ? 0.0f : b[s * kStrip + f]);
-            out[(m + r) * N + s * kStrip + f] = static_cast<T>(v);
-          }
-      }
-    }
+    const int64_t block_rows = M > kBlockedRows ? kRowBlock : M;
+    for (int64_t block = 0; block < M; block += block_rows)
+      for (int64_t s = begin; s < end; ++s)
+        for (int64_t m = block; m < std::min(M, block + block_rows); m += most) {
+          const int64_t rows = std::min(most, M - m);
+          pass(s, m, rows, res);
+          for (int64_t r = 0; r < rows; ++r)
+            for (int64_t f = 0; f < kStrip; ++f) {
+              const float v = res[r][f] + (b == nullptr ? 0.0f : b[s * kStrip + f]);
+              out[(m + r) * N + s * kStrip + f] = static_cast<T>(v);
+            }
+        }
   });
 }
 

@@ -74,7 +74,7 @@ def test_strip_kernels_match_their_references(kernel, bits, mins, scale_dtype, k
         assert not kernel.strip_dequantize_into(torch.empty(48, k), *strip_args(s))
         return
     assert kernel.strip_width() == 8
-    for m in (*range(1, 10), 17):  # every pass of up to 8 rows, and several passes
+    for m in (*range(1, 10), 17, 150):  # every pass of up to 8 rows, several passes and blocks
         x = torch.randn(m, k)
         for b in (None, bias):
             out = kernel.strip_linear_f32(x, *strip_args(s), b)
