@@ -1,7 +1,8 @@
 // Linear layers on a block-quantized weight in strips (models/quantization/strips.py), for
 // AVX2 builds and AVX512-BF16 ones without AMX: 8 output features side by side, so that one
-// 256-bit register holds the same 4 bytes of 8 rows and every lane accumulates its own feature. No horizontal sums,
-// one scale load per half-block for 8 features, and x's values are broadcast, not shuffled.
+// 256-bit register holds the same 4 bytes of 8 rows and every lane accumulates its own
+// feature. No horizontal sums, one scale load per half-block for 8 features, and x's values
+// are broadcast, not shuffled.
 //
 // Strip s (features 8s .. 8s + 7), run r (inputs 32r .. 32r + 31): chunks c of 32 bytes,
 // each the c-th 4 bytes of the run of every feature, feature f in dword lane f. bits=4: 4
@@ -127,9 +128,10 @@ void over_strips(int64_t M, int64_t N, int64_t most, const at::Tensor& bias, T* 
 // 8 features' scales (or mins) of strip s, block j.
 inline __m256 load8(const Strips& w, const void* table, int64_t s, int64_t j) {
   const int64_t at = (s * w.blocks() + j) * kStrip;
-  if (w.half)
-    return _mm256_cvtph_ps(
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(table) + at)));
+  if (w.half) {
+    const auto* halves = static_cast<const uint16_t*>(table) + at;
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(halves)));
+  }
   return _mm256_loadu_ps(static_cast<const float*>(table) + at);
 }
 
@@ -186,8 +188,10 @@ void strip_pass_f32(const Strips& w, int64_t s, const float* x, int64_t ldx, con
       }
       if (w.mins != nullptr) {
         const __m256 min = load8(w, w.mins, s, j);
-        for (int r = 0; r < R; ++r)
-          acc[r] = _mm256_fmadd_ps(min, _mm256_set1_ps(xsums[r * halves + (k + 16 * h) / 16]), acc[r]);
+        for (int r = 0; r < R; ++r) {
+          const __m256 xsum = _mm256_set1_ps(xsums[r * halves + (k + 16 * h) / 16]);
+          acc[r] = _mm256_fmadd_ps(min, xsum, acc[r]);
+        }
       }
     }
   }
@@ -239,7 +243,8 @@ void strip_pass_int8(const Strips& w, int64_t s, const Acts& a, int64_t m, float
         for (auto& v : row) v = _mm256_setzero_si256();
       for (int c = 0; c < 4; ++c) {
         const __m256i v = load_chunk(run + 32 * c);
-        const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        const __m256i lo = _mm256_and_si256(v, low);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
         for (int r = 0; r < R; ++r) {
           const int8_t* x = a.q + (m + r) * K + k + 4 * c;
           sum[r][0] = add_q4_chunk(sum[r][0], lo, bcast4(x));
@@ -435,7 +440,8 @@ void strip_dequantize_as(const Strips& w, T* out) {
     for (int64_t s = begin; s < end; ++s) {
       const QuantRows rows = strip_rows(w, s, scratch);
       for (int64_t f = 0; f < kStrip; ++f)
-        (w.bits == 4 ? dequantize_row<4, T> : dequantize_row<8, T>)(rows, f, out + (s * kStrip + f) * w.K);
+        (w.bits == 4 ? dequantize_row<4, T> : dequantize_row<8, T>)(
+            rows, f, out + (s * kStrip + f) * w.K);
     }
   });
 }
@@ -451,7 +457,8 @@ bool strip_dequantize_into(at::Tensor& out, const at::Tensor& q, const at::Tenso
     case at::kFloat: strip_dequantize_as(*w, out.data_ptr<float>()); return true;
     case at::kBFloat16:
       strip_dequantize_as(*w, reinterpret_cast<c10::BFloat16*>(out.data_ptr())); return true;
-    case at::kHalf: strip_dequantize_as(*w, reinterpret_cast<c10::Half*>(out.data_ptr())); return true;
+    case at::kHalf:
+      strip_dequantize_as(*w, reinterpret_cast<c10::Half*>(out.data_ptr())); return true;
     default: return false;
   }
 }
