@@ -43,9 +43,9 @@ def pytest_collection_finish(session):
     """Build the C++ kernels the tests load, for the ISAs they load them for, several at
     once before the first test: on a fresh clone that halves the time spent compiling,
     and each xdist worker starting on another rung takes about a quarter off the rest.
-    Every module for generic and this CPU's own rung; for a rung between them that a test
-    forces (a parameter naming it), the modules other than the quantized ones, which are
-    tested on generic and the own rung alone (tests/quantization/isas.py)."""
+    Every module for generic, AVX2 and this CPU's own rung; for another rung between them
+    that a test forces (a parameter naming it), the modules other than the quantized ones,
+    which are tested on those three alone (tests/quantization/isas.py)."""
     tests = Path(__file__).parent
     folders = {Path(item.path).relative_to(tests).parts[0] for item in session.items}
     if torch is None or folders <= set(_NO_KERNELS):
@@ -54,7 +54,7 @@ def pytest_collection_finish(session):
     from kernels.isa import ladder, probe_isa
     from tests.quantization.isas import kernel_isas
 
-    every_module = kernel_isas()  # generic and this CPU's own rung
+    every_module = kernel_isas()  # generic, AVX2 and this CPU's own rung
     named = {
         value
         for item in session.items

@@ -2,7 +2,7 @@
 step's verification, short chunks) are attended by the C++ decode kernel, one entry per
 query token, beside plain decodes and long prefills. Through the Attention layer against
 the torch backend (which keeps them prefills) and float64 causal attention, built for
-generic and this CPU's own ISA; with windows, fp8 pages, and the entries themselves."""
+generic, AVX2 and this CPU's own ISA; with windows, fp8 pages, and the entries themselves."""
 
 import pytest
 import torch
