@@ -126,7 +126,8 @@ void pass_int8(const QuantRows& w, int64_t n, const Acts& a, int64_t m, float* r
       __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + r * K + k));
       if constexpr (Bits == 8) av = _mm256_sign_epi8(av, signs);
       const __m256 scale = _mm256_mul_ps(sv, _mm256_set1_ps(a.d[(m + r) * a.runs + k / kRun]));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(add_dot4(_mm256_setzero_si256(), u, av)), scale, acc[r]);
+      const __m256 dots = _mm256_cvtepi32_ps(add_dot4(_mm256_setzero_si256(), u, av));
+      acc[r] = _mm256_fmadd_ps(dots, scale, acc[r]);
     }
   };
 #if defined(SPLITSERVE_AVX512)
@@ -217,7 +218,8 @@ Tensor run_int8(const Tensor& x, const QuantRows& w, int64_t N, const Tensor& bi
 template <int Bits, typename T>
 void dequantize_rows(const QuantRows& w, int64_t N, T* out) {
   at::parallel_for(0, N, kGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) splitserve::quant::dequantize_row<Bits, T>(w, n, out + n * w.K);
+    for (int64_t n = begin; n < end; ++n)
+      splitserve::quant::dequantize_row<Bits, T>(w, n, out + n * w.K);
   });
 }
 

@@ -136,7 +136,8 @@ inline float sum(F16x a) { return _mm512_reduce_add_ps(a.v); }
 // half, run 1's first half, run 0's second half, run 1's second half (a 4-bit pair's
 // nibbles fall so). 8-bit: the weights themselves, their signs for the activations.
 inline __m512i q4_pair(const uint8_t* runs) {
-  const __m512i both = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(runs)));
+  const __m256i run = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(runs));
+  const __m512i both = _mm512_broadcast_i64x4(run);
   const int64_t by4 = 0x0004000400040004;  // the upper 32 bytes shift to their high nibbles
   const __m512i shifts = _mm512_set_epi64(by4, by4, by4, by4, 0, 0, 0, 0);
   return _mm512_and_si512(_mm512_srlv_epi16(both, shifts), _mm512_set1_epi8(0x0F));
@@ -162,9 +163,10 @@ inline __m512 add_dot_scales(const QuantRows& w, const void* table, int64_t firs
                              int64_t count, __m512 acc) {
   for (int64_t j = 0; j < count; j += 16) {
     const __mmask16 mask = count - j >= 16 ? 0xFFFF : (1u << (count - j)) - 1;
-    const __m512 s = w.half ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(
-                                  mask, static_cast<const uint16_t*>(table) + first + j))
-                            : _mm512_maskz_loadu_ps(mask, static_cast<const float*>(table) + first + j);
+    const __m512 s =
+        w.half ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(
+                     mask, static_cast<const uint16_t*>(table) + first + j))
+               : _mm512_maskz_loadu_ps(mask, static_cast<const float*>(table) + first + j);
     acc = _mm512_fmadd_ps(s, _mm512_maskz_loadu_ps(mask, x + j), acc);
   }
   return acc;

@@ -44,7 +44,8 @@ void silu_mul(const std::vector<at::Tensor>& parts, int64_t inter, T* h) {
 }
 
 template <typename T>
-std::optional<at::Tensor> fused(const at::Tensor& x, const std::vector<const QuantExperts*>& gate_up,
+std::optional<at::Tensor> fused(const at::Tensor& x,
+                                const std::vector<const QuantExperts*>& gate_up,
                                 const QuantExperts& down, const at::Tensor& ids,
                                 const at::Tensor& weights, int64_t experts) {
   const int64_t tokens = x.size(0), hidden = x.size(1), top_k = ids.size(1);
