@@ -196,8 +196,7 @@ void paged_decode(at::Tensor out, at::Tensor q, at::Tensor kv_cache,
   const ModelRow out_rows = ModelRow::of(out), q_rows = ModelRow::of(q);
   auto run = [&](auto cache_tag) {
     using C = decltype(cache_tag);
-    const float k_mul = kIsFp8<C> ? float(k_scale) * kPageUnit<C> : 1.0f;
-    const float v_mul = kIsFp8<C> ? float(v_scale) * kPageUnit<C> : 1.0f;
+    const float k_mul = page_multiplier<C>(k_scale), v_mul = page_multiplier<C>(v_scale);
     switch (dim) {
       case 64:
         return decode_all<C, 64>(out_rows, q_rows, kv_cache, block_table, seq, req, row, scale,
@@ -210,9 +209,7 @@ void paged_decode(at::Tensor out, at::Tensor q, at::Tensor kv_cache,
                                 window, k_mul, v_mul, L);
     }
   };
-  if (cache_type == at::kFloat8_e4m3fn) return run(E4M3{});
-  if (cache_type == at::kFloat8_e5m2) return run(E5M2{});
-  dispatch_model_dtype(cache_type, "paged_decode", run);
+  dispatch_page_dtype(cache_type, "paged_decode", run);
 }
 
 // k, v: [T, num_kv_heads, head_dim] (rows may be strided, as views of one projection);

@@ -54,6 +54,21 @@ void dispatch_model_dtype(at::ScalarType type, const char* name, F&& f) {
   }
 }
 
+// f(C{}) for a page dtype: fp8 (E4M3, E5M2) or one a model computes in.
+template <typename F>
+void dispatch_page_dtype(at::ScalarType type, const char* name, F&& f) {
+  if (type == at::kFloat8_e4m3fn) return f(E4M3{});
+  if (type == at::kFloat8_e5m2) return f(E5M2{});
+  dispatch_model_dtype(type, name, f);
+}
+
+// What turns a page value of C (page units, cpu_attn_fp8.h) into K or V, given the layer's
+// scale: the scale times the unit for fp8 pages, 1 for the others.
+template <typename C>
+float page_multiplier(double scale) {
+  return kIsFp8<C> ? float(scale) * kPageUnit<C> : 1.0f;
+}
+
 // A query or output row of the model's dtype (float32, bf16 or fp16). The kernels read
 // queries into float32 and write outputs from float32 through it, so that each is built once
 // per page type, not once per pair of query and page types.

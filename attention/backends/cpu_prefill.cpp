@@ -71,8 +71,7 @@ bool paged_prefill(at::Tensor out, at::Tensor q, at::Tensor kv_cache,
   const ModelRow out_rows = ModelRow::of(out), q_rows = ModelRow::of(q);
   auto run = [&](auto cache_tag) {
     using C = decltype(cache_tag);
-    const float k_mul = kIsFp8<C> ? float(k_scale) * kPageUnit<C> : 1.0f;
-    const float v_mul = kIsFp8<C> ? float(v_scale) * kPageUnit<C> : 1.0f;
+    const float k_mul = page_multiplier<C>(k_scale), v_mul = page_multiplier<C>(v_scale);
     if (dim == 64)
       prefill_all_avx2<C, 64>(out_rows, q_rows, kv_cache, table, lens, starts, req_ids,
                               num_prefills, scale, window, k_mul, v_mul, L);
@@ -80,12 +79,7 @@ bool paged_prefill(at::Tensor out, at::Tensor q, at::Tensor kv_cache,
       prefill_all_avx2<C, 128>(out_rows, q_rows, kv_cache, table, lens, starts, req_ids,
                                num_prefills, scale, window, k_mul, v_mul, L);
   };
-  if (cache_type == at::kFloat8_e4m3fn)
-    run(E4M3{});
-  else if (cache_type == at::kFloat8_e5m2)
-    run(E5M2{});
-  else
-    dispatch_model_dtype(cache_type, "paged_prefill", run);
+  dispatch_page_dtype(cache_type, "paged_prefill", run);
   return true;
 #else
   return false;

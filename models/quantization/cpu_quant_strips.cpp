@@ -106,9 +106,9 @@ template <typename T, typename Pass>
 void over_strips(int64_t M, int64_t N, int64_t most, const at::Tensor& bias, T* out,
                  const Pass& pass) {
   const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  const int64_t block_rows = M > kBlockedRows ? kRowBlock : M;
   at::parallel_for(0, N / kStrip, 2, [&](int64_t begin, int64_t end) {
     alignas(32) float res[kMaxStripRows][kStrip];
-    const int64_t block_rows = M > kBlockedRows ? kRowBlock : M;
     for (int64_t block = 0; block < M; block += block_rows)
       for (int64_t s = begin; s < end; ++s)
         for (int64_t m = block; m < std::min(M, block + block_rows); m += most) {
