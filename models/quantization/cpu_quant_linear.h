@@ -97,11 +97,7 @@ inline std::optional<at::Tensor> float_bias(const std::optional<at::Tensor>& bia
 // with a later sum (BlockQuantWeight.dequantize rounds the product, then the sum).
 template <typename V>
 inline V rounded(V v) {
-#if defined(__x86_64__)
-  asm("" : "+x"(v));
-#elif defined(__aarch64__)
-  asm("" : "+w"(v));
-#endif
+  opaque(v);
   return v;
 }
 

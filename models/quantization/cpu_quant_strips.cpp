@@ -249,6 +249,7 @@ void strip_pass_int8(const Strips& w, int64_t s, const Acts& a, int64_t m, float
           const int8_t* x = a.q + (m + r) * K + k + 4 * c;
           sum[r][0] = add_q4_chunk(sum[r][0], lo, bcast4(x));
           sum[r][H - 1] = add_q4_chunk(sum[r][H - 1], hi, bcast4(x + 16));
+          for (auto& v : sum[r]) opaque(v);
         }
       }
       for (int r = 0; r < R; ++r)
@@ -281,6 +282,7 @@ void strip_pass_int8(const Strips& w, int64_t s, const Acts& a, int64_t m, float
           const __m256i xs = _mm256_sign_epi8(bcast4(a.q + (m + r) * K + k + 4 * c), v);
           __m256i& d = dot[r][Whole ? 0 : c / 4];
           d = add_dot4(d, u, xs);
+          opaque(d);
         }
       }
     }
