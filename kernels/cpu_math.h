@@ -6,6 +6,9 @@
 // SPLITSERVE_NEON (Arm). Kernels choose their paths by these macros only.
 #pragma once
 
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -57,6 +60,19 @@ inline void opaque(V& v) {
 inline __m256 bf16x8_to_float(const uint16_t* p) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+// 8 consecutive float32, bf16 or fp16 values as float32.
+inline __m256 widen8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 widen8(const c10::BFloat16* p) {
+  return bf16x8_to_float(reinterpret_cast<const uint16_t*>(p));
+}
+inline __m256 widen8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline float max_lanes(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 #endif
 #if defined(SPLITSERVE_AVX512)

@@ -26,26 +26,14 @@ constexpr bool kAvx2Path = D > 0 && D % 64 == 0 &&
 
 #if defined(SPLITSERVE_AVX2)
 
-// 8 consecutive page values as float32.
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::BFloat16* p) {
-  return splitserve::bf16x8_to_float(reinterpret_cast<const uint16_t*>(p));
-}
-inline __m256 load8(const at::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
+using splitserve::max_lanes;
+using splitserve::widen8;
 
 // Lane t of the result is the sum of the 8 lanes of v[t].
 inline __m256 sum_lanes_8(const __m256* v) {
   const __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
   const __m256 cd = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
   return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
-}
-
-inline float max_lanes(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 
 constexpr int64_t kAheadPositions = 16;
@@ -57,7 +45,7 @@ inline void partial_scores(const float* q, const C* k, __m256* part, int t) {
   __m256 a[N];
   for (int j = 0; j < N; ++j) a[j] = _mm256_setzero_ps();
   for (int c = 0; c < D / 8; ++c) {
-    const __m256 kv = load8(k + 8 * c);
+    const __m256 kv = widen8(k + 8 * c);
     for (int j = 0; j < N; ++j)
       a[j] = _mm256_fmadd_ps(kv, _mm256_loadu_ps(q + j * D + 8 * c), a[j]);
   }
@@ -90,7 +78,7 @@ inline void add_values(float* acc, const float* p, const C* v, int64_t row_strid
     for (int t = 0; t < count; ++t) {
       const __m256 w = _mm256_broadcast_ss(p + t);
       const C* row = v + t * row_stride + 64 * part;
-      for (int c = 0; c < 8; ++c) a[c] = _mm256_fmadd_ps(w, load8(row + 8 * c), a[c]);
+      for (int c = 0; c < 8; ++c) a[c] = _mm256_fmadd_ps(w, widen8(row + 8 * c), a[c]);
     }
     for (int c = 0; c < 8; ++c) _mm256_storeu_ps(acc + 64 * part + 8 * c, a[c]);
   }
