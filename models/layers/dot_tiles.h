@@ -72,7 +72,7 @@ inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
 inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 // Keeps v in a register: else gcc folds a weight vector's load into each of the R FMAs
 // that use it (R loads where one does), and the tile waits on loads, not FMAs.
-inline void pin(Vec& v) { asm("" : "+x"(v)); }
+inline void pin(Vec& v) { opaque(v); }
 
 // Half `half` of a step (16 k) of a weight row: the vector matching a packed row's.
 inline Vec load_half(const float* w, int half) { return _mm256_loadu_ps(w + half * 8); }

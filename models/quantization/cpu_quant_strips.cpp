@@ -128,11 +128,8 @@ void over_strips(int64_t M, int64_t N, int64_t most, const at::Tensor& bias, T* 
 // 8 features' scales (or mins) of strip s, block j.
 inline __m256 load8(const Strips& w, const void* table, int64_t s, int64_t j) {
   const int64_t at = (s * w.blocks() + j) * kStrip;
-  if (w.half) {
-    const auto* halves = static_cast<const uint16_t*>(table) + at;
-    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(halves)));
-  }
-  return _mm256_loadu_ps(static_cast<const float*>(table) + at);
+  return w.half ? widen8(static_cast<const c10::Half*>(table) + at)
+                : widen8(static_cast<const float*>(table) + at);
 }
 
 inline __m256i load_chunk(const uint8_t* p) {
