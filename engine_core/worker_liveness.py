@@ -32,7 +32,7 @@ def dead_worker(
     for worker in workers:
         if worker.rank in reported or worker.hostname != hostname:
             continue
-        if not _pid_alive(worker.pid):
+        if not pid_alive(worker.pid):
             return f"worker rank {worker.rank} (pid {worker.pid}) died"
     return None
 
@@ -63,7 +63,7 @@ def diagnose(
     return f"worker rank {error.rank} failed{step}:\n{error.message}"
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     """False once the process has exited, even while it is an unreaped zombie (Linux)."""
     if not os.path.isdir("/proc/self"):
         try:

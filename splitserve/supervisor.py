@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import BinaryIO
 
+from engine_core.worker_liveness import pid_alive
 from ipc.config import EngineConfig
 from ipc.sockets import ipc_paths, remove_ipc_files, write_address_file
 from server.args import METRICS_FOLDER_ENV, server_child_args
@@ -26,6 +27,7 @@ ENGINE_REPORT_S = 5.0  # time the engine gets to report a dead worker to its cli
 SHUTDOWN_GRACE_S = 5.0
 API_RESTARTS = 3  # API server starts within a minute before its death is fatal
 ENGINE_RESTARTS = 3  # the same for each data-parallel engine (one engine: never restarted)
+EXITING_S = 5.0  # the most the launcher waits for an exiting child's exit code
 
 
 class Stop(BaseException):
@@ -226,6 +228,8 @@ class Supervisor:
                 code = self.children[engine.name].poll()
                 if code is not None and len(engine.starts) < ENGINE_RESTARTS:
                     self._restart_engine(engine, code)
+        if any(p.poll() is not None for p in self.children.values()):
+            self._wait_exiting()
         dead = [(n, p.returncode) for n, p in self.children.items() if p.poll() is not None]
         alive = {e.name: self.children[e.name].poll() is None for e in self.engines}
         if self.config.max_worker_restarts > 0:
@@ -240,6 +244,17 @@ class Supervisor:
         if dead:
             name, code = min(dead, key=lambda d: (d[1] >= 0, d[1] == 0, "worker" not in d[0]))
             raise ChildDied(f"{name} died with exit code {code}")
+
+    def _wait_exiting(self) -> None:
+        """Wait, a few seconds at most, for the children already exiting to be waitable.
+        A killed process's main thread is a zombie at once, but its exit code comes only
+        once every thread has gone, which can take a second on a busy machine: meanwhile
+        the engine sees the worker gone (worker_liveness) and exits, and would be blamed."""
+        deadline = time.monotonic() + EXITING_S
+        while time.monotonic() < deadline and any(
+            p.poll() is None and not pid_alive(p.pid) for p in self.children.values()
+        ):
+            time.sleep(0.02)
 
     def _engine_alive(self, child: str, alive: dict[str, bool]) -> bool:
         """Whether `child` is a worker whose engine is alive."""
