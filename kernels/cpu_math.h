@@ -1,9 +1,10 @@
 // Numeric helpers shared by the C++ CPU kernels (kernels/build.py puts this folder on
 // every kernel's include path), and the check of the ISA the build targets.
 //
-// kernels/isa.py builds for one ISA and defines SPLITSERVE_<RUNG> for each rung up to it:
-// SPLITSERVE_AVX2, SPLITSERVE_AVX512, SPLITSERVE_AVX512_BF16, SPLITSERVE_AMX (x86) or
-// SPLITSERVE_NEON (Arm). Kernels choose their paths by these macros only.
+// kernels/isa.py builds for one ISA and defines SPLITSERVE_<RUNG> for each rung it includes:
+// SPLITSERVE_AVX2, SPLITSERVE_AVX512, SPLITSERVE_AVX512_BF16, SPLITSERVE_AMX (x86; or
+// SPLITSERVE_AVX2_VNNI on AVX2's side branch) or SPLITSERVE_NEON (Arm). Kernels choose
+// their paths by these macros only.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -14,6 +15,7 @@
 #include <cstring>
 
 #if (defined(SPLITSERVE_AVX2) && !(defined(__AVX2__) && defined(__FMA__))) ||         \
+    (defined(SPLITSERVE_AVX2_VNNI) && !defined(__AVXVNNI__)) ||                       \
     (defined(SPLITSERVE_AVX512) &&                                                    \
      !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) &&      \
        defined(__AVX512DQ__))) ||                                                     \

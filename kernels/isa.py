@@ -3,10 +3,13 @@ forced with SPLITSERVE_CPU_ISA, so that every path can be built and tested on on
 
 The ISAs of an architecture form a ladder, each including the ones below it. x86: generic
 (the x86-64 baseline), avx2 (x86-64-v3), avx512 (x86-64-v4), avx512_bf16, amx (AMX-BF16
-tiles). Arm: generic, neon (the Armv8-A baseline has NEON, so both build alike; neon only
-names it). A build for an ISA passes that rung's compiler flags and defines
-SPLITSERVE_<RUNG> for each non-generic rung up to it; the C++ keys its paths on those
-macros alone (kernels/cpu_math.h checks they agree with the compiler's).
+tiles), and one side branch above avx2: avx2_vnni (AVX-VNNI, VNNI's int8 dot products on
+256-bit registers: Alder Lake and later Intel cores without AVX-512, Zen 5), which the
+avx512 rungs do not include (Skylake-X, Ice Lake and Zen 4 lack it). Arm: generic, neon
+(the Armv8-A baseline has NEON, so both build alike; neon only names it). A build for an
+ISA passes the compiler flags of the rungs it includes and defines SPLITSERVE_<RUNG> for
+each non-generic one; the C++ keys its paths on those macros alone (kernels/cpu_math.h
+checks they agree with the compiler's).
 """
 
 from __future__ import annotations
@@ -19,12 +22,21 @@ from pathlib import Path
 
 import torch
 
-X86 = ("generic", "avx2", "avx512", "avx512_bf16", "amx")
+X86 = ("generic", "avx2", "avx2_vnni", "avx512", "avx512_bf16", "amx")  # worst to best
 ARM = ("generic", "neon")
+# The rung each x86 rung stands on.
+_X86_BELOW = {
+    "avx2": "generic",
+    "avx2_vnni": "avx2",
+    "avx512": "avx2",
+    "avx512_bf16": "avx512",
+    "amx": "avx512_bf16",
+}
 # The /proc/cpuinfo flags each rung needs besides those of the rungs below it.
 _X86_NEEDS = {
     "avx2": {"avx", "avx2", "fma", "bmi1", "bmi2", "f16c", "movbe", "abm", "xsave"}
     | {"cx16", "lahf_lm", "popcnt", "sse4_1", "sse4_2", "ssse3"},
+    "avx2_vnni": {"avx_vnni"},
     "avx512": {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"},
     "avx512_bf16": {"avx512_bf16", "avx512_vnni"},  # every CPU with BF16 has VNNI
     "amx": {"amx_tile", "amx_bf16"},
@@ -35,6 +47,7 @@ _X86_FLAGS = {
     "generic": ["-march=x86-64"],
     "avx2": ["-mavx", "-mavx2", "-mfma", "-mbmi", "-mbmi2", "-mf16c", "-mmovbe", "-mlzcnt"]
     + ["-mxsave", "-mcx16", "-msahf", "-mpopcnt", "-msse4.1", "-msse4.2", "-mssse3"],
+    "avx2_vnni": ["-mavxvnni"],
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512cd", "-mavx512dq", "-mavx512vl"],
     "avx512_bf16": ["-mavx512bf16", "-mavx512vnni"],
     "amx": ["-mamx-tile", "-mamx-bf16"],
@@ -58,10 +71,21 @@ def ladder(arch: str | None = None) -> tuple[str, ...]:
     return ARM if arch == "aarch64" else ("generic",)
 
 
+def rungs(isa: str, arch: str | None = None) -> tuple[str, ...]:
+    """The rungs `isa` includes, lowest first, itself last."""
+    arch = arch or machine()
+    if arch != "x86_64":
+        own = ladder(arch)
+        return own[: own.index(isa) + 1]
+    path = [isa]
+    while path[-1] in _X86_BELOW:
+        path.append(_X86_BELOW[path[-1]])
+    return tuple(reversed(path))
+
+
 def includes(isa: str, rung: str) -> bool:
     """Whether `isa` includes the ladder's `rung` (e.g. "amx")."""
-    rungs = ladder()
-    return rung in rungs and rungs.index(rung) <= rungs.index(isa)
+    return rung in rungs(isa)
 
 
 @cache
@@ -99,28 +123,36 @@ def probe_isa(flags: frozenset[str] | None = None, arch: str | None = None) -> s
         return "generic"
     if not flags:
         return _TORCH_CAPABILITY.get(str(torch.backends.cpu.get_cpu_capability()), "generic")
-    best = "generic"
-    for isa in X86[1:]:
-        if not _X86_NEEDS[isa] <= flags:
-            break
-        best = isa
-    return best
+    return _runnable(flags)[-1]
+
+
+def _runnable(flags: frozenset[str]) -> tuple[str, ...]:
+    """The x86 rungs a CPU with `flags` runs: those whose rungs' flags it all has."""
+    return tuple(
+        isa for isa in X86 if all(_X86_NEEDS[rung] <= flags for rung in rungs(isa, "x86_64")[1:])
+    )
+
+
+def runnable_isas(native: str | None = None) -> tuple[str, ...]:
+    """The ISAs this CPU runs kernels of, worst to best: the rungs its `native` ISA includes
+    (default: the probed one), and on x86 a side branch whose flags it has."""
+    if native is not None or machine() != "x86_64" or not cpu_flags():
+        return rungs(native or probe_isa())
+    return _runnable(cpu_flags())
 
 
 def check_isa(isa: str, native: str | None = None) -> str:
-    """`isa`, when this CPU can run kernels built for it (it is `native` or below), else a
-    ValueError that says which ISAs it can."""
-    rungs = ladder()
-    native = native or probe_isa()
-    if isa not in rungs:
+    """`isa`, when this CPU can run kernels built for it (runnable_isas), else a ValueError
+    that says which ISAs it can."""
+    if isa not in ladder():
         raise ValueError(
-            f"CPU ISA {isa!r} is not one of this {machine()} machine's: {', '.join(rungs)}"
+            f"CPU ISA {isa!r} is not one of this {machine()} machine's: {', '.join(ladder())}"
         )
-    if rungs.index(isa) > rungs.index(native):
-        allowed = ", ".join(rungs[: rungs.index(native) + 1])
+    allowed = runnable_isas(native)
+    if isa not in allowed:
         raise ValueError(
-            f"CPU ISA {isa!r} is above this CPU's ({native!r}); "
-            f"SPLITSERVE_CPU_ISA may only force a lower one: {allowed}"
+            f"CPU ISA {isa!r} is not one this CPU ({allowed[-1]!r}) runs; "
+            f"SPLITSERVE_CPU_ISA may only force one it runs: {', '.join(allowed)}"
         )
     return isa
 
@@ -129,8 +161,7 @@ def compiler_flags(isa: str) -> list[str]:
     """The flags that build kernels for `isa`: those of its rungs, -mtune=native (tuning
     only, so the build still runs on any CPU with the ISA) and its SPLITSERVE_<RUNG>
     macros."""
-    rungs = ladder()
-    included = rungs[: rungs.index(isa) + 1]
+    included = rungs(isa)
     macros = [f"-DSPLITSERVE_{rung.upper()}" for rung in included[1:]]
     if machine() == "x86_64":
         return [flag for rung in included for flag in _X86_FLAGS[rung]] + ["-mtune=native", *macros]

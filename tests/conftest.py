@@ -51,7 +51,7 @@ def pytest_collection_finish(session):
     if torch is None or folders <= set(_NO_KERNELS):
         return
     from kernels import KernelSet
-    from kernels.isa import ladder, probe_isa
+    from kernels.isa import probe_isa, rungs
     from tests.quantization.isas import kernel_isas
 
     every_module = kernel_isas()  # generic, AVX2 and this CPU's own rung
@@ -62,8 +62,7 @@ def pytest_collection_finish(session):
         for value in item.callspec.params.values()
         if isinstance(value, str)
     }
-    rungs = ladder()[: ladder().index(probe_isa()) + 1]
-    forced = [rung for rung in rungs if rung in named and rung not in every_module]
+    forced = [rung for rung in rungs(probe_isa()) if rung in named and rung not in every_module]
     builds = every_module + forced
     # Each pytest-xdist worker starts on another rung: the builds then run side by side
     # (a build alone leaves a core idle while its header is precompiled and while its

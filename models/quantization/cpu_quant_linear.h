@@ -301,6 +301,8 @@ inline __m256i q4_run(const uint8_t* run) {
 inline __m256i add_dot4(__m256i acc, __m256i u, __m256i a) {
 #if defined(SPLITSERVE_AVX512_BF16)  // every CPU with AVX512-BF16 has AVX512-VNNI
   return _mm256_dpbusd_epi32(acc, u, a);
+#elif defined(SPLITSERVE_AVX2_VNNI)  // the same instruction, VEX-encoded
+  return _mm256_dpbusd_avx_epi32(acc, u, a);
 #else  // |u| <= 128 and |a| <= 127: the int16 pair sums cannot saturate
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), _mm256_set1_epi16(1)));
 #endif

@@ -15,9 +15,10 @@
 // float32/bfloat16/float16, quantized per 32-run as cpu_quant_linear.cpp's linear_int8
 // (same Acts, in run order), integer dot products: maddubs on unsigned 4-bit values (4
 // chunks' int16 sums cannot overflow), and for 8-bit weights |q| with q's signs moved onto
-// x; with VNNI (AVX512-BF16 builds) vpdpbusd sums into int32 directly, up to 8 rows a pass,
-// and 8-bit weights meet x + 128 as unsigned bytes (Acts offset), 128 * sum(q) taken off
-// once per run for every row (no saturation in vpdpbusd, unlike maddubs).
+// x; with VNNI (AVX512-BF16 builds, up to 8 rows a pass, and AVX-VNNI ones, up to 4)
+// vpdpbusd sums into int32 directly, and 8-bit weights meet x + 128 as unsigned bytes (Acts
+// offset), 128 * sum(q) taken off once per run for every row (no saturation in vpdpbusd,
+// unlike maddubs).
 // strip_dequantize_into: the weight regrouped into rows, then dequantized as the row kernel
 // does (bitwise the same).
 
@@ -51,6 +52,9 @@ constexpr bool kStrips = false;
 #if defined(SPLITSERVE_AVX512_BF16)
 constexpr bool kVnni = true;
 constexpr int64_t kMaxStripRows = 8;  // 32 registers: 8 rows' sums and totals fit
+#elif defined(SPLITSERVE_AVX2_VNNI)
+constexpr bool kVnni = true;
+constexpr int64_t kMaxStripRows = 4;  // 16 registers
 #else
 constexpr bool kVnni = false;
 constexpr int64_t kMaxStripRows = 4;

@@ -13,11 +13,11 @@ from paged_requests import PagedRequests, random_pages, strided_q
 from attention.backends.cpu_backend import CPUAttentionBackend, load_cpu_attention
 from attention.backends.torch_backend import TorchAttentionBackend
 from kernels import KernelSet
-from kernels.isa import ladder, probe_isa
+from kernels.isa import probe_isa, rungs
 from tests.quantization.isas import kernel_isas
 
 # The rungs from which on a build has a prefill kernel, up to this CPU's own.
-PREFILL_ISAS = [r for r in ladder()[: ladder().index(probe_isa()) + 1] if r in ("avx2", "amx")]
+PREFILL_ISAS = [r for r in rungs(probe_isa()) if r in ("avx2", "amx")]
 TOLERANCE = {
     torch.float32: dict(atol=1e-5, rtol=1e-5),
     # bf16/fp16 q and pages, rounded outputs (AMX: bf16 probabilities too)

@@ -11,7 +11,7 @@ import torch
 import kernels.build
 from kernels import KernelSet, check_isa, probe_isa
 from kernels.build import CppLibrary, CppModule
-from kernels.isa import compiler_flags, cpu_vendor, ladder, machine
+from kernels.isa import compiler_flags, cpu_vendor, includes, ladder, machine, rungs, runnable_isas
 from kernels.libraries import ATTENTION, KERNELS, LIBRARIES
 
 X86_BASE = frozenset(
@@ -35,7 +35,8 @@ X86_BASE = frozenset(
 )
 AVX512 = frozenset(["avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"])
 BF16 = frozenset(["avx512_bf16", "avx512_vnni"])
-SAPPHIRE_RAPIDS = X86_BASE | AVX512 | BF16 | {"amx_tile", "amx_bf16", "amx_int8"}
+SAPPHIRE_RAPIDS = X86_BASE | AVX512 | BF16 | {"amx_tile", "amx_bf16", "amx_int8", "avx_vnni"}
+ALDER_LAKE = X86_BASE | {"avx_vnni"}
 on_x86 = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 only")
 
 
@@ -45,6 +46,9 @@ on_x86 = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reaso
         (SAPPHIRE_RAPIDS, "amx"),
         (SAPPHIRE_RAPIDS - {"amx_tile"}, "avx512_bf16"),
         (X86_BASE | AVX512 | BF16, "avx512_bf16"),
+        (X86_BASE | AVX512 | BF16 | {"avx_vnni"}, "avx512_bf16"),  # Zen 5
+        (ALDER_LAKE, "avx2_vnni"),
+        (ALDER_LAKE - {"fma"}, "generic"),
         (X86_BASE | AVX512 | {"avx512_bf16"}, "avx512"),  # no VNNI
         (X86_BASE | AVX512, "avx512"),
         (X86_BASE | AVX512 - {"avx512vl"} | BF16 | {"amx_tile", "amx_bf16"}, "avx2"),
@@ -65,15 +69,28 @@ def test_probe_on_other_machines():
 
 def test_this_cpu_is_probed_onto_its_ladder():
     assert probe_isa() in ladder()
+    assert runnable_isas()[-1] == probe_isa()
+    assert set(rungs(probe_isa())) <= set(runnable_isas())
+
+
+@on_x86
+def test_avx_vnni_is_a_side_branch_above_avx2():
+    assert rungs("avx2_vnni") == ("generic", "avx2", "avx2_vnni")
+    assert rungs("amx") == ("generic", "avx2", "avx512", "avx512_bf16", "amx")
+    assert includes("avx2_vnni", "avx2") and not includes("avx2_vnni", "avx512")
+    assert not includes("amx", "avx2_vnni")
+    assert runnable_isas("avx512") == ("generic", "avx2", "avx512")
 
 
 @on_x86
 def test_a_forced_isa_must_be_the_cpus_or_lower():
     assert check_isa("avx2", native="avx512") == "avx2"
     assert check_isa("avx512", native="avx512") == "avx512"
-    with pytest.raises(ValueError, match="above this CPU's .'avx2'.*generic, avx2$"):
+    with pytest.raises(ValueError, match="not one this CPU .'avx2'. runs.*: generic, avx2$"):
         check_isa("avx512", native="avx2")
-    with pytest.raises(ValueError, match="'sse9' is not one of .*generic, avx2, avx512, "):
+    with pytest.raises(ValueError, match="'avx2_vnni' is not one this CPU .'avx512'. runs"):
+        check_isa("avx2_vnni", native="avx512")
+    with pytest.raises(ValueError, match="'sse9' is not one of .*: generic, avx2, avx2_vnni, "):
         check_isa("sse9", native="amx")
 
 
@@ -89,6 +106,14 @@ def test_each_isa_builds_with_its_march_and_the_macros_of_its_rungs():
     assert {"-mavx512f", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"} <= set(amx)
     macros = [flag for flag in amx if flag.startswith("-D")]
     assert macros == [f"-DSPLITSERVE_{rung}" for rung in ("AVX2", "AVX512", "AVX512_BF16", "AMX")]
+    assert "-mavxvnni" not in amx
+    vnni = compiler_flags("avx2_vnni")
+    assert set(avx2) - {"-DSPLITSERVE_AVX2"} | {"-mavxvnni"} <= set(vnni)
+    assert not any("avx512" in flag for flag in vnni)
+    assert [flag for flag in vnni if flag.startswith("-D")] == [
+        "-DSPLITSERVE_AVX2",
+        "-DSPLITSERVE_AVX2_VNNI",
+    ]
 
 
 def test_the_environment_gives_the_set_of_a_device():
@@ -104,10 +129,9 @@ def test_the_environment_gives_the_set_of_a_device():
 
 
 def test_a_forced_isa_the_cpu_lacks_is_refused_at_start():
-    rungs = ladder()
-    higher = rungs[rungs.index(probe_isa()) + 1 :] or ["sse9"]
-    with pytest.raises(ValueError, match=f"'{higher[0]}'"):
-        KernelSet.for_device("cpu", {"SPLITSERVE_CPU_ISA": higher[0]})
+    lacked = [isa for isa in ladder() if isa not in runnable_isas()] or ["sse9"]
+    with pytest.raises(ValueError, match=f"'{lacked[0]}'"):
+        KernelSet.for_device("cpu", {"SPLITSERVE_CPU_ISA": lacked[0]})
     with pytest.raises(ValueError, match="'sse9' is not one of"):
         KernelSet(cpu=True, isa="sse9")
 
@@ -116,7 +140,7 @@ def test_a_set_says_which_isas_it_includes():
     generic = KernelSet(cpu=True, isa="generic")
     assert generic.has("generic") and not generic.has("neon") and not generic.has("amx")
     native = KernelSet(cpu=True)
-    assert all(native.has(isa) for isa in ladder()[: ladder().index(native.isa) + 1])
+    assert all(native.has(isa) for isa in rungs(native.isa))
 
 
 def test_a_set_without_cpu_kernels_builds_none():

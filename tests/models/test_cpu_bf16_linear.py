@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import KernelSet, probe_isa
-from kernels.isa import ladder
+from kernels.isa import includes
 from models.layers.cpu_linear import (
     bf16_linear_kernel,
     dense_linear_kernel,
@@ -18,9 +18,7 @@ from models.layers.cpu_linear import (
     pack_weight,
 )
 
-HAS_BF16 = "avx512_bf16" in ladder() and ladder().index(probe_isa()) >= ladder().index(
-    "avx512_bf16"
-)
+HAS_BF16 = includes(probe_isa(), "avx512_bf16")
 pytestmark = pytest.mark.skipif(not HAS_BF16, reason="no AVX-512 BF16 on this CPU")
 
 

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kernels import KernelSet, probe_isa
-from kernels.isa import ladder
+from kernels.isa import rungs as rungs_of
 from models.layers import cpu_linear
 from models.layers.cpu_linear import (
     FLOAT32_GEMM_ROWS,
@@ -35,7 +35,7 @@ from tests.models.tiny import make_tiny_checkpoint
 
 def dense_isas() -> list[str]:
     """generic and the highest rung without bf16 instructions this CPU runs."""
-    rungs = ladder()[: ladder().index(probe_isa()) + 1]
+    rungs = rungs_of(probe_isa())
     plain = [r for r in rungs if r not in ("avx512_bf16", "amx")]
     return sorted({"generic", plain[-1]}, key=rungs.index)
 
