@@ -7,13 +7,13 @@ workers on other hosts only by their messages and the step deadline.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import time
 from collections.abc import Callable, Collection, Sequence
 
 from engine_core.worker_handshake import WorkerInfo
 from ipc.messages import WorkerError
+from ipc.processes import pid_alive
 
 _DEATH_GRACE_S = 0.5
 
@@ -61,19 +61,3 @@ def diagnose(
         suspect = found
     step = "" if error.step_id is None else f" at step {error.step_id}"
     return f"worker rank {error.rank} failed{step}:\n{error.message}"
-
-
-def pid_alive(pid: int) -> bool:
-    """False once the process has exited, even while it is an unreaped zombie (Linux)."""
-    if not os.path.isdir("/proc/self"):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state not in ("Z", "X")

@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 from typing import BinaryIO
 
-from engine_core.worker_liveness import pid_alive
 from ipc.config import EngineConfig
+from ipc.processes import pid_alive
 from ipc.sockets import ipc_paths, remove_ipc_files, write_address_file
 from server.args import METRICS_FOLDER_ENV, server_child_args
 from splitserve.cluster import spawn, start_workers

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from engine_core.worker_liveness import pid_alive
 from ipc.config import EngineConfig
+from ipc.processes import pid_alive
 from splitserve.supervisor import ChildDied, Supervisor
 
 # A process whose threads take a while to go once killed: 1 GiB touched, 8 threads asleep.
