@@ -2,8 +2,8 @@
 # CI as the slowest CPU this project has had would run it (a 2-core AVX2 Zen 1): a clean
 # clone of HEAD runs `make test` with an empty kernel cache,
 #   - in a cgroup holding it to CPUS CPUs' worth of time (default 1: 2 cores at half speed),
-#   - seeing a /proc/cpuinfo without the AVX-512 and AMX flags (the C++ kernels then build and
-#     test the generic and AVX2 rungs only, as there),
+#   - seeing a /proc/cpuinfo without the AVX-512, AMX and AVX-VNNI flags (the C++ kernels then
+#     build and test the generic and AVX2 rungs only, as there),
 #   - with torch's own kernels and MKL held to AVX2.
 # Prints the wall time; the log is in $WORK/ci.log. Needs root (the cgroup v1 cpu controller
 # and a mount namespace). docs/ci.md has its figures.
@@ -14,7 +14,7 @@ REPO=$(git -C "$(dirname "$0")/.." rev-parse --show-toplevel)
 WORK=${WORK:-/tmp/splitserve-slow-ci}
 rm -rf "$WORK" && mkdir -p "$WORK"
 git clone -q "$REPO" "$WORK/clone"
-sed -E '/^flags/ s/ (avx512[a-z_0-9]*|amx[a-z_0-9]*)//g' /proc/cpuinfo > "$WORK/cpuinfo"
+sed -E '/^flags/ s/ (avx512[a-z_0-9]*|amx[a-z_0-9]*|avx_vnni)//g' /proc/cpuinfo > "$WORK/cpuinfo"
 
 [ -w /sys/fs/cgroup/cpu ] || { echo "needs the cgroup v1 cpu controller, writable" >&2; exit 1; }
 cg=/sys/fs/cgroup/cpu/splitserve-slow-ci-$$
