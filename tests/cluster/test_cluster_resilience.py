@@ -126,6 +126,7 @@ def test_failed_worker_is_replaced_and_requests_replayed(
     assert logged in log.read_text()
 
 
+@pytest.mark.slow  # 19 s (the killed case above covers one restart)
 @pytest.mark.gpus(2)
 def test_restarts_are_bounded(tmp_path, qwen3_path):
     process, log, address = _start(tmp_path, qwen3_path, "--tp", "2", "--max-worker-restarts", "1")

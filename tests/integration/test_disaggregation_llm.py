@@ -101,6 +101,7 @@ def test_an_unreachable_producer_costs_a_recompute(engines):
         assert out.num_cached_tokens == 0
 
 
+@pytest.mark.slow  # 23 s (the pulls of one rank are tested above)
 def test_tensor_parallel_ranks_pull_their_own_shards(tiny_checkpoint, tmp_path):
     """tp 2 on both sides: rank r pulls from rank r, and the ranks agree on what landed."""
     path = tiny_checkpoint()

@@ -113,6 +113,11 @@ def test_every_sampling_feature_gives_the_tokens_of_plain_decoding(checkpoint, a
                 assert entry.logprob == pytest.approx(b[token_id].logprob, abs=1e-4)
 
 
+# draft_model: 12 s, slow (test_the_target_as_its_own_draft_accepts_every_draft runs a draft
+# model on two ranks)
+@pytest.mark.parametrize(
+    "always", ["ngram", pytest.param("draft_model", marks=pytest.mark.slow)], indirect=True
+)
 def test_worker_processes_verify_drafts_in_lockstep(checkpoint, reference, always):
     llm = _engine(checkpoint, always, tensor_parallel_size=2)
     assert llm.engine.max_in_flight == 1  # async scheduling is on with worker processes

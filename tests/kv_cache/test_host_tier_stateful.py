@@ -348,6 +348,6 @@ class HostTierMachine(RuleBasedStateMachine):
 
 
 HostTierMachine.TestCase.settings = settings(
-    max_examples=300, stateful_step_count=120, deadline=None
+    max_examples=150, stateful_step_count=120, deadline=None
 )
 test_host_tier_state_machine = HostTierMachine.TestCase

@@ -230,5 +230,5 @@ class KVCacheMachine(RuleBasedStateMachine):
         del self.running[request.request_id]
 
 
-KVCacheMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=50, deadline=None)
+KVCacheMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)
 test_kv_cache_state_machine = KVCacheMachine.TestCase

@@ -262,9 +262,12 @@ TP2_MOE_TYPES = {n: "Q8_0" for n, t in DEFAULT_TYPES.items() if t.endswith("_K")
 }
 
 
+# Slow, 8-17 s each (GGUF weights on two ranks: test_gguf.py; quantized experts on two ranks:
+# the int8 and fp8 checkpoints' tests below)
+@SLOW
 @pytest.mark.usefixtures("exact_float32")
 @pytest.mark.gpus(2)
-@pytest.mark.parametrize("expert_parallel", [False, pytest.param(True, marks=SLOW)])
+@pytest.mark.parametrize("expert_parallel", [False, True])
 def test_gguf_experts_on_two_ranks(tmp_path, expert_parallel):
     path, expected = write_tiny_gguf(tmp_path, "qwen3moe", types=TP2_MOE_TYPES)
     llm = LLM(
