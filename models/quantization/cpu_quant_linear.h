@@ -297,9 +297,16 @@ inline __m256i q4_run(const uint8_t* run) {
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(run));
   return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), _mm256_set1_epi8(0x0F));
 }
+// Whether add_dot4 is one vpdpbusd, which sums into int32 without saturating: AVX512-BF16
+// builds (every CPU with AVX512-BF16 has AVX512-VNNI) and AVX-VNNI ones.
+#if defined(SPLITSERVE_AVX512_BF16) || defined(SPLITSERVE_AVX2_VNNI)
+constexpr bool kVnni = true;
+#else
+constexpr bool kVnni = false;
+#endif
 // acc plus those 4-byte dot products of unsigned u and signed a, per int32 lane.
 inline __m256i add_dot4(__m256i acc, __m256i u, __m256i a) {
-#if defined(SPLITSERVE_AVX512_BF16)  // every CPU with AVX512-BF16 has AVX512-VNNI
+#if defined(SPLITSERVE_AVX512_BF16)
   return _mm256_dpbusd_epi32(acc, u, a);
 #elif defined(SPLITSERVE_AVX2_VNNI)  // the same instruction, VEX-encoded
   return _mm256_dpbusd_avx_epi32(acc, u, a);

@@ -50,14 +50,9 @@ constexpr bool kStrips = true;
 constexpr bool kStrips = false;
 #endif
 #if defined(SPLITSERVE_AVX512_BF16)
-constexpr bool kVnni = true;
 constexpr int64_t kMaxStripRows = 8;  // 32 registers: 8 rows' sums and totals fit
-#elif defined(SPLITSERVE_AVX2_VNNI)
-constexpr bool kVnni = true;
-constexpr int64_t kMaxStripRows = 4;  // 16 registers
 #else
-constexpr bool kVnni = false;
-constexpr int64_t kMaxStripRows = 4;
+constexpr int64_t kMaxStripRows = 4;  // 16 registers
 #endif
 
 struct Strips {
