@@ -83,15 +83,6 @@ def child_pids(launch_output: str) -> dict[str, int]:
     return {name: int(pid) for name, pid in found}
 
 
-def pid_alive(pid: int) -> bool:
-    """True while the process exists and is not a zombie."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-
-
 def wait_idle(client, timeout: float = 10.0):
     """The engine's stats once no request runs or waits (or after `timeout`)."""
     deadline = time.monotonic() + timeout

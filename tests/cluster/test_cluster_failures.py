@@ -16,13 +16,13 @@ import pytest
 
 from ipc.client import EngineClient, RequestError
 from ipc.messages import ErrorCode
+from ipc.processes import pid_alive
 from ipc.sampling_params import SamplingParams
 from ipc.sockets import ipc_paths
 from tests.cluster.helpers import (
     ROOT,
     TEST_ARGS,
     child_pids,
-    pid_alive,
     start_launch,
     wait_ready,
 )

@@ -20,11 +20,11 @@ import pytest
 
 from ipc.client import EngineClient, RequestError
 from ipc.messages import ErrorCode
+from ipc.processes import pid_alive
 from ipc.sampling_params import SamplingParams
 from tests.cluster.helpers import (
     TEST_ARGS,
     child_pids,
-    pid_alive,
     start_launch,
     wait_idle,
     wait_ready,

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from ipc.executor import WorkerFailure
+from ipc.processes import pid_alive
 from ipc.sampling_params import SamplingParams
 from splitserve import LLM, cluster
-from tests.cluster.helpers import pid_alive
 from tests.integration.greedy import greedy_reference
 from tests.models.tiny import make_tiny_checkpoint
 

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kernels import KernelSet, probe_isa
-from kernels.isa import rungs as rungs_of
+from kernels.isa import rungs
 from models.layers import cpu_linear
 from models.layers.cpu_linear import (
     FLOAT32_GEMM_ROWS,
@@ -35,9 +35,9 @@ from tests.models.tiny import make_tiny_checkpoint
 
 def dense_isas() -> list[str]:
     """generic and the highest rung without bf16 instructions this CPU runs."""
-    rungs = rungs_of(probe_isa())
-    plain = [r for r in rungs if r not in ("avx512_bf16", "amx")]
-    return sorted({"generic", plain[-1]}, key=rungs.index)
+    own = rungs(probe_isa())
+    plain = [r for r in own if r not in ("avx512_bf16", "amx")]
+    return sorted({"generic", plain[-1]}, key=own.index)
 
 
 # The engine takes the kernel only on CPUs without bf16 instructions; the kernel and the
