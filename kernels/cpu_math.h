@@ -3,7 +3,8 @@
 //
 // kernels/isa.py builds for one ISA and defines SPLITSERVE_<RUNG> for each rung it includes:
 // SPLITSERVE_AVX2, SPLITSERVE_AVX512, SPLITSERVE_AVX512_BF16, SPLITSERVE_AMX (x86; or
-// SPLITSERVE_AVX2_VNNI on AVX2's side branch) or SPLITSERVE_NEON (Arm). Kernels choose
+// SPLITSERVE_AVX2_VNNI on AVX2's side branch) or SPLITSERVE_NEON, SPLITSERVE_NEON_DOTPROD
+// (Arm). Kernels choose
 // their paths by these macros only.
 #pragma once
 
@@ -14,19 +15,25 @@
 #include <cstdint>
 #include <cstring>
 
-#if (defined(SPLITSERVE_AVX2) && !(defined(__AVX2__) && defined(__FMA__))) ||         \
-    (defined(SPLITSERVE_AVX2_VNNI) && !defined(__AVXVNNI__)) ||                       \
-    (defined(SPLITSERVE_AVX512) &&                                                    \
-     !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) &&      \
-       defined(__AVX512DQ__))) ||                                                     \
-    (defined(SPLITSERVE_AVX512_BF16) &&                                               \
-     !(defined(__AVX512BF16__) && defined(__AVX512VNNI__))) ||                        \
-    (defined(SPLITSERVE_AMX) && !(defined(__AMX_TILE__) && defined(__AMX_BF16__)))
+#if (defined(SPLITSERVE_AVX2) && !(defined(__AVX2__) && defined(__FMA__))) ||          \
+    (defined(SPLITSERVE_AVX2_VNNI) && !defined(__AVXVNNI__)) ||                        \
+    (defined(SPLITSERVE_AVX512) &&                                                     \
+     !(defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) &&       \
+       defined(__AVX512DQ__))) ||                                                      \
+    (defined(SPLITSERVE_AVX512_BF16) &&                                                \
+     !(defined(__AVX512BF16__) && defined(__AVX512VNNI__))) ||                         \
+    (defined(SPLITSERVE_AMX) && !(defined(__AMX_TILE__) && defined(__AMX_BF16__))) ||  \
+    (defined(SPLITSERVE_NEON) && !defined(__ARM_NEON)) ||                              \
+    (defined(SPLITSERVE_NEON_DOTPROD) && !defined(__ARM_FEATURE_DOTPROD))
 #error "the SPLITSERVE_<ISA> macros need the compiler flags of kernels/isa.py"
 #endif
 
 #if defined(SPLITSERVE_AVX2)
 #include <immintrin.h>
+#endif
+
+#if defined(SPLITSERVE_NEON)
+#include <arm_neon.h>
 #endif
 
 #if defined(SPLITSERVE_AMX)

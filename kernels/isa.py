@@ -6,7 +6,9 @@ The ISAs of an architecture form a ladder, each including the ones below it. x86
 tiles), and one side branch above avx2: avx2_vnni (AVX-VNNI, VNNI's int8 dot products on
 256-bit registers: Alder Lake and later Intel cores without AVX-512, Zen 5), which the
 avx512 rungs do not include (Skylake-X, Ice Lake and Zen 4 lack it). Arm: generic, neon
-(the Armv8-A baseline has NEON, so both build alike; neon only names it). A build for an
+(the Armv8-A baseline has NEON, so both build alike; neon only names it), neon_dotprod
+(Armv8.2-A's int8 dot products, `sdot`: Cortex-A76/Neoverse N1 and later, Apple M1 and
+later; Graviton 2 and up). A build for an
 ISA passes the compiler flags of the rungs it includes and defines SPLITSERVE_<RUNG> for
 each non-generic one; the C++ keys its paths on those macros alone (kernels/cpu_math.h
 checks they agree with the compiler's).
@@ -23,7 +25,7 @@ from pathlib import Path
 import torch
 
 X86 = ("generic", "avx2", "avx2_vnni", "avx512", "avx512_bf16", "amx")  # worst to best
-ARM = ("generic", "neon")
+ARM = ("generic", "neon", "neon_dotprod")
 # The rung each x86 rung stands on.
 _X86_BELOW = {
     "avx2": "generic",
@@ -118,7 +120,7 @@ def probe_isa(flags: frozenset[str] | None = None, arch: str | None = None) -> s
     arch = arch or machine()
     flags = cpu_flags() if flags is None else flags
     if arch == "aarch64":
-        return "neon"
+        return "neon_dotprod" if "asimddp" in flags else "neon"
     if arch != "x86_64":
         return "generic"
     if not flags:
@@ -166,7 +168,8 @@ def compiler_flags(isa: str) -> list[str]:
     if machine() == "x86_64":
         return [flag for rung in included for flag in _X86_FLAGS[rung]] + ["-mtune=native", *macros]
     if machine() == "aarch64":
-        return ["-march=armv8-a", *macros]
+        march = "armv8.2-a+dotprod" if "neon_dotprod" in included else "armv8-a"
+        return [f"-march={march}", *macros]
     return macros
 
 

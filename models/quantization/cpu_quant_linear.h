@@ -12,6 +12,7 @@
 
 #include "cpu_api.h"
 #include "cpu_math.h"
+#include "cpu_quant_layout.h"
 
 #include <algorithm>
 #include <cmath>
@@ -22,8 +23,6 @@
 #include <vector>
 
 namespace splitserve::quant {
-
-constexpr int64_t kRun = 32;  // elements per run, and per activation scale
 
 // A contiguous BlockQuantWeight's tensors as the kernels read them.
 struct QuantRows {
@@ -321,21 +320,6 @@ inline float sum8(__m256 s) {
 }
 
 #endif
-
-// One call's x quantized per run, rows of K features: q (int8; for the AVX-512 row kernels,
-// pair_order, each pair of runs in pair order, as q4_pair), d [M, runs], the scale pattern
-// of each pair's lanes dv [M, pairs, 16] (pair order), and where the weight has mins the
-// sum of the dequantized x over each weight block, sums [M, blocks]. half_block[h]: the
-// weight block of features 16h .. 16h + 15; for each pair (pair order), the weight scales
-// its lanes take (pair_scales): scale_lanes [pairs, 16] and scale_masks [pairs]. offset:
-// q stores x + 128 as unsigned bytes instead (d and sums as without).
-struct Acts {
-  const int8_t* q;
-  const float *d, *dv, *sums;
-  const int32_t *half_block, *scale_lanes;
-  const uint8_t* scale_masks;
-  int64_t runs, pairs;
-};
 
 struct ActsStorage {
   std::vector<int8_t> q;

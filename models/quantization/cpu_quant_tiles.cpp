@@ -23,7 +23,7 @@ namespace splitserve::quant {
 #if defined(SPLITSERVE_AVX512_BF16)
 namespace {
 
-constexpr int64_t kStrip = 16;          // output features per strip, rows of x per C tile
+constexpr int64_t kTile = 16;              // output features per strip, rows of x per C tile
 constexpr int64_t kTileElems = 16 * kRun;  // bf16 values of one strip tile
 
 // The 32 bf16 values a 4-bit run's halves can take: q * s0 + m0 for q < 16 in words
@@ -43,7 +43,7 @@ template <int Bits>
 void dequantize_strip(const QuantRows& rows, int64_t n0, uint16_t* strip) {
   const QuantRows w = rows;  // a local copy: the stores below cannot change it
   const __m512i high_half = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(16), 1);
-  for (int64_t r = 0; r < kStrip; ++r) {
+  for (int64_t r = 0; r < kTile; ++r) {
     const int64_t n = n0 + r, first = n * w.blocks();
     const uint8_t* q = w.q + n * w.row_bytes();
     over_runs(w, [&](int64_t k, int64_t j0, int64_t j1) {
@@ -77,10 +77,10 @@ inline void store_features(__m512 acc, const float* bias, int64_t n0, uint16_t* 
 // The strip times every row of x, with vdpbf16ps.
 void strip_dot(const uint16_t* strip, const uint16_t* x, int64_t ldx, int64_t M, int64_t K,
                int64_t N, const float* bias, int64_t n0, uint16_t* out) {
-  alignas(64) float res[kStrip];
+  alignas(64) float res[kTile];
   for (int64_t m = 0; m < M; ++m) {
     const uint16_t* xm = x + m * ldx;
-    for (int64_t r = 0; r < kStrip; ++r) {
+    for (int64_t r = 0; r < kTile; ++r) {
       __m512 acc = _mm512_setzero_ps();
       for (int64_t k = 0; k < K; k += kRun)
         acc = _mm512_dpbf16_ps(
@@ -154,16 +154,16 @@ std::vector<uint32_t> pack_x(const uint16_t* x, int64_t ldx, int64_t M, int64_t 
 // The strip times every row of x, with the tiles (configured).
 void strip_amx(const uint16_t* strip, const uint32_t* xv, int64_t ld, int64_t M, int64_t K,
                int64_t N, const float* bias, int64_t n0, uint16_t* out) {
-  alignas(64) float c[4 * kStrip * kStrip];
-  const __m512i column = _mm512_mullo_epi32(_mm512_set1_epi32(kStrip),
+  alignas(64) float c[4 * kTile * kTile];
+  const __m512i column = _mm512_mullo_epi32(_mm512_set1_epi32(kTile),
                                             _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7,
                                                              6, 5, 4, 3, 2, 1, 0));
-  for (int64_t m0 = 0; m0 < M; m0 += 4 * kStrip) {
-    const int64_t tiles = std::min<int64_t>(4, (M - m0 + kStrip - 1) / kStrip);
+  for (int64_t m0 = 0; m0 < M; m0 += 4 * kTile) {
+    const int64_t tiles = std::min<int64_t>(4, (M - m0 + kTile - 1) / kTile);
     kStripTiles[tiles - 1](strip, xv + m0, ld, K / kRun, c);
-    for (int64_t m = m0; m < std::min(M, m0 + 4 * kStrip); ++m) {
-      const int64_t i = m - m0, t = i / kStrip;
-      const __m512 acc = _mm512_i32gather_ps(column, c + t * kStrip * kStrip + i % kStrip, 4);
+    for (int64_t m = m0; m < std::min(M, m0 + 4 * kTile); ++m) {
+      const int64_t i = m - m0, t = i / kTile;
+      const __m512 acc = _mm512_i32gather_ps(column, c + t * kTile * kTile + i % kTile, 4);
       store_features(acc, bias, n0, out + m * N);
     }
   }
@@ -182,7 +182,7 @@ std::optional<at::Tensor> linear_bf16(const at::Tensor& x, const at::Tensor& qwe
 #if defined(SPLITSERVE_AVX512_BF16)
   const auto w = quant_rows(qweight, scales, mins, bits, block_size);
   const int64_t N = qweight.size(0);
-  if (!w || x.scalar_type() != at::kBFloat16 || !takes_x(x, w->K) || N % kStrip)
+  if (!w || x.scalar_type() != at::kBFloat16 || !takes_x(x, w->K) || N % kTile)
     return std::nullopt;
   const auto b = float_bias(bias, N);
   if (!b) return std::nullopt;
@@ -195,23 +195,23 @@ std::optional<at::Tensor> linear_bf16(const at::Tensor& x, const at::Tensor& qwe
   const auto dequantize = w->bits == 4 ? dequantize_strip<4> : dequantize_strip<8>;
 #if defined(SPLITSERVE_AMX)
   const bool tiles = amx_usable();
-  const int64_t ld = (M + kStrip - 1) / kStrip * kStrip;
+  const int64_t ld = (M + kTile - 1) / kTile * kTile;
   const std::vector<uint32_t> xv = tiles ? pack_x(xp, ldx, M, K, ld) : std::vector<uint32_t>();
 #endif
-  at::parallel_for(0, N / kStrip, 1, [&](int64_t begin, int64_t end) {
-    std::vector<uint16_t> strip(kStrip * K);
+  at::parallel_for(0, N / kTile, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint16_t> strip(kTile * K);
 #if defined(SPLITSERVE_AMX)
     if (tiles) configure_tiles();
 #endif
     for (int64_t s = begin; s < end; ++s) {
-      dequantize(*w, s * kStrip, strip.data());
+      dequantize(*w, s * kTile, strip.data());
 #if defined(SPLITSERVE_AMX)
       if (tiles) {
-        strip_amx(strip.data(), xv.data(), ld, M, K, N, bp, s * kStrip, op);
+        strip_amx(strip.data(), xv.data(), ld, M, K, N, bp, s * kTile, op);
         continue;
       }
 #endif
-      strip_dot(strip.data(), xp, ldx, M, K, N, bp, s * kStrip, op);
+      strip_dot(strip.data(), xp, ldx, M, K, N, bp, s * kTile, op);
     }
 #if defined(SPLITSERVE_AMX)
     if (tiles) _tile_release();

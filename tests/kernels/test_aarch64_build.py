@@ -1,7 +1,9 @@
-"""Every C++ kernel file compiles for aarch64 (the Armv8-A baseline: zig's generic target),
-generic and NEON rungs (x86 intrinsics and asm only behind their ISA's guards),
-cross-compiled with zig's clang (`pip install ziglang`: no Arm machine or cross gcc
-needed). Slow (about 25 s a file and rung on 2 Zen 3 cores); skipped without zig."""
+"""Every C++ kernel file compiles for aarch64, the generic rung (the Armv8-A baseline: zig's
+generic target) and the top one, neon_dotprod (Armv8.2-A's dot products; its macros
+include neon's, whose paths it builds too), x86 intrinsics and asm only behind their ISA's
+guards, cross-compiled with zig's clang (`pip install ziglang`: no Arm machine or cross
+gcc needed). Slow (about 25 s a file and rung on 2 Zen 3 cores); skipped without zig.
+tests/kernels/test_neon_strips.py runs the Arm strip passes in an emulator."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from kernels.build import HEADERS
+from kernels.isa import rungs
 
 pytest.importorskip("ziglang", reason="the aarch64 build check needs `pip install ziglang`")
 pytestmark = pytest.mark.slow
@@ -38,7 +41,7 @@ def _openmp_include(folder: Path) -> list[str]:
     return [f"-isystem{folder}"]
 
 
-@pytest.mark.parametrize("rung", ["generic", "neon"])
+@pytest.mark.parametrize("rung", ["generic", "neon_dotprod"])
 @pytest.mark.parametrize("source", SOURCES, ids=str)
 def test_kernel_file_compiles_for_aarch64(tmp_path, source, rung):
     from torch.utils import cpp_extension
@@ -49,7 +52,8 @@ def test_kernel_file_compiles_for_aarch64(tmp_path, source, rung):
         "-std=c++20", "-O1", "-fopenmp", "-c", "-o", str(tmp_path / "kernel.o"),
         "-DTORCH_EXTENSION_NAME=kernel", "-DTORCH_API_INCLUDE_EXTENSION_H", f"-I{HEADERS}",
         *(f"-isystem{path}" for path in includes), *_openmp_include(tmp_path / "omp"),
-        *(["-DSPLITSERVE_NEON"] if rung == "neon" else []), str(ROOT / source),
+        *(["-mcpu=generic+dotprod"] if rung == "neon_dotprod" else []),
+        *(f"-DSPLITSERVE_{r.upper()}" for r in rungs(rung, "aarch64")[1:]), str(ROOT / source),
     ]  # fmt: skip
     built = subprocess.run(command, capture_output=True, text=True)
     assert built.returncode == 0, built.stderr[-4000:]

@@ -63,8 +63,10 @@ def test_probe_climbs_the_x86_ladder_while_every_flag_is_there(flags, isa):
 
 def test_probe_on_other_machines():
     assert probe_isa(frozenset({"fp", "asimd"}), "aarch64") == "neon"
+    assert probe_isa(frozenset({"fp", "asimd", "asimddp"}), "aarch64") == "neon_dotprod"
     assert probe_isa(frozenset(), "riscv64") == "generic"
-    assert ladder("aarch64") == ("generic", "neon")
+    assert ladder("aarch64") == ("generic", "neon", "neon_dotprod")
+    assert rungs("neon_dotprod", "aarch64") == ("generic", "neon", "neon_dotprod")
 
 
 def test_this_cpu_is_probed_onto_its_ladder():
