@@ -7,8 +7,8 @@
 // so each K and V row of the request's context is read once per step. Items are spread
 // over the OpenMP threads dynamically, since contexts differ in length. Three paths:
 //   - AMX (cpu_attn_amx.h): bf16 on CPUs with AMX-BF16, one pass with an online softmax;
-//   - AVX2 (cpu_attn_avx2.h): float32, bf16 and fp16 pages of head sizes that are multiples
-//     of 64 elsewhere, one pass with an online softmax, prefetching as it goes (it also
+//   - AVX2 and Arm (cpu_attn_vec8.h): float32, bf16 and fp16 pages of head sizes that are
+//     multiples of 64 elsewhere, one pass with an online softmax, prefetching as it goes (it also
 //     beat a kernel of AVX512-BF16 dot products on bf16 pages: 1.6-1.75 against 1.8-2.2
 //     ms a layer at 64 decodes on a Zen 4, memory bound either way);
 //   - generic (cpu_attn_generic.h): every dtype and head size, two passes (scores q.k for
@@ -20,40 +20,30 @@
 
 #include "cpu_attn_common.h"
 
-namespace {
-
-// Into L1 (prefetcht0) on Intel CPUs, into L2 (prefetcht1) on others. On AMD a prefetch
-// into L1 holds one of the core's few L1 miss buffers until its line arrives, which
-// bounded the decode paths at 13-14 GB/s where two threads stream 33 (2 Zen 4 cores, 64
-// float32 decodes over 30 layers' pages: 2.65-2.89 ms a layer with prefetcht0, 1.93-2.03
-// with prefetcht1); on 2 Emerald Rapids cores the same run takes 1.88 ms with prefetcht0,
-// 2.02-2.11 with prefetcht1 (prefetchnta: 4.6). As asm on x86: gcc 12 deletes a loop of
-// __builtin_prefetch calls as having no effect.
-#if defined(__x86_64__)
-const bool kPrefetchIntoL1 = [] {
-  __builtin_cpu_init();
-  return __builtin_cpu_is("intel") != 0;
-}();
-#endif
-
-inline void prefetch_line(const char* p) {
-#if defined(__x86_64__)
-  if (kPrefetchIntoL1)
-    asm volatile("prefetcht0 %0" : : "m"(*p));
-  else
-    asm volatile("prefetcht1 %0" : : "m"(*p));
-#else
-  __builtin_prefetch(p);
-#endif
-}
-
-}  // namespace
-
 #include "cpu_attn_generic.h"
-#include "cpu_attn_avx2.h"
+#include "cpu_attn_vec8.h"
 #include "cpu_attn_amx.h"
 
 namespace {
+
+#if defined(SPLITSERVE_AVX2) || defined(SPLITSERVE_NEON)
+// attend_vec8 on one item: its query rows read times scale, its output rows written times
+// out_scale.
+template <typename C, int D>
+void attend_item_vec8(ModelRow q, ModelRow out, const C* cache, const int32_t* blocks,
+                      int64_t first, int64_t seq_len, int64_t kv_head, int64_t heads, float scale,
+                      const Layout& L, std::vector<float>& work, float out_scale = 1.0f) {
+  const int64_t G = L.group, rows = heads * G;
+  work.resize(rows * (2 * D + 1) + vec8_work_floats(rows));
+  float* qf = work.data();     // [rows][D]
+  float* acc = qf + rows * D;  // [rows][D]
+  float* sum = acc + rows * D;  // [rows]
+  (q + kv_head * G * D).load(rows * D, scale, qf);
+  attend_vec8<C, D>(qf, acc, sum, cache, blocks, first, seq_len, kv_head, heads, L, sum + rows);
+  for (int64_t r = 0; r < rows; ++r)
+    (out + (kv_head * G + r) * D).store(acc + r * D, D, out_scale / sum[r]);
+}
+#endif
 
 constexpr int32_t kOneBlock[1] = {0};  // the block table of a widened context
 #if defined(SPLITSERVE_AVX512_BF16)
@@ -135,15 +125,15 @@ void decode_all(ModelRow out, ModelRow q, const at::Tensor& kv_cache,
             continue;
           }
 #endif
-          attend_item_avx2<at::BFloat16, D>(q_row, out_row, pages, blocks, from, to, head, heads,
+          attend_item_vec8<at::BFloat16, D>(q_row, out_row, pages, blocks, from, to, head, heads,
                                             item_scale, layout, work, out_scale);
           continue;
         }
       }
 #endif
-#if defined(SPLITSERVE_AVX2)
-      if constexpr (kAvx2Path<C, D>) {
-        attend_item_avx2<C, D>(q_row, out_row, cache, blocks, first, seq_len, kv_head, heads,
+#if defined(SPLITSERVE_AVX2) || defined(SPLITSERVE_NEON)
+      if constexpr (kVec8Path<C, D>) {
+        attend_item_vec8<C, D>(q_row, out_row, cache, blocks, first, seq_len, kv_head, heads,
                                static_cast<float>(scale), L, work);
         continue;
       }

@@ -7,6 +7,7 @@
 #include "torch_ext.h"
 
 #include "cpu_api.h"
+#include "cpu_attn_pages.h"
 #include "cpu_math.h"
 
 #include <omp.h>
@@ -25,12 +26,6 @@ inline float to_float(at::Half x) { return static_cast<float>(x); }
 inline float to_float(at::BFloat16 x) { return splitserve::bf16_to_float(x.x); }
 
 using splitserve::exp_nonpositive;
-
-struct Layout {
-  int64_t block_size, kv_heads, head_dim, group;
-  int64_t q_row_stride, out_row_stride, table_stride;
-  int64_t cache_half;  // elements between kv_cache[0] and kv_cache[1]
-};
 
 }  // namespace
 

@@ -1,7 +1,7 @@
 // The quantized weights' strips and the per-call int8 activations as the CPU kernels read
-// them, in plain C++ (no torch headers): a kernel header built on them alone compiles for
-// any target, so tests build the Arm strip passes (cpu_quant_strips_neon.h) for aarch64 and
-// run them in an emulator (tests/kernels/test_neon_strips.py).
+// them, in plain C++ (no torch headers), so that the Arm strip passes built on them
+// (cpu_quant_strips_neon.h) build without ATen for aarch64 and run in an emulator
+// (tests/kernels/test_neon_strips.py).
 #pragma once
 
 #include <cstdint>

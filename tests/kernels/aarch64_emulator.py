@@ -17,19 +17,29 @@ unicorn = pytest.importorskip("unicorn", reason="Arm kernel tests need `pip inst
 pytest.importorskip("ziglang", reason="Arm kernel tests need `pip install ziglang`")
 from unicorn import arm64_const as arm64  # noqa: E402
 
+from kernels.build import HEADERS  # noqa: E402
+from kernels.isa import rungs  # noqa: E402
+
 PAGE = 4096
 STACK, STACK_BYTES = 0x7000_0000, 1 << 20
 DATA = 0x4000_0000
 RETURN = 0x7F00_0000  # the entry function returns here; emulation stops
 
 
-def build(source: Path, out: Path, includes: list[Path], cpu: str = "generic+dotprod") -> Path:
-    """`source` compiled and linked for aarch64 with `harness` as its entry symbol."""
+def build(source: Path, out: Path, includes: list[Path]) -> Path:
+    """`source` compiled for aarch64's neon_dotprod rung (its flags and SPLITSERVE_<RUNG>
+    macros, torch's headers and kernels/ on the include path) and linked, without a C
+    library, with `harness` as its entry symbol."""
+    from torch.utils import cpp_extension
+
     zig = [sys.executable, "-m", "ziglang"]
     obj = out.with_suffix(".o")
+    macros = [f"-DSPLITSERVE_{rung.upper()}" for rung in rungs("neon_dotprod", "aarch64")[1:]]
+    headers = [*includes, HEADERS]
     compile_ = [
-        *zig, "c++", "-target", "aarch64-linux-musl", f"-mcpu={cpu}", "-std=c++20", "-O2",
-        "-fno-pie", "-c", "-o", str(obj), *(f"-I{p}" for p in includes), str(source),
+        *zig, "c++", "-target", "aarch64-linux-gnu", "-mcpu=generic+dotprod", "-std=c++20",
+        "-O2", "-fno-pie", "-c", "-o", str(obj), *macros, *(f"-I{p}" for p in headers),
+        *(f"-isystem{p}" for p in cpp_extension.include_paths("cpu")), str(source),
     ]  # fmt: skip
     link = [*zig, "ld.lld", "-static", "-e", "harness", str(obj), "-o", str(out)]
     for command in (compile_, link):
