@@ -117,6 +117,32 @@ inline float32x4_t exp_nonpositive4(float32x4_t y) {
 }
 inline V8 exp_nonpositive8(V8 y) { return {exp_nonpositive4(y.lo), exp_nonpositive4(y.hi)}; }
 
+// cpu_math.h's AVX2 max8 and exp_sum8, the same sums in the same order.
+inline float max8(const float* s, int64_t n) {
+  V8 lanes = set8(s[0]);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const V8 v = load8(s + i);
+    lanes = {vmaxq_f32(lanes.lo, v.lo), vmaxq_f32(lanes.hi, v.hi)};
+  }
+  float max = max_lanes(lanes);
+  for (; i < n; ++i) max = s[i] > max ? s[i] : max;
+  return max;
+}
+inline float exp_sum8(float* s, int64_t n, float max) {
+  const V8 m = set8(max);
+  V8 sums = zero8();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const V8 e = exp_nonpositive8(sub8(load8(s + i), m));
+    store8(s + i, e);
+    sums = add8(sums, e);
+  }
+  float sum = sum8(sums);
+  for (; i < n; ++i) sum += (s[i] = exp_nonpositive(s[i] - max));
+  return sum;
+}
+
 #endif
 
 }  // namespace splitserve

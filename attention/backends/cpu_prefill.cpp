@@ -1,13 +1,14 @@
 // Causal prefill attention over the paged cache, every context position read in place from
 // its page (this step's K/V were stored first), so fresh prompts, cached prefixes and chunked
-// prefills are one case: cpu_prefill_amx.h (bf16 with AMX) and cpu_prefill_avx2.h (float32
-// math, any x86 build from AVX2 up). Other builds take none (the caller runs its own).
+// prefills are one case: cpu_prefill_amx.h (bf16 with AMX) and cpu_prefill_widened.h
+// (float32 math, x86 builds from AVX2 up and Arm ones). Other builds take none (the caller
+// runs its own).
 #include "torch_ext.h"
 
 #include "cpu_attn_common.h"
 
 #include "cpu_prefill_amx.h"
-#include "cpu_prefill_avx2.h"
+#include "cpu_prefill_widened.h"
 
 namespace splitserve::attn {
 
@@ -18,9 +19,9 @@ namespace splitserve::attn {
 // are query_start_loc[r] .. query_start_loc[r + 1] - 1, the last positions of their
 // context; window > 0: the layer's sliding window. The AMX kernel (cpu_prefill_amx.h) takes
 // bf16 queries without a window over blocks of 16k positions where the CPU has AMX, the
-// AVX2 one (cpu_prefill_avx2.h) any other prefill of a build from AVX2 up; both take head
-// sizes 64 and 128 only. Returns false, computing nothing, where neither takes it (the
-// caller runs its own). Inputs that do not fit together raise.
+// float32 one (cpu_prefill_widened.h) any other prefill of a build from AVX2 up or for Arm;
+// both take head sizes 64 and 128 only. Returns false, computing nothing, where neither
+// takes it (the caller runs its own). Inputs that do not fit together raise.
 bool paged_prefill(at::Tensor out, at::Tensor q, at::Tensor kv_cache,
                    at::Tensor block_table, at::Tensor seq_lens,
                    at::Tensor query_start_loc, at::Tensor reqs, double scale,
@@ -63,7 +64,7 @@ bool paged_prefill(at::Tensor out, at::Tensor q, at::Tensor kv_cache,
     return true;
   }
 #endif
-#if defined(SPLITSERVE_AVX2)
+#if defined(SPLITSERVE_AVX2) || defined(SPLITSERVE_NEON)
   const Layout L{kv_cache.size(2),     kv_heads,      dim,
                  heads / kv_heads,     q.stride(0),   out.stride(0),
                  block_table.stride(0), kv_cache.stride(0)};
@@ -73,10 +74,10 @@ bool paged_prefill(at::Tensor out, at::Tensor q, at::Tensor kv_cache,
     using C = decltype(cache_tag);
     const float k_mul = page_multiplier<C>(k_scale), v_mul = page_multiplier<C>(v_scale);
     if (dim == 64)
-      prefill_all_avx2<C, 64>(out_rows, q_rows, kv_cache, table, lens, starts, req_ids,
+      prefill_all_vec8<C, 64>(out_rows, q_rows, kv_cache, table, lens, starts, req_ids,
                               num_prefills, scale, window, k_mul, v_mul, L);
     else
-      prefill_all_avx2<C, 128>(out_rows, q_rows, kv_cache, table, lens, starts, req_ids,
+      prefill_all_vec8<C, 128>(out_rows, q_rows, kv_cache, table, lens, starts, req_ids,
                                num_prefills, scale, window, k_mul, v_mul, L);
   };
   dispatch_page_dtype(cache_type, "paged_prefill", run);

@@ -1,5 +1,5 @@
 """The C++ prefill kernels (attention/backends/cpu_prefill_amx.h for bf16 on AMX CPUs,
-cpu_prefill_avx2.h for the rest from AVX2 up) against causal attention computed in
+cpu_prefill_widened.h for the rest from AVX2 up) against causal attention computed in
 float64 over each request's context gathered by hand from random page tables: fresh
 prompts, cached prefixes and chunks, GQA groups, head sizes 64/128, float32/bf16/fp16,
 sliding windows. Built for every ISA rung this CPU runs, so an AMX machine tests the AVX2
