@@ -18,9 +18,10 @@
 //     are read. The rows go in chunks that stay in L2 (kChunkBytes); within a chunk the
 //     threads share the features in groups of F, and a thread walks the chunk's rows R at
 //     a time while its F weight rows stay in L1. AVX-512F: 16 lanes, F 4 x R 6; AVX2: 8
-//     lanes, F 3 x R 4 (12 accumulators of 16 registers); generic code: 8 lanes the
-//     compiler vectorises as it can, F 2 x R 2. 18 GB/s of weights at one row, twice
-//     torch's float32 GEMM at 1 to 8 rows.
+//     lanes, F 3 x R 4 (12 accumulators of 16 registers; Arm NEON the same tiles, on
+//     cpu_vec8.h's 8 lanes); generic code: 8 lanes the compiler vectorises as it can,
+//     F 2 x R 2 (the tiles and Vec: cpu_dense_tiles.h). 18 GB/s of weights at one row,
+//     twice torch's float32 GEMM at 1 to 8 rows.
 //   - up to kGemmRows (`linear_panels`): out^T = W x^T as a GEMM with x transposed into
 //     tiles of 2 vectors of rows, 6 features x 2 vectors of accumulators, a broadcast
 //     weight per feature and k: about 145-150 GFLOP/s at 64-256 rows, where torch's float32
@@ -35,6 +36,7 @@
 #include "torch_ext.h"
 
 #include "cpu_api.h"
+#include "cpu_dense_tiles.h"
 #include "cpu_math.h"
 
 #include <algorithm>
@@ -45,147 +47,10 @@
 
 namespace {
 
-using splitserve::bf16_to_float;
-
-// Vec::load_pair reads 2 vectors of bf16 values, 2 * kLanes, and widens them to floats by
-// interleaving them with zeros: one shuffle a vector, off the FMA ports (a shift there
-// competed with the GEMM's FMAs). x86's interleave takes each 128-bit lane's first 4
-// values into the first vector and its last 4 into the second, so the values are stored
-// in that order (`pair_slot`: where value c of the pair sits); generic code keeps them in
-// order.
-constexpr int64_t interleaved_slot(int64_t c, int64_t lanes) {
-  const int64_t half = c / lanes, i = c % lanes;
-  return i / 4 * 8 + half * 4 + i % 4;
-}
-
-#if defined(SPLITSERVE_AVX512)
-struct Vec {
-  static constexpr int kLanes = 16, kFeatures = 4, kRows = 6, kGemmTileRows = 14;
-  __m512 v;
-  static constexpr int64_t pair_slot(int64_t c) { return interleaved_slot(c, kLanes); }
-  static Vec zero() { return {_mm512_setzero_ps()}; }
-  static Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
-  static Vec broadcast(const float* p) { return {_mm512_set1_ps(*p)}; }
-  void store(float* p) const { _mm512_storeu_ps(p, v); }
-  static Vec load(const uint16_t* p) { return {splitserve::bf16x16_to_float(p)}; }
-  static void load_pair(const uint16_t* p, Vec& lo, Vec& hi) {
-    const __m512i v = _mm512_loadu_si512(p), z = _mm512_setzero_si512();
-    lo.v = _mm512_castsi512_ps(_mm512_unpacklo_epi16(z, v));
-    hi.v = _mm512_castsi512_ps(_mm512_unpackhi_epi16(z, v));
-  }
-  void fma(const Vec& a, const Vec& b) { v = _mm512_fmadd_ps(a.v, b.v, v); }
-  void add(const Vec& a) { v = _mm512_add_ps(a.v, v); }
-  float sum() const { return _mm512_reduce_add_ps(v); }
-};
-#elif defined(SPLITSERVE_AVX2)
-struct Vec {
-  static constexpr int kLanes = 8, kFeatures = 3, kRows = 4, kGemmTileRows = 6;
-  __m256 v;
-  static constexpr int64_t pair_slot(int64_t c) { return interleaved_slot(c, kLanes); }
-  static Vec zero() { return {_mm256_setzero_ps()}; }
-  static Vec load(const float* p) { return {_mm256_loadu_ps(p)}; }
-  static Vec broadcast(const float* p) { return {_mm256_broadcast_ss(p)}; }
-  void store(float* p) const { _mm256_storeu_ps(p, v); }
-  static Vec load(const uint16_t* p) { return {splitserve::bf16x8_to_float(p)}; }
-  static void load_pair(const uint16_t* p, Vec& lo, Vec& hi) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    const __m256i z = _mm256_setzero_si256();
-    lo.v = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, v));
-    hi.v = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, v));
-  }
-  void fma(const Vec& a, const Vec& b) { v = _mm256_fmadd_ps(a.v, b.v, v); }
-  void add(const Vec& a) { v = _mm256_add_ps(a.v, v); }
-  float sum() const { return splitserve::sum8(v); }
-};
-#else
-struct Vec {
-  static constexpr int kLanes = 8, kFeatures = 2, kRows = 2, kGemmTileRows = 4;
-  float v[kLanes];
-  static Vec zero() { return {}; }
-  static Vec load(const float* p) {
-    Vec r;
-    for (int i = 0; i < kLanes; ++i) r.v[i] = p[i];
-    return r;
-  }
-  static Vec broadcast(const float* p) {
-    Vec r;
-    for (int i = 0; i < kLanes; ++i) r.v[i] = *p;
-    return r;
-  }
-  void store(float* p) const {
-    for (int i = 0; i < kLanes; ++i) p[i] = v[i];
-  }
-  static Vec load(const uint16_t* p) {
-    Vec r;
-    for (int i = 0; i < kLanes; ++i) r.v[i] = bf16_to_float(p[i]);
-    return r;
-  }
-  static void load_pair(const uint16_t* p, Vec& lo, Vec& hi) {
-    lo = load(p);
-    hi = load(p + kLanes);
-  }
-  static constexpr int64_t pair_slot(int64_t c) { return c; }
-  void fma(const Vec& a, const Vec& b) {
-    for (int i = 0; i < kLanes; ++i) v[i] += a.v[i] * b.v[i];
-  }
-  void add(const Vec& a) {
-    for (int i = 0; i < kLanes; ++i) v[i] += a.v[i];
-  }
-  float sum() const {
-    float s = 0.0f;
-    for (int i = 0; i < kLanes; ++i) s += v[i];
-    return s;
-  }
-};
-#endif
-
 constexpr int kF = Vec::kFeatures, kR = Vec::kRows;
 constexpr int64_t kChunkBytes = 192 * 1024;  // x rows of a chunk: about half an L2
 constexpr int64_t kPanelRows = 16;  // from here on linear_panels
 constexpr int64_t kGemmRows = 768;  // from here on linear_gemm (cpu_gemm.h)
-
-// sums[r * F + f] = x row r . W row f, over K features. The next F rows of W are
-// prefetched as these are read: the hardware prefetchers start each row's stream late.
-// Into L2: prefetches into L1 wait on the core's few L1 miss buffers (2 Zen 4 cores,
-// SmolLM2's layers at 1 row: float32 23-24 -> 17-19 ms, bf16 13-14 -> 8-9 ms).
-inline float widen(uint16_t w) { return bf16_to_float(w); }
-inline float widen(float w) { return w; }
-
-template <int F, int R, typename W>
-inline void dot_tile(const W* w, int64_t w_stride, const float* x, int64_t x_stride,
-                     int64_t K, float* sums) {
-  Vec acc[R][F];
-  for (int r = 0; r < R; ++r)
-    for (int f = 0; f < F; ++f) acc[r][f] = Vec::zero();
-  int64_t k = 0;
-  for (; k + Vec::kLanes <= K; k += Vec::kLanes) {
-    Vec wv[F];
-    for (int f = 0; f < F; ++f) {
-      __builtin_prefetch(w + (f + F) * w_stride + k, 0, 2);
-      wv[f] = Vec::load(w + f * w_stride + k);
-    }
-    for (int r = 0; r < R; ++r) {
-      const Vec xv = Vec::load(x + r * x_stride + k);
-      for (int f = 0; f < F; ++f) acc[r][f].fma(wv[f], xv);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int f = 0; f < F; ++f) {
-      float s = acc[r][f].sum();
-      for (int64_t j = k; j < K; ++j) s += widen(w[f * w_stride + j]) * x[r * x_stride + j];
-      sums[r * F + f] = s;
-    }
-}
-
-// The tile of the last n < R rows: one of R - 1 rows or fewer.
-template <int F, int R, typename W>
-inline void dot_rows(int64_t n, const W* w, int64_t w_stride, const float* x,
-                     int64_t K, float* sums) {
-  if constexpr (R > 1) {
-    if (n < R) return dot_rows<F, R - 1, W>(n, w, w_stride, x, K, sums);
-  }
-  dot_tile<F, R, W>(w, w_stride, x, K, K, sums);
-}
 
 // F features (rows of w) of `rows` rows of x, R rows at a time.
 template <int F, typename W, typename Out>

@@ -18,77 +18,8 @@
 // panels made at load, decode steps 9 %.
 #pragma once
 
-constexpr int64_t kGemmCols = 2 * Vec::kLanes;
 constexpr int64_t kGemmPackBytes = 8 << 20;  // the panels packed at a time
 constexpr int64_t kGemmBlockBytes = 512 << 10;  // the rows of x a block
-// A tile's share of the weights to prefetch (into L2) while it computes, spread evenly
-// over its K steps: `lines` cache lines from `from` on. The hardware prefetchers follow a
-// stream only within a 4 KB page, so every page of a panel began with a wait for memory;
-// and while a panel's later tiles of rows read it from the cache, memory sat idle. Now the
-// tiles of a panel prefetch the next panel, a share each, and a thread's first tile its
-// own, kGemmAheadBytes ahead of its k. On 2 Emerald Rapids cores, SmolLM2's 120 layer
-// weights (424 MB), ms: 8 rows 30-32 -> 17-18, 16 rows (two tiles) 36 -> 20-21, 33 rows
-// (three) 46 -> 26, 65 rows (five) 50-52 -> 41-43, the FMA peak.
-struct Prefetch {
-  const char* from = nullptr;
-  int64_t lines = 0;
-};
-constexpr int64_t kLineBytes = 64;
-constexpr int64_t kGemmAheadBytes = 8 << 10;
-
-// out[r * ldo + c] = x row r . panel feature c (+ bias[c]), for R rows K apart; a bf16
-// panel (P uint16_t) widened as it is loaded.
-template <int R, typename P>
-__attribute__((noinline)) void gemm_tile(const float* x, int64_t K, const P* panel,
-                                         const float* bias, float* out, int64_t ldo,
-                                         Prefetch prefetch) {
-  Vec acc[R][2];
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = Vec::zero();
-  const char* next = prefetch.from;
-  int64_t due = 0;  // lines owed, in K-ths
-  for (int64_t k = 0; k < K; ++k) {
-    for (due += prefetch.lines; due >= K; due -= K, next += kLineBytes)
-      __builtin_prefetch(next, 0, 2);
-    Vec b0, b1;
-    if constexpr (std::is_same_v<P, float>) {
-      b0 = Vec::load(panel + k * kGemmCols);
-      b1 = Vec::load(panel + k * kGemmCols + Vec::kLanes);
-    } else {
-      Vec::load_pair(panel + k * kGemmCols, b0, b1);
-    }
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const Vec a = Vec::broadcast(x + r * K + k);
-      acc[r][0].fma(a, b0);
-      acc[r][1].fma(a, b1);
-    }
-  }
-  if (bias != nullptr) {
-    const Vec b0 = Vec::load(bias), b1 = Vec::load(bias + Vec::kLanes);
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      acc[r][0].add(b0);
-      acc[r][1].add(b1);
-    }
-  }
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) {
-    acc[r][0].store(out + r * ldo);
-    acc[r][1].store(out + r * ldo + Vec::kLanes);
-  }
-}
-
-// gemm_tile<rows>, 1 <= rows <= R.
-template <int R = Vec::kGemmTileRows, typename P>
-inline void gemm_rows(int rows, const float* x, int64_t K, const P* panel, const float* bias,
-                      float* out, int64_t ldo, Prefetch prefetch) {
-  if constexpr (R > 1) {
-    if (rows < R) return gemm_rows<R - 1>(rows, x, K, panel, bias, out, ldo, prefetch);
-  }
-  gemm_tile<R, P>(x, K, panel, bias, out, ldo, prefetch);
-}
-
 // Features [n0, n0 + count) of W as panels of P (float32, or bf16 from a bf16 W), zero
 // past N.
 template <typename W, typename P>

@@ -1,0 +1,93 @@
+"""The dense float32-math kernel's register tiles (models/layers/cpu_dense_tiles.h: the GEMM
+tile on a panel, the dot-product tile of few rows) built for Arm and run in an emulator
+(tests/kernels/aarch64_emulator.py): bitwise the AVX2 build's dense_linear on the same
+weight and rows, and within float32 rounding of float64, for float32 and bf16 weights,
+every tile height, with and without a bias."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kernels import KernelSet
+from kernels.isa import machine, runnable_isas
+from models.layers.cpu_linear import dense_linear_kernel
+from tests.kernels.aarch64_emulator import Aarch64Program, build
+
+ROOT = Path(__file__).resolve().parents[2]
+PANEL = 16  # features of a panel (2 vectors of 8)
+
+
+@pytest.fixture(scope="module")
+def program(tmp_path_factory) -> Aarch64Program:
+    elf = build(
+        ROOT / "tests" / "kernels" / "neon_dense_harness.cpp",
+        tmp_path_factory.mktemp("neon") / "dense.elf",
+        [ROOT / "models" / "layers"],
+    )
+    return Aarch64Program(elf.read_bytes())
+
+
+@pytest.fixture(scope="module")
+def x86_dense():
+    """The AVX2 build's dense kernel, where this machine runs it; else None."""
+    if machine() != "x86_64" or "avx2" not in runnable_isas():
+        return None
+    module = dense_linear_kernel(KernelSet(cpu=True, isa="avx2"))
+    assert module is not None, "the avx2 build failed"
+    return module
+
+
+def bits(w: torch.Tensor) -> np.ndarray:
+    return (w.view(torch.int16) if w.dtype == torch.bfloat16 else w).numpy()
+
+
+def call(program, gemm, w, rows, k, w_at, w_stride, x, bias, out_floats) -> np.ndarray:
+    program_x = program.put(x.numpy())
+    bias_at = 0 if bias is None else program.put(bias.numpy())
+    out = program.put(np.zeros(out_floats, np.float32))
+    fields = (int(gemm), int(w.dtype == torch.bfloat16), rows, k, w_at, w_stride, program_x,
+              bias_at, out)  # fmt: skip
+    program.call(program.put(np.frombuffer(struct.pack(f"<{len(fields)}q", *fields), np.uint8)))
+    return program.get(out, np.float32, out_floats)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+def test_neon_gemm_tile_matches_the_avx2_build(program, x86_dense, dtype, with_bias):
+    gen = torch.Generator().manual_seed(1)
+    k = 72
+    w = torch.randn(PANEL, k, generator=gen).to(dtype)
+    bias = torch.randn(PANEL, generator=gen) if with_bias else None
+    program.clear()
+    panel_at = program.put(bits(w.T.contiguous()))  # [K][16], features in order on Arm
+    for rows in range(1, 7):
+        x = torch.randn(rows, k, generator=gen)
+        out = call(program, True, w, rows, k, panel_at, 0, x, bias, rows * PANEL)
+        out = torch.from_numpy(out).view(rows, PANEL)
+        expected = x.double() @ w.double().T + (0 if bias is None else bias.double())
+        torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+        if x86_dense is not None:
+            panels = x86_dense.pack_weight_panels(w)
+            assert torch.equal(x86_dense.dense_linear(x, panels, bias), out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_neon_dot_tile_matches_the_avx2_build(program, x86_dense, dtype):
+    gen = torch.Generator().manual_seed(2)
+    k, features = 136, 3  # a multiple of 8: no scalar tail
+    w = torch.randn(features, k, generator=gen).to(dtype)
+    program.clear()
+    w_at = program.put(bits(w))
+    for rows in range(1, 5):
+        x = torch.randn(rows, k, generator=gen)
+        sums = call(program, False, w, rows, k, w_at, k, x, None, rows * features)
+        out = torch.from_numpy(sums).view(rows, features)
+        expected = x.double() @ w.double().T
+        torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+        if x86_dense is not None:
+            assert torch.equal(x86_dense.dense_linear(x, w, None), out)
