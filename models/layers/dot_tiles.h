@@ -12,10 +12,13 @@
 // by a shift and odd ones by a mask, so a packed row holds each step's even k, then its odd
 // k (`deinterleave`). The k past the last whole step stay in order and are summed one by
 // one. On CPUs with AVX-512 BF16, bf16 activations and weights take the tiles of
-// dot_tiles_bf16.h instead, on rows packed as they are (`Packed`).
+// dot_tiles_bf16.h instead, on rows packed as they are (`Packed`). AVX2 tiles, and the same
+// on Arm (cpu_vec8.h), else a generic baseline; tests/kernels/test_neon_dense.py runs the
+// Arm tiles in an emulator.
 #pragma once
 
 #include "cpu_math.h"
+#include "cpu_vec8.h"
 #include "dot_tiles_bf16.h"
 
 #include <algorithm>
@@ -86,6 +89,30 @@ inline Vec load_half(const uint16_t* w, int half) {
 inline void hsum4(Vec a, Vec b, Vec c, Vec d, float* out) {
   const Vec abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
   _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
+}
+#elif defined(SPLITSERVE_NEON)
+using Vec = V8;  // kernels/cpu_vec8.h: two NEON registers, AVX2's tiles on 32 of them
+inline Vec vzero() { return zero8(); }
+inline Vec vload(const float* p) { return load8(p); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return fmadd8(a, b, c); }
+inline void pin(Vec& v) {
+  opaque(v.lo);
+  opaque(v.hi);
+}
+inline Vec load_half(const float* w, int half) { return load8(w + half * 8); }
+inline Vec load_half(const uint16_t* w, int half) {
+  const uint32x4_t a = vld1q_u32(reinterpret_cast<const uint32_t*>(w));
+  const uint32x4_t b = vld1q_u32(reinterpret_cast<const uint32_t*>(w) + 4);
+  if (half == 0)  // even k
+    return {vreinterpretq_f32_u32(vshlq_n_u32(a, 16)), vreinterpretq_f32_u32(vshlq_n_u32(b, 16))};
+  const uint32x4_t top = vdupq_n_u32(0xFFFF0000u);
+  return {vreinterpretq_f32_u32(vandq_u32(a, top)), vreinterpretq_f32_u32(vandq_u32(b, top))};
+}
+// As AVX2's: each vector's lanes 0-3 and 4-7 summed pairwise, then the two halves.
+inline void hsum4(Vec a, Vec b, Vec c, Vec d, float* out) {
+  const float32x4_t lo = vpaddq_f32(vpaddq_f32(a.lo, b.lo), vpaddq_f32(c.lo, d.lo));
+  const float32x4_t hi = vpaddq_f32(vpaddq_f32(a.hi, b.hi), vpaddq_f32(c.hi, d.hi));
+  vst1q_f32(out, vaddq_f32(lo, hi));
 }
 #else
 // The baseline: 8 lanes in an array, which the compiler vectorises with what it has.

@@ -46,12 +46,13 @@ def bits(w: torch.Tensor) -> np.ndarray:
     return (w.view(torch.int16) if w.dtype == torch.bfloat16 else w).numpy()
 
 
-def call(program, gemm, w, rows, k, w_at, w_stride, x, bias, out_floats) -> np.ndarray:
+def call(program, op, w, rows, k, w_at, w_stride, x, bias, out_floats, cols=0) -> np.ndarray:
     program_x = program.put(x.numpy())
     bias_at = 0 if bias is None else program.put(bias.numpy())
     out = program.put(np.zeros(out_floats, np.float32))
-    fields = (int(gemm), int(w.dtype == torch.bfloat16), rows, k, w_at, w_stride, program_x,
-              bias_at, out)  # fmt: skip
+    packed = program.put(np.zeros(x.numel(), np.float32))
+    fields = (op, int(w.dtype == torch.bfloat16), rows, k, w_at, w_stride, program_x, bias_at,
+              out, cols, packed)  # fmt: skip
     program.call(program.put(np.frombuffer(struct.pack(f"<{len(fields)}q", *fields), np.uint8)))
     return program.get(out, np.float32, out_floats)
 
@@ -67,7 +68,7 @@ def test_neon_gemm_tile_matches_the_avx2_build(program, x86_dense, dtype, with_b
     panel_at = program.put(bits(w.T.contiguous()))  # [K][16], features in order on Arm
     for rows in range(1, 7):
         x = torch.randn(rows, k, generator=gen)
-        out = call(program, True, w, rows, k, panel_at, 0, x, bias, rows * PANEL)
+        out = call(program, 1, w, rows, k, panel_at, 0, x, bias, rows * PANEL)
         out = torch.from_numpy(out).view(rows, PANEL)
         expected = x.double() @ w.double().T + (0 if bias is None else bias.double())
         torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
@@ -85,9 +86,26 @@ def test_neon_dot_tile_matches_the_avx2_build(program, x86_dense, dtype):
     w_at = program.put(bits(w))
     for rows in range(1, 5):
         x = torch.randn(rows, k, generator=gen)
-        sums = call(program, False, w, rows, k, w_at, k, x, None, rows * features)
+        sums = call(program, 0, w, rows, k, w_at, k, x, None, rows * features)
         out = torch.from_numpy(sums).view(rows, features)
         expected = x.double() @ w.double().T
         torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
         if x86_dense is not None:
             assert torch.equal(x86_dense.dense_linear(x, w, None), out)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_neon_moe_dot_blocks_match_float64(program, dtype):
+    """The MoE kernel's tiles (models/layers/dot_tiles.h) on Arm: x's rows packed, every
+    tile shape (1 to 4 rows by 1 to 4 weight rows), a k past the last whole step."""
+    gen = torch.Generator().manual_seed(3)
+    k, cols = 83, 7
+    w = torch.randn(cols, k, generator=gen).to(dtype)
+    program.clear()
+    w_at = program.put(bits(w))
+    for rows in (1, 2, 3, 4, 6, 9):
+        x = torch.randn(rows, k, generator=gen)
+        out = call(program, 2, w, rows, k, w_at, k, x, None, rows * cols, cols)
+        expected = x.double() @ w.double().T
+        out = torch.from_numpy(out).view(rows, cols).double()
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
