@@ -140,33 +140,6 @@ inline float sum8(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
-
-// The largest of s[0..n), n >= 1.
-inline float max8(const float* s, int64_t n) {
-  __m256 lanes = _mm256_set1_ps(s[0]);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) lanes = _mm256_max_ps(lanes, _mm256_loadu_ps(s + i));
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(lanes), _mm256_extractf128_ps(lanes, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  float max = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-  for (; i < n; ++i) max = s[i] > max ? s[i] : max;
-  return max;
-}
-
-// s[0..n) becomes exp(s - max), unnormalised; returns its sum.
-inline float exp_sum8(float* s, int64_t n, float max) {
-  const __m256 m = _mm256_set1_ps(max);
-  __m256 sums = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(s + i), m));
-    _mm256_storeu_ps(s + i, e);
-    sums = _mm256_add_ps(sums, e);
-  }
-  float sum = sum8(sums);
-  for (; i < n; ++i) sum += (s[i] = exp_nonpositive(s[i] - max));
-  return sum;
-}
 #endif
 
 #if defined(SPLITSERVE_AVX512)

@@ -28,6 +28,7 @@ inline M8 lanes_below(int count) {
                        _CMP_LT_OQ);
 }
 inline V8 select8(M8 m, V8 yes, V8 no) { return _mm256_blendv_ps(no, yes, m); }
+inline V8 max8(V8 a, V8 b) { return _mm256_max_ps(a, b); }
 // Lane t of the result is the sum of the 8 lanes of v[t]: ((0 + 1) + (2 + 3)) + ((4 + 5) +
 // (6 + 7)).
 inline V8 sum_each8(const V8* v) {
@@ -66,6 +67,7 @@ inline M8 lanes_below(int count) {
 inline V8 select8(M8 m, V8 yes, V8 no) {
   return {vbslq_f32(m.lo, yes.lo, no.lo), vbslq_f32(m.hi, yes.hi, no.hi)};
 }
+inline V8 max8(V8 a, V8 b) { return {vmaxq_f32(a.lo, b.lo), vmaxq_f32(a.hi, b.hi)}; }
 inline V8 sum_each8(const V8* v) {
   const auto half = [&](float32x4_t V8::*part) {
     return vpaddq_f32(vpaddq_f32(v[0].*part, v[1].*part), vpaddq_f32(v[2].*part, v[3].*part));
@@ -117,18 +119,20 @@ inline float32x4_t exp_nonpositive4(float32x4_t y) {
 }
 inline V8 exp_nonpositive8(V8 y) { return {exp_nonpositive4(y.lo), exp_nonpositive4(y.hi)}; }
 
-// cpu_math.h's AVX2 max8 and exp_sum8, the same sums in the same order.
+#endif
+
+#if defined(SPLITSERVE_AVX2) || defined(SPLITSERVE_NEON)
+// The largest of s[0..n), n >= 1.
 inline float max8(const float* s, int64_t n) {
   V8 lanes = set8(s[0]);
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const V8 v = load8(s + i);
-    lanes = {vmaxq_f32(lanes.lo, v.lo), vmaxq_f32(lanes.hi, v.hi)};
-  }
+  for (; i + 8 <= n; i += 8) lanes = max8(lanes, load8(s + i));
   float max = max_lanes(lanes);
   for (; i < n; ++i) max = s[i] > max ? s[i] : max;
   return max;
 }
+
+// s[0..n) becomes exp(s - max), unnormalised; returns its sum.
 inline float exp_sum8(float* s, int64_t n, float max) {
   const V8 m = set8(max);
   V8 sums = zero8();
@@ -142,7 +146,6 @@ inline float exp_sum8(float* s, int64_t n, float max) {
   for (; i < n; ++i) sum += (s[i] = exp_nonpositive(s[i] - max));
   return sum;
 }
-
 #endif
 
 }  // namespace splitserve

@@ -8,7 +8,9 @@ from __future__ import annotations
 import struct
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 import pytest
@@ -17,8 +19,11 @@ unicorn = pytest.importorskip("unicorn", reason="Arm kernel tests need `pip inst
 pytest.importorskip("ziglang", reason="Arm kernel tests need `pip install ziglang`")
 from unicorn import arm64_const as arm64  # noqa: E402
 
+from kernels import KernelSet  # noqa: E402
 from kernels.build import HEADERS  # noqa: E402
-from kernels.isa import rungs  # noqa: E402
+from kernels.isa import machine, rungs, runnable_isas  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
 
 PAGE = 4096
 STACK, STACK_BYTES = 0x7000_0000, 1 << 20
@@ -46,6 +51,24 @@ def build(source: Path, out: Path, includes: list[Path]) -> Path:
         done = subprocess.run(command, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-4000:]
     return out
+
+
+def program_of(harness: str, includes: list[str], folder: Path) -> Aarch64Program:
+    """tests/kernels/<harness> built (includes: folders of the repository) and loaded."""
+    source = ROOT / "tests" / "kernels" / harness
+    elf = build(source, folder / Path(harness).with_suffix(".elf").name,
+                [ROOT / p for p in includes])  # fmt: skip
+    return Aarch64Program(elf.read_bytes())
+
+
+def avx2_build(load: Callable[[KernelSet], ModuleType | None]) -> ModuleType | None:
+    """load's module of the AVX2 build, the one the Arm paths match bitwise, where this
+    machine runs it; else None."""
+    if machine() != "x86_64" or "avx2" not in runnable_isas():
+        return None
+    module = load(KernelSet(cpu=True, isa="avx2"))
+    assert module is not None, "the avx2 build failed"
+    return module
 
 
 def _align(n: int, to: int = PAGE) -> int:

@@ -8,40 +8,28 @@ decode items of one KV head and of a whole request, windows and partial blocks."
 from __future__ import annotations
 
 import struct
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from attention.backends.cpu_backend import load_cpu_attention
-from kernels import KernelSet
-from kernels.isa import machine, runnable_isas
-from tests.kernels.aarch64_emulator import Aarch64Program, build
+from tests.kernels.aarch64_emulator import Aarch64Program, avx2_build, program_of
 
-ROOT = Path(__file__).resolve().parents[2]
 PAGE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
 @pytest.fixture(scope="module")
 def program(tmp_path_factory) -> Aarch64Program:
-    elf = build(
-        ROOT / "tests" / "kernels" / "neon_attention_harness.cpp",
-        tmp_path_factory.mktemp("neon") / "attention.elf",
-        [ROOT / "attention" / "backends"],
+    return program_of(
+        "neon_attention_harness.cpp", ["attention/backends"], tmp_path_factory.mktemp("neon")
     )
-    return Aarch64Program(elf.read_bytes())
 
 
 @pytest.fixture(scope="module")
 def x86_attention():
-    """The AVX2 build's paged_decode, where this machine runs it; else None."""
-    if machine() != "x86_64" or "avx2" not in runnable_isas():
-        return None
-    module = load_cpu_attention(KernelSet(cpu=True, isa="avx2"))
-    assert module is not None, "the avx2 build failed"
-    return module
+    return avx2_build(load_cpu_attention)
 
 
 def neon_decode(program, q, cache, table, seq_len, first, heads, scale) -> torch.Tensor:

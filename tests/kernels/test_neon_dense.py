@@ -7,39 +7,25 @@ every tile height, with and without a bias."""
 from __future__ import annotations
 
 import struct
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from kernels import KernelSet
-from kernels.isa import machine, runnable_isas
 from models.layers.cpu_linear import dense_linear_kernel
-from tests.kernels.aarch64_emulator import Aarch64Program, build
+from tests.kernels.aarch64_emulator import Aarch64Program, avx2_build, program_of
 
-ROOT = Path(__file__).resolve().parents[2]
 PANEL = 16  # features of a panel (2 vectors of 8)
 
 
 @pytest.fixture(scope="module")
 def program(tmp_path_factory) -> Aarch64Program:
-    elf = build(
-        ROOT / "tests" / "kernels" / "neon_dense_harness.cpp",
-        tmp_path_factory.mktemp("neon") / "dense.elf",
-        [ROOT / "models" / "layers"],
-    )
-    return Aarch64Program(elf.read_bytes())
+    return program_of("neon_dense_harness.cpp", ["models/layers"], tmp_path_factory.mktemp("neon"))
 
 
 @pytest.fixture(scope="module")
 def x86_dense():
-    """The AVX2 build's dense kernel, where this machine runs it; else None."""
-    if machine() != "x86_64" or "avx2" not in runnable_isas():
-        return None
-    module = dense_linear_kernel(KernelSet(cpu=True, isa="avx2"))
-    assert module is not None, "the avx2 build failed"
-    return module
+    return avx2_build(dense_linear_kernel)
 
 
 def bits(w: torch.Tensor) -> np.ndarray:

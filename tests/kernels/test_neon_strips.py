@@ -6,42 +6,30 @@ order), and against float64 references, for every weight layout, 1 to 4 rows a p
 from __future__ import annotations
 
 import struct
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import KernelSet
-from kernels.isa import machine, runnable_isas
 from models.quantization.cpu_quant_linear import quant_kernel
 from models.quantization.strips import to_strips
-from tests.kernels.aarch64_emulator import Aarch64Program, build
+from tests.kernels.aarch64_emulator import Aarch64Program, avx2_build, program_of
 from tests.quantization.kernel_cases import LAYOUTS, int8_reference, magnitude, make_weight
 
-ROOT = Path(__file__).resolve().parents[2]
 N, ROWS = 16, 4  # two strips; passes of 1 to 4 rows (the Arm build's most)
 
 
 @pytest.fixture(scope="module")
 def program(tmp_path_factory) -> Aarch64Program:
-    elf = build(
-        ROOT / "tests" / "kernels" / "neon_strips_harness.cpp",
-        tmp_path_factory.mktemp("neon") / "strips.elf",
-        [ROOT / "models" / "quantization"],
+    return program_of(
+        "neon_strips_harness.cpp", ["models/quantization"], tmp_path_factory.mktemp("neon")
     )
-    return Aarch64Program(elf.read_bytes())
 
 
 @pytest.fixture(scope="module")
 def x86_strips():
-    """The x86 strip kernel (AVX2), where this machine runs it; else None."""
-    if machine() != "x86_64" or "avx2" not in runnable_isas():
-        return None
-    kernel = quant_kernel(KernelSet(cpu=True, isa="avx2"))
-    assert kernel is not None, "the avx2 build failed"
-    return kernel
+    return avx2_build(quant_kernel)
 
 
 def quantized_acts(x: torch.Tensor, block_size: int) -> dict[str, np.ndarray]:
