@@ -4,8 +4,7 @@
 // kernels/isa.py builds for one ISA and defines SPLITSERVE_<RUNG> for each rung it includes:
 // SPLITSERVE_AVX2, SPLITSERVE_AVX512, SPLITSERVE_AVX512_BF16, SPLITSERVE_AMX (x86; or
 // SPLITSERVE_AVX2_VNNI on AVX2's side branch) or SPLITSERVE_NEON, SPLITSERVE_NEON_DOTPROD
-// (Arm). Kernels choose
-// their paths by these macros only.
+// (Arm). Kernels choose their paths by these macros only.
 #pragma once
 
 #include <c10/util/BFloat16.h>

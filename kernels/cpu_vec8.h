@@ -69,13 +69,13 @@ inline V8 select8(M8 m, V8 yes, V8 no) {
 }
 inline V8 max8(V8 a, V8 b) { return {vmaxq_f32(a.lo, b.lo), vmaxq_f32(a.hi, b.hi)}; }
 inline V8 sum_each8(const V8* v) {
-  const auto half = [&](float32x4_t V8::*part) {
-    return vpaddq_f32(vpaddq_f32(v[0].*part, v[1].*part), vpaddq_f32(v[2].*part, v[3].*part));
+  // Lanes 0-3 (or 4-7) of v[t0 .. t0 + 3] summed pairwise: each vector's half, in lane t.
+  const auto halves = [&](int t0, float32x4_t V8::*half) {
+    return vpaddq_f32(vpaddq_f32(v[t0].*half, v[t0 + 1].*half),
+                      vpaddq_f32(v[t0 + 2].*half, v[t0 + 3].*half));
   };
-  const auto half2 = [&](float32x4_t V8::*part) {
-    return vpaddq_f32(vpaddq_f32(v[4].*part, v[5].*part), vpaddq_f32(v[6].*part, v[7].*part));
-  };
-  return {vaddq_f32(half(&V8::lo), half(&V8::hi)), vaddq_f32(half2(&V8::lo), half2(&V8::hi))};
+  return {vaddq_f32(halves(0, &V8::lo), halves(0, &V8::hi)),
+          vaddq_f32(halves(4, &V8::lo), halves(4, &V8::hi))};
 }
 
 // 8 consecutive float32, bf16 or fp16 values as float32 (bf16: the same shift as AVX2's).
