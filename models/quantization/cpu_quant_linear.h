@@ -13,6 +13,7 @@
 #include "cpu_api.h"
 #include "cpu_math.h"
 #include "cpu_quant_layout.h"
+#include "cpu_quantize_run.h"
 
 #include <algorithm>
 #include <cmath>
@@ -334,46 +335,6 @@ struct ActsStorage {
             pairs};
   }
 };
-
-// Quantizes one run: d = max|x| / 127, q = round(x / d) (to even, as torch.round). The
-// AVX2 path does the same float operations in vectors (gcc 12 left the scalar loop's max
-// scalar: ~1 cycle a value, 5 % of a Q4_1 batch's time on AVX2).
-template <typename T>
-float quantize_run(const T* x, int8_t* q) {
-#if defined(SPLITSERVE_AVX2)
-  static_assert(kRun == 32);
-  __m256 v[4], amax = _mm256_setzero_ps();
-  for (int i = 0; i < 4; ++i) {
-    v[i] = widen8(x + 8 * i);  // max(|v|, amax): amax where v is NaN, as std::max
-    amax = _mm256_max_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), v[i]), amax);
-  }
-  const float d = max_lanes(amax) / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
-  __m256i n[4];
-  for (int i = 0; i < 4; ++i) {
-    const __m256 r = _mm256_round_ps(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    n[i] = _mm256_cvtps_epi32(
-        _mm256_min_ps(_mm256_max_ps(r, _mm256_set1_ps(-127.0f)), _mm256_set1_ps(127.0f)));
-  }
-  // The packs work within 128-bit halves: dwords 0-3 hold values 0-3 of n[0..3], dwords
-  // 4-7 their values 4-7; the permutation puts each n[i]'s two dwords side by side.
-  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]),
-                                           _mm256_packs_epi32(n[2], n[3]));
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(bytes, order));
-  return d;
-#else
-  float v[kRun], amax = 0.0f;
-  for (int64_t i = 0; i < kRun; ++i) {
-    v[i] = static_cast<float>(x[i]);
-    amax = std::max(amax, std::fabs(v[i]));
-  }
-  const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
-  for (int64_t i = 0; i < kRun; ++i)
-    q[i] = static_cast<int8_t>(std::clamp(std::nearbyint(v[i] * inv), -127.0f, 127.0f));
-  return d;
-#endif
-}
 
 template <typename T>
 ActsStorage quantize_acts(const T* x, int64_t M, int64_t K, int64_t ldx, int64_t block_size,

@@ -33,14 +33,13 @@
 
 // AVX2 builds, and AVX512-BF16 builds without AMX (their VNNI dot products sum the bytes
 // straight into int32, 256 bits wide: as many products a cycle as 512 on Zen 4), compute on
-// strips (cpu_quant_strips_x86.h), as Arm builds with the dot-product extension do
-// (cpu_quant_strips_neon.h). AVX512F builds keep rows (their pair-order activations), AMX
-// builds too (the AMX tiles read rows).
+// strips (cpu_quant_strips_x86.h), as NEON builds do (cpu_quant_strips_neon.h). AVX512F
+// builds keep rows (their pair-order activations), AMX builds too (the AMX tiles read rows).
 #if defined(SPLITSERVE_AVX2) && !defined(SPLITSERVE_AMX) && \
     (!defined(SPLITSERVE_AVX512) || defined(SPLITSERVE_AVX512_BF16))
 #define SPLITSERVE_STRIPS
 #include "cpu_quant_strips_x86.h"
-#elif defined(SPLITSERVE_NEON_DOTPROD)
+#elif defined(SPLITSERVE_NEON)
 #define SPLITSERVE_STRIPS
 #include "cpu_quant_strips_neon.h"
 #endif
@@ -54,7 +53,7 @@ constexpr bool kStrips = false;
 #endif
 #if defined(SPLITSERVE_AVX512_BF16)
 constexpr int64_t kMaxStripRows = 8;  // 32 registers: 8 rows' sums and totals fit
-#elif defined(SPLITSERVE_NEON_DOTPROD)
+#elif defined(SPLITSERVE_NEON)
 constexpr int64_t kMaxStripRows = neon::kMaxStripRows;
 #else
 constexpr int64_t kMaxStripRows = 4;  // 16 registers

@@ -1,12 +1,13 @@
-// The strip passes of cpu_quant_strips.cpp for Arm with the dot-product extension
-// (SPLITSERVE_NEON_DOTPROD, Armv8.2-A's `sdot`). A strip's 8 features are two 128-bit
+// The strip passes of cpu_quant_strips.cpp for Arm. A strip's 8 features are two 128-bit
 // registers of 4 lanes (features 0-3 and 4-7), and a chunk's 32 bytes are the same 4 bytes
-// of each feature, so `sdot` by element multiplies 4 weight bytes of 4 features by 4
-// activations picked out of a register of 16, no broadcast. Both sides are signed bytes:
-// 4-bit values (0..15) and 8-bit weights as they are (no offset or sign moves as on x86).
-// The float operations are the x86 passes' in the same order: the results are bitwise
-// theirs. No torch headers but c10's number types: tests/kernels/test_neon_strips.py builds
-// them for aarch64 and runs them in an emulator.
+// of each feature, so Armv8.2-A's `sdot` by element (SPLITSERVE_NEON_DOTPROD) multiplies 4
+// weight bytes of 4 features by 4 activations picked out of a register of 16, no
+// broadcast; Armv8.0 builds get the same integer sums from widening multiplies and
+// pairwise adds (dot_lane). Both sides are signed bytes: 4-bit values (0..15) and 8-bit
+// weights as they are (no offset or sign moves as on x86). The float operations are the
+// x86 passes' in the same order: the results are bitwise theirs. No torch headers but
+// c10's number types: tests/kernels/test_neon_strips.py builds them for aarch64, with and
+// without the extension, and runs them in an emulator.
 #pragma once
 
 #include <cstdint>
@@ -111,10 +112,24 @@ struct I8 {
   int32x4_t lo, hi;
 };
 
+// acc plus, per lane, the dot product of its 4 bytes of w with the 4 bytes in lane L of x.
+// Without `sdot`: the byte products widened to int16 (smull), adjacent ones summed (addp:
+// |a pair| <= 2 * 128 * 127 fits), then adjacent pairs into the int32 lanes (sadalp).
+template <int L>
+inline int32x4_t dot_lane(int32x4_t acc, int8x16_t w, int8x16_t x) {
+#if defined(SPLITSERVE_NEON_DOTPROD)
+  return vdotq_laneq_s32(acc, w, x, L);
+#else
+  const int8x16_t xl = vreinterpretq_s8_s32(vdupq_laneq_s32(vreinterpretq_s32_s8(x), L));
+  return vpadalq_s16(acc, vpaddq_s16(vmull_s8(vget_low_s8(w), vget_low_s8(xl)),
+                                     vmull_high_s8(w, xl)));
+#endif
+}
+
 // acc plus chunk (w0: features 0-3, w1: 4-7) times the 4 activations in lane L of x.
 template <int L>
 inline I8 add_chunk(I8 acc, int8x16_t w0, int8x16_t w1, int8x16_t x) {
-  return {vdotq_laneq_s32(acc.lo, w0, x, L), vdotq_laneq_s32(acc.hi, w1, x, L)};
+  return {dot_lane<L>(acc.lo, w0, x), dot_lane<L>(acc.hi, w1, x)};
 }
 
 inline V8 to_float(I8 v) { return {vcvtq_f32_s32(v.lo), vcvtq_f32_s32(v.hi)}; }

@@ -31,18 +31,19 @@ DATA = 0x4000_0000
 RETURN = 0x7F00_0000  # the entry function returns here; emulation stops
 
 
-def build(source: Path, out: Path, includes: list[Path]) -> Path:
-    """`source` compiled for aarch64's neon_dotprod rung (its flags and SPLITSERVE_<RUNG>
-    macros, torch's headers and kernels/ on the include path) and linked, without a C
-    library, with `harness` as its entry symbol."""
+def build(source: Path, out: Path, includes: list[Path], rung: str = "neon_dotprod") -> Path:
+    """`source` compiled for an aarch64 rung (its flags and SPLITSERVE_<RUNG> macros,
+    torch's headers and kernels/ on the include path) and linked, without a C library,
+    with `harness` as its entry symbol."""
     from torch.utils import cpp_extension
 
     zig = [sys.executable, "-m", "ziglang"]
     obj = out.with_suffix(".o")
-    macros = [f"-DSPLITSERVE_{rung.upper()}" for rung in rungs("neon_dotprod", "aarch64")[1:]]
+    macros = [f"-DSPLITSERVE_{r.upper()}" for r in rungs(rung, "aarch64")[1:]]
+    cpu = "-mcpu=generic+dotprod" if rung == "neon_dotprod" else "-mcpu=generic"
     headers = [*includes, HEADERS]
     compile_ = [
-        *zig, "c++", "-target", "aarch64-linux-gnu", "-mcpu=generic+dotprod", "-std=c++20",
+        *zig, "c++", "-target", "aarch64-linux-gnu", cpu, "-std=c++20",
         "-O2", "-fno-pie", "-c", "-o", str(obj), *macros, *(f"-I{p}" for p in headers),
         *(f"-isystem{p}" for p in cpp_extension.include_paths("cpu")), str(source),
     ]  # fmt: skip
@@ -53,11 +54,14 @@ def build(source: Path, out: Path, includes: list[Path]) -> Path:
     return out
 
 
-def program_of(harness: str, includes: list[str], folder: Path) -> Aarch64Program:
-    """tests/kernels/<harness> built (includes: folders of the repository) and loaded."""
+def program_of(
+    harness: str, includes: list[str], folder: Path, rung: str = "neon_dotprod"
+) -> Aarch64Program:
+    """tests/kernels/<harness> built for `rung` (includes: folders of the repository) and
+    loaded."""
     source = ROOT / "tests" / "kernels" / harness
-    elf = build(source, folder / Path(harness).with_suffix(".elf").name,
-                [ROOT / p for p in includes])  # fmt: skip
+    elf = build(source, folder / Path(harness).with_suffix(f".{rung}.elf").name,
+                [ROOT / p for p in includes], rung)  # fmt: skip
     return Aarch64Program(elf.read_bytes())
 
 

@@ -1,7 +1,8 @@
-"""The Arm strip passes (models/quantization/cpu_quant_strips_neon.h, `sdot`) built for
-aarch64 and run in an emulator (tests/kernels/aarch64_emulator.py): against the x86 strip
-kernel on the same weight and activations, bitwise (the same float operations in the same
-order), and against float64 references, for every weight layout, 1 to 4 rows a pass."""
+"""The Arm strip passes (models/quantization/cpu_quant_strips_neon.h) built for aarch64,
+with the dot-product extension (`sdot`) and without (Armv8.0), and run in an emulator
+(tests/kernels/aarch64_emulator.py): against the x86 strip kernel on the same weight and
+activations, bitwise (the same float operations in the same order), and against float64
+references, for every weight layout, 1 to 4 rows a pass."""
 
 from __future__ import annotations
 
@@ -20,11 +21,10 @@ from tests.quantization.kernel_cases import LAYOUTS, int8_reference, magnitude, 
 N, ROWS = 16, 4  # two strips; passes of 1 to 4 rows (the Arm build's most)
 
 
-@pytest.fixture(scope="module")
-def program(tmp_path_factory) -> Aarch64Program:
-    return program_of(
-        "neon_strips_harness.cpp", ["models/quantization"], tmp_path_factory.mktemp("neon")
-    )
+@pytest.fixture(scope="module", params=["neon", "neon_dotprod"])
+def program(request, tmp_path_factory) -> Aarch64Program:
+    folder = tmp_path_factory.mktemp("neon")
+    return program_of("neon_strips_harness.cpp", ["models/quantization"], folder, request.param)
 
 
 @pytest.fixture(scope="module")
@@ -106,3 +106,46 @@ def test_neon_strip_passes_match_the_x86_kernel_and_the_references(
         if x86_strips is not None:
             assert torch.equal(int8, x86_strips.strip_linear_int8(xr, *args))
             assert torch.equal(exact, x86_strips.strip_linear_f32(xr, *args))
+
+
+@pytest.fixture(scope="module")
+def quantize_program(tmp_path_factory) -> Aarch64Program:
+    folder = tmp_path_factory.mktemp("neon")
+    return program_of("neon_quantize_harness.cpp", ["models/quantization"], folder, "neon")
+
+
+def quantize_in_emulator(program: Aarch64Program, x: torch.Tensor) -> tuple[np.ndarray, ...]:
+    program.clear()
+    runs = x.numel() // 32
+    raw = x.contiguous().view(torch.int16 if x.element_size() == 2 else torch.int32).numpy()
+    q, d = program.put(np.zeros(runs * 32, np.int8)), program.put(np.zeros(runs, np.float32))
+    dtype = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[x.dtype]
+    call = program.put(np.array([dtype, runs, program.put(raw), q, d], np.int64))
+    program.call(call)
+    return program.get(q, np.int8, runs * 32).reshape(x.shape), program.get(d, np.float32, runs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_neon_quantize_run_matches_torch(quantize_program, dtype):
+    """quantize_run's NEON path: the bytes and scales of torch's float32 operations (round
+    half to even), for random runs, a run of zeros and one of exact ties."""
+    x = torch.randn(4, 256) * torch.logspace(-3, 3, 4)[:, None]
+    x[1, :32] = 0.0
+    x[2, :32] = torch.tensor([127.0, -127.0] + [k + 0.5 for k in range(-15, 15)])
+    x = x.to(dtype)
+    q, d = quantize_in_emulator(quantize_program, x)
+    ref = quantized_acts(x.float(), 32)
+    assert np.array_equal(q, ref["q"]) and np.array_equal(d, ref["d"].reshape(-1))
+    assert (q[1, :32] == 0).all() and d[8] == 0.0
+    assert q[2, 2:32].tolist() == [round(k + 0.5) for k in range(-15, 15)]  # to even
+
+
+def test_neon_quantize_run_ignores_nan_in_the_scale(quantize_program):
+    """A NaN counts 0 in the run's max and becomes -127, as on AVX2 (max/min with the NaN
+    first give the other operand)."""
+    x = torch.randn(1, 32)
+    x[0, 5] = float("nan")
+    q, d = quantize_in_emulator(quantize_program, x)
+    ref = quantized_acts(torch.where(x.isnan(), 0.0, x), 32)
+    assert d[0] == ref["d"][0, 0] and q[0, 5] == -127
+    assert np.array_equal(np.delete(q[0], 5), np.delete(ref["q"][0], 5))
