@@ -83,8 +83,8 @@ namespace quant {
 SPLITSERVE_QUANT_LINEAR(linear_f32);   // float32 x, W dequantized in registers
 SPLITSERVE_QUANT_LINEAR(linear_int8);  // x quantized to int8 per 32
 SPLITSERVE_QUANT_LINEAR(linear_bf16);  // bf16 x on the bf16 dot-product instructions
-// The same on a weight in strips of 8 features, on AVX2 builds without AVX-512;
-// strip_width() is 8 where they run, else 0.
+// The same on a weight in strips of 8 features (AVX2 and AVX512-BF16 builds without AMX,
+// NEON builds); strip_width() is 8 where they run, else 0.
 SPLITSERVE_QUANT_LINEAR(strip_linear_f32);
 SPLITSERVE_QUANT_LINEAR(strip_linear_int8);
 #undef SPLITSERVE_QUANT_LINEAR

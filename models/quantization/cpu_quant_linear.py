@@ -5,7 +5,7 @@ dequantizes per call.
 `prepare_quant_weight` runs once at load: the weight stays quantized (made contiguous,
 which copies only a narrowed shard; on AVX2 builds regrouped into strips of 8 output
 features, models/quantization/strips.py, the one copy kept; AVX512-BF16 builds without AMX
-and Arm builds with the dot-product extension too). `quant_linear` then picks by
+and NEON builds on Arm too). `quant_linear` then picks by
 x's dtype and rows. By default x of any float dtype is quantized to int8 per 32 features
 for integer dot products (what llama.cpp and vLLM's GGUF kernels do), up to INT8_ROWS rows
 (decode); bfloat16 x of TILE_ROWS rows, where the build has AMX or AVX512-BF16, takes the

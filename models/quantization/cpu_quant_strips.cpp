@@ -1,8 +1,8 @@
 // Linear layers on a block-quantized weight in strips (models/quantization/strips.py), for
-// AVX2 builds, AVX512-BF16 ones without AMX and Arm ones with the dot-product extension: 8
-// output features side by side, so that a vector register (two on Arm) holds the same 4
-// bytes of 8 rows and every lane accumulates its own feature. No horizontal sums, one scale
-// load per half-block for 8 features, and x's values are broadcast, not shuffled.
+// AVX2 builds, AVX512-BF16 ones without AMX and NEON ones (Arm): 8 output features side by
+// side, so that a vector register (two on Arm) holds the same 4 bytes of 8 rows and every
+// lane accumulates its own feature. No horizontal sums, one scale load per half-block for 8
+// features, and x's values are broadcast, not shuffled.
 //
 // Strip s (features 8s .. 8s + 7), run r (inputs 32r .. 32r + 31): chunks c of 32 bytes,
 // each the c-th 4 bytes of the run of every feature, feature f in dword lane f. bits=4: 4

@@ -1,5 +1,5 @@
 """A BlockQuantWeight regrouped into strips of 8 output features, the layout the AVX2 and
-Arm dot-product kernels compute on (models/quantization/cpu_quant_strips.cpp): one 256-bit
+Arm int8 kernels compute on (models/quantization/cpu_quant_strips.cpp): one 256-bit
 load (two 128-bit ones on Arm) then holds the same 4 bytes of 8 rows, one lane per feature.
 
     q      [N / 8, runs, chunks, 8, 4]   chunk c of a run: bytes 4c .. 4c + 3 of each
