@@ -84,9 +84,9 @@ struct Simd {
 };
 #endif
 
+constexpr int kWeightRows = 2;  // weight rows converted together
 // Rows of x multiplied in one pass over the weight rows: as many as leave the
 // accumulators (kWeightRows per row) and the converted weights in registers.
-constexpr int kWeightRows = 2;  // weight rows converted together
 #if defined(SPLITSERVE_AVX512)
 constexpr int kRowGroup = 8;
 #else

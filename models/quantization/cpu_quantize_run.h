@@ -41,26 +41,24 @@ float quantize_run(const T* x, int8_t* q) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(bytes, order));
   return d;
 #elif defined(SPLITSERVE_NEON)
-  // 8 registers of 4 values; maxnm/minnm ignore a NaN operand as AVX2's max/min with the
-  // NaN first do (a NaN x counts 0 in the max and becomes -127).
-  float32x4_t v[8], amax = vdupq_n_f32(0.0f);
+  // maxnm/minnm ignore a NaN operand as AVX2's max/min with the NaN first do (a NaN x
+  // counts 0 in the max and becomes -127).
+  V8 v[4];
+  float32x4_t amax = vdupq_n_f32(0.0f);
   for (int i = 0; i < 4; ++i) {
-    const V8 w = widen8(x + 8 * i);
-    v[2 * i] = w.lo, v[2 * i + 1] = w.hi;
+    v[i] = widen8(x + 8 * i);
+    amax = vmaxnmq_f32(vabsq_f32(v[i].hi), vmaxnmq_f32(vabsq_f32(v[i].lo), amax));
   }
-  for (const float32x4_t& vi : v) amax = vmaxnmq_f32(vabsq_f32(vi), amax);
   const float d = vmaxvq_f32(amax) / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
-  int16x8_t n[4];
-  for (int i = 0; i < 4; ++i) {
-    const auto to_int = [&](float32x4_t vi) {
-      const float32x4_t r = vrndnq_f32(vmulq_f32(vi, vdupq_n_f32(inv)));
-      return vqmovn_s32(vcvtq_s32_f32(
-          vminnmq_f32(vmaxnmq_f32(r, vdupq_n_f32(-127.0f)), vdupq_n_f32(127.0f))));
-    };
-    n[i] = vcombine_s16(to_int(v[2 * i]), to_int(v[2 * i + 1]));
-  }
-  vst1q_s8(q, vcombine_s8(vqmovn_s16(n[0]), vqmovn_s16(n[1])));
-  vst1q_s8(q + 16, vcombine_s8(vqmovn_s16(n[2]), vqmovn_s16(n[3])));
+  const auto to_int = [&](float32x4_t vi) {
+    const float32x4_t r = vrndnq_f32(vmulq_f32(vi, vdupq_n_f32(inv)));
+    return vqmovn_s32(
+        vcvtq_s32_f32(vminnmq_f32(vmaxnmq_f32(r, vdupq_n_f32(-127.0f)), vdupq_n_f32(127.0f))));
+  };
+  int8x8_t n[4];
+  for (int i = 0; i < 4; ++i) n[i] = vqmovn_s16(vcombine_s16(to_int(v[i].lo), to_int(v[i].hi)));
+  vst1q_s8(q, vcombine_s8(n[0], n[1]));
+  vst1q_s8(q + 16, vcombine_s8(n[2], n[3]));
   return d;
 #else
   float v[kRun], amax = 0.0f;

@@ -6,8 +6,6 @@ arrays copied into its memory."""
 from __future__ import annotations
 
 import struct
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -20,8 +18,8 @@ pytest.importorskip("ziglang", reason="Arm kernel tests need `pip install ziglan
 from unicorn import arm64_const as arm64  # noqa: E402
 
 from kernels import KernelSet  # noqa: E402
-from kernels.build import HEADERS  # noqa: E402
-from kernels.isa import machine, rungs, runnable_isas  # noqa: E402
+from kernels.isa import machine, runnable_isas  # noqa: E402
+from tests.kernels.aarch64_zig import ZIG, compile_command, run  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,25 +30,12 @@ RETURN = 0x7F00_0000  # the entry function returns here; emulation stops
 
 
 def build(source: Path, out: Path, includes: list[Path], rung: str = "neon_dotprod") -> Path:
-    """`source` compiled for an aarch64 rung (its flags and SPLITSERVE_<RUNG> macros,
-    torch's headers and kernels/ on the include path) and linked, without a C library,
-    with `harness` as its entry symbol."""
-    from torch.utils import cpp_extension
-
-    zig = [sys.executable, "-m", "ziglang"]
+    """`source` compiled for an aarch64 rung (aarch64_zig.compile_command; includes: more
+    header folders) and linked, without a C library, with `harness` as its entry symbol."""
     obj = out.with_suffix(".o")
-    macros = [f"-DSPLITSERVE_{r.upper()}" for r in rungs(rung, "aarch64")[1:]]
-    cpu = "-mcpu=generic+dotprod" if rung == "neon_dotprod" else "-mcpu=generic"
-    headers = [*includes, HEADERS]
-    compile_ = [
-        *zig, "c++", "-target", "aarch64-linux-gnu", cpu, "-std=c++20",
-        "-O2", "-fno-pie", "-c", "-o", str(obj), *macros, *(f"-I{p}" for p in headers),
-        *(f"-isystem{p}" for p in cpp_extension.include_paths("cpu")), str(source),
-    ]  # fmt: skip
-    link = [*zig, "ld.lld", "-static", "-e", "harness", str(obj), "-o", str(out)]
-    for command in (compile_, link):
-        done = subprocess.run(command, capture_output=True, text=True)
-        assert done.returncode == 0, done.stderr[-4000:]
+    extra = [f"-I{p}" for p in includes]
+    run([*compile_command(rung), *extra, "-O2", "-fno-pie", "-c", "-o", str(obj), str(source)])
+    run([*ZIG, "ld.lld", "-static", "-e", "harness", str(obj), "-o", str(out)])
     return out
 
 

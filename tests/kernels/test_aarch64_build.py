@@ -1,16 +1,14 @@
 """Every C++ kernel file compiles for aarch64, x86 intrinsics and asm only behind their
-ISA's guards, cross-compiled with zig's clang (`pip install ziglang`: no Arm machine or
-cross gcc needed). The generic rung (the Armv8-A baseline: zig's generic target) runs in
-the default set, at -O0 on a precompiled torch_ext.h (~1.5 s a file on a Zen 4 core); neon
-(Armv8.0's NEON) and neon_dotprod (Armv8.2-A's dot products) at -O1 and marked slow: the
-NEON paths that matter are also built, and run, in the default set by the emulator tests
-(test_neon_*.py). Skipped without zig."""
+ISA's guards, cross-compiled with zig's clang (tests/kernels/aarch64_zig.py). The generic
+rung (the Armv8-A baseline) runs in the default set, at -O0 on a precompiled torch_ext.h
+(~1.5 s a file on a Zen 4 core); neon (Armv8.0's NEON) and neon_dotprod (Armv8.2-A's dot
+products) at -O1 and marked slow: the NEON paths that matter are also built, and run, in
+the default set by the emulator tests (test_neon_*.py). Skipped without zig."""
 
 from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 import sysconfig
 from collections.abc import Callable
 from pathlib import Path
@@ -18,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from kernels.build import HEADERS
-from kernels.isa import rungs
+from tests.kernels.aarch64_zig import compile_command, run
 
 pytest.importorskip("ziglang", reason="the aarch64 build check needs `pip install ziglang`")
 
@@ -44,19 +42,10 @@ def _openmp_include(folder: Path) -> list[str]:
 
 
 def _compile(folder: Path, rung: str, *args: str) -> None:
-    from torch.utils import cpp_extension
-
-    includes = [*cpp_extension.include_paths("cpu"), sysconfig.get_path("include", "posix_prefix")]
-    command = [
-        sys.executable, "-m", "ziglang", "c++", "-target", "aarch64-linux-gnu",
-        "-std=c++20", OPTIMIZATION[rung], "-fopenmp", "-DTORCH_EXTENSION_NAME=kernel",
-        "-DTORCH_API_INCLUDE_EXTENSION_H", f"-I{HEADERS}",
-        *(f"-isystem{path}" for path in includes), *_openmp_include(folder / "omp"),
-        *(["-mcpu=generic+dotprod"] if rung == "neon_dotprod" else []),
-        *(f"-DSPLITSERVE_{r.upper()}" for r in rungs(rung, "aarch64")[1:]), *args,
-    ]  # fmt: skip
-    built = subprocess.run(command, capture_output=True, text=True)
-    assert built.returncode == 0, built.stderr[-4000:]
+    python = sysconfig.get_path("include", "posix_prefix")
+    run([*compile_command(rung), f"-isystem{python}", *_openmp_include(folder / "omp"),
+         OPTIMIZATION[rung], "-fopenmp", "-DTORCH_EXTENSION_NAME=kernel",
+         "-DTORCH_API_INCLUDE_EXTENSION_H", *args])  # fmt: skip
 
 
 @pytest.fixture(scope="session")
